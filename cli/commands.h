@@ -1,0 +1,15 @@
+// Subcommands of `ferry`. Each lives in its own <verb>_command.cpp and registers itself
+// on the root app; the work is done by the libraries, not here.
+//
+// A command's callback reports failure by throwing CLI::RuntimeError(exit_code) after
+// printing a message (see cli/output.h), so `ferry` exits non-zero with a clear error.
+#pragma once
+
+#include <CLI/CLI.hpp>
+
+namespace ferry::cli {
+
+void SetInspectCommand(CLI::App& app);
+void SetDiffCommand(CLI::App& app);
+
+}  // namespace ferry::cli

@@ -1,0 +1,40 @@
+// Shared output helpers for CLI commands: errors, progress, JSON.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <string>
+#include <string_view>
+
+#include "core/status.h"
+
+namespace ferry::cli {
+
+// Prints "ferry: error: <message>" to stderr and throws CLI::RuntimeError(exit_code).
+[[noreturn]] void Fail(const Status& status, int exit_code = 1);
+[[noreturn]] void Fail(std::string_view message, int exit_code = 1);
+
+// "1.50 GiB"
+std::string HumanBytes(uint64_t bytes);
+
+// A progress bar with throughput on stderr, drawn only when stderr is a terminal (and
+// not with --json); otherwise silent. Thread-compatible, not thread-safe.
+class Progress {
+ public:
+  Progress(std::string label, uint64_t total_bytes, bool enabled);
+  ~Progress();
+  void Add(uint64_t bytes);
+  void Done();
+
+ private:
+  void Draw(bool final);
+  std::string label_;
+  uint64_t total_;
+  uint64_t done_ = 0;
+  bool enabled_;
+  bool finished_ = false;
+  std::chrono::steady_clock::time_point start_;
+  std::chrono::steady_clock::time_point last_draw_;
+};
+
+}  // namespace ferry::cli

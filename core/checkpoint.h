@@ -1,0 +1,84 @@
+// Checkpoint: the tensors of a model or adapter, wherever they live on disk.
+//
+// Opens, by path:
+//   - a single .safetensors file;
+//   - a directory with "<name>.safetensors.index.json" (sharded; every shard and every
+//     tensor the index names must exist, and every tensor in a shard must be indexed);
+//   - a directory with exactly one of model.safetensors / adapter_model.safetensors /
+//     adapter_model.bin (the legacy torch pickle, read through a loader registered by the
+//     LibTorch-backed target, see core/torch/legacy_bin.h);
+//   - a directory with a single *.safetensors file.
+// Tensor names are unique across the checkpoint.
+#pragma once
+
+#include <filesystem>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "core/safetensors.h"
+#include "core/status.h"
+#include "core/tensor.h"
+
+namespace ferry {
+
+enum class CheckpointFormat { kSafetensorsFile, kSafetensorsSharded, kTorchPickle };
+
+class Checkpoint {
+ public:
+  // Opens `path` as described above. Errors name the file (and tensor) at fault.
+  static Result<Checkpoint> Open(const std::filesystem::path& path);
+
+  // A checkpoint over tensors already in memory (tests, the legacy loader).
+  static Checkpoint FromTensors(std::filesystem::path origin, std::map<std::string, Tensor> tensors);
+
+  const std::filesystem::path& path() const { return path_; }
+  CheckpointFormat format() const { return format_; }
+  // Sorted tensor names.
+  const std::vector<std::string>& names() const { return names_; }
+  size_t size() const { return names_.size(); }
+  bool Contains(const std::string& name) const { return entries_.count(name) != 0; }
+
+  // A zero-copy view of `name`; kNotFound naming the checkpoint when absent.
+  Result<Tensor> Get(const std::string& name) const;
+  // dtype and shape without touching data. nullptr when absent.
+  const TensorInfo* Info(const std::string& name) const;
+  // The file a tensor lives in ("" for in-memory tensors).
+  std::filesystem::path FileOf(const std::string& name) const;
+  // Files that make up the checkpoint (shards, or the single file).
+  std::vector<std::filesystem::path> files() const;
+  uint64_t total_bytes() const;
+  // __metadata__ of the first file (empty for pickles).
+  std::map<std::string, std::string> metadata() const;
+
+ private:
+  struct Entry {
+    int file = -1;           // index into files_, or -1 for in-memory
+    TensorInfo info;
+  };
+  static Result<Checkpoint> OpenIndex(const std::filesystem::path& index_path);
+  static Result<Checkpoint> OpenShards(const std::filesystem::path& index_path,
+                                       const std::map<std::string, std::vector<std::string>>& by_file);
+  Status AddFile(std::shared_ptr<SafetensorsFile> f);
+  void Finalize();
+
+  std::filesystem::path path_;
+  CheckpointFormat format_ = CheckpointFormat::kSafetensorsFile;
+  std::vector<std::shared_ptr<SafetensorsFile>> files_;
+  std::map<std::string, Entry> entries_;
+  std::map<std::string, Tensor> memory_;
+  std::vector<std::string> names_;
+};
+
+// Loader for torch pickles (adapter_model.bin / pytorch_model.bin). Set by the LibTorch
+// target (ferry::torchio::InstallLegacyLoader()); unset in builds without LibTorch.
+using LegacyLoader = std::function<Result<std::map<std::string, Tensor>>(const std::filesystem::path&)>;
+void SetLegacyLoader(LegacyLoader loader);
+
+// Finds the weights file(s) in a directory: the index, model.safetensors,
+// adapter_model.safetensors, adapter_model.bin, or a lone *.safetensors.
+Result<std::filesystem::path> FindWeights(const std::filesystem::path& dir);
+
+}  // namespace ferry

@@ -1,0 +1,22 @@
+// Reader for torch pickles (adapter_model.bin as older PEFT versions save it), through
+// LibTorch. Kept in its own target so nothing else links LibTorch.
+#pragma once
+
+#include <filesystem>
+#include <map>
+#include <string>
+
+#include "core/status.h"
+#include "core/tensor.h"
+
+namespace ferry::torchio {
+
+// Loads a torch.save()d dict of tensors (zip format). Values that are not tensors, or
+// tensors of dtypes safetensors cannot express, are errors naming the key. Returned
+// tensors wrap the LibTorch storage without a copy.
+Result<std::map<std::string, Tensor>> LoadTorchPickle(const std::filesystem::path& path);
+
+// Registers LoadTorchPickle with ferry::Checkpoint (see core/checkpoint.h).
+void InstallLegacyLoader();
+
+}  // namespace ferry::torchio

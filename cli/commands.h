@@ -11,5 +11,6 @@ namespace ferry::cli {
 
 void SetInspectCommand(CLI::App& app);
 void SetDiffCommand(CLI::App& app);
+void SetConvertCommand(CLI::App& app);
 
 }  // namespace ferry::cli

@@ -15,6 +15,7 @@ int main(int argc, char** argv) {
   app.set_version_flag("--version", "ferry 0.1.0");
   ferry::cli::SetInspectCommand(app);
   ferry::cli::SetDiffCommand(app);
+  ferry::cli::SetConvertCommand(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

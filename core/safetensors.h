@@ -92,6 +92,10 @@ struct WriterOptions {
   // own), named "<basename>-00001-of-0000N.safetensors" with "<basename>.safetensors.index.json".
   // 0: one file. Default: 0.
   uint64_t max_shard_bytes = 0;
+  // Explicit shard of each declared tensor (same length as the specs, non-decreasing,
+  // starting at 0, no shard left empty); overrides max_shard_bytes. Used to shard an output
+  // exactly like its input. Default: empty (use max_shard_bytes).
+  std::vector<uint32_t> shard_of;
   // Used for shard and index names. Default: "model".
   std::string basename = "model";
   // Written as "__metadata__". Default: {"format": "pt"} (transformers requires it).

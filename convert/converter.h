@@ -1,0 +1,83 @@
+// The offline converter: a base checkpoint + a PEFT adapter -> a generator-ready layout.
+//
+//   hf     merged model with Hugging Face names: the key set, dtypes and shapes PEFT's
+//          merge_and_unload() + save_pretrained() produce (4-bit bases written in the dtype
+//          their quant state names; a tied lm_head the adapter changes is written separately
+//          and config.json says tie_word_embeddings false). config.json loses
+//          quantization_config; generation_config.json and tokenizer files are copied.
+//   fused  as hf, with q/k/v stacked on the output axis into self_attn.qkv_proj and gate/up
+//          into mlp.gate_up_proj (the layout vLLM builds internally; Phi-3's native one).
+//   lora   a clean adapter an engine can hot-load: only lora_A/lora_B (and
+//          lora_embedding_A/B) keys, one global rank and scaling with the per-module
+//          rank/alpha patterns baked into lora_A, module names matched to the base (fused
+//          adapters split, separate ones fused as the base stores them). DoRA,
+//          modules_to_save, trainable tokens and lora_B.bias are refused with the reason.
+//
+// Merging accumulates in fp32 and rounds once to the output dtype. Tensors are processed
+// one at a time (memory: a few times the largest tensor). The output directory appears only
+// when complete: everything is written into a hidden temporary directory beside it and
+// renamed at the end, so a failed or interrupted conversion leaves nothing at `out`.
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <functional>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "core/dtype.h"
+#include "core/status.h"
+
+namespace ferry {
+
+enum class Layout { kHf, kFused, kLora };
+std::string_view LayoutName(Layout layout);
+// "hf", "fused" or "lora"; kInvalidArgument otherwise.
+Result<Layout> ParseLayout(std::string_view name);
+
+struct ConvertOptions {
+  std::filesystem::path base;     // base model directory (or file)
+  std::filesystem::path adapter;  // PEFT adapter directory
+  std::filesystem::path out;      // output directory (must not exist unless force)
+  Layout layout = Layout::kHf;    // Default: hf
+  // Dtype of floating-point output tensors. Default: unset = the base's (a 4-bit weight: the
+  // dtype its quant state names; lora layout: the adapter's).
+  std::optional<DType> dtype;
+  // Shard size limit in bytes. Default: 0 = shard exactly like the base (one file for a
+  // single-file base). Ignored for the lora layout.
+  uint64_t max_shard_bytes = 0;
+  bool force = false;             // replace an existing `out`. Default: false.
+  int threads = 0;                // merge threads. Default: 0 = all hardware threads.
+  // Called after each tensor with (bytes written so far, total bytes to write).
+  std::function<void(uint64_t, uint64_t)> progress;
+};
+
+struct ConvertSummary {
+  Layout layout = Layout::kHf;
+  std::filesystem::path out;
+  std::vector<std::string> files;  // relative to out
+  int64_t tensors_written = 0;
+  int64_t tensors_changed = 0;     // merged, replaced or re-typed
+  int64_t lora_modules = 0;
+  int64_t dequantized = 0;         // 4-bit weights dequantized
+  bool untied_lm_head = false;
+  int64_t global_rank = 0;         // lora layout
+  double global_alpha = 0;         // lora layout
+  uint64_t bytes_written = 0;
+  double seconds = 0;
+  std::vector<std::string> warnings;
+};
+
+// Runs a conversion. Errors name the file, tensor or field at fault; on error nothing is
+// left at options.out (an existing directory there is untouched).
+Result<ConvertSummary> Convert(const ConvertOptions& options);
+
+// The summary as a JSON object (for `ferry convert --json`).
+std::string ConvertSummaryToJson(const ConvertSummary& summary);
+
+// Parses sizes like "5GB", "500MB", "1GiB", "1024" (bytes). kInvalidArgument otherwise.
+Result<uint64_t> ParseByteSize(std::string_view text);
+
+}  // namespace ferry

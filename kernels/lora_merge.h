@@ -1,0 +1,59 @@
+// LoRA / DoRA merge kernels (CPU reference; CUDA versions in cuda/lora_merge.cuh).
+//
+// Merge maths (peft/tuners/lora/layer.py): W' = W + scaling * transpose(B @ A, fan_in_fan_out).
+// All kernels work on fp32 arrays; the caller casts 16-bit weights to fp32 first (core/tensor.h),
+// merges, and rounds ONCE when it writes the result back.
+//
+// Arithmetic, exactly (the same on every thread count and on the CUDA kernels):
+//   d       = ((B[o,0]*A[0,i] + B[o,1]*A[1,i]) + ...) + B[o,r-1]*A[r-1,i]
+//             an fp32 sum in the natural order k = 0..r-1, starting from 0.0f,
+//   W[o,i] += scaling * d        (one fp32 multiply, one fp32 add).
+// Every product and sum is rounded separately (the file is built with -ffp-contract=off, so
+// no FMA contraction), which makes the result deterministic and independent of threading.
+//
+// Layouts are dense, row-major, without padding. Pointers must not alias each other except
+// where a contract says so. All functions are thread-safe (no shared state); concurrent calls
+// must not write the same W. A worker thread that cannot be started is replaced by work on
+// the calling thread; the only exception that can escape is std::bad_alloc from the small
+// temporaries (r floats per thread, r*out floats for fan_in_fan_out, out doubles for DoRA).
+#pragma once
+
+#include <cstdint>
+
+namespace ferry::kernels {
+
+// Linear layer: W [out, in] += scaling * (B [out, r] @ A [r, in]).
+// A: lora_A.weight, [r, in]. B: lora_B.weight, [out, r]. W: fp32 base weight, updated in place.
+// num_threads: worker threads (std::thread over row ranges); values < 1 mean 1. The result is
+// bit-identical for every thread count.
+// REQUIRES: out, in, r >= 0; W does not overlap A or B. Zero-sized inputs are a no-op.
+void LoraDeltaAccumulate(const float* A, const float* B, int64_t out, int64_t in, int64_t r, float scaling, float* W,
+                         int num_threads = 1);
+
+// fan_in_fan_out layer (GPT-2 Conv1D): the base weight is stored transposed, W [in, out], and
+// W += scaling * (B @ A)^T, i.e. W[i,o] += scaling * sum_k B[o,k] * A[k,i]. A [r, in], B [out, r].
+// Same arithmetic as LoraDeltaAccumulate (element (i,o) here equals element (o,i) there, bit
+// for bit). Allocates a temporary r*out floats (B transposed).
+// REQUIRES: as LoraDeltaAccumulate.
+void LoraDeltaAccumulateFanInFanOut(const float* A, const float* B, int64_t out, int64_t in, int64_t r, float scaling,
+                                    float* W, int num_threads = 1);
+
+// Embedding layer: A = lora_embedding_A [r, num_embeddings], B = lora_embedding_B [dim, r],
+// W = embedding weight [num_embeddings, dim]; W += scaling * (B @ A)^T. This is the
+// fan_in_fan_out update with out = dim, in = num_embeddings.
+// REQUIRES: as LoraDeltaAccumulate.
+void LoraEmbeddingDeltaAccumulate(const float* A, const float* B, int64_t num_embeddings, int64_t dim, int64_t r,
+                                  float scaling, float* W, int num_threads = 1);
+
+// DoRA: W' = (m / ||W + delta||) * (W + delta), where W_merged already holds W + delta.
+// Without fan_in_fan_out W_merged is [out, in] and the norm is taken per output row over the
+// input axis; with fan_in_fan_out it is stored [in, out] and the norm is per output column
+// (over the input axis, i.e. over rows), the factor applied per output column.
+// Arithmetic: the squared norm is summed in double (natural order over the input index), the
+// factor is computed in double as m[o] / sqrt(sumsq) and rounded to fp32, then every element is
+// multiplied by it in fp32. A row (column) whose norm is 0 is left all-zero (PEFT would produce
+// NaN there). magnitude: lora_magnitude_vector, [out].
+// REQUIRES: out, in >= 0; magnitude does not overlap W_merged.
+void DoraApply(float* W_merged, const float* magnitude, int64_t out, int64_t in, bool fan_in_fan_out);
+
+}  // namespace ferry::kernels

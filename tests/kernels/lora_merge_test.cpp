@@ -1,0 +1,279 @@
+// LoRA / DoRA merge kernels against hand-computed values and independent naive references.
+#include "kernels/lora_merge.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <vector>
+
+namespace ferry::kernels {
+namespace {
+
+std::vector<float> Random(size_t n, uint32_t seed, float lo = -1.0f, float hi = 1.0f) {
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<float> dist(lo, hi);
+  std::vector<float> v(n);
+  for (auto& x : v) x = dist(rng);
+  return v;
+}
+
+uint32_t Bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
+
+void ExpectBitEqual(const std::vector<float>& got, const std::vector<float>& want, const char* what) {
+  ASSERT_EQ(got.size(), want.size()) << what;
+  for (size_t i = 0; i < got.size(); ++i) ASSERT_EQ(Bits(got[i]), Bits(want[i])) << what << " at " << i;
+}
+
+struct Shape {
+  int64_t out, in, r;
+};
+
+// Sizes: non-square, odd, r = 1, shapes not a multiple of the 32-column accumulator block,
+// and one wide enough to need several column panels.
+const Shape kShapes[] = {{1, 1, 1},    {2, 3, 1},    {7, 13, 1},   {13, 7, 5},   {64, 48, 4},
+                         {33, 97, 16}, {5, 200, 64}, {130, 70, 3}, {3, 9000, 8}, {40, 33, 33}};
+
+// Double-precision reference of W[o,i] + s * sum_k B[o,k] A[k,i] and the error bound of the
+// fp32 computation: |err| <= gamma_{r+2} * (|W| + |s| * sum_k |B[o,k] A[k,i]|) (Higham).
+struct Reference {
+  double value;
+  double bound;
+};
+
+Reference Ref(const std::vector<float>& A, const std::vector<float>& B, const std::vector<float>& W0, int64_t in,
+              int64_t r, float s, int64_t o, int64_t i, size_t w_index) {
+  double sum = 0.0, abs_sum = 0.0;
+  for (int64_t k = 0; k < r; ++k) {
+    const double p = static_cast<double>(B[o * r + k]) * static_cast<double>(A[k * in + i]);
+    sum += p;
+    abs_sum += std::fabs(p);
+  }
+  const double w = W0[w_index];
+  const double u = std::numeric_limits<float>::epsilon() / 2;
+  const double n = static_cast<double>(r + 2);
+  const double gamma = n * u / (1 - n * u);
+  return {w + static_cast<double>(s) * sum, gamma * (std::fabs(w) + std::fabs(s) * abs_sum) + 1e-30};
+}
+
+TEST(LoraMerge, HandComputed2x2) {
+  // A [r=2, in=2], B [out=2, r=2]; B @ A = [[1, 2], [5, 8]].
+  const std::vector<float> A = {1, 2, 3, 4};
+  const std::vector<float> B = {1, 0, 2, 1};
+  std::vector<float> W = {1, -1, 0.5f, 0};
+  LoraDeltaAccumulate(A.data(), B.data(), 2, 2, 2, 2.0f, W.data());
+  EXPECT_EQ(W, (std::vector<float>{3, 3, 10.5f, 16}));
+
+  std::vector<float> Wt = {0, 0, 0, 0};  // fan_in_fan_out: W [in, out] += 2 * (B @ A)^T
+  LoraDeltaAccumulateFanInFanOut(A.data(), B.data(), 2, 2, 2, 2.0f, Wt.data());
+  EXPECT_EQ(Wt, (std::vector<float>{2, 10, 4, 16}));
+}
+
+TEST(LoraMerge, HandComputedRank1) {
+  // A [1, 2] = [1, 2], B [2, 1] = [3, 4], scaling 0.5: W += 0.5 * [[3, 6], [4, 8]].
+  const std::vector<float> A = {1, 2};
+  const std::vector<float> B = {3, 4};
+  std::vector<float> W = {1, 1, 1, 1};
+  LoraDeltaAccumulate(A.data(), B.data(), 2, 2, 1, 0.5f, W.data());
+  EXPECT_EQ(W, (std::vector<float>{2.5f, 4, 3, 5}));
+}
+
+TEST(LoraMerge, HandComputedEmbedding) {
+  // lora_embedding_A [r=1, num_embeddings=3] = [1, 2, 3]; lora_embedding_B [dim=2, r=1] = [1, -1].
+  // (B @ A)^T = [[1, -1], [2, -2], [3, -3]], W [3, 2].
+  const std::vector<float> A = {1, 2, 3};
+  const std::vector<float> B = {1, -1};
+  std::vector<float> W = {0, 0, 10, 10, 0, 1};
+  LoraEmbeddingDeltaAccumulate(A.data(), B.data(), /*num_embeddings=*/3, /*dim=*/2, /*r=*/1, 1.0f, W.data());
+  EXPECT_EQ(W, (std::vector<float>{1, -1, 12, 8, 3, -2}));
+}
+
+TEST(LoraMerge, LinearMatchesDoubleReference) {
+  uint32_t seed = 1;
+  for (const Shape& sh : kShapes) {
+    const auto A = Random(sh.r * sh.in, seed++);
+    const auto B = Random(sh.out * sh.r, seed++);
+    const auto W0 = Random(sh.out * sh.in, seed++, -2.0f, 2.0f);
+    const float s = 1.75f;
+    auto W = W0;
+    LoraDeltaAccumulate(A.data(), B.data(), sh.out, sh.in, sh.r, s, W.data());
+    for (int64_t o = 0; o < sh.out; ++o) {
+      for (int64_t i = 0; i < sh.in; ++i) {
+        const size_t idx = static_cast<size_t>(o * sh.in + i);
+        const Reference ref = Ref(A, B, W0, sh.in, sh.r, s, o, i, idx);
+        ASSERT_NEAR(W[idx], ref.value, ref.bound)
+            << "out=" << sh.out << " in=" << sh.in << " r=" << sh.r << " at (" << o << "," << i << ")";
+      }
+    }
+  }
+}
+
+TEST(LoraMerge, FanInFanOutMatchesDoubleReference) {
+  uint32_t seed = 100;
+  for (const Shape& sh : kShapes) {
+    const auto A = Random(sh.r * sh.in, seed++);
+    const auto B = Random(sh.out * sh.r, seed++);
+    const auto W0 = Random(sh.in * sh.out, seed++, -2.0f, 2.0f);  // [in, out]
+    const float s = -0.5f;
+    auto W = W0;
+    LoraDeltaAccumulateFanInFanOut(A.data(), B.data(), sh.out, sh.in, sh.r, s, W.data());
+    for (int64_t i = 0; i < sh.in; ++i) {
+      for (int64_t o = 0; o < sh.out; ++o) {
+        const size_t idx = static_cast<size_t>(i * sh.out + o);
+        const Reference ref = Ref(A, B, W0, sh.in, sh.r, s, o, i, idx);
+        ASSERT_NEAR(W[idx], ref.value, ref.bound)
+            << "out=" << sh.out << " in=" << sh.in << " r=" << sh.r << " at (" << i << "," << o << ")";
+      }
+    }
+  }
+}
+
+TEST(LoraMerge, EmbeddingMatchesDoubleReference) {
+  const int64_t num_embeddings = 301, dim = 37, r = 8;
+  const auto A = Random(r * num_embeddings, 7);     // lora_embedding_A [r, num_embeddings]
+  const auto B = Random(dim * r, 8);                // lora_embedding_B [dim, r]
+  const auto W0 = Random(num_embeddings * dim, 9);  // [num_embeddings, dim]
+  const float s = 2.0f;
+  auto W = W0;
+  LoraEmbeddingDeltaAccumulate(A.data(), B.data(), num_embeddings, dim, r, s, W.data());
+  for (int64_t e = 0; e < num_embeddings; ++e) {
+    for (int64_t d = 0; d < dim; ++d) {
+      double sum = 0.0, abs_sum = 0.0;
+      for (int64_t k = 0; k < r; ++k) {
+        const double p = static_cast<double>(B[d * r + k]) * A[k * num_embeddings + e];
+        sum += p;
+        abs_sum += std::fabs(p);
+      }
+      const size_t idx = static_cast<size_t>(e * dim + d);
+      const double want = W0[idx] + s * sum;
+      ASSERT_NEAR(W[idx], want, 1e-6 * (std::fabs(W0[idx]) + s * abs_sum)) << "(" << e << "," << d << ")";
+    }
+  }
+}
+
+// The header documents the exact fp32 rounding sequence; reproduce it here with a plain loop
+// (volatile temporaries so the compiler cannot contract into FMA).
+TEST(LoraMerge, FollowsDocumentedRoundingSequence) {
+  for (const Shape& sh : {Shape{33, 97, 16}, Shape{5, 200, 64}, Shape{9, 70, 1}}) {
+    const auto A = Random(sh.r * sh.in, 21, -3.0f, 3.0f);
+    const auto B = Random(sh.out * sh.r, 22, -3.0f, 3.0f);
+    const auto W0 = Random(sh.out * sh.in, 23);
+    const float s = 0.3f;
+    auto want = W0;
+    for (int64_t o = 0; o < sh.out; ++o) {
+      for (int64_t i = 0; i < sh.in; ++i) {
+        float d = 0.0f;
+        for (int64_t k = 0; k < sh.r; ++k) {
+          volatile float p = B[o * sh.r + k] * A[k * sh.in + i];
+          d = d + p;
+        }
+        volatile float delta = s * d;
+        want[o * sh.in + i] = want[o * sh.in + i] + delta;
+      }
+    }
+    auto W = W0;
+    LoraDeltaAccumulate(A.data(), B.data(), sh.out, sh.in, sh.r, s, W.data());
+    ExpectBitEqual(W, want, "linear");
+
+    // fan_in_fan_out on the transposed weight gives the transposed result, bit for bit.
+    std::vector<float> Wt(W0.size()), want_t(W0.size());
+    for (int64_t o = 0; o < sh.out; ++o) {
+      for (int64_t i = 0; i < sh.in; ++i) {
+        Wt[i * sh.out + o] = W0[o * sh.in + i];
+        want_t[i * sh.out + o] = want[o * sh.in + i];
+      }
+    }
+    LoraDeltaAccumulateFanInFanOut(A.data(), B.data(), sh.out, sh.in, sh.r, s, Wt.data());
+    ExpectBitEqual(Wt, want_t, "fan_in_fan_out");
+  }
+}
+
+TEST(LoraMerge, ThreadedEqualsSingleThreadBitForBit) {
+  // 301 * 997 * 16 multiply-adds: enough work for several threads.
+  const int64_t out = 301, in = 997, r = 16;
+  const auto A = Random(r * in, 31);
+  const auto B = Random(out * r, 32);
+  const auto W0 = Random(out * in, 33);
+  auto single = W0;
+  LoraDeltaAccumulate(A.data(), B.data(), out, in, r, 1.25f, single.data(), 1);
+  for (int threads : {2, 3, 4, 7, 64}) {
+    auto W = W0;
+    LoraDeltaAccumulate(A.data(), B.data(), out, in, r, 1.25f, W.data(), threads);
+    ExpectBitEqual(W, single, "linear threaded");
+  }
+  auto single_t = W0;  // read as W [in, out]
+  LoraDeltaAccumulateFanInFanOut(A.data(), B.data(), out, in, r, 1.25f, single_t.data(), 1);
+  for (int threads : {2, 5}) {
+    auto W = W0;
+    LoraDeltaAccumulateFanInFanOut(A.data(), B.data(), out, in, r, 1.25f, W.data(), threads);
+    ExpectBitEqual(W, single_t, "fan_in_fan_out threaded");
+  }
+}
+
+TEST(LoraMerge, ZeroSizesAreNoOps) {
+  std::vector<float> W = {1, 2, 3};
+  const float a = 1, b = 1;
+  LoraDeltaAccumulate(&a, &b, 0, 3, 1, 1.0f, W.data());
+  LoraDeltaAccumulate(&a, &b, 3, 0, 1, 1.0f, W.data());
+  LoraDeltaAccumulateFanInFanOut(&a, &b, 0, 3, 1, 1.0f, W.data());
+  DoraApply(W.data(), &a, 0, 3, false);
+  EXPECT_EQ(W, (std::vector<float>{1, 2, 3}));
+  // r = 0: an empty delta, W unchanged.
+  LoraDeltaAccumulate(&a, &b, 1, 3, 0, 1.0f, W.data(), 4);
+  EXPECT_EQ(W, (std::vector<float>{1, 2, 3}));
+}
+
+TEST(Dora, HandComputed2x3) {
+  // Rows [3, 0, 4] and [1, 2, 2] have norms 5 and 3; m = [10, 1.5] gives factors 2 and 0.5.
+  std::vector<float> W = {3, 0, 4, 1, 2, 2};
+  const std::vector<float> m = {10, 1.5f};
+  DoraApply(W.data(), m.data(), /*out=*/2, /*in=*/3, /*fan_in_fan_out=*/false);
+  EXPECT_EQ(W, (std::vector<float>{6, 0, 8, 0.5f, 1, 1}));
+
+  // The same weight stored [in=3, out=2]: norms per output column.
+  std::vector<float> Wt = {3, 1, 0, 2, 4, 2};
+  DoraApply(Wt.data(), m.data(), /*out=*/2, /*in=*/3, /*fan_in_fan_out=*/true);
+  EXPECT_EQ(Wt, (std::vector<float>{6, 0.5f, 0, 1, 8, 1}));
+}
+
+TEST(Dora, ZeroRowStaysZero) {
+  std::vector<float> W = {0, 0, 0, 1, 0, 0};
+  const std::vector<float> m = {3, 2};
+  DoraApply(W.data(), m.data(), 2, 3, false);
+  EXPECT_EQ(W, (std::vector<float>{0, 0, 0, 2, 0, 0}));
+}
+
+TEST(Dora, MatchesDoubleReferenceBothLayouts) {
+  for (const Shape& sh : {Shape{17, 33, 0}, Shape{1, 500, 0}, Shape{64, 7, 0}}) {
+    const auto W0 = Random(sh.out * sh.in, 41, -2.0f, 2.0f);  // [out, in]
+    const auto m = Random(sh.out, 42, 0.1f, 3.0f);
+    auto W = W0;
+    DoraApply(W.data(), m.data(), sh.out, sh.in, false);
+    std::vector<float> Wt(W0.size());
+    for (int64_t o = 0; o < sh.out; ++o) {
+      for (int64_t i = 0; i < sh.in; ++i) Wt[i * sh.out + o] = W0[o * sh.in + i];
+    }
+    DoraApply(Wt.data(), m.data(), sh.out, sh.in, true);
+    for (int64_t o = 0; o < sh.out; ++o) {
+      long double ss = 0;
+      for (int64_t i = 0; i < sh.in; ++i) ss += static_cast<long double>(W0[o * sh.in + i]) * W0[o * sh.in + i];
+      const double f = static_cast<double>(m[o] / std::sqrt(ss));
+      for (int64_t i = 0; i < sh.in; ++i) {
+        const double want = f * W0[o * sh.in + i];
+        const double tol = 2.5 * std::numeric_limits<float>::epsilon() * std::fabs(want);
+        ASSERT_NEAR(W[o * sh.in + i], want, tol) << "row layout (" << o << "," << i << ")";
+        ASSERT_NEAR(Wt[i * sh.out + o], want, tol) << "fan_in_fan_out layout (" << i << "," << o << ")";
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace ferry::kernels

@@ -167,6 +167,10 @@ class MergeWriter {
       for (const auto& part : t.parts) {
         Status s = WritePart(*writer, part, t.dtype);
         if (!s.ok()) return s;
+        base_.Release(plan_.SourceOf(part));
+        if (auto q = plan_.quantized.find(part); q != plan_.quantized.end()) {
+          for (const auto& aux : q->second.aux_keys) base_.Release(aux);
+        }
       }
       done += CheckedByteSize(t.dtype, t.shape).value();
       if (opt_.progress) opt_.progress(done, total);

@@ -45,6 +45,9 @@ class Checkpoint {
   Result<Tensor> Get(const std::string& name) const;
   // dtype and shape without touching data. nullptr when absent.
   const TensorInfo* Info(const std::string& name) const;
+  // Drops a mapped tensor's pages from the resident set once the caller is done with it
+  // (a streaming pass over a model stays at the size of one tensor). No-op in memory.
+  void Release(const std::string& name) const;
   // The file a tensor lives in ("" for in-memory tensors).
   std::filesystem::path FileOf(const std::string& name) const;
   // Files that make up the checkpoint (shards, or the single file).

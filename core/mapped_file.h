@@ -28,6 +28,11 @@ class MappedFile {
   // Hints that the given range will be read sequentially soon (madvise WILLNEED/SEQUENTIAL).
   void AdviseSequential(size_t offset, size_t length) const;
 
+  // Drops the pages of [offset, offset + length) from this process's resident set
+  // (madvise DONTNEED); they are read again from the page cache on the next access. Lets a
+  // streaming reader keep its RSS bounded by the tensor at hand, not the file size.
+  void Release(size_t offset, size_t length) const;
+
  private:
   MappedFile() = default;
   void* addr_ = nullptr;

@@ -70,6 +70,8 @@ class SafetensorsFile : public std::enable_shared_from_this<SafetensorsFile> {
   Result<Tensor> Get(std::string_view name) const;
 
   void AdviseSequential(const TensorInfo& info) const;
+  // Drops the tensor's pages from the resident set (see MappedFile::Release). Views stay valid.
+  void Release(const TensorInfo& info) const;
 
  private:
   SafetensorsFile() = default;

@@ -1,0 +1,102 @@
+// `ferry convert` end to end: exit codes, --json, --help, errors, and the legacy .bin adapter
+// (read through the LibTorch loader the binary installs).
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "core/checkpoint.h"
+#include "tests/cli/cli_runner.h"
+
+namespace ferry {
+namespace {
+
+namespace fs = std::filesystem;
+using testing::RunFerry;
+const fs::path kCases = fs::path(FERRY_FIXTURES_DIR) / "cases";
+
+class ConvertCli : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = fs::path(::testing::TempDir()) / ("ferry_convert_cli_" + std::to_string(::getpid()));
+    fs::remove_all(dir_);
+    fs::create_directories(dir_);
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+  fs::path dir_;
+};
+
+TEST_F(ConvertCli, JsonSummaryAndExitZero) {
+  const fs::path c = kCases / "llama_tied_lmhead_lora_f32";
+  auto r = RunFerry({"convert", "--base", (c / "base").string(), "--adapter", (c / "adapter").string(), "--out",
+                     (dir_ / "out").string(), "--json"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  auto j = nlohmann::json::parse(r.out);
+  EXPECT_EQ(j["layout"], "hf");
+  EXPECT_EQ(j["untied_lm_head"], true);
+  EXPECT_EQ(j["out"], (dir_ / "out").string());
+  EXPECT_GT(j["lora_modules"].get<int>(), 0);
+  EXPECT_TRUE(fs::exists(dir_ / "out" / "model.safetensors"));
+  auto cfg = nlohmann::json::parse(std::ifstream(dir_ / "out" / "config.json"));
+  EXPECT_EQ(cfg["tie_word_embeddings"], false);
+}
+
+TEST_F(ConvertCli, ErrorsExitOneNameTheFileAndLeaveNothing) {
+  const fs::path c = kCases / "refuse_pissa";
+  auto r = RunFerry({"convert", "--base", (kCases / "llama_lora_all_linear_f32" / "base").string(), "--adapter",
+                     (c / "adapter").string(), "--out", (dir_ / "out").string()});
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_EQ(r.signal, 0);
+  EXPECT_NE(r.err.find("ferry: error: "), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find((c / "adapter" / "adapter_config.json").string()), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("pissa"), std::string::npos) << r.err;
+  EXPECT_TRUE(fs::is_empty(dir_));
+
+  auto missing = RunFerry({"convert", "--base", (dir_ / "nope").string(), "--adapter", (c / "adapter").string(),
+                           "--out", (dir_ / "out").string()});
+  EXPECT_EQ(missing.exit_code, 1);
+  EXPECT_NE(missing.err.find((dir_ / "nope").string()), std::string::npos) << missing.err;
+
+  auto layout = RunFerry({"convert", "--base", "x", "--adapter", "y", "--out", "z", "--layout", "gguf"});
+  EXPECT_EQ(layout.exit_code, 1);
+  EXPECT_NE(layout.err.find("unknown layout 'gguf'"), std::string::npos) << layout.err;
+
+  auto shard = RunFerry({"convert", "--base", "x", "--adapter", "y", "--out", "z", "--max-shard-size", "5 parsecs"});
+  EXPECT_EQ(shard.exit_code, 1);
+  EXPECT_NE(shard.err.find("--max-shard-size"), std::string::npos) << shard.err;
+}
+
+TEST_F(ConvertCli, HelpListsLayoutsAndFlags) {
+  auto r = RunFerry({"convert", "--help"});
+  EXPECT_EQ(r.exit_code, 0);
+  for (const char* s : {"--base", "--adapter", "--out", "--layout", "--dtype", "--max-shard-size", "--force", "--json",
+                        "fused", "lora"}) {
+    EXPECT_NE(r.out.find(s), std::string::npos) << s;
+  }
+}
+
+TEST_F(ConvertCli, LegacyBinAdapterMergesLikeItsSafetensorsTwin) {
+  const fs::path c = kCases / "legacy_bin_f32";
+  ASSERT_TRUE(fs::exists(c / "adapter" / "adapter_model.bin"));
+  auto r = RunFerry({"convert", "--base", (c / "base").string(), "--adapter", (c / "adapter").string(), "--out",
+                     (dir_ / "from_bin").string()});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  auto ref = Checkpoint::Open(c / "merged").value();
+  auto got = Checkpoint::Open(dir_ / "from_bin").value();
+  ASSERT_EQ(ref.names(), got.names());
+  for (const auto& n : ref.names()) {
+    auto a = ref.Get(n).value();
+    auto b = got.Get(n).value();
+    std::vector<float> va(static_cast<size_t>(a.numel())), vb(va.size());
+    ASSERT_TRUE(ReadAsF32(a, va).ok() && ReadAsF32(b, vb).ok());
+    float scale = 0;
+    for (float x : va) scale = std::max(scale, std::fabs(x));
+    for (size_t i = 0; i < va.size(); ++i) ASSERT_LE(std::fabs(va[i] - vb[i]), 1e-5f * scale) << n;
+  }
+}
+
+}  // namespace
+}  // namespace ferry

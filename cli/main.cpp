@@ -2,14 +2,8 @@
 #include <CLI/CLI.hpp>
 
 #include "cli/commands.h"
-#ifdef FERRY_HAVE_TORCH
-#include "core/torch/legacy_bin.h"
-#endif
 
 int main(int argc, char** argv) {
-#ifdef FERRY_HAVE_TORCH
-  ferry::torchio::InstallLegacyLoader();
-#endif
   CLI::App app{"ferry: correct, auditable weight conversion and sync for LLM RL jobs"};
   app.require_subcommand(1);
   app.set_version_flag("--version", "ferry 0.1.0");
@@ -18,8 +12,12 @@ int main(int argc, char** argv) {
   ferry::cli::SetConvertCommand(app);
   try {
     app.parse(argc, argv);
+  } catch (const CLI::RuntimeError& e) {
+    return e.get_exit_code();  // raised by a command after printing its own message
   } catch (const CLI::ParseError& e) {
-    return app.exit(e);
+    const int code = app.exit(e);  // prints help / version / the usage error
+    // --help and --version succeed; every usage error is exit code 1, like any bad input.
+    return code == 0 ? 0 : 1;
   }
   return 0;
 }

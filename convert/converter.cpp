@@ -300,8 +300,10 @@ class MergeWriter {
   Status WritePart(SafetensorsWriter& w, const std::string& name, DType out_dtype) {
     const bool quantized = plan_.quantized.count(name) != 0;
     if (!plan_.Changes(name) && !quantized && out_dtype == NaturalDType(name)) {
+      const auto range = base_.RangeOf(plan_.SourceOf(name));
+      if (range.fd >= 0) return w.AppendFileRange(range.fd, range.offset, range.length);  // copied in the kernel
       FERRY_ASSIGN_OR_RETURN(Tensor t, base_.Get(plan_.SourceOf(name)));
-      return w.Append(t.bytes());  // zero-copy from the mapped base
+      return w.Append(t.bytes());
     }
     ++summary_.tensors_changed;
     FERRY_ASSIGN_OR_RETURN(std::vector<float> v, Compute(name));

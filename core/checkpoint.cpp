@@ -1,5 +1,9 @@
 #include "core/checkpoint.h"
 
+#include <dlfcn.h>
+
+#include <cstdlib>
+#include <mutex>
 #include <set>
 
 #include <nlohmann/json.hpp>
@@ -7,12 +11,85 @@
 namespace ferry {
 namespace {
 
-LegacyLoader& Loader() {
-  static LegacyLoader loader;
-  return loader;
+// Finds and loads libferry_torchio.so. Returns a loader or a status saying what was tried.
+Result<LegacyLoader> LoadTorchioPlugin() {
+  std::vector<std::string> candidates;
+  if (const char* env = std::getenv("FERRY_TORCHIO"); env != nullptr && *env != '\0') candidates.push_back(env);
+  std::error_code ec;
+  const auto exe = std::filesystem::read_symlink("/proc/self/exe", ec);
+  if (!ec) candidates.push_back((exe.parent_path() / "libferry_torchio.so").string());
+  candidates.push_back("libferry_torchio.so");
+  std::string tried;
+  for (const auto& c : candidates) {
+    void* handle = ::dlopen(c.c_str(), RTLD_NOW | RTLD_LOCAL);
+    if (handle == nullptr) {
+      tried += "\n  " + c + ": " + ::dlerror();
+      continue;
+    }
+    using Entry = const LegacyLoader* (*)();
+    auto entry = reinterpret_cast<Entry>(::dlsym(handle, kTorchioEntryPoint));
+    if (entry == nullptr || entry() == nullptr) {
+      tried += "\n  " + c + ": no entry point " + kTorchioEntryPoint;
+      continue;
+    }
+    return *entry();  // the plugin stays loaded: tensors it returns reference its code
+  }
+  return Status::Unsupported("reading torch pickles needs Ferry's LibTorch plugin libferry_torchio.so "
+                             "(build Ferry with LibTorch, or set FERRY_TORCHIO); tried:" + tried);
+}
+
+struct LoaderState {
+  std::mutex mu;
+  bool explicitly_set = false;
+  LegacyLoader loader;
+  Status plugin_error;
+};
+
+LoaderState& State() {
+  static LoaderState s;
+  return s;
+}
+
+Result<LegacyLoader> Loader() {
+  LoaderState& s = State();
+  std::lock_guard<std::mutex> lock(s.mu);
+  if (!s.explicitly_set && !s.loader && s.plugin_error.ok()) {
+    auto plugin = LoadTorchioPlugin();
+    if (plugin.ok()) s.loader = *plugin;
+    else s.plugin_error = plugin.status();
+  }
+  if (s.loader) return s.loader;
+  if (s.explicitly_set) return Status::Unsupported("reading torch pickles is disabled in this program");
+  return s.plugin_error;
 }
 
 std::string Quote(std::string_view s) { return "'" + std::string(s) + "'"; }
+
+// True when `text` nests arrays/objects more than `limit` deep (string contents skipped).
+// Refuses "[[[[..." bombs before the JSON parser spends memory on every level.
+bool NestsDeeperThan(std::string_view text, int limit) {
+  int depth = 0;
+  bool in_string = false;
+  bool escaped = false;
+  for (char c : text) {
+    if (in_string) {
+      if (escaped) {
+        escaped = false;
+      } else if (c == '\\') {
+        escaped = true;
+      } else if (c == '"') {
+        in_string = false;
+      }
+    } else if (c == '"') {
+      in_string = true;
+    } else if (c == '[' || c == '{') {
+      if (++depth > limit) return true;
+    } else if (c == ']' || c == '}') {
+      --depth;
+    }
+  }
+  return false;
+}
 
 bool EndsWith(const std::string& s, std::string_view suffix) {
   return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
@@ -20,7 +97,12 @@ bool EndsWith(const std::string& s, std::string_view suffix) {
 
 }  // namespace
 
-void SetLegacyLoader(LegacyLoader loader) { Loader() = std::move(loader); }
+void SetLegacyLoader(LegacyLoader loader) {
+  LoaderState& s = State();
+  std::lock_guard<std::mutex> lock(s.mu);
+  s.explicitly_set = true;
+  s.loader = std::move(loader);
+}
 
 Result<std::filesystem::path> FindWeights(const std::filesystem::path& dir) {
   namespace fs = std::filesystem;
@@ -31,11 +113,13 @@ Result<std::filesystem::path> FindWeights(const std::filesystem::path& dir) {
   }
   std::vector<fs::path> found;
   std::vector<fs::path> indexes;
-  for (const auto& e : fs::directory_iterator(dir, ec)) {
-    const std::string n = e.path().filename().string();
-    if (!e.is_regular_file() || n.empty() || n[0] == '.') continue;
-    if (EndsWith(n, ".safetensors.index.json")) indexes.push_back(e.path());
-    if (EndsWith(n, ".safetensors")) found.push_back(e.path());
+  // The error_code forms throughout: a directory changing under us must not throw.
+  for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
+    const std::string n = it->path().filename().string();
+    std::error_code type_ec;
+    if (n.empty() || n[0] == '.' || !it->is_regular_file(type_ec)) continue;  // ".x.tmp-*": unfinished writes
+    if (EndsWith(n, ".safetensors.index.json")) indexes.push_back(it->path());
+    if (EndsWith(n, ".safetensors")) found.push_back(it->path());
   }
   if (ec) return Status::IOError(dir.string() + ": " + ec.message());
   if (indexes.size() == 1) return indexes[0];
@@ -60,10 +144,9 @@ Result<Checkpoint> Checkpoint::Open(const std::filesystem::path& path) {
     return c;
   }
   if (EndsWith(name, ".bin") || EndsWith(name, ".pt") || EndsWith(name, ".pth")) {
-    if (!Loader()) {
-      return Status::Unsupported(file.string() + ": reading torch pickles needs the LibTorch build of Ferry");
-    }
-    FERRY_ASSIGN_OR_RETURN(auto tensors, Loader()(file));
+    auto loader = Loader();
+    if (!loader.ok()) return loader.status().WithContext(file.string());
+    FERRY_ASSIGN_OR_RETURN(auto tensors, (*loader)(file));
     Checkpoint c = FromTensors(path, std::move(tensors));
     c.format_ = CheckpointFormat::kTorchPickle;
     return c;
@@ -79,16 +162,30 @@ Result<Checkpoint> Checkpoint::Open(const std::filesystem::path& path) {
 
 Result<Checkpoint> Checkpoint::OpenIndex(const std::filesystem::path& index_path) {
   FERRY_ASSIGN_OR_RETURN(std::string text, ReadSmallFile(index_path));
-  nlohmann::json j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
+  if (NestsDeeperThan(text, 16)) return Status::Corruption(index_path.string() + ": JSON is nested too deeply");
+  // nlohmann keeps the last of duplicate keys silently: watch the keys of weight_map.
+  std::string top_key;
+  std::string duplicate;
+  std::set<std::string> seen;
+  nlohmann::json::parser_callback_t cb = [&](int depth, nlohmann::json::parse_event_t event, nlohmann::json& v) {
+    if (event != nlohmann::json::parse_event_t::key) return true;
+    const std::string& k = v.get_ref<const std::string&>();
+    if (depth == 1) top_key = k;
+    if (depth == 2 && top_key == "weight_map" && !seen.insert(k).second && duplicate.empty()) duplicate = k;
+    return true;
+  };
+  nlohmann::json j = nlohmann::json::parse(text, cb, /*allow_exceptions=*/false);
   const std::string where = index_path.string();
   if (j.is_discarded() || !j.is_object()) return Status::Corruption(where + ": not a JSON object");
+  if (!duplicate.empty()) return Status::Corruption(where + ": weight_map lists tensor " + Quote(duplicate) + " twice");
   auto wm = j.find("weight_map");
   if (wm == j.end() || !wm->is_object()) return Status::Corruption(where + ": missing 'weight_map' object");
   std::map<std::string, std::vector<std::string>> by_file;
   for (auto it = wm->begin(); it != wm->end(); ++it) {
     if (!it->is_string()) return Status::Corruption(where + ": weight_map entry for " + Quote(it.key()) + " is not a string");
     const std::string shard = it->get<std::string>();
-    if (shard.empty() || shard.find('/') != std::string::npos || shard == "." || shard == "..") {
+    if (shard.empty() || shard.find('/') != std::string::npos || shard.find('\0') != std::string::npos ||
+        shard == "." || shard == "..") {
       return Status::Corruption(where + ": weight_map names an invalid shard file " + Quote(shard));
     }
     by_file[shard].push_back(it.key());
@@ -173,6 +270,18 @@ Result<Tensor> Checkpoint::Get(const std::string& name) const {
 const TensorInfo* Checkpoint::Info(const std::string& name) const {
   auto it = entries_.find(name);
   return it == entries_.end() ? nullptr : &it->second.info;
+}
+
+SafetensorsFile::FileRange Checkpoint::RangeOf(const std::string& name) const {
+  auto it = entries_.find(name);
+  if (it == entries_.end() || it->second.file < 0) return {};
+  return files_[static_cast<size_t>(it->second.file)]->RangeOf(it->second.info);
+}
+
+void Checkpoint::Release(const std::string& name) const {
+  auto it = entries_.find(name);
+  if (it == entries_.end() || it->second.file < 0) return;
+  files_[static_cast<size_t>(it->second.file)]->Release(it->second.info);
 }
 
 std::filesystem::path Checkpoint::FileOf(const std::string& name) const {

@@ -45,6 +45,9 @@ class Checkpoint {
   Result<Tensor> Get(const std::string& name) const;
   // dtype and shape without touching data. nullptr when absent.
   const TensorInfo* Info(const std::string& name) const;
+  // Where a tensor's bytes sit on disk (fd < 0 for in-memory tensors). See
+  // SafetensorsFile::RangeOf and SafetensorsWriter::AppendFileRange.
+  SafetensorsFile::FileRange RangeOf(const std::string& name) const;
   // Drops a mapped tensor's pages from the resident set once the caller is done with it
   // (a streaming pass over a model stays at the size of one tensor). No-op in memory.
   void Release(const std::string& name) const;
@@ -75,10 +78,17 @@ class Checkpoint {
   std::vector<std::string> names_;
 };
 
-// Loader for torch pickles (adapter_model.bin / pytorch_model.bin). Set by the LibTorch
-// target (ferry::torchio::InstallLegacyLoader()); unset in builds without LibTorch.
+// Loader for torch pickles (adapter_model.bin / pytorch_model.bin). By default the first
+// pickle opened loads Ferry's LibTorch plugin, libferry_torchio.so (core/torch/), with
+// dlopen: from $FERRY_TORCHIO when set, else beside the running executable, else the
+// system's library path. So only users who read pickles pay for loading LibTorch, and
+// nothing but the plugin links it. SetLegacyLoader replaces the loader; nullptr disables
+// pickle reading (kUnsupported).
 using LegacyLoader = std::function<Result<std::map<std::string, Tensor>>(const std::filesystem::path&)>;
 void SetLegacyLoader(LegacyLoader loader);
+
+// The C entry point the plugin exports: returns a LegacyLoader* (never freed).
+inline constexpr const char* kTorchioEntryPoint = "ferry_torchio_loader";
 
 // Finds the weights file(s) in a directory: the index, model.safetensors,
 // adapter_model.safetensors, adapter_model.bin, or a lone *.safetensors.

@@ -18,7 +18,8 @@ Status ErrnoStatus(const std::string& what, int err) {
 }
 
 Result<std::shared_ptr<MappedFile>> MappedFile::Open(const std::filesystem::path& path) {
-  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  // O_NONBLOCK: opening a FIFO must not wait for a writer; it is refused below.
+  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
   if (fd < 0) return ErrnoStatus(path.string(), errno);
   struct stat st;
   if (::fstat(fd, &st) != 0) {
@@ -42,12 +43,13 @@ Result<std::shared_ptr<MappedFile>> MappedFile::Open(const std::filesystem::path
     }
     mf->addr_ = p;
   }
-  ::close(fd);
+  mf->fd_ = fd;  // kept for in-kernel copies (copy_file_range) of whole ranges
   return mf;
 }
 
 MappedFile::~MappedFile() {
   if (addr_ != nullptr) ::munmap(addr_, size_);
+  if (fd_ >= 0) ::close(fd_);
 }
 
 void MappedFile::AdviseSequential(size_t offset, size_t length) const {
@@ -59,8 +61,16 @@ void MappedFile::AdviseSequential(size_t offset, size_t length) const {
   ::madvise(static_cast<char*>(addr_) + start, end - start, MADV_WILLNEED);
 }
 
+void MappedFile::Release(size_t offset, size_t length) const {
+  if (addr_ == nullptr || offset >= size_) return;
+  const size_t page = static_cast<size_t>(::sysconf(_SC_PAGESIZE));
+  const size_t start = offset / page * page;
+  const size_t end = std::min(size_, offset + length);
+  ::madvise(static_cast<char*>(addr_) + start, end - start, MADV_DONTNEED);
+}
+
 Result<std::string> ReadSmallFile(const std::filesystem::path& path, size_t limit) {
-  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);  // see MappedFile::Open
   if (fd < 0) return ErrnoStatus(path.string(), errno);
   struct stat st;
   if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
@@ -121,8 +131,10 @@ Status WriteFileAtomic(const std::filesystem::path& path, std::string_view conte
     }
     done += static_cast<size_t>(w);
   }
-  if (::fsync(fd) != 0 || ::close(fd) != 0) {
-    int e = errno;
+  const int sync_rc = ::fsync(fd);
+  const int sync_errno = errno;
+  if (::close(fd) != 0 || sync_rc != 0) {
+    int e = sync_rc != 0 ? sync_errno : errno;
     ::unlink(tmp.c_str());
     return ErrnoStatus(tmp.string(), e);
   }

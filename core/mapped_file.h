@@ -24,6 +24,8 @@ class MappedFile {
   std::span<const std::byte> bytes() const { return {static_cast<const std::byte*>(addr_), size_}; }
   size_t size() const { return size_; }
   const std::filesystem::path& path() const { return path_; }
+  // The open read-only descriptor of the file (valid for the object's lifetime).
+  int fd() const { return fd_; }
 
   // Hints that the given range will be read sequentially soon (madvise WILLNEED/SEQUENTIAL).
   void AdviseSequential(size_t offset, size_t length) const;
@@ -36,6 +38,7 @@ class MappedFile {
  private:
   MappedFile() = default;
   void* addr_ = nullptr;
+  int fd_ = -1;
   size_t size_ = 0;
   std::filesystem::path path_;
 };

@@ -25,6 +25,32 @@ uint64_t ReadLE64(const std::byte* p) {
 
 std::string Quote(std::string_view s) { return "'" + std::string(s) + "'"; }
 
+// True when `text` nests arrays/objects more than `limit` deep (string contents skipped).
+// Refuses "[[[[..." bombs before the JSON parser spends memory on every level.
+bool NestsDeeperThan(std::string_view text, int limit) {
+  int depth = 0;
+  bool in_string = false;
+  bool escaped = false;
+  for (char c : text) {
+    if (in_string) {
+      if (escaped) {
+        escaped = false;
+      } else if (c == '\\') {
+        escaped = true;
+      } else if (c == '"') {
+        in_string = false;
+      }
+    } else if (c == '"') {
+      in_string = true;
+    } else if (c == '[' || c == '{') {
+      if (++depth > limit) return true;
+    } else if (c == ']' || c == '}') {
+      --depth;
+    }
+  }
+  return false;
+}
+
 Result<TensorInfo> ParseEntry(const std::string& name, const json& v) {
   const std::string where = "tensor " + Quote(name);
   if (!v.is_object()) return Status::Corruption(where + ": entry is not a JSON object");
@@ -93,6 +119,7 @@ Result<SafetensorsHeader> ParseSafetensorsHeader(std::span<const std::byte> file
   if (n == 0) return Status::Corruption("header is empty");
   const char* hdr = reinterpret_cast<const char*>(file.data() + 8);
   if (hdr[0] != '{') return Status::Corruption("header does not start with '{'");
+  if (NestsDeeperThan(std::string_view(hdr, n), 8)) return Status::Corruption("header JSON is nested too deeply");
 
   // Duplicate names: nlohmann keeps the last value silently, so watch keys at depth 1.
   std::set<std::string> seen;
@@ -182,6 +209,10 @@ Result<Tensor> SafetensorsFile::Get(std::string_view name) const {
   return View(*info);
 }
 
+void SafetensorsFile::Release(const TensorInfo& info) const {
+  file_->Release(header_.data_offset + info.begin, info.nbytes());
+}
+
 void SafetensorsFile::AdviseSequential(const TensorInfo& info) const {
   file_->AdviseSequential(header_.data_offset + info.begin, info.nbytes());
 }
@@ -209,6 +240,9 @@ Result<std::string> SerializeSafetensorsHeader(const std::vector<TensorSpec>& sp
     if (s.name == "__metadata__") return Status::InvalidArgument("tensor name '__metadata__' is reserved");
     if (!names.insert(s.name).second) return Status::InvalidArgument("duplicate tensor name " + Quote(s.name));
     FERRY_ASSIGN_OR_RETURN(uint64_t size, CheckedByteSize(s.dtype, s.shape));
+    if (size > std::numeric_limits<uint64_t>::max() - offset) {
+      return Status::InvalidArgument("tensor " + Quote(s.name) + ": data offsets overflow 64 bits");
+    }
     j[s.name] = {{"dtype", std::string(DTypeName(s.dtype))}, {"shape", s.shape}, {"data_offsets", {offset, offset + size}}};
     offset += size;
   }
@@ -271,22 +305,41 @@ Result<std::unique_ptr<SafetensorsWriter>> SafetensorsWriter::CreateInDirectory(
 Status SafetensorsWriter::Init(const std::filesystem::path& dir, const std::filesystem::path* single_file) {
   std::set<std::string_view> names;
   for (const auto& s : specs_) {
+    if (s.name == "__metadata__") return Status::InvalidArgument("tensor name '__metadata__' is reserved");
     if (!names.insert(s.name).second) return Status::InvalidArgument("duplicate tensor name " + Quote(s.name));
-    FERRY_ASSIGN_OR_RETURN(uint64_t size, CheckedByteSize(s.dtype, s.shape));
-    sizes_.push_back(size);
+    auto size = CheckedByteSize(s.dtype, s.shape);
+    if (!size.ok()) return size.status().WithContext("tensor " + Quote(s.name));
+    sizes_.push_back(*size);
   }
   // Assign tensors to shards in declared order, as transformers does.
   std::vector<std::pair<size_t, size_t>> ranges;
   const uint64_t limit = options_.max_shard_bytes;
   size_t start = 0;
   uint64_t acc = 0;
-  for (size_t i = 0; i < specs_.size(); ++i) {
-    if (limit != 0 && i > start && acc + sizes_[i] > limit) {
-      ranges.emplace_back(start, i);
-      start = i;
-      acc = 0;
+  const auto& shard_of = options_.shard_of;
+  if (!shard_of.empty()) {
+    if (shard_of.size() != specs_.size() || single_file != nullptr) {
+      return Status::InvalidArgument("shard_of must give one shard per declared tensor (directory output only)");
     }
-    acc += sizes_[i];
+    if (shard_of.front() != 0) return Status::InvalidArgument("shard_of must start at shard 0");
+    for (size_t i = 1; i < specs_.size(); ++i) {
+      if (shard_of[i] != shard_of[i - 1] && shard_of[i] != shard_of[i - 1] + 1) {
+        return Status::InvalidArgument("shard_of must be non-decreasing without skipping a shard");
+      }
+      if (shard_of[i] != shard_of[i - 1]) {
+        ranges.emplace_back(start, i);
+        start = i;
+      }
+    }
+  } else {
+    for (size_t i = 0; i < specs_.size(); ++i) {
+      if (limit != 0 && i > start && (sizes_[i] > limit || acc > limit - sizes_[i])) {
+        ranges.emplace_back(start, i);
+        start = i;
+        acc = 0;
+      }
+      acc += sizes_[i];
+    }
   }
   ranges.emplace_back(start, specs_.size());
   for (size_t k = 0; k < ranges.size(); ++k) {
@@ -373,17 +426,71 @@ Status SafetensorsWriter::Advance() {
   return Status::OK();
 }
 
+Status SafetensorsWriter::AppendFileRange(int src, uint64_t offset, uint64_t length) {
+  if (finished_) return Status::FailedPrecondition("writer already finished");
+  FERRY_RETURN_IF_ERROR(Advance());
+  if (length == 0) return Status::OK();
+  if (cur_tensor_ >= specs_.size() || length > sizes_[cur_tensor_] - cur_offset_) {
+    return Status::InvalidArgument("file range of " + std::to_string(length) + " bytes exceeds the current tensor");
+  }
+  FERRY_RETURN_IF_ERROR(FlushBuffer());
+  const auto& path = shards_[cur_shard_].temp_path;
+  loff_t in_off = static_cast<loff_t>(offset);
+  uint64_t left = length;
+  bool fallback = false;
+  while (left > 0 && !fallback) {
+    ssize_t n = ::copy_file_range(src, &in_off, fd_, nullptr, std::min<uint64_t>(left, 1u << 30), 0);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0 && (errno == EXDEV || errno == EINVAL || errno == ENOSYS || errno == EOPNOTSUPP)) {
+      fallback = true;
+      break;
+    }
+    if (n < 0) return ErrnoStatus(path.string() + ": copy_file_range", errno);
+    if (n == 0) return Status::IOError(path.string() + ": source ended " + std::to_string(left) + " bytes early");
+    left -= static_cast<uint64_t>(n);
+  }
+  if (fallback) {
+    std::vector<std::byte> buf(std::min<uint64_t>(left, 4u << 20));
+    while (left > 0) {
+      ssize_t n = ::pread(src, buf.data(), std::min<uint64_t>(left, buf.size()), in_off);
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0) return Status::IOError(path.string() + ": short read from source");
+      FERRY_RETURN_IF_ERROR(WriteAll(fd_, buf.data(), static_cast<size_t>(n), path));
+      in_off += n;
+      left -= static_cast<uint64_t>(n);
+    }
+  }
+  bytes_written_ += length;
+  cur_offset_ += length;
+  return Advance();
+}
+
 Status SafetensorsWriter::Write(std::string_view name, const Tensor& t) {
+  if (finished_) return Status::FailedPrecondition("writer already finished");
+  auto check_spec = [&](const TensorSpec& s) -> Status {
+    if (s.dtype != t.dtype() || s.shape != t.shape()) {
+      return Status::InvalidArgument("tensor " + Quote(name) + ": declared " + std::string(DTypeName(s.dtype)) + " " +
+                                     ShapeToString(s.shape) + " but got " + std::string(DTypeName(t.dtype())) + " " +
+                                     ShapeToString(t.shape()));
+    }
+    return Status::OK();
+  };
+  FERRY_RETURN_IF_ERROR(Advance());
+  // Empty tensors need no bytes and Advance() steps over them, so an empty tensor written
+  // in its declared place may already lie just behind cur_tensor_.
+  if (cur_offset_ == 0) {
+    for (size_t i = cur_tensor_; i > 0 && sizes_[i - 1] == 0; --i) {
+      if (specs_[i - 1].name == name) return check_spec(specs_[i - 1]);
+    }
+  }
   if (cur_tensor_ >= specs_.size() || specs_[cur_tensor_].name != name || cur_offset_ != 0) {
     return Status::InvalidArgument("tensor " + Quote(name) + " written out of the declared order");
   }
-  const TensorSpec& s = specs_[cur_tensor_];
-  if (s.dtype != t.dtype() || s.shape != t.shape()) {
-    return Status::InvalidArgument("tensor " + Quote(name) + ": declared " + std::string(DTypeName(s.dtype)) + " " +
-                                   ShapeToString(s.shape) + " but got " + std::string(DTypeName(t.dtype())) + " " +
-                                   ShapeToString(t.shape()));
+  FERRY_RETURN_IF_ERROR(check_spec(specs_[cur_tensor_]));
+  if (t.nbytes() != sizes_[cur_tensor_]) {
+    return Status::InvalidArgument("tensor " + Quote(name) + ": holds " + std::to_string(t.nbytes()) + " bytes, " +
+                                   std::to_string(sizes_[cur_tensor_]) + " expected");
   }
-  if (t.nbytes() == 0) return Advance();
   return Append(t.bytes());
 }
 
@@ -449,7 +556,14 @@ Status SafetensorsWriter::Finish() {
       return st;
     }
   }
-  if (options_.sync) FERRY_RETURN_IF_ERROR(SyncDirectory(shards_.front().final_path.parent_path()));
+  if (options_.sync) {
+    st = SyncDirectory(shards_.front().final_path.parent_path());
+    if (!st.ok()) {
+      if (!index_path_.empty()) ::unlink(index_path_.c_str());
+      Abort();
+      return st;
+    }
+  }
   finished_ = true;
   return Status::OK();
 }

@@ -70,6 +70,16 @@ class SafetensorsFile : public std::enable_shared_from_this<SafetensorsFile> {
   Result<Tensor> Get(std::string_view name) const;
 
   void AdviseSequential(const TensorInfo& info) const;
+  // Where a tensor's bytes sit in the file: an open descriptor (owned by this object) and
+  // the absolute byte offset, for in-kernel copies (SafetensorsWriter::AppendFileRange).
+  struct FileRange {
+    int fd = -1;
+    uint64_t offset = 0;
+    uint64_t length = 0;
+  };
+  FileRange RangeOf(const TensorInfo& info) const {
+    return {file_->fd(), header_.data_offset + info.begin, info.nbytes()};
+  }
   // Drops the tensor's pages from the resident set (see MappedFile::Release). Views stay valid.
   void Release(const TensorInfo& info) const;
 
@@ -130,6 +140,10 @@ class SafetensorsWriter {
   // Appends bytes of the current tensor (the first declared one not yet complete).
   // A piece may not cross into the next tensor.
   Status Append(std::span<const std::byte> bytes);
+  // Appends `length` bytes read from `fd` at `offset`, copied inside the kernel
+  // (copy_file_range, as cp does; falls back to pread/write) without mapping them into
+  // this process. Same rules as Append. `fd` must stay open during the call.
+  Status AppendFileRange(int fd, uint64_t offset, uint64_t length);
   // Appends a whole tensor. REQUIRES: it is the next declared tensor, matching dtype/shape.
   Status Write(std::string_view name, const Tensor& t);
 

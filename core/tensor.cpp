@@ -1,7 +1,9 @@
 #include "core/tensor.h"
 
+#include <algorithm>
 #include <cstring>
 #include <limits>
+#include <new>
 
 #include "kernels/cast.h"
 
@@ -61,10 +63,16 @@ Result<Tensor> Tensor::Wrap(DType dtype, Shape shape, std::span<const std::byte>
 
 Result<Tensor> Tensor::Empty(DType dtype, Shape shape) {
   FERRY_ASSIGN_OR_RETURN(uint64_t need, CheckedByteSize(dtype, shape));
+  if (need > std::numeric_limits<size_t>::max() - 64) {
+    return Status::InvalidArgument("cannot allocate " + std::to_string(need) + " bytes for " + ShapeToString(shape));
+  }
   // 64-byte aligned storage so vector kernels and casts to wider types are safe.
   const size_t alloc = static_cast<size_t>((need + 63) / 64 * 64);
-  std::shared_ptr<std::byte[]> buf(static_cast<std::byte*>(::operator new[](alloc == 0 ? 64 : alloc, std::align_val_t{64})),
-                                   [](std::byte* p) { ::operator delete[](p, std::align_val_t{64}); });
+  auto* raw = static_cast<std::byte*>(::operator new[](alloc == 0 ? 64 : alloc, std::align_val_t{64}, std::nothrow));
+  if (raw == nullptr) {
+    return Status::IOError("out of memory allocating " + std::to_string(need) + " bytes for " + ShapeToString(shape));
+  }
+  std::shared_ptr<std::byte[]> buf(raw, [](std::byte* p) { ::operator delete[](p, std::align_val_t{64}); });
   std::memset(buf.get(), 0, alloc == 0 ? 64 : alloc);
   Tensor t;
   t.dtype_ = dtype;
@@ -80,13 +88,60 @@ int64_t Tensor::numel() const {
   return n.ok() ? *n : 0;
 }
 
+namespace {
+
+// Safetensors data may start at any byte offset, so 2-byte elements are not always
+// aligned: casts go through an aligned bounce buffer in that case (no misaligned loads).
+constexpr size_t kBounceElems = 4096;
+
+bool Aligned(const void* p, size_t align) { return reinterpret_cast<uintptr_t>(p) % align == 0; }
+
+void Cast16ToF32(DType dtype, const std::byte* src, float* dst, size_t n) {
+  auto cast = dtype == DType::kF16 ? kernels::CastF16ToF32 : kernels::CastBF16ToF32;
+  if (Aligned(src, alignof(uint16_t))) {
+    cast(reinterpret_cast<const uint16_t*>(src), dst, n);
+    return;
+  }
+  uint16_t bounce[kBounceElems];
+  for (size_t i = 0; i < n; i += kBounceElems) {
+    const size_t k = std::min(kBounceElems, n - i);
+    std::memcpy(bounce, src + i * 2, k * 2);
+    cast(bounce, dst + i, k);
+  }
+}
+
+void CastF32To16(DType dtype, const float* src, std::byte* dst, size_t n) {
+  auto cast = dtype == DType::kF16 ? kernels::CastF32ToF16 : kernels::CastF32ToBF16;
+  if (Aligned(dst, alignof(uint16_t))) {
+    cast(src, reinterpret_cast<uint16_t*>(dst), n);
+    return;
+  }
+  uint16_t bounce[kBounceElems];
+  for (size_t i = 0; i < n; i += kBounceElems) {
+    const size_t k = std::min(kBounceElems, n - i);
+    cast(src + i, bounce, k);
+    std::memcpy(dst + i * 2, bounce, k * 2);
+  }
+}
+
+}  // namespace
+
 Status ReadAsF32(const Tensor& t, std::span<float> out) {
   const size_t n = static_cast<size_t>(t.numel());
   if (out.size() != n) return Status::InvalidArgument("ReadAsF32: output has " + std::to_string(out.size()) + " elements, tensor has " + std::to_string(n));
+  auto need = CheckedByteSize(t.dtype(), t.shape());
+  if (!need.ok() || *need != t.nbytes()) {
+    return Status::InvalidArgument("ReadAsF32: tensor of " + ShapeToString(t.shape()) + " holds " +
+                                   std::to_string(t.nbytes()) + " bytes, which does not match its shape");
+  }
+  if (!CanReadAsF32(t.dtype())) {
+    return Status::Unsupported("cannot read " + std::string(DTypeName(t.dtype())) + " values as F32");
+  }
+  if (n == 0) return Status::OK();
   switch (t.dtype()) {
     case DType::kF32: std::memcpy(out.data(), t.data(), n * 4); return Status::OK();
-    case DType::kF16: kernels::CastF16ToF32(t.data_as<uint16_t>(), out.data(), n); return Status::OK();
-    case DType::kBF16: kernels::CastBF16ToF32(t.data_as<uint16_t>(), out.data(), n); return Status::OK();
+    case DType::kF16:
+    case DType::kBF16: Cast16ToF32(t.dtype(), t.data(), out.data(), n); return Status::OK();
     case DType::kF8E4M3: kernels::CastF8E4M3ToF32(t.data_as<uint8_t>(), out.data(), n); return Status::OK();
     case DType::kF8E5M2: kernels::CastF8E5M2ToF32(t.data_as<uint8_t>(), out.data(), n); return Status::OK();
     case DType::kF64: {
@@ -107,10 +162,11 @@ Status WriteFromF32(std::span<const float> in, DType dtype, std::span<std::byte>
   const size_t n = in.size();
   const size_t esize = static_cast<size_t>(DTypeBits(dtype) / 8);
   if (out.size() != n * esize) return Status::InvalidArgument("WriteFromF32: output size mismatch");
+  if (n == 0) return Status::OK();
   switch (dtype) {
     case DType::kF32: std::memcpy(out.data(), in.data(), n * 4); break;
-    case DType::kF16: kernels::CastF32ToF16(in.data(), reinterpret_cast<uint16_t*>(out.data()), n); break;
-    case DType::kBF16: kernels::CastF32ToBF16(in.data(), reinterpret_cast<uint16_t*>(out.data()), n); break;
+    case DType::kF16:
+    case DType::kBF16: CastF32To16(dtype, in.data(), out.data(), n); break;
     case DType::kF64:
       for (size_t i = 0; i < n; ++i) {
         double d = in[i];
@@ -125,7 +181,8 @@ Status WriteFromF32(std::span<const float> in, DType dtype, std::span<std::byte>
 Result<Tensor> CastTensor(const Tensor& t, DType dtype) {
   FERRY_ASSIGN_OR_RETURN(Tensor out, Tensor::Empty(dtype, t.shape()));
   if (t.dtype() == dtype) {
-    std::memcpy(out.mutable_data(), t.data(), t.nbytes());
+    if (t.nbytes() != out.nbytes()) return Status::InvalidArgument("CastTensor: tensor bytes do not match its shape");
+    if (t.nbytes() != 0) std::memcpy(out.mutable_data(), t.data(), t.nbytes());
     return out;
   }
   const size_t n = static_cast<size_t>(t.numel());

@@ -58,3 +58,13 @@ Result<std::map<std::string, Tensor>> LoadTorchPickle(const std::filesystem::pat
 void InstallLegacyLoader() { SetLegacyLoader(&LoadTorchPickle); }
 
 }  // namespace ferry::torchio
+
+// The plugin's entry point, found by core/checkpoint.cpp with dlsym.
+extern "C" __attribute__((visibility("default"))) const ferry::LegacyLoader* ferry_torchio_loader() {
+  static const ferry::LegacyLoader loader = &ferry::torchio::LoadTorchPickle;
+  return &loader;
+}
+
+namespace ferry::torchio {
+
+}  // namespace ferry::torchio

@@ -28,6 +28,8 @@ struct Case {
   std::string base_dtype;
 };
 
+void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
+
 std::vector<Case> LoadCases() {
   std::ifstream in(fs::path(FERRY_FIXTURES_DIR) / "cases.json");
   auto j = nlohmann::json::parse(in);

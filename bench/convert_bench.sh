@@ -59,10 +59,11 @@ mkdir -p "$work"
 # median of the arguments
 median() { printf '%s\n' "$@" | sort -g | awk '{v[NR]=$1} END {print (NR%2) ? v[(NR+1)/2] : (v[NR/2]+v[NR/2+1])/2}'; }
 mib() { awk -v b="$1" 'BEGIN {printf "%.0f", b / 1048576}'; }
-ratio() { awk -v a="$1" -v b="$2" 'BEGIN {printf "%.2f", a / b}'; }
+ratio() { awk -v a="$1" -v b="$2" 'BEGIN {if (b > 0) printf "%.2f", a / b; else printf "-"}'; }
 now() { date +%s.%N; }
 
-# timed NAME CMD...: runs CMD under /usr/bin/time; sets T (wall seconds) and RSS (bytes).
+# timed CMD...: runs CMD under /usr/bin/time; sets T (wall seconds), CPU (user + system
+# seconds: steadier than wall time on a shared machine) and RSS (bytes).
 timed() {
   local tf; tf="$(mktemp)"
   local t0; t0="$(now)"
@@ -70,6 +71,7 @@ timed() {
   local t1; t1="$(now)"
   T="$(awk -v a="$t0" -v b="$t1" 'BEGIN {printf "%.3f", b - a}')"
   RSS="$(awk -F': ' '/Maximum resident set size/ {print $2 * 1024}' "$tf")"
+  CPU="$(awk -F': ' '/User time|System time/ {s += $2} END {printf "%.2f", s}' "$tf")"
   rm -f "$tf"
 }
 
@@ -128,29 +130,35 @@ for size in small large; do
   echo
   echo "== ${size}: ${layers} layers, hidden ${hidden}, intermediate ${intermediate}, vocab ${vocab}, base $(mib "$bytes") MiB BF16, r=16 on all 7 projections"
   declare -a t_cp=() t_cps=() t_hf=() t_fused=() t_lora=() r_hf=() r_fused=() r_lora=()
+  declare -a c_cp=() c_cps=() c_hf=() c_fused=() c_lora=()
   for ((i = 0; i < repeats; ++i)); do
     out="${dir}/out"
-    rm -rf "$out"; timed cp -r "$base" "$out"; t_cp+=("$T")
-    rm -rf "$out"; timed bash -c 'cp -r "$1" "$2" && sync "$2"/*' _ "$base" "$out"; t_cps+=("$T")
-    rm -rf "$out"; timed "$ferry" convert --base "$base" --adapter "$adapter" --out "$out"; t_hf+=("$T"); r_hf+=("$RSS")
-    rm -rf "$out"; timed "$ferry" convert --base "$base" --adapter "$adapter" --out "$out" --layout fused; t_fused+=("$T"); r_fused+=("$RSS")
-    rm -rf "$out"; timed "$ferry" convert --base "$base" --adapter "$adapter" --out "$out" --layout lora; t_lora+=("$T"); r_lora+=("$RSS")
+    rm -rf "$out"; timed cp -r "$base" "$out"; t_cp+=("$T"); c_cp+=("$CPU")
+    rm -rf "$out"; timed bash -c 'cp -r "$1" "$2" && sync "$2"/*' _ "$base" "$out"; t_cps+=("$T"); c_cps+=("$CPU")
+    rm -rf "$out"; timed "$ferry" convert --base "$base" --adapter "$adapter" --out "$out"; t_hf+=("$T"); r_hf+=("$RSS"); c_hf+=("$CPU")
+    rm -rf "$out"; timed "$ferry" convert --base "$base" --adapter "$adapter" --out "$out" --layout fused; t_fused+=("$T"); r_fused+=("$RSS"); c_fused+=("$CPU")
+    rm -rf "$out"; timed "$ferry" convert --base "$base" --adapter "$adapter" --out "$out" --layout lora; t_lora+=("$T"); r_lora+=("$RSS"); c_lora+=("$CPU")
     rm -rf "$out"
-    echo "  run $((i + 1)): cp ${t_cp[-1]} s, cp+sync ${t_cps[-1]} s, hf ${t_hf[-1]} s ($(mib "${r_hf[-1]}") MiB), fused ${t_fused[-1]} s ($(mib "${r_fused[-1]}") MiB), lora ${t_lora[-1]} s ($(mib "${r_lora[-1]}") MiB)"
+    echo "  run $((i + 1)) (wall s): cp ${t_cp[-1]}, cp+sync ${t_cps[-1]}, hf ${t_hf[-1]} ($(mib "${r_hf[-1]}") MiB), fused ${t_fused[-1]} ($(mib "${r_fused[-1]}") MiB), lora ${t_lora[-1]} ($(mib "${r_lora[-1]}") MiB); load $(cut -d' ' -f1 /proc/loadavg)"
   done
   sampled_rss "$base" "$adapter" "${dir}/out"; rm -rf "${dir}/out"
   cp_m=$(median "${t_cp[@]}") cps_m=$(median "${t_cps[@]}")
   hf_m=$(median "${t_hf[@]}") fused_m=$(median "${t_fused[@]}") lora_m=$(median "${t_lora[@]}")
+  ccp=$(median "${c_cp[@]}") ccps=$(median "${c_cps[@]}")
+  chf=$(median "${c_hf[@]}") cfused=$(median "${c_fused[@]}") clora=$(median "${c_lora[@]}")
   rhf=$(median "${r_hf[@]}") rfused=$(median "${r_fused[@]}") rlora=$(median "${r_lora[@]}")
   time_ratio=$(ratio "$hf_m" "$cp_m")
   time_ok=$(awk -v r="$time_ratio" 'BEGIN {print (r <= 1.5) ? "PASS" : "FAIL"}')
   rss_ok=$(awk -v a="$rhf" -v b="$target_rss" 'BEGIN {print (a <= b) ? "PASS" : "FAIL"}')
-  printf '\n  %-30s %10s %10s %12s %s\n' "median of ${repeats}" "seconds" "x cp -r" "peak RSS" ""
-  printf '  %-30s %10s %10s %12s\n' "cp -r base" "$cp_m" "1.00" "-"
-  printf '  %-30s %10s %10s %12s\n' "cp -r + sync (durable copy)" "$cps_m" "$(ratio "$cps_m" "$cp_m")" "-"
-  printf '  %-30s %10s %10s %8s MiB   time %s (target <= 1.5x cp -r; %sx cp+sync)\n' "ferry convert --layout hf" "$hf_m" "$time_ratio" "$(mib "$rhf")" "$time_ok" "$(ratio "$hf_m" "$cps_m")"
-  printf '  %-30s %10s %10s %8s MiB\n' "ferry convert --layout fused" "$fused_m" "$(ratio "$fused_m" "$cp_m")" "$(mib "$rfused")"
-  printf '  %-30s %10s %10s %8s MiB\n' "ferry convert --layout lora" "$lora_m" "$(ratio "$lora_m" "$cp_m")" "$(mib "$rlora")"
+  row() { printf '  %-30s %8s %8s %8s %8s %9s\n' "$@"; }
+  echo
+  row "median of ${repeats}" "wall s" "x cp -r" "cpu s" "x cp -r" "peak RSS"
+  row "cp -r base" "$cp_m" "1.00" "$ccp" "1.00" "-"
+  row "cp -r + sync (durable copy)" "$cps_m" "$(ratio "$cps_m" "$cp_m")" "$ccps" "$(ratio "$ccps" "$ccp")" "-"
+  row "ferry convert --layout hf" "$hf_m" "$time_ratio" "$chf" "$(ratio "$chf" "$ccp")" "$(mib "$rhf") MiB"
+  row "ferry convert --layout fused" "$fused_m" "$(ratio "$fused_m" "$cp_m")" "$cfused" "$(ratio "$cfused" "$ccp")" "$(mib "$rfused") MiB"
+  row "ferry convert --layout lora" "$lora_m" "$(ratio "$lora_m" "$cp_m")" "$clora" "$(ratio "$clora" "$ccp")" "$(mib "$rlora") MiB"
+  echo "  time (hf, wall): ${time_ratio}x cp -r vs target <= 1.5x: ${time_ok} ($(ratio "$hf_m" "$cps_m")x the durable copy)"
   echo "  peak RSS (hf) $(mib "$rhf") MiB vs target 3 x $(mib "$largest") MiB (largest tensor) + 256 MiB = $(mib "$target_rss") MiB: ${rss_ok}"
   echo "  sampled hf run (0.05 s): max RssAnon $(mib "$ANON_MAX") MiB (heap), max RssFile $(mib "$FILE_MAX") MiB (mapped files):"
   echo "    base files resident max $(mib "$BASE_MAX") MiB (at ${BASE_AT} of the run), adapter file resident max $(mib "$ADAPTER_MAX") MiB of $(mib "$(du -sb "$adapter" | cut -f1)") MiB (at ${ADAPTER_AT})"

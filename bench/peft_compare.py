@@ -61,7 +61,8 @@ def peft_worker(base, adapter, out):
 
 
 def run_measured(argv):
-    """Runs argv and reaps it with wait4: (wall seconds, peak RSS bytes, stdout text)."""
+    """Runs argv and reaps it with wait4: (wall seconds, CPU seconds (user + system), peak RSS
+    bytes, stdout text)."""
     r, w = os.pipe()
     t0 = time.perf_counter()
     pid = os.fork()
@@ -87,7 +88,7 @@ def run_measured(argv):
     code = os.waitstatus_to_exitcode(status)
     if code != 0:
         raise RuntimeError(f"{' '.join(argv)} exited with {code}")
-    return wall, usage.ru_maxrss * 1024, b"".join(chunks).decode()
+    return wall, usage.ru_utime + usage.ru_stime, usage.ru_maxrss * 1024, b"".join(chunks).decode()
 
 
 def rm(path):
@@ -216,12 +217,13 @@ def compare_in_python(peft_out, ferry_out, base, adapter):
     return result
 
 
-def ferry_diff(ferry, peft_out, ferry_out):
-    """`ferry diff PEFT_OUT FERRY_OUT --max-ulp 1 --json`: (exit code, parsed JSON or None, note)."""
+def ferry_diff(ferry, peft_out, ferry_out, extra=()):
+    """`ferry diff PEFT_OUT FERRY_OUT --max-ulp 1 [extra] --json`: (exit code, parsed JSON or None, note)."""
     probe = subprocess.run([ferry, "diff", "--help"], capture_output=True, text=True)
     if probe.returncode != 0:
         return None, None, "ferry diff is not available in this build"
-    p = subprocess.run([ferry, "diff", peft_out, ferry_out, "--max-ulp", "1", "--json"], capture_output=True, text=True)
+    p = subprocess.run([ferry, "diff", peft_out, ferry_out, "--max-ulp", "1", *extra, "--json"], capture_output=True,
+                       text=True)
     try:
         return p.returncode, json.loads(p.stdout), ""
     except json.JSONDecodeError:
@@ -258,38 +260,45 @@ def main():
     rows = []
     for i in range(args.repeats):
         rm(ferry_out)
-        f_wall, f_rss, _ = run_measured([args.ferry, "convert", "--base", args.base, "--adapter", args.adapter,
+        f_wall, f_cpu, f_rss, _ = run_measured([args.ferry, "convert", "--base", args.base, "--adapter", args.adapter,
                                          "--out", ferry_out, "--json"])
         rm(peft_out)
-        p_wall, p_rss, p_stdout = run_measured([sys.executable, os.path.abspath(__file__), "--base", args.base,
+        p_wall, p_cpu, p_rss, p_stdout = run_measured([sys.executable, os.path.abspath(__file__), "--base", args.base,
                                                 "--adapter", args.adapter, "--peft-worker-out", peft_out])
         phases = json.loads(p_stdout.strip().splitlines()[-1])
-        rows.append({"ferry_s": f_wall, "ferry_rss": f_rss, "peft_process_s": p_wall, "peft_work_s": phases["work_s"],
-                     "peft_rss": p_rss, "peft_phases": phases})
-        print(f"  run {i + 1}: ferry {f_wall:6.2f} s {fmt_mib(f_rss)} | peft {phases['work_s']:6.2f} s work "
-              f"({p_wall:6.2f} s process) {fmt_mib(p_rss)}  [peft load {phases['load_base_s']:.1f} adapter "
+        rows.append({"ferry_s": f_wall, "ferry_cpu_s": f_cpu, "ferry_rss": f_rss, "peft_process_s": p_wall,
+                     "peft_work_s": phases["work_s"], "peft_cpu_s": p_cpu, "peft_rss": p_rss, "peft_phases": phases})
+        print(f"  run {i + 1}: ferry {f_wall:6.2f} s ({f_cpu:.1f} s cpu) {fmt_mib(f_rss)} | peft {phases['work_s']:6.2f} s "
+              f"work ({p_wall:6.2f} s process, {p_cpu:.1f} s cpu) {fmt_mib(p_rss)}  [peft load {phases['load_base_s']:.1f} adapter "
               f"{phases['load_adapter_s']:.1f} merge {phases['merge_s']:.1f} save {phases['save_s']:.1f} s, "
               f"{phases['torch_threads']} torch threads]", flush=True)
 
-    med = {k: statistics.median(r[k] for r in rows) for k in ("ferry_s", "ferry_rss", "peft_process_s", "peft_work_s",
-                                                               "peft_rss")}
+    med = {k: statistics.median(r[k] for r in rows)
+           for k in ("ferry_s", "ferry_cpu_s", "ferry_rss", "peft_process_s", "peft_work_s", "peft_cpu_s", "peft_rss")}
     print(f"\nFerry vs PEFT, median of {args.repeats} (interleaved, warm page cache)")
     print(f"  {'':22}{'ferry':>14}{'peft':>14}{'peft/ferry':>12}")
     print(f"  {'time (PEFT w/o imports)':22}{med['ferry_s']:12.2f} s{med['peft_work_s']:12.2f} s"
           f"{med['peft_work_s'] / med['ferry_s']:11.1f}x")
     print(f"  {'time (PEFT process)':22}{med['ferry_s']:12.2f} s{med['peft_process_s']:12.2f} s"
           f"{med['peft_process_s'] / med['ferry_s']:11.1f}x")
+    print(f"  {'cpu (PEFT process)':22}{med['ferry_cpu_s']:12.2f} s{med['peft_cpu_s']:12.2f} s"
+          f"{med['peft_cpu_s'] / med['ferry_cpu_s']:11.1f}x")
     print(f"  {'peak RSS':22}{fmt_mib(med['ferry_rss']):>14}{fmt_mib(med['peft_rss']):>14}"
           f"{med['peft_rss'] / med['ferry_rss']:11.1f}x")
 
-    code, diff_json, note = ferry_diff(args.ferry, peft_out, ferry_out)
     diff_summary = None
-    if diff_json is not None:
-        diff_summary = diff_json.get("summary", {k: v for k, v in diff_json.items() if k != "tensors"})
-        print(f"\nferry diff PEFT_OUT FERRY_OUT --max-ulp 1 --json: exit {code}")
-        print("  " + json.dumps(diff_summary))
-    else:
-        print(f"\nferry diff: {note}")
+    code = None
+    # --max-ulp 1 alone, then with an absolute tolerance for near-zero merged values (see below).
+    for extra in ((), ("--atol", "1e-9")):
+        c, diff_json, note = ferry_diff(args.ferry, peft_out, ferry_out, extra)
+        if diff_json is None:
+            print(f"\nferry diff: {note}")
+            break
+        counts = diff_json.get("counts", {k: v for k, v in diff_json.items() if k != "tensors"})
+        print(f"\nferry diff PEFT_OUT FERRY_OUT --max-ulp 1 {' '.join(extra)} --json: exit {c}")
+        print("  " + json.dumps(counts))
+        if not extra:
+            code, diff_summary = c, counts
     py = compare_in_python(peft_out, ferry_out, args.base, args.adapter)
     same_keys = not py["keys_only_in_peft"] and not py["keys_only_in_ferry"] and not py["dtype_or_shape_mismatch"]
     within_1ulp = same_keys and py["max_ulp"] <= 1

@@ -12,5 +12,10 @@ namespace ferry::cli {
 void SetInspectCommand(CLI::App& app);
 void SetDiffCommand(CLI::App& app);
 void SetConvertCommand(CLI::App& app);
+// The weight store (store/store.h): `store import`, `versions ...`, `verify PATH`, `audit`.
+void SetStoreCommand(CLI::App& app);
+void SetVersionsCommand(CLI::App& app);
+void SetVerifyCommand(CLI::App& app);
+void SetAuditCommand(CLI::App& app);
 
 }  // namespace ferry::cli

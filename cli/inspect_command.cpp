@@ -1,4 +1,5 @@
 // `ferry inspect PATH`: what a safetensors file, model directory or PEFT adapter holds.
+#include <cctype>
 #include <cstdio>
 #include <memory>
 #include <sstream>
@@ -16,6 +17,7 @@ constexpr size_t kDefaultTextLimit = 50;
 
 struct InspectArgs {
   std::string path;
+  std::string base;  // --base: the base model to resolve an adapter onto
   bool json = false;
   bool tensors = true;
   int64_t limit = -1;  // -1: the default (kDefaultTextLimit for text, all for --json)
@@ -106,6 +108,94 @@ void PrintAdapter(const AdapterSummary& a, size_t limit) {
   if (limit != 0 && a.modules.size() > limit) std::printf("  ... %zu more modules (--limit)\n", a.modules.size() - limit);
 }
 
+std::string TargetText(const PlanTarget& t) {
+  std::string out = t.tensor + " " + ShapeToString(t.shape) + " " + std::string(DTypeName(t.dtype));
+  if (t.partial) out += " rows [" + std::to_string(t.row_begin) + ", " + std::to_string(t.row_end) + ")";
+  if (!t.part.empty()) {
+    out += " (part " + t.part + ": lora_B rows [" + std::to_string(t.b_row_begin) + ", " + std::to_string(t.b_row_end) +
+           "))";
+  }
+  if (!t.quantization.empty()) {
+    std::string q = t.quantization;
+    for (char& c : q) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
+    out += " (4-bit " + q + ", dequantized)";
+  }
+  if (!t.source.empty()) out += " (tied: starts from " + t.source + ")";
+  return out;
+}
+
+std::string FlagsText(const PlanModuleRow& m) {
+  std::vector<std::string> flags;
+  if (m.dora) flags.push_back("DoRA");
+  if (m.lora_bias) flags.push_back("lora_bias -> " + m.bias_target);
+  if (m.fan_in_fan_out) flags.push_back("fan_in_fan_out");
+  return Join(flags, ", ");
+}
+
+void PrintPlan(const AdapterPlanReport& p, size_t limit) {
+  std::printf("\nplan onto base %s (tie_word_embeddings %s):\n", p.base.c_str(), p.tie_word_embeddings ? "true" : "false");
+  if (!p.error.ok()) {
+    std::printf("  cannot be planned: %s\n", p.error.message().c_str());
+    return;
+  }
+  Table t = {{"MODULE", "KIND", "RANK", "SCALING", "BASE TENSOR", "FLAGS"}};
+  size_t shown = 0;
+  for (const PlanModuleRow& m : p.modules) {
+    if (limit != 0 && shown++ >= limit) break;
+    for (size_t i = 0; i < m.targets.size(); ++i) {
+      t.push_back({i == 0 ? m.module : "", i == 0 ? (m.embedding ? "embedding" : "linear") : "",
+                   i == 0 ? std::to_string(m.rank) : "", i == 0 ? Num(m.scaling) : "", TargetText(m.targets[i]),
+                   i == 0 ? FlagsText(m) : ""});
+    }
+  }
+  PrintTable(t, "  ");
+  if (limit != 0 && p.modules.size() > limit) std::printf("  ... %zu more modules (--limit)\n", p.modules.size() - limit);
+  if (!p.replacements.empty()) {
+    Table r = {{"REPLACED BASE TENSOR", "BY ADAPTER TENSOR", "WHY", "SHAPE", "DTYPE", ""}};
+    for (const PlanReplacementRow& x : p.replacements) {
+      r.push_back({x.base_tensor, x.adapter_key, x.why, ShapeToString(x.shape), std::string(DTypeName(x.dtype)),
+                   x.equals_base ? "equals the base" : ""});
+    }
+    std::printf("\n");
+    PrintTable(r, "  ");
+  }
+  for (const PlanTokenRows& x : p.token_rows) {
+    std::vector<std::string> rows;
+    for (int64_t i : x.rows) rows.push_back(std::to_string(i));
+    std::printf("  trainable tokens: rows [%s] of %s from %s\n", Join(rows, ", ").c_str(), x.base_tensor.c_str(),
+                x.adapter_key.c_str());
+  }
+  if (p.untie) {
+    std::printf("  untied lm_head: the base ties %s to %s; the adapter changes it, so a merged model stores %s "
+                "separately (tie_word_embeddings false)\n",
+                p.lm_head.c_str(), p.tied_source.c_str(), p.lm_head.c_str());
+  }
+  if (p.quantized_targets > 0) {
+    std::printf("  %zu target(s) are bitsandbytes 4-bit in the base: merging dequantizes them\n", p.quantized_targets);
+  }
+  for (const std::string& w : p.warnings) std::printf("  warning: %s\n", w.c_str());
+}
+
+void PrintEngine(const EngineReport& e) {
+  std::printf("\nengine (vLLM):%s\n", e.findings.empty() ? " loads as is" : "");
+  if (!e.findings.empty()) {
+    Table t = {{"SEVERITY", "SUBJECT", "FINDING"}};
+    for (const EngineFinding& f : e.findings) {
+      t.push_back({std::string(EngineSeverityName(f.severity)),
+                   std::string(EngineSubjectName(f.subject_kind)) + " " + f.subject, f.message});
+    }
+    PrintTable(t, "  ");
+  }
+  if (e.lora_layout_possible.has_value()) {
+    if (*e.lora_layout_possible) {
+      std::printf("  `ferry convert --layout lora` can write an adapter engines load (rank %lld)\n",
+                  static_cast<long long>(e.lora_layout_rank));
+    } else {
+      std::printf("  `ferry convert --layout lora` would refuse: %s\n", e.lora_layout_refusal.c_str());
+    }
+  }
+}
+
 void PrintTensors(const std::vector<InspectTensor>& tensors, size_t limit) {
   Table t = {{"NAME", "DTYPE", "SHAPE", "BYTES"}};
   for (size_t i = 0; i < tensors.size() && (limit == 0 || i < limit); ++i) {
@@ -122,13 +212,17 @@ void PrintText(const InspectReport& r, const InspectArgs& args) {
   PrintSummary(r);
   if (r.model_config.has_value()) PrintModelConfig(*r.model_config);
   if (r.adapter.has_value()) PrintAdapter(*r.adapter, limit);
+  if (r.plan.has_value()) PrintPlan(*r.plan, limit);
+  if (r.engine.has_value()) PrintEngine(*r.engine);
   if (args.tensors) PrintTensors(r.tensors, limit);
   std::printf("\nissues:   %s\n", r.issues.empty() ? "none" : std::to_string(r.issues.size()).c_str());
   for (const std::string& issue : r.issues) std::printf("  - %s\n", issue.c_str());
 }
 
 void RunInspect(const InspectArgs& args) {
-  Result<InspectReport> report = Inspect(args.path);
+  InspectOptions inspect_options;
+  inspect_options.base = args.base;
+  Result<InspectReport> report = Inspect(args.path, inspect_options);
   if (!report.ok()) Fail(report.status());
   if (args.json) {
     ReportJsonOptions options;
@@ -139,6 +233,8 @@ void RunInspect(const InspectArgs& args) {
     PrintText(*report, args);
   }
   std::fflush(stdout);
+  // The adapter does not fit the base given: the report says why; so does the exit status.
+  if (report->plan.has_value() && !report->plan->error.ok()) Fail(report->plan->error);
 }
 
 }  // namespace
@@ -149,8 +245,13 @@ void SetInspectCommand(CLI::App& app) {
       "inspect",
       "Show what a checkpoint holds: a .safetensors file, a model directory (single file, shards + index, "
       "config.json) or a PEFT adapter directory (adapter_config.json: rank, alpha and scaling per module, "
-      "whether it can be merged, problems found). Reads headers only.");
+      "whether it can be merged, what an inference engine (vLLM) would reject or get wrong, problems found; with "
+      "--base, the base tensors each module changes). Reads headers only (with --base, also compares saved copies "
+      "with the base).");
   cmd->add_option("path", args->path, "file or directory to inspect")->required();
+  cmd->add_option("--base", args->base,
+                  "for an adapter: the base model (directory or file) to resolve it onto; shows which base tensors "
+                  "each adapter module changes (shape, dtype, fused rows, 4-bit) and exits 1 when it does not fit");
   cmd->add_flag("--json", args->json, "print the report as JSON on stdout");
   cmd->add_flag("--tensors,!--no-tensors", args->tensors, "list every tensor (name, dtype, shape, bytes); default on");
   cmd->add_option("--limit", args->limit,

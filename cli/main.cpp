@@ -10,6 +10,10 @@ int main(int argc, char** argv) {
   ferry::cli::SetInspectCommand(app);
   ferry::cli::SetDiffCommand(app);
   ferry::cli::SetConvertCommand(app);
+  ferry::cli::SetStoreCommand(app);
+  ferry::cli::SetVersionsCommand(app);
+  ferry::cli::SetVerifyCommand(app);
+  ferry::cli::SetAuditCommand(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::RuntimeError& e) {

@@ -4,6 +4,9 @@
 
 #include <algorithm>
 #include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <mutex>
 #include <cmath>
 #include <cstring>
 #include <map>
@@ -12,6 +15,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "convert/engine_check.h"
 #include "convert/merge_plan.h"
 #include "convert/peft_config.h"
 #include "core/checkpoint.h"
@@ -131,6 +135,91 @@ Status RoundTo(DType dtype, std::vector<float>& v) {
   return ReadAsF32(t, v);
 }
 
+// Runs writer operations on a background thread, in submission order, so that writing
+// tensor N (a copy into the page cache) overlaps computing tensor N+1. At most `kDepth`
+// operations wait; Submit blocks beyond that. The first error sticks: later operations are
+// skipped and Submit / Drain return it.
+class WritePipeline {
+ public:
+  using Op = std::function<Status()>;
+  WritePipeline() : worker_([this] { Loop(); }) {}
+  ~WritePipeline() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    worker_.join();
+  }
+  Status Submit(Op op) {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait(lock, [&] { return queue_.size() < kDepth || !error_.ok(); });
+    if (!error_.ok()) return error_;
+    queue_.push_back(std::move(op));
+    cv_.notify_all();
+    return Status::OK();
+  }
+  // Waits until every submitted operation ran; returns the first error.
+  Status Drain() {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait(lock, [&] { return (queue_.empty() && !busy_) || !error_.ok(); });
+    return error_;
+  }
+
+ private:
+  static constexpr size_t kDepth = 2;
+  void Loop() {
+    std::unique_lock<std::mutex> lock(mu_);
+    while (true) {
+      cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
+      if (queue_.empty()) return;
+      Op op = std::move(queue_.front());
+      queue_.pop_front();
+      busy_ = true;
+      const bool skip = !error_.ok();
+      lock.unlock();
+      Status s = skip ? Status::OK() : op();
+      lock.lock();
+      busy_ = false;
+      if (!s.ok() && error_.ok()) error_ = s;
+      cv_.notify_all();
+    }
+  }
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<Op> queue_;
+  bool busy_ = false;
+  bool stop_ = false;
+  Status error_;
+  std::thread worker_;
+};
+
+// Output buffers of the fused path, recycled so each tensor does not fault in fresh pages.
+class BufferPool {
+ public:
+  std::shared_ptr<std::vector<uint16_t>> Acquire(size_t n) {
+    std::shared_ptr<std::vector<uint16_t>> b;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!free_.empty()) {
+        b = std::move(free_.back());
+        free_.pop_back();
+      }
+    }
+    if (!b) b = std::make_shared<std::vector<uint16_t>>();
+    if (b->size() < n) b->resize(n);  // grows only; never re-zeroed
+    return b;
+  }
+  void Return(std::shared_ptr<std::vector<uint16_t>> b) {
+    std::lock_guard<std::mutex> lock(mu_);
+    free_.push_back(std::move(b));
+  }
+
+ private:
+  std::mutex mu_;
+  std::vector<std::shared_ptr<std::vector<uint16_t>>> free_;
+};
+
 struct OutputTensor {
   std::string name;
   DType dtype = DType::kF32;
@@ -141,9 +230,8 @@ struct OutputTensor {
 
 class MergeWriter {
  public:
-  MergeWriter(const ConvertOptions& o, const PeftConfig& cfg, const Checkpoint& base, const Checkpoint& adapter,
-              const MergePlan& plan)
-      : opt_(o), cfg_(cfg), base_(base), adapter_(adapter), plan_(plan) {
+  MergeWriter(const ConvertOptions& o, const Checkpoint& base, const Checkpoint& adapter, const MergePlan& plan)
+      : opt_(o), base_(base), adapter_(adapter), plan_(plan) {
     threads_ = o.threads > 0 ? o.threads : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   }
 
@@ -163,17 +251,20 @@ class MergeWriter {
     }
     FERRY_ASSIGN_OR_RETURN(auto writer, SafetensorsWriter::CreateInDirectory(dir, specs, wopt));
     uint64_t done = 0;
-    for (const auto& t : outputs) {
-      for (const auto& part : t.parts) {
-        Status s = WritePart(*writer, part, t.dtype);
-        if (!s.ok()) return s;
-        base_.Release(plan_.SourceOf(part));
-        if (auto q = plan_.quantized.find(part); q != plan_.quantized.end()) {
-          for (const auto& aux : q->second.aux_keys) base_.Release(aux);
+    {
+      WritePipeline pipe;
+      for (const auto& t : outputs) {
+        for (const auto& part : t.parts) {
+          Status s = WritePart(pipe, *writer, part, t.dtype);
+          if (!s.ok()) {
+            (void)pipe.Drain();
+            return s;
+          }
         }
+        done += CheckedByteSize(t.dtype, t.shape).value();
+        if (opt_.progress) opt_.progress(done, total);
       }
-      done += CheckedByteSize(t.dtype, t.shape).value();
-      if (opt_.progress) opt_.progress(done, total);
+      FERRY_RETURN_IF_ERROR(pipe.Drain());
     }
     FERRY_RETURN_IF_ERROR(writer->Finish());
     summary_.bytes_written = writer->bytes_written();
@@ -297,17 +388,82 @@ class MergeWriter {
     return OutputTensor{};
   }
 
-  Status WritePart(SafetensorsWriter& w, const std::string& name, DType out_dtype) {
+  // Computes one output part on this thread and hands its bytes to the write pipeline.
+  Status WritePart(WritePipeline& pipe, SafetensorsWriter& w, const std::string& name, DType out_dtype) {
+    const std::string source = plan_.SourceOf(name);
+    std::vector<std::string> release = {source};
+    if (auto q = plan_.quantized.find(name); q != plan_.quantized.end()) {
+      release.insert(release.end(), q->second.aux_keys.begin(), q->second.aux_keys.end());
+    }
+    const Checkpoint* base = &base_;
+    auto release_all = [base, release] {
+      for (const auto& r : release) base->Release(r);
+    };
     const bool quantized = plan_.quantized.count(name) != 0;
     if (!plan_.Changes(name) && !quantized && out_dtype == NaturalDType(name)) {
-      const auto range = base_.RangeOf(plan_.SourceOf(name));
-      if (range.fd >= 0) return w.AppendFileRange(range.fd, range.offset, range.length);  // copied in the kernel
-      FERRY_ASSIGN_OR_RETURN(Tensor t, base_.Get(plan_.SourceOf(name)));
-      return w.Append(t.bytes());
+      const auto range = base_.RangeOf(source);
+      if (range.fd >= 0) {  // copied inside the kernel, as cp does
+        return pipe.Submit([&w, range] { return w.AppendFileRange(range.fd, range.offset, range.length); });
+      }
+      FERRY_ASSIGN_OR_RETURN(Tensor t, base_.Get(source));
+      return pipe.Submit([&w, t, release_all] {
+        Status s = w.Append(t.bytes());
+        release_all();
+        return s;
+      });
     }
     ++summary_.tensors_changed;
+    if (const LoraModule* m = FusableDelta(name, out_dtype)) {
+      FERRY_ASSIGN_OR_RETURN(auto buf, FusedMerge(name, *m, out_dtype));
+      const size_t n = static_cast<size_t>(m->out * m->in);
+      BufferPool* pool = &pool_;
+      return pipe.Submit([&w, buf, n, pool, release_all] {
+        Status s = w.Append(std::as_bytes(std::span<const uint16_t>(buf->data(), n)));
+        release_all();
+        pool->Return(buf);
+        return s;
+      });
+    }
     FERRY_ASSIGN_OR_RETURN(std::vector<float> v, Compute(name));
-    return AppendF32As(w, v, out_dtype);
+    auto values = std::make_shared<std::vector<float>>(std::move(v));
+    return pipe.Submit([&w, values, out_dtype, release_all] {
+      Status s = AppendF32As(w, *values, out_dtype);
+      release_all();
+      return s;
+    });
+  }
+
+  // The common case — one plain LoRA delta on an unquantized 16-bit weight written in its own
+  // dtype — runs through the fused kernel (decode, rank-r update, round in one pass per row
+  // block). Bit-identical to Compute() + AppendF32As(); returns null when it does not apply.
+  const LoraModule* FusableDelta(const std::string& name, DType out_dtype) const {
+    auto d = plan_.deltas.find(name);
+    if (d == plan_.deltas.end() || d->second.size() != 1) return nullptr;
+    if (plan_.bias_deltas.count(name) || plan_.replacements.count(name) || plan_.token_rows.count(name) ||
+        plan_.quantized.count(name)) {
+      return nullptr;
+    }
+    const LoraModule& m = plan_.modules[d->second.front()];
+    const DType base = NaturalDType(name);
+    if (m.kind != LoraModule::Kind::kLinear || m.fan_in_fan_out || !m.magnitude_key.empty() || m.row_offset != 0 ||
+        m.b_row_begin != 0 || base != out_dtype || (base != DType::kBF16 && base != DType::kF16) ||
+        NaturalShape(name) != Shape{m.out, m.in}) {
+      return nullptr;
+    }
+    return &m;
+  }
+
+  Result<std::shared_ptr<std::vector<uint16_t>>> FusedMerge(const std::string& name, const LoraModule& m, DType dtype) {
+    FERRY_ASSIGN_OR_RETURN(Tensor base, base_.Get(plan_.SourceOf(name)));
+    FERRY_ASSIGN_OR_RETURN(std::vector<float> a, ReadF32(adapter_, m.a_key));
+    FERRY_ASSIGN_OR_RETURN(std::vector<float> b, ReadF32(adapter_, m.b_key));
+    auto out = pool_.Acquire(static_cast<size_t>(m.out * m.in));
+    kernels::LoraMergeRows16(reinterpret_cast<const uint16_t*>(base.data()),
+                             dtype == DType::kBF16 ? kernels::Float16Kind::kBF16 : kernels::Float16Kind::kF16, a.data(),
+                             b.data(), m.out, m.in, m.rank, static_cast<float>(m.scaling), out->data(), threads_);
+    adapter_.Release(m.a_key);
+    adapter_.Release(m.b_key);
+    return out;
   }
 
   // The merged fp32 values of a base-space tensor.
@@ -367,11 +523,11 @@ class MergeWriter {
   }
 
   const ConvertOptions& opt_;
-  const PeftConfig& cfg_;
   const Checkpoint& base_;
   const Checkpoint& adapter_;
   const MergePlan& plan_;
   int threads_ = 1;
+  BufferPool pool_;  // output buffers of the fused path
   ConvertSummary summary_;
 };
 
@@ -379,35 +535,9 @@ class MergeWriter {
 // lora layout
 
 Status RefuseForEngine(const PeftConfig& cfg, const Checkpoint& base, const Checkpoint& adapter, const MergePlan& plan) {
-  const std::string hint = " Use --layout hf (or fused) to merge it instead.";
-  if (cfg.use_dora) {
-    return Status::Unsupported(cfg.source + ": use_dora is set: inference engines (vLLM: \"does not yet support DoRA\") "
-                               "cannot hot-load DoRA adapters." + hint);
-  }
-  for (const auto& [target, key] : plan.replacements) {
-    // A saved copy identical to the base (e.g. an untouched embedding saved with the adapter) is harmless.
-    auto a = adapter.Get(key);
-    auto b = base.Get(plan.SourceOf(target));
-    if (a.ok() && b.ok() && !plan.quantized.count(target) && a->dtype() == b->dtype() && a->nbytes() == b->nbytes() &&
-        std::memcmp(a->data(), b->data(), a->nbytes()) == 0) {
-      continue;
-    }
-    return Status::Unsupported(adapter.FileOf(key).string() + ": tensor " + Q(key) + " replaces base tensor " + Q(target) +
-                               " (modules_to_save or a saved full tensor): engines load only lora_A/lora_B (vLLM: "
-                               "\"only supports modules_to_save being None\")." + hint);
-  }
-  if (!plan.token_rows.empty()) {
-    return Status::Unsupported(adapter.FileOf(plan.token_rows.begin()->second.first).string() + ": tensor " +
-                               Q(plan.token_rows.begin()->second.first) +
-                               " holds trainable token rows, which engines cannot hot-load." + hint);
-  }
-  for (const auto& m : plan.modules) {
-    if (!m.bias_key.empty()) {
-      return Status::Unsupported(adapter.FileOf(m.bias_key).string() + ": tensor " + Q(m.bias_key) +
-                                 " is a lora_B bias (lora_bias), which engines do not load." + hint);
-    }
-  }
-  return Status::OK();
+  const std::vector<LoraLayoutRefusal> refusals = FindLoraLayoutRefusals(cfg, base, adapter, plan);
+  if (refusals.empty()) return Status::OK();
+  return Status::Unsupported(refusals.front().message + " Use --layout hf (or fused) to merge it instead.");
 }
 
 struct EngineModule {
@@ -597,7 +727,15 @@ Result<ConvertSummary> Convert(const ConvertOptions& opt) {
   FERRY_ASSIGN_OR_RETURN(Checkpoint adapter, Checkpoint::Open(opt.adapter));
   FERRY_ASSIGN_OR_RETURN(Checkpoint base, Checkpoint::Open(opt.base));
   FERRY_ASSIGN_OR_RETURN(ojson model_config, LoadModelConfig(fs::is_directory(opt.base) ? opt.base : opt.base.parent_path()));
-  const bool tied = model_config.is_object() && model_config.value("tie_word_embeddings", false);
+  bool tied = false;
+  if (model_config.is_object() && model_config.contains("tie_word_embeddings")) {
+    const auto& t = model_config["tie_word_embeddings"];
+    if (!t.is_boolean() && !t.is_null()) {
+      return Status::Corruption((fs::is_directory(opt.base) ? opt.base : opt.base.parent_path()).string() +
+                                "/config.json: field 'tie_word_embeddings' must be true or false");
+    }
+    tied = t.is_boolean() && t.get<bool>();
+  }
   FERRY_ASSIGN_OR_RETURN(MergePlan plan, PlanMerge(cfg, adapter, base, tied));
   // Everything is checked: only now create the staging directory.
   FERRY_ASSIGN_OR_RETURN(StagingDir staging, StagingDir::Create(opt.out, opt.force));
@@ -607,7 +745,7 @@ Result<ConvertSummary> Convert(const ConvertOptions& opt) {
     FERRY_ASSIGN_OR_RETURN(summary, WriteLora(opt, cfg, base, adapter, plan, staging.path()));
     FERRY_RETURN_IF_ERROR(CopyAuxFiles(opt.adapter, staging.path(), {"adapter_config.json", "README.md"}));
   } else {
-    FERRY_ASSIGN_OR_RETURN(summary, MergeWriter(opt, cfg, base, adapter, plan).Run(staging.path()));
+    FERRY_ASSIGN_OR_RETURN(summary, MergeWriter(opt, base, adapter, plan).Run(staging.path()));
     FERRY_RETURN_IF_ERROR(WriteModelConfig(model_config, plan, opt, staging.path()));
     FERRY_RETURN_IF_ERROR(CopyAuxFiles(base_dir, staging.path(), {"config.json"}));
     if (model_config.is_object()) summary.files.push_back("config.json");

@@ -4,6 +4,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "convert/merge_plan.h"
 #include "core/checkpoint.h"
 #include "core/mapped_file.h"
 
@@ -39,7 +40,8 @@ void AddTotals(TensorTotals* totals, const InspectTensor& t) {
   it->params += params;
 }
 
-Status ReadTensors(const fs::path& weights_path, InspectReport* report) {
+// Fills the tensor list, totals, files and metadata; returns the opened checkpoint.
+Result<Checkpoint> ReadTensors(const fs::path& weights_path, InspectReport* report) {
   FERRY_ASSIGN_OR_RETURN(Checkpoint ckpt, Checkpoint::Open(weights_path));
   report->format = FormatName(ckpt.format());
   for (const fs::path& f : ckpt.files()) report->files.push_back(f.string());
@@ -57,7 +59,7 @@ Status ReadTensors(const fs::path& weights_path, InspectReport* report) {
   }
   std::sort(report->totals.by_dtype.begin(), report->totals.by_dtype.end(),
             [](const DTypeTotal& a, const DTypeTotal& b) { return a.dtype < b.dtype; });
-  return Status::OK();
+  return ckpt;
 }
 
 // ---------------------------------------------------------------------------------
@@ -218,9 +220,129 @@ void AnalyzeLora(const InspectReport& report, AdapterSummary* summary, std::vect
   }
 }
 
-Status InspectAdapter(const fs::path& dir, InspectReport* report) {
+// ---------------------------------------------------------------------------------
+// The merge plan onto a base (--base).
+
+std::string ReplacementWhy(const std::string& key, const PeftConfig& config) {
+  auto k = ParseAdapterKey(key, &config);
+  if (!k.ok()) return "saved tensor";
+  if (k->kind == AdapterKey::kModulesToSave) return "modules_to_save";
+  if (k->kind == AdapterKey::kBaseLayer) return "base_layer";
+  return "saved tensor";
+}
+
+PlanTarget MakeTarget(const LoraModule& m, const MergePlan& plan, const Checkpoint& base) {
+  PlanTarget t;
+  t.tensor = m.target;
+  const std::string source = plan.SourceOf(m.target);
+  if (source != m.target) t.source = source;
+  if (auto q = plan.quantized.find(m.target); q != plan.quantized.end()) {
+    t.shape = q->second.shape;
+    t.dtype = q->second.dtype;
+    t.quantization = q->second.quant_type;
+  } else if (const TensorInfo* info = base.Info(source); info != nullptr) {
+    t.shape = info->shape;
+    t.dtype = info->dtype;
+  }
+  const int64_t rows = t.shape.empty() ? 0 : t.shape.front();
+  const bool row_slice = m.kind == LoraModule::Kind::kLinear && !m.fan_in_fan_out;
+  t.row_begin = row_slice ? m.row_offset : 0;
+  t.row_end = row_slice ? m.row_offset + m.out : rows;
+  t.partial = t.row_begin != 0 || t.row_end != rows;
+  if (!m.fused_module.empty()) {
+    const auto dot = m.module.rfind('.');
+    t.part = dot == std::string::npos ? m.module : m.module.substr(dot + 1);
+    t.b_row_begin = m.b_row_begin;
+    t.b_row_end = m.b_row_begin + m.out;
+  }
+  return t;
+}
+
+void FillPlan(const MergePlan& plan, const PeftConfig& config, const Checkpoint& adapter, const Checkpoint& base,
+              AdapterPlanReport* out) {
+  std::map<std::string, PlanModuleRow> rows;
+  for (const LoraModule& m : plan.modules) {
+    const std::string name = m.fused_module.empty() ? m.module : m.fused_module;
+    PlanModuleRow& row = rows[name];
+    row.module = name;
+    row.embedding = m.kind == LoraModule::Kind::kEmbedding;
+    row.rank = m.rank;
+    row.scaling = m.scaling;
+    row.dora = !m.magnitude_key.empty();
+    row.lora_bias = !m.bias_key.empty();
+    row.fan_in_fan_out = m.fan_in_fan_out;
+    row.bias_target = m.bias_target;
+    row.targets.push_back(MakeTarget(m, plan, base));
+    if (!row.targets.back().quantization.empty()) ++out->quantized_targets;
+  }
+  for (auto& [name, row] : rows) out->modules.push_back(std::move(row));
+  for (const auto& [target, key] : plan.replacements) {
+    PlanReplacementRow r;
+    r.base_tensor = target;
+    r.adapter_key = key;
+    r.why = ReplacementWhy(key, config);
+    if (const TensorInfo* info = adapter.Info(key); info != nullptr) {
+      r.shape = info->shape;
+      r.dtype = info->dtype;
+    }
+    r.equals_base = ReplacementEqualsBase(base, adapter, plan, target);
+    out->replacements.push_back(std::move(r));
+  }
+  for (const auto& [target, rows_of] : plan.token_rows) out->token_rows.push_back({target, rows_of.first, rows_of.second});
+  out->tied = plan.tied;
+  out->tied_source = plan.tied_source;
+  out->untie = plan.untie;
+  out->lm_head = plan.lm_head_key;
+  out->warnings = plan.warnings;
+}
+
+void SortFindings(std::vector<EngineFinding>* findings) {
+  std::stable_sort(findings->begin(), findings->end(), [](const EngineFinding& a, const EngineFinding& b) {
+    return static_cast<int>(a.severity) < static_cast<int>(b.severity);
+  });
+}
+
+// Resolves the adapter onto options.base: fills report->plan and the engine findings.
+Status InspectAgainstBase(const fs::path& base_path, const Checkpoint& adapter, InspectReport* report) {
+  std::error_code ec;
+  if (!fs::exists(base_path, ec)) return Status::NotFound(base_path.string() + ": base model (--base) does not exist");
+  const PeftConfig& config = report->adapter->config;
+  AdapterPlanReport plan_report;
+  plan_report.base = base_path;
+  const fs::path base_dir = fs::is_directory(base_path, ec) ? base_path : base_path.parent_path();
+  if (fs::is_regular_file(base_dir / "config.json", ec)) {
+    FERRY_ASSIGN_OR_RETURN(plan_report.base_config, ReadModelConfig(base_dir / "config.json"));
+    plan_report.tie_word_embeddings = plan_report.base_config->tie_word_embeddings.value_or(false);
+  }
+  FERRY_ASSIGN_OR_RETURN(Checkpoint base, Checkpoint::Open(base_path));
+  Result<MergePlan> plan = config.peft_type == "LORA"
+                               ? PlanMerge(config, adapter, base, plan_report.tie_word_embeddings)
+                               : Result<MergePlan>(Status::Unsupported(
+                                     config.source + ": peft_type " + Quote(config.peft_type) +
+                                     " is not LORA: no merge plan onto " + base_path.string()));
+  if (!plan.ok()) {
+    plan_report.error = plan.status();
+    report->issues.push_back(plan.status().message());
+  } else {
+    FillPlan(*plan, config, adapter, base, &plan_report);
+    if (report->engine.has_value()) {
+      EngineReport& engine = *report->engine;
+      engine.findings = CheckAdapterForEngine(config, adapter, base, *plan);
+      SortFindings(&engine.findings);
+      engine.with_base = true;
+      const std::vector<LoraLayoutRefusal> refusals = FindLoraLayoutRefusals(config, base, adapter, *plan);
+      engine.lora_layout_possible = refusals.empty();
+      if (!refusals.empty()) engine.lora_layout_refusal = refusals.front().message;
+      engine.lora_layout_rank = LoraLayoutRank(*plan);
+    }
+  }
+  report->plan = std::move(plan_report);
+  return Status::OK();
+}
+
+Status InspectAdapter(const fs::path& dir, const InspectOptions& options, InspectReport* report) {
   FERRY_ASSIGN_OR_RETURN(PeftConfig config, LoadPeftConfig(dir));
-  FERRY_RETURN_IF_ERROR(ReadTensors(dir, report));
+  FERRY_ASSIGN_OR_RETURN(Checkpoint adapter, ReadTensors(dir, report));
   report->files.push_back((dir / "adapter_config.json").string());
   AdapterSummary summary;
   summary.config = std::move(config);
@@ -228,11 +350,16 @@ Status InspectAdapter(const fs::path& dir, InspectReport* report) {
   if (!summary.mergeable.ok()) report->issues.push_back(summary.mergeable.message());
   if (summary.config.peft_type == "LORA") AnalyzeLora(*report, &summary, &report->issues);
   report->adapter = std::move(summary);
+  EngineReport engine;
+  engine.findings = CheckAdapterForEngine(report->adapter->config, adapter);
+  SortFindings(&engine.findings);
+  report->engine = std::move(engine);
+  if (!options.base.empty()) FERRY_RETURN_IF_ERROR(InspectAgainstBase(options.base, adapter, report));
   return Status::OK();
 }
 
 Status InspectModelDir(const fs::path& dir, InspectReport* report) {
-  FERRY_RETURN_IF_ERROR(ReadTensors(dir, report));
+  FERRY_RETURN_IF_ERROR(ReadTensors(dir, report).status());
   std::error_code ec;
   if (fs::is_regular_file(dir / "config.json", ec)) {
     FERRY_ASSIGN_OR_RETURN(report->model_config, ReadModelConfig(dir / "config.json"));
@@ -308,6 +435,77 @@ Json AdapterJson(const AdapterSummary& a) {
   return j;
 }
 
+Json EngineJson(const EngineReport& e) {
+  Json findings = Json::array();
+  Json counts = {{"reject", 0}, {"wrong", 0}, {"note", 0}};
+  for (const EngineFinding& f : e.findings) {
+    const std::string severity(EngineSeverityName(f.severity));
+    counts[severity] = counts[severity].get<int>() + 1;
+    Json j = {{"severity", severity}};
+    for (EngineFinding::Subject kind :
+         {EngineFinding::Subject::kKey, EngineFinding::Subject::kField, EngineFinding::Subject::kModule}) {
+      j[std::string(EngineSubjectName(kind))] = f.subject_kind == kind ? Json(f.subject) : Json(nullptr);
+    }
+    j["message"] = f.message;
+    findings.push_back(std::move(j));
+  }
+  Json j = {{"findings", std::move(findings)}, {"counts", std::move(counts)}, {"with_base", e.with_base}};
+  if (e.lora_layout_possible.has_value()) {
+    j["lora_layout"] = {{"possible", *e.lora_layout_possible},
+                        {"refusal", *e.lora_layout_possible ? Json(nullptr) : Json(e.lora_layout_refusal)},
+                        {"rank", e.lora_layout_rank}};
+  }
+  return j;
+}
+
+Json PlanTargetJson(const PlanTarget& t) {
+  Json j = {{"tensor", t.tensor},
+            {"source", t.source.empty() ? Json(nullptr) : Json(t.source)},
+            {"shape", t.shape},
+            {"dtype", DTypeName(t.dtype)},
+            {"quantization", t.quantization.empty() ? Json(nullptr) : Json(t.quantization)},
+            {"rows", {t.row_begin, t.row_end}},
+            {"partial", t.partial}};
+  j["part"] = t.part.empty() ? Json(nullptr) : Json(t.part);
+  j["lora_b_rows"] = t.part.empty() ? Json(nullptr) : Json({t.b_row_begin, t.b_row_end});
+  return j;
+}
+
+Json PlanJson(const AdapterPlanReport& p) {
+  Json j = {{"base", p.base.string()},
+            {"tie_word_embeddings", p.tie_word_embeddings},
+            {"error", p.error.ok() ? Json(nullptr) : Json(p.error.message())}};
+  if (p.base_config.has_value()) j["base_config"] = ModelConfigJson(*p.base_config);
+  Json modules = Json::array();
+  for (const PlanModuleRow& m : p.modules) {
+    Json targets = Json::array();
+    for (const PlanTarget& t : m.targets) targets.push_back(PlanTargetJson(t));
+    modules.push_back({{"module", m.module}, {"kind", m.embedding ? "embedding" : "linear"}, {"rank", m.rank},
+                       {"scaling", m.scaling}, {"dora", m.dora}, {"lora_bias", m.lora_bias},
+                       {"fan_in_fan_out", m.fan_in_fan_out},
+                       {"bias_target", m.bias_target.empty() ? Json(nullptr) : Json(m.bias_target)},
+                       {"targets", std::move(targets)}});
+  }
+  j["modules"] = std::move(modules);
+  Json replacements = Json::array();
+  for (const PlanReplacementRow& r : p.replacements) {
+    replacements.push_back({{"base_tensor", r.base_tensor}, {"adapter_key", r.adapter_key}, {"why", r.why},
+                            {"shape", r.shape}, {"dtype", DTypeName(r.dtype)}, {"equals_base", r.equals_base}});
+  }
+  j["replacements"] = std::move(replacements);
+  Json tokens = Json::array();
+  for (const PlanTokenRows& t : p.token_rows) {
+    tokens.push_back({{"base_tensor", t.base_tensor}, {"adapter_key", t.adapter_key}, {"rows", t.rows}});
+  }
+  j["token_rows"] = std::move(tokens);
+  j["tied"] = p.tied;
+  j["tied_source"] = p.tied_source.empty() ? Json(nullptr) : Json(p.tied_source);
+  j["untie"] = p.untie;
+  j["quantized_targets"] = p.quantized_targets;
+  j["warnings"] = p.warnings;
+  return j;
+}
+
 }  // namespace
 
 std::string_view InspectKindName(InspectReport::Kind kind) {
@@ -319,7 +517,9 @@ std::string_view InspectKindName(InspectReport::Kind kind) {
   return "file";
 }
 
-Result<InspectReport> Inspect(const fs::path& path) {
+Result<InspectReport> Inspect(const fs::path& path) { return Inspect(path, InspectOptions{}); }
+
+Result<InspectReport> Inspect(const fs::path& path, const InspectOptions& options) {
   std::error_code ec;
   if (!fs::exists(path, ec)) return Status::NotFound(path.string() + ": no such file or directory");
   InspectReport report;
@@ -329,12 +529,19 @@ Result<InspectReport> Inspect(const fs::path& path) {
   const bool adapter_config_given = !is_dir && path.filename() == "adapter_config.json";
   if (adapter_config_given || (is_dir && fs::is_regular_file(path / "adapter_config.json", ec))) {
     report.kind = InspectReport::Kind::kAdapterDirectory;
-    FERRY_RETURN_IF_ERROR(InspectAdapter(dir, &report));
-  } else if (is_dir) {
+    FERRY_RETURN_IF_ERROR(InspectAdapter(dir, options, &report));
+    return report;
+  }
+  if (!options.base.empty()) {
+    return Status::InvalidArgument(path.string() + ": --base " + options.base.string() +
+                                   " applies only to a PEFT adapter (a directory with adapter_config.json), and this "
+                                   "is a " + (is_dir ? "model directory" : "tensor file"));
+  }
+  if (is_dir) {
     report.kind = InspectReport::Kind::kModelDirectory;
     FERRY_RETURN_IF_ERROR(InspectModelDir(path, &report));
   } else {
-    FERRY_RETURN_IF_ERROR(ReadTensors(path, &report));
+    FERRY_RETURN_IF_ERROR(ReadTensors(path, &report).status());
   }
   return report;
 }
@@ -350,6 +557,8 @@ std::string ReportToJson(const InspectReport& report, const ReportJsonOptions& o
   }
   if (report.model_config.has_value()) j["config"] = ModelConfigJson(*report.model_config);
   if (report.adapter.has_value()) j["adapter"] = AdapterJson(*report.adapter);
+  if (report.engine.has_value()) j["engine"] = EngineJson(*report.engine);
+  if (report.plan.has_value()) j["plan"] = PlanJson(*report.plan);
   j["issues"] = report.issues;
   return j.dump(options.indent, ' ', /*ensure_ascii=*/false, nlohmann::json::error_handler_t::replace);
 }

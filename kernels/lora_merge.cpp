@@ -1,8 +1,11 @@
 #include "kernels/lora_merge.h"
 
+#include "kernels/cast.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
+#include <cstring>
 #include <thread>
 #include <vector>
 
@@ -113,6 +116,69 @@ void LoraDeltaAccumulate(const float* A, const float* B, int64_t out, int64_t in
   }
   ParallelRows(out, in * r, num_threads, [=](int64_t begin, int64_t end) {
     UpdateRows(A, r, in, scaling, W, begin, end, [=](int64_t row, float*) { return B + row * r; });
+  });
+}
+
+namespace {
+
+// Rows per fused block: the block's fp32 rows stay in L2 while every column tile passes.
+constexpr int64_t kFusedRows = 8;
+
+FERRY_MULTIVERSION
+void DecodeRow16(const unsigned char* src, Float16Kind kind, int64_t n, float* dst) {
+  if (kind == Float16Kind::kBF16) {
+    for (int64_t i = 0; i < n; ++i) {
+      uint16_t v;
+      std::memcpy(&v, src + 2 * i, 2);
+      const uint32_t u = static_cast<uint32_t>(v) << 16;
+      std::memcpy(&dst[i], &u, 4);
+    }
+  } else {
+    for (int64_t i = 0; i < n; ++i) {
+      uint16_t v;
+      std::memcpy(&v, src + 2 * i, 2);
+      dst[i] = F16ToF32(v);
+    }
+  }
+}
+
+void EncodeRow16(const float* src, Float16Kind kind, int64_t n, unsigned char* dst) {
+  // Through an aligned scratch row: the vectorised casts need aligned uint16_t output.
+  thread_local std::vector<uint16_t> tmp;
+  if (static_cast<int64_t>(tmp.size()) < n) tmp.resize(static_cast<size_t>(n));
+  if (kind == Float16Kind::kBF16) {
+    CastF32ToBF16(src, tmp.data(), static_cast<size_t>(n));
+  } else {
+    CastF32ToF16(src, tmp.data(), static_cast<size_t>(n));
+  }
+  std::memcpy(dst, tmp.data(), static_cast<size_t>(n) * 2);
+}
+
+}  // namespace
+
+void LoraMergeRows16(const uint16_t* W, Float16Kind kind, const float* A, const float* B, int64_t out, int64_t in,
+                     int64_t r, float scaling, uint16_t* dst, int num_threads) {
+  if (out <= 0 || in <= 0) return;
+  const auto* wbytes = reinterpret_cast<const unsigned char*>(W);
+  auto* dbytes = reinterpret_cast<unsigned char*>(dst);
+  const int64_t blocks = (out + kFusedRows - 1) / kFusedRows;
+  ParallelRows(blocks, kFusedRows * in * std::max<int64_t>(r, 1), num_threads, [=](int64_t b0, int64_t b1) {
+    std::vector<float> rows(static_cast<size_t>(kFusedRows * in));
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t row0 = b * kFusedRows;
+      const int64_t nrows = std::min(kFusedRows, out - row0);
+      for (int64_t k = 0; k < nrows; ++k) {
+        DecodeRow16(wbytes + (row0 + k) * in * 2, kind, in, rows.data() + k * in);
+      }
+      if (r <= 0) {
+        for (int64_t i = 0; i < nrows * in; ++i) rows[static_cast<size_t>(i)] += scaling * 0.0f;
+      } else {
+        UpdateRows(A, r, in, scaling, rows.data(), 0, nrows, [=](int64_t row, float*) { return B + (row0 + row) * r; });
+      }
+      for (int64_t k = 0; k < nrows; ++k) {
+        EncodeRow16(rows.data() + k * in, kind, in, dbytes + (row0 + k) * in * 2);
+      }
+    }
   });
 }
 

@@ -45,6 +45,20 @@ void LoraDeltaAccumulateFanInFanOut(const float* A, const float* B, int64_t out,
 void LoraEmbeddingDeltaAccumulate(const float* A, const float* B, int64_t num_embeddings, int64_t dim, int64_t r,
                                   float scaling, float* W, int num_threads = 1);
 
+// 16-bit storage types for the fused merge.
+enum class Float16Kind { kF16, kBF16 };
+
+// Fused merge of a 16-bit weight, in one cache-resident pass per block of rows:
+//   dst[o, i] = round16(decode16(W[o, i]) + scaling * d[o, i]),  W and dst [out, in],
+// with d exactly as in LoraDeltaAccumulate and round16 round-to-nearest-even (NaN kept).
+// The result is bit-identical to: cast W to fp32, LoraDeltaAccumulate, cast back with
+// CastF32ToF16/CastF32ToBF16 — without materialising the fp32 matrix (the memory traffic
+// is one read and one write of 2 bytes per element). W and dst need no alignment (a
+// safetensors tensor may start at an odd offset). num_threads as in LoraDeltaAccumulate.
+// REQUIRES: out, in, r >= 0; dst does not overlap W, A or B.
+void LoraMergeRows16(const uint16_t* W, Float16Kind kind, const float* A, const float* B, int64_t out, int64_t in,
+                     int64_t r, float scaling, uint16_t* dst, int num_threads = 1);
+
 // DoRA: W' = (m / ||W + delta||) * (W + delta), where W_merged already holds W + delta.
 // Without fan_in_fan_out W_merged is [out, in] and the norm is taken per output row over the
 // input axis; with fan_in_fan_out it is stored [in, out] and the norm is per output column

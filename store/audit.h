@@ -1,0 +1,135 @@
+// The post-run audit (`ferry audit`): what a store says happened during a run.
+//
+// From the version records and events of a store it builds:
+//   - a timeline: each version with its run, sequence, step, id, parent, kind, metrics, size,
+//     the delta norm of adapter versions and the receivers that activated it;
+//   - receivers: every acknowledged/activated event, with whether the manifest digest the
+//     receiver computed matched the version it claimed to load;
+//   - gaps: sequence numbers missing between the first and last version of a run;
+//   - versions never acknowledged by any receiver (only when some receiver exists);
+//   - anomalies, by these rules (each names the version, and the tensor where there is one):
+//       merged_equals_base   a merged version whose tensors present in its base_version all
+//                            have the base's digests, although its adapter_version is non-zero
+//                            (some lora_B / lora_embedding_B tensor with l2_norm > 0; for an
+//                            adapter without B tensors, any tensor with l2_norm > 0). The
+//                            flat-reward failure: the generator was handed base weights.
+//       zero_adapter         an adapter version whose lora_B / lora_embedding_B tensors are all
+//                            all-zero (merging it changes nothing). Not flagged at step 0,
+//                            where PEFT initialises B to zero.
+//       nonfinite            a tensor with NaN or Inf values (nonfinite > 0).
+//       delta_jump           adapter versions of a run in sequence order: d_k = ||theta_k -
+//                            theta_{k-1}||_2 over all tensors (the size of the update between
+//                            consecutive adapter versions). Flagged when d_k > jump_factor x the
+//                            median of d_1 .. d_{k-1}, once min_history previous deltas exist
+//                            and that median is > 0.
+//       unpublished_ack      an acknowledged/activated event for a version with no version
+//                            record, or with no published event.
+//       digest_mismatch      an acknowledged/activated event whose computed digest differs from
+//                            the version id.
+//       recorded             an event of type anomaly recorded by sync or the daemon.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "core/status.h"
+#include "store/store.h"
+
+namespace ferry::store {
+
+struct AuditOptions {
+  // Only versions of this run (and events about them or about unknown versions). Default: all.
+  std::optional<std::string> run;
+  // delta_jump: flagged when d_k > jump_factor x median(previous deltas). Default: 10.
+  double jump_factor = 10.0;
+  // delta_jump: previous deltas needed before the rule applies. Default: 2.
+  int min_history = 2;
+};
+
+enum class AnomalyKind {
+  kMergedEqualsBase,
+  kZeroAdapter,
+  kNonFinite,
+  kDeltaJump,
+  kUnpublishedAck,
+  kDigestMismatch,
+  kRecorded,
+};
+// "merged_equals_base", "zero_adapter", "nonfinite", "delta_jump", "unpublished_ack",
+// "digest_mismatch", "recorded".
+std::string_view AnomalyKindName(AnomalyKind kind);
+
+struct Anomaly {
+  AnomalyKind kind = AnomalyKind::kRecorded;
+  Digest version;
+  std::string tensor;   // "" when not about one tensor
+  std::string message;  // one line, names the version (and tensor)
+};
+
+struct TimelineEntry {
+  VersionRecord version;          // tensors and aux are kept (the HTML counts them)
+  std::optional<double> delta_norm;  // adapters after the run's first adapter version
+  std::vector<std::string> activated_by;  // receivers with an activated event for it
+  std::vector<std::string> acknowledged_by;
+};
+
+struct ReceiverEvent {
+  std::string receiver;
+  Event::Type type = Event::Type::kAcknowledged;
+  int64_t time_ns = 0;
+  Digest version;
+  std::optional<Digest> computed;
+  bool digest_matched = false;     // computed present and equal to version
+  bool known_version = false;      // a version record exists
+  std::string run;                 // of the version, when known
+  uint64_t sequence = 0;           // of the version, when known
+};
+
+struct SequenceGap {
+  std::string run;
+  uint64_t first_missing = 0;
+  uint64_t last_missing = 0;
+};
+
+struct AuditReport {
+  std::optional<std::string> run;        // the filter used
+  std::vector<TimelineEntry> timeline;   // by run, then sequence
+  std::vector<ReceiverEvent> receivers;  // by time
+  std::vector<SequenceGap> gaps;
+  std::vector<Digest> never_acknowledged;  // empty when no receiver exists
+  std::vector<Anomaly> anomalies;
+  std::vector<std::string> metric_names;   // every metric key of the timeline, sorted
+};
+
+// Computes d_k for a pair of consecutive adapter versions (previous, current).
+using DeltaNormFn = std::function<Result<double>(const VersionRecord& previous, const VersionRecord& current)>;
+
+// The analysis itself, over records already loaded. `all_versions` is every version of the
+// store (base/adapter lookups cross runs); `events` every event. `delta_norm` may be empty
+// (no delta norms, no delta_jump rule). Errors from `delta_norm` are returned.
+Result<AuditReport> AnalyzeAudit(const std::vector<VersionRecord>& all_versions, const std::vector<Event>& events,
+                                 const DeltaNormFn& delta_norm, const AuditOptions& options);
+
+// Loads everything from `store` and analyses it; delta norms are computed from the stored
+// adapter tensors (read back from object files, floating-point tensors only). kNotFound
+// naming the run when options.run names no run of the store.
+Result<AuditReport> RunAudit(Store& store, const AuditOptions& options);
+
+// ||b - a||_2 over the tensors of two versions (tensors present in only one count with their
+// full norm; tensors with equal digests contribute 0 without being read).
+Result<double> VersionDeltaNorm(Store& store, const VersionRecord& a, const VersionRecord& b);
+
+// The report as JSON (keys: run, timeline, receivers, gaps, never_acknowledged, anomalies).
+std::string AuditToJson(const AuditReport& report);
+// The report as plain text for a terminal.
+std::string AuditToText(const AuditReport& report);
+// The report as one self-contained HTML page (inline CSS and SVG, no scripts or external
+// resources): timeline of versions with receiver activations, one plot per metric.
+std::string AuditToHtml(const AuditReport& report, std::string_view title);
+
+}  // namespace ferry::store

@@ -1,0 +1,200 @@
+// Hashing checkpoints (HashPath, HashCheckpoint) and importing them (the commit protocol).
+#include <algorithm>
+#include <set>
+
+#include <rocksdb/write_batch.h>
+
+#include "store/internal.h"
+#include "store/rocks_store.h"
+
+namespace ferry::store {
+namespace internal {
+namespace {
+
+// The directory whose auxiliary files go with the weights at `path`.
+std::filesystem::path AuxDirOf(const std::filesystem::path& path) {
+  std::error_code ec;
+  if (std::filesystem::is_directory(path, ec)) return path;
+  auto parent = path.parent_path();
+  return parent.empty() ? std::filesystem::path(".") : parent;
+}
+
+bool LooksLikeAdapter(const Checkpoint& ckpt, const std::vector<std::pair<std::string, std::string>>& aux) {
+  for (const auto& [name, contents] : aux) {
+    if (name == "adapter_config.json") return true;
+  }
+  for (const auto& f : ckpt.files()) {
+    if (f.filename().string().rfind("adapter_model", 0) == 0) return true;
+  }
+  return false;
+}
+
+std::string AdapterConfigOf(const std::vector<std::pair<std::string, std::string>>& aux) {
+  for (const auto& [name, contents] : aux) {
+    if (name == "adapter_config.json") return contents;
+  }
+  return "";
+}
+
+Result<std::vector<std::pair<std::string, std::string>>> AuxOf(const std::filesystem::path& path) {
+  auto aux = CollectAuxFiles(AuxDirOf(path));
+  if (!aux.ok()) return aux.status();
+  return aux;
+}
+
+}  // namespace
+
+Result<VersionRecord> HashCheckpoint(const Checkpoint& ckpt,
+                                     const std::vector<std::pair<std::string, std::string>>& aux_files,
+                                     const std::function<void(uint64_t, uint64_t)>& progress,
+                                     const TensorVisitor& on_tensor) {
+  VersionRecord rec;
+  const uint64_t total = ckpt.total_bytes();
+  uint64_t done = 0;
+  for (const std::string& name : ckpt.names()) {
+    FERRY_ASSIGN_OR_RETURN(Tensor t, ckpt.Get(name));
+    TensorDigester digester(t.dtype(), t.shape());
+    TensorStats stats(t.dtype());
+    auto bytes = t.bytes();
+    for (size_t off = 0; off < bytes.size(); off += kChunkBytes) {
+      auto piece = bytes.subspan(off, std::min(kChunkBytes, bytes.size() - off));
+      digester.Update(piece);
+      stats.Update(piece);
+      done += piece.size();
+      if (progress) progress(done, total);
+    }
+    TensorRow row;
+    row.name = name;
+    row.dtype = t.dtype();
+    row.shape = t.shape();
+    row.digest = digester.Finish();
+    row.nbytes = t.nbytes();
+    stats.Finish(row);
+    if (on_tensor) {
+      Status s = on_tensor(t, row);
+      if (!s.ok()) {
+        ckpt.Release(name);
+        return s;
+      }
+    }
+    ckpt.Release(name);
+    rec.total_bytes += row.nbytes;
+    rec.tensors.push_back(std::move(row));
+  }
+  std::set<std::string> seen;
+  for (const auto& [name, contents] : aux_files) {
+    if (name.empty() || name.find('/') != std::string::npos || name == "." || name == "..") {
+      return Status::InvalidArgument("auxiliary file name '" + name + "' is not a plain file name");
+    }
+    if (!seen.insert(name).second) return Status::InvalidArgument("auxiliary file '" + name + "' is given twice");
+    rec.aux.push_back(AuxFile{name, HashString(contents), contents.size()});
+  }
+  std::sort(rec.aux.begin(), rec.aux.end(), [](const AuxFile& a, const AuxFile& b) { return a.name < b.name; });
+  rec.id = ManifestDigest(rec.tensors, rec.aux);
+  return rec;
+}
+
+Status RocksStore::StoreTensorObject(const Tensor& t, const TensorRow& row, std::set<std::filesystem::path>& dirty,
+                                     std::set<Digest>& written, ImportResult& result) {
+  if (written.count(row.digest)) return Status::OK();
+  FERRY_ASSIGN_OR_RETURN(auto known, Get(kObjects, DigestKey(row.digest)));
+  if (known && objects_.Present(ObjectStore::Kind::kTensor, row.digest, row.nbytes)) return Status::OK();
+  Status s = objects_.WriteTensor(row.digest, row.dtype, row.shape, t.bytes(), row.name, dirty);
+  if (!s.ok()) return Status(s.code(), Where(s.message()));
+  written.insert(row.digest);
+  result.bytes_written += row.nbytes;
+  ++result.objects_written;
+  return Status::OK();
+}
+
+Result<ImportResult> RocksStore::Import(const std::filesystem::path& path, const ImportOptions& options) {
+  FERRY_RETURN_IF_ERROR(RequireWritable("import"));
+  FERRY_ASSIGN_OR_RETURN(Checkpoint ckpt, Checkpoint::Open(path));
+  FERRY_ASSIGN_OR_RETURN(auto aux, AuxOf(path));
+  ImportOptions opts = options;
+  if (opts.kind == VersionKind::kFull && LooksLikeAdapter(ckpt, aux)) opts.kind = VersionKind::kAdapter;
+  return ImportCheckpoint(ckpt, aux, opts);
+}
+
+Result<ImportResult> RocksStore::ImportCheckpoint(const Checkpoint& ckpt,
+                                                  const std::vector<std::pair<std::string, std::string>>& aux_files,
+                                                  const ImportOptions& options) {
+  FERRY_RETURN_IF_ERROR(RequireWritable("import"));
+  if (Status s = ValidateRunName(options.run); !s.ok()) return Status::InvalidArgument(Where(s.message()));
+  if (options.parent) {
+    FERRY_ASSIGN_OR_RETURN(bool has, HasVersion(*options.parent));
+    if (!has) return Status::NotFound(Where("parent version " + options.parent->Hex() + " not found"));
+  }
+
+  // 1. Hash every tensor; store the bytes of each one not yet stored while it is mapped.
+  ImportResult result;
+  std::set<std::filesystem::path> dirty;
+  std::set<Digest> written;
+  auto hashed = HashCheckpoint(ckpt, aux_files, options.progress, [&](const Tensor& t, const TensorRow& row) {
+    return StoreTensorObject(t, row, dirty, written, result);
+  });
+  if (!hashed.ok()) return hashed.status();
+  VersionRecord rec = std::move(*hashed);
+  for (const auto& [name, contents] : aux_files) {
+    Digest d = HashString(contents);
+    if (objects_.Present(ObjectStore::Kind::kAux, d, contents.size())) continue;
+    Status s = objects_.WriteAux(d, contents, dirty);
+    if (!s.ok()) return Status(s.code(), Where("auxiliary file '" + name + "': " + s.message()));
+    result.bytes_written += contents.size();
+    ++result.objects_written;
+  }
+  // 2. The bytes are durable before anything refers to them.
+  if (Status s = objects_.SyncDirs(dirty); !s.ok()) return Status(s.code(), Where(s.message()));
+
+  FERRY_ASSIGN_OR_RETURN(bool exists, HasVersion(rec.id));
+  if (exists) {
+    FERRY_ASSIGN_OR_RETURN(result.record, LoadVersion(rec.id));
+    result.already_present = true;
+    return result;
+  }
+
+  // 3. One synced batch makes the version visible.
+  FERRY_ASSIGN_OR_RETURN(auto last, LastOfRun(options.run));
+  rec.run = options.run;
+  rec.sequence = last.first + 1;
+  rec.parent = options.parent ? options.parent : last.second;
+  rec.kind = options.kind;
+  rec.layout = options.layout;
+  rec.source = options.source;
+  rec.time_ns = NowNs();
+  rec.step = options.step;
+  rec.base_version = options.base_version;
+  rec.adapter_version = options.adapter_version;
+  rec.metrics = options.metrics;
+  if (rec.kind == VersionKind::kAdapter) rec.adapter_config = AdapterConfigOf(aux_files);
+
+  rocksdb::WriteBatch batch;
+  const std::string id_key = DigestKey(rec.id);
+  batch.Put(cfs_[kVersions], id_key, EncodeVersion(rec));
+  for (const TensorRow& row : rec.tensors) {
+    batch.Put(cfs_[kTensors], TensorKey(rec.id, row.name), EncodeTensorRow(row));
+    batch.Put(cfs_[kObjects], DigestKey(row.digest), U64Le(row.nbytes));
+  }
+  batch.Put(cfs_[kRuns], RunKey(rec.run, rec.sequence), id_key);
+  batch.Put(cfs_[kLatest], rec.run, id_key);
+  FERRY_RETURN_IF_ERROR(Write(batch, "commit version " + rec.id.Hex()));
+  result.record = std::move(rec);
+  return result;
+}
+
+}  // namespace internal
+
+Result<VersionRecord> HashPath(const std::filesystem::path& path,
+                               const std::function<void(uint64_t, uint64_t)>& progress) {
+  FERRY_ASSIGN_OR_RETURN(Checkpoint ckpt, Checkpoint::Open(path));
+  FERRY_ASSIGN_OR_RETURN(auto aux, internal::AuxOf(path));
+  FERRY_ASSIGN_OR_RETURN(VersionRecord rec, internal::HashCheckpoint(ckpt, aux, progress, nullptr));
+  rec.run.clear();
+  if (internal::LooksLikeAdapter(ckpt, aux)) {
+    rec.kind = VersionKind::kAdapter;
+    rec.adapter_config = internal::AdapterConfigOf(aux);
+  }
+  return rec;
+}
+
+}  // namespace ferry::store

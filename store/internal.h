@@ -1,0 +1,105 @@
+// Internals of the store shared by its .cpp files: digest streaming with per-tensor stats,
+// key encodings, JSON codecs, auxiliary-file discovery. Not part of the public API.
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <functional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "core/status.h"
+#include "core/tensor.h"
+#include "kernels/hash.h"
+#include "store/store.h"
+
+namespace ferry::store::internal {
+
+// Tensors are hashed, copied and checked in pieces of this size (a multiple of every
+// element size) so that the statistics pass finds each piece still in cache.
+inline constexpr size_t kChunkBytes = size_t{1} << 20;
+
+// Streams the tensor digest of store.h over a tensor's bytes, fed in any number of pieces.
+class TensorDigester {
+ public:
+  TensorDigester(DType dtype, const Shape& shape);
+  void Update(std::span<const std::byte> bytes) { hash_.Update(bytes.data(), bytes.size()); }
+  Digest Finish() const;
+
+ private:
+  kernels::Xxh3_128Stream hash_;
+};
+
+// The statistics TensorRow records for floating-point tensors, accumulated piece by piece.
+// Pieces must end on element boundaries (kChunkBytes-sized pieces do).
+class TensorStats {
+ public:
+  explicit TensorStats(DType dtype);
+  void Update(std::span<const std::byte> bytes);
+  // Writes l2_norm, nonfinite and all_zero into `row` (zeros for non-float dtypes).
+  void Finish(TensorRow& row) const;
+
+ private:
+  DType dtype_;
+  bool enabled_ = false;
+  double sum_squares_ = 0;
+  int64_t nonfinite_ = 0;
+  bool any_nonzero_ = false;
+  std::vector<float> scratch_;
+  std::vector<uint16_t> halves_;
+};
+
+// Tests only: allows or forbids the AVX2 statistics kernel (forbidden: the SSE2 path).
+// Returns whether this CPU has AVX2. Not thread-safe.
+bool SetStatsAvx2ForTesting(bool allowed);
+
+// Digest of the bytes as a 16-byte big-endian key (hi then lo): key order = hex order.
+std::string DigestKey(const Digest& d);
+Result<Digest> DigestFromKey(std::string_view key);
+// XXH3-128 of arbitrary bytes as a Digest.
+Digest HashBytes(std::span<const std::byte> bytes);
+Digest HashString(std::string_view s);
+// The manifest digest of store.h. `tensors` and `aux` must be sorted by name.
+Digest ManifestDigest(const std::vector<TensorRow>& tensors, const std::vector<AuxFile>& aux);
+
+// Key encodings (see the column-family table in store.h).
+std::string U64Be(uint64_t v);
+uint64_t ReadU64Be(std::string_view bytes);  // REQUIRES: bytes.size() >= 8
+std::string U64Le(uint64_t v);
+std::string RunKey(const std::string& run, uint64_t sequence);
+std::string TensorKey(const Digest& version, const std::string& name);
+std::string EventKey(int64_t time_ns, uint64_t counter);
+
+// JSON codecs. The version record is stored without its tensors (they live in "tensors").
+std::string EncodeVersion(const VersionRecord& r);
+Result<VersionRecord> DecodeVersion(std::string_view json);
+std::string EncodeTensorRow(const TensorRow& row);
+Result<TensorRow> DecodeTensorRow(std::string_view json);
+std::string EncodeEvent(const Event& e);
+Result<Event> DecodeEvent(std::string_view json);
+
+// Run names become key prefixes: non-empty, at most 256 bytes, no NUL or control characters.
+Status ValidateRunName(const std::string& run);
+
+// The auxiliary files (store.h's list) found in `dir`, sorted by name, with contents.
+Result<std::vector<std::pair<std::string, std::string>>> CollectAuxFiles(const std::filesystem::path& dir);
+// True when `name` is an auxiliary file name of store.h's list.
+bool IsAuxFileName(std::string_view name);
+
+// Hashes every tensor of `ckpt` (sorted by name) and every auxiliary file into a record
+// with id, tensors, aux and total_bytes filled in. `on_tensor` (optional) is called after
+// each tensor is hashed, while its bytes are still mapped, with the tensor and its row;
+// an error it returns stops the pass.
+using TensorVisitor = std::function<Status(const Tensor&, const TensorRow&)>;
+Result<VersionRecord> HashCheckpoint(const Checkpoint& ckpt,
+                                     const std::vector<std::pair<std::string, std::string>>& aux_files,
+                                     const std::function<void(uint64_t, uint64_t)>& progress,
+                                     const TensorVisitor& on_tensor);
+
+// Nanoseconds since the Unix epoch.
+int64_t NowNs();
+
+}  // namespace ferry::store::internal

@@ -1,0 +1,197 @@
+#include "store/materialize.h"
+
+#include <cstdio>
+#include <map>
+#include <system_error>
+
+#include "core/checkpoint.h"
+#include "core/diff.h"
+#include "core/mapped_file.h"
+
+namespace ferry::store {
+namespace {
+
+namespace fs = std::filesystem;
+
+std::string Short(const Digest& d) { return d.Hex().substr(0, 12); }
+
+// Removes a directory tree when it goes out of scope.
+class TreeGuard {
+ public:
+  explicit TreeGuard(fs::path p) : path_(std::move(p)) {}
+  ~TreeGuard() {
+    std::error_code ec;
+    fs::remove_all(path_, ec);
+  }
+  TreeGuard(const TreeGuard&) = delete;
+  TreeGuard& operator=(const TreeGuard&) = delete;
+
+ private:
+  fs::path path_;
+};
+
+// Moves the finished directory `from` to `out` (replacing it when `force`).
+Status MoveIntoPlace(const fs::path& from, const fs::path& out, bool force) {
+  std::error_code ec;
+  const bool exists = fs::exists(fs::symlink_status(out, ec));
+  if (exists && !force) return Status::AlreadyExists(out.string() + " exists (pass --force to replace it)");
+  fs::path old;
+  if (exists) {
+    old = TempNameFor(out);
+    fs::rename(out, old, ec);
+    if (ec) return Status::IOError("cannot move " + out.string() + " aside: " + ec.message());
+  }
+  fs::rename(from, out, ec);
+  if (ec) {
+    std::error_code ignored;
+    if (!old.empty()) fs::rename(old, out, ignored);
+    return Status::IOError("cannot rename " + from.string() + " to " + out.string() + ": " + ec.message());
+  }
+  if (!old.empty()) fs::remove_all(old, ec);
+  fs::path parent = out.parent_path();
+  return SyncDirectory(parent.empty() ? fs::path(".") : parent);
+}
+
+// The newest merged version recorded for (base, adapter), if any.
+Result<std::optional<VersionRecord>> FindRecordedMerge(Store& store, const Digest& base, const Digest& adapter) {
+  FERRY_ASSIGN_OR_RETURN(auto versions, store.ListVersions(std::nullopt));
+  std::optional<VersionRecord> best;
+  for (auto& v : versions) {
+    if (v.kind != VersionKind::kMerged || v.base_version != base || v.adapter_version != adapter) continue;
+    if (!best || v.time_ns >= best->time_ns) best = std::move(v);
+  }
+  return best;
+}
+
+// Checks the merge at `dir` against `recorded` (see materialize.h).
+Status CheckAgainst(Store& store, const fs::path& dir, const VersionRecord& recorded, const MaterializeOptions& options,
+                    MaterializeResult& result) {
+  const std::string what = "materialized merge does not match recorded merged version " + Short(recorded.id);
+  FERRY_ASSIGN_OR_RETURN(VersionRecord ours, HashPath(dir));
+  std::map<std::string, const TensorRow*> recorded_rows;
+  for (const auto& t : recorded.tensors) recorded_rows[t.name] = &t;
+  std::vector<std::string> problems;
+  std::vector<std::string> to_compare;
+  for (const auto& t : ours.tensors) {
+    auto it = recorded_rows.find(t.name);
+    if (it == recorded_rows.end()) {
+      problems.push_back(t.name + " (not in the recorded version)");
+      continue;
+    }
+    const TensorRow& r = *it->second;
+    recorded_rows.erase(it);
+    if (r.digest == t.digest) {
+      ++result.tensors_identical;
+    } else if (r.shape != t.shape || r.dtype != t.dtype) {
+      problems.push_back(t.name + " (" + std::string(DTypeName(t.dtype)) + " " + ShapeToString(t.shape) +
+                         ", recorded " + std::string(DTypeName(r.dtype)) + " " + ShapeToString(r.shape) + ")");
+    } else if (options.exact) {
+      problems.push_back(t.name + " (digest " + Short(t.digest) + ", recorded " + Short(r.digest) + ")");
+    } else {
+      to_compare.push_back(t.name);
+    }
+  }
+  for (const auto& [name, row] : recorded_rows) problems.push_back(name + " (missing from the merge)");
+  if (!to_compare.empty()) {
+    FERRY_ASSIGN_OR_RETURN(Checkpoint merged, Checkpoint::Open(dir));
+    std::map<std::string, Tensor> a, b;
+    for (const auto& name : to_compare) {
+      FERRY_ASSIGN_OR_RETURN(a[name], merged.Get(name));
+      for (const auto& row : recorded.tensors) {
+        if (row.name == name) {
+          FERRY_ASSIGN_OR_RETURN(b[name], store.ReadTensor(row, true));
+          break;
+        }
+      }
+    }
+    DiffOptions d;
+    d.atol = options.atol;
+    d.rtol = options.rtol;
+    d.max_ulp = options.max_ulp;
+    FERRY_ASSIGN_OR_RETURN(
+        DiffReport report,
+        DiffCheckpoints(Checkpoint::FromTensors(dir, std::move(a)),
+                        Checkpoint::FromTensors("version " + recorded.id.Hex(), std::move(b)), d));
+    for (const auto& t : report.tensors) {
+      if (t.status == DiffStatus::kEqual || t.status == DiffStatus::kWithinTolerance) {
+        ++result.tensors_within_tolerance;
+        result.max_abs_diff = std::max(result.max_abs_diff, t.max_abs_diff);
+        continue;
+      }
+      char buf[160];
+      std::snprintf(buf, sizeof buf, " (%lld of %lld elements outside tolerance, max abs diff %.3g)",
+                    static_cast<long long>(t.outside_tolerance), static_cast<long long>(t.numel), t.max_abs_diff);
+      problems.push_back(t.name + buf);
+    }
+  }
+  if (problems.empty()) {
+    result.checked_against = recorded.id;
+    return Status::OK();
+  }
+  std::string msg = what + " (atol " + std::to_string(options.atol) + ", rtol " + std::to_string(options.rtol) +
+                    "): " + std::to_string(problems.size()) + " tensors differ: ";
+  for (size_t i = 0; i < problems.size(); ++i) msg += (i ? ", " : "") + problems[i];
+  return Status::Corruption(msg);
+}
+
+}  // namespace
+
+Result<MaterializeResult> Materialize(Store& store, const Digest& version, const fs::path& out,
+                                      const MaterializeOptions& options) {
+  FERRY_ASSIGN_OR_RETURN(VersionRecord rec, store.GetVersion(version.Hex()));
+  MaterializeResult result;
+  result.version = rec;
+  result.out = out;
+  const std::string what = "materialize version " + Short(rec.id) + " (" + std::string(KindName(rec.kind)) + ")";
+  std::error_code ec;
+  if (fs::exists(fs::symlink_status(out, ec)) && !options.force) {
+    return Status::AlreadyExists(what + ": " + out.string() + " exists (pass --force to replace it)");
+  }
+  if (rec.kind != VersionKind::kAdapter) {
+    if (options.layout != Layout::kHf) {
+      return Status::InvalidArgument(what + ": layout " + std::string(LayoutName(options.layout)) +
+                                     " applies only to adapter versions (merged on the way out); a " +
+                                     std::string(KindName(rec.kind)) + " version is exported as stored (layout hf)");
+    }
+    FERRY_RETURN_IF_ERROR(store.Export(rec.id, out, options.force).WithContext(what));
+    return result;
+  }
+  if (!rec.base_version) {
+    return Status::FailedPrecondition(what + ": the adapter version records no base_version to merge into "
+                                      "(import it with --base-version)");
+  }
+  auto base = store.GetVersion(rec.base_version->Hex());
+  if (!base.ok()) {
+    return Status(base.status().code(), what + ": base version " + Short(*rec.base_version) +
+                                            " is not in the store: " + base.status().message());
+  }
+  fs::path parent = out.parent_path();
+  if (parent.empty()) parent = ".";
+  if (!fs::is_directory(parent, ec)) {
+    return Status::NotFound(what + ": directory " + parent.string() + " does not exist");
+  }
+  const fs::path work = TempNameFor(out);
+  if (!fs::create_directory(work, ec) || ec) {
+    return Status::IOError(what + ": cannot create " + work.string() + ": " + ec.message());
+  }
+  TreeGuard guard(work);
+  FERRY_RETURN_IF_ERROR(store.Export(base->id, work / "base", false).WithContext(what));
+  FERRY_RETURN_IF_ERROR(store.Export(rec.id, work / "adapter", false).WithContext(what));
+  ConvertOptions c;
+  c.base = work / "base";
+  c.adapter = work / "adapter";
+  c.out = work / "result";
+  c.layout = options.layout;
+  c.threads = options.threads;
+  auto summary = Convert(c);
+  if (!summary.ok()) return summary.status().WithContext(what);
+  result.merged = true;
+  if (options.layout == Layout::kHf) {
+    FERRY_ASSIGN_OR_RETURN(auto recorded, FindRecordedMerge(store, base->id, rec.id));
+    if (recorded) FERRY_RETURN_IF_ERROR(CheckAgainst(store, work / "result", *recorded, options, result).WithContext(what));
+  }
+  FERRY_RETURN_IF_ERROR(MoveIntoPlace(work / "result", out, options.force).WithContext(what));
+  return result;
+}
+
+}  // namespace ferry::store

@@ -1,0 +1,396 @@
+// Opening a store, reads, events, verification and the Status translation at the RocksDB edge.
+#include "store/rocks_store.h"
+
+#include <stdlib.h>
+
+#include <algorithm>
+#include <map>
+
+#include <rocksdb/options.h>
+#include <rocksdb/write_batch.h>
+
+#include "store/internal.h"
+
+namespace ferry::store {
+
+Result<std::unique_ptr<Store>> Store::Open(const std::filesystem::path& dir, const StoreOptions& options) {
+  return internal::RocksStore::OpenImpl(dir, options);
+}
+
+namespace internal {
+namespace {
+
+constexpr char kSchemaKey[] = "schema";
+constexpr char kSchemaVersion[] = "1";
+
+bool IsHex(std::string_view s) {
+  return std::all_of(s.begin(), s.end(), [](char c) { return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'f'); });
+}
+
+std::string ShortList(const std::vector<Digest>& ids) {
+  std::string s;
+  for (size_t i = 0; i < ids.size() && i < 3; ++i) s += (i ? ", " : "") + ids[i].Hex();
+  if (ids.size() > 3) s += " and " + std::to_string(ids.size() - 3) + " more";
+  return s;
+}
+
+}  // namespace
+
+const char* RocksStore::CfName(int cf) {
+  static const char* const kNames[kNumCf] = {"default", "versions", "tensors", "runs", "latest", "objects", "events"};
+  return kNames[cf];
+}
+
+std::string RocksStore::Where(std::string_view msg) const { return "store " + dir_.string() + ": " + std::string(msg); }
+
+Status RocksStore::Translate(const rocksdb::Status& s, std::string_view what) const {
+  const std::string text = s.ToString();
+  const std::string msg = Where(what) + ": " + text;
+  if (s.IsNotFound()) return Status::NotFound(msg);
+  if (s.IsCorruption()) return Status::Corruption(msg);
+  if (s.IsIOError() && (text.find("lock") != std::string::npos || text.find("LOCK") != std::string::npos)) {
+    return Status::FailedPrecondition(Where("another writer holds the store (" + text + ")"));
+  }
+  if (s.IsInvalidArgument() || s.IsNotSupported()) return Status::Corruption(msg);
+  return Status::IOError(msg);
+}
+
+Status RocksStore::RequireWritable(std::string_view operation) const {
+  if (options_.read_only) {
+    return Status::FailedPrecondition(Where(std::string(operation) + " needs a writable store (opened read-only)"));
+  }
+  return Status::OK();
+}
+
+Result<std::unique_ptr<Store>> RocksStore::OpenImpl(const std::filesystem::path& dir, const StoreOptions& options) {
+  std::unique_ptr<RocksStore> store(new RocksStore(dir, options));
+  const auto rdir = dir / "rocksdb";
+  std::error_code ec;
+  const bool exists = std::filesystem::exists(rdir / "CURRENT", ec);
+  if (!exists) {
+    if (options.read_only || !options.create_if_missing) {
+      return Status::NotFound(store->Where("no Ferry store here (" + (rdir / "CURRENT").string() + " is missing)"));
+    }
+  }
+  if (!options.read_only) {
+    for (const auto& d : {rdir, dir / "objects", dir / "aux"}) {
+      std::filesystem::create_directories(d, ec);
+      if (ec) return Status::IOError(store->Where("cannot create " + d.string() + ": " + ec.message()));
+    }
+  }
+
+  rocksdb::Options opts;
+  opts.create_if_missing = !options.read_only;
+  opts.create_missing_column_families = !options.read_only;
+  opts.keep_log_file_num = 4;
+  opts.max_log_file_size = 4 << 20;
+  std::vector<rocksdb::ColumnFamilyDescriptor> descs;
+  for (int i = 0; i < kNumCf; ++i) descs.emplace_back(CfName(i), rocksdb::ColumnFamilyOptions(opts));
+  rocksdb::DB* raw = nullptr;
+  rocksdb::Status st;
+  if (options.read_only) {
+    // A secondary instance keeps its own LOG and MANIFEST copy in a private directory.
+    std::string tmpl = (std::filesystem::temp_directory_path() / "ferry-secondary-XXXXXX").string();
+    if (::mkdtemp(tmpl.data()) == nullptr) return ErrnoStatus(store->Where("cannot create " + tmpl), errno);
+    store->secondary_dir_ = tmpl;
+    opts.max_open_files = -1;  // required for secondaries
+    st = rocksdb::DB::OpenAsSecondary(opts, rdir.string(), store->secondary_dir_.string(), descs, &store->cfs_, &raw);
+  } else {
+    st = rocksdb::DB::Open(rocksdb::DBOptions(opts), rdir.string(), descs, &store->cfs_, &raw);
+  }
+  if (!st.ok()) return store->Translate(st, options.read_only ? "open as a reader" : "open");
+  store->db_.reset(raw);
+
+  FERRY_ASSIGN_OR_RETURN(auto schema, store->Get(kDefault, kSchemaKey));
+  if (!schema) {
+    if (!options.read_only) {
+      rocksdb::WriteBatch batch;
+      batch.Put(store->cfs_[kDefault], kSchemaKey, kSchemaVersion);
+      FERRY_RETURN_IF_ERROR(store->Write(batch, "write schema"));
+    }
+  } else if (*schema != kSchemaVersion) {
+    return Status::Unsupported(store->Where("schema version " + *schema + "; this Ferry reads version " +
+                                            kSchemaVersion));
+  }
+
+  std::unique_ptr<rocksdb::Iterator> it(store->db_->NewIterator(rocksdb::ReadOptions(), store->cfs_[kEvents]));
+  it->SeekToLast();
+  if (it->Valid() && it->key().size() == 16) store->event_counter_ = ReadU64Be(it->key().ToStringView().substr(8)) + 1;
+  if (!it->status().ok()) return store->Translate(it->status(), "read events");
+  return std::unique_ptr<Store>(std::move(store));
+}
+
+RocksStore::~RocksStore() {
+  if (db_) {
+    for (auto* h : cfs_) db_->DestroyColumnFamilyHandle(h);
+    cfs_.clear();
+    (void)db_->Close();
+    db_.reset();
+  }
+  if (!secondary_dir_.empty()) {
+    std::error_code ec;
+    std::filesystem::remove_all(secondary_dir_, ec);
+  }
+}
+
+Result<std::optional<std::string>> RocksStore::Get(Cf cf, const std::string& key) const {
+  std::string value;
+  rocksdb::Status st = db_->Get(rocksdb::ReadOptions(), cfs_[cf], key, &value);
+  if (st.IsNotFound()) return std::optional<std::string>();
+  if (!st.ok()) return Translate(st, std::string("read ") + CfName(cf));
+  return std::optional<std::string>(std::move(value));
+}
+
+Status RocksStore::Write(rocksdb::WriteBatch& batch, std::string_view what) {
+  rocksdb::WriteOptions wo;
+  wo.sync = true;
+  rocksdb::Status st = db_->Write(wo, &batch);
+  if (!st.ok()) return Translate(st, what);
+  return Status::OK();
+}
+
+Result<bool> RocksStore::HasVersion(const Digest& id) const {
+  FERRY_ASSIGN_OR_RETURN(auto v, Get(kVersions, DigestKey(id)));
+  return v.has_value();
+}
+
+Result<std::vector<TensorRow>> RocksStore::LoadTensors(const Digest& id) const {
+  std::vector<TensorRow> rows;
+  const std::string prefix = DigestKey(id);
+  std::unique_ptr<rocksdb::Iterator> it(db_->NewIterator(rocksdb::ReadOptions(), cfs_[kTensors]));
+  for (it->Seek(prefix); it->Valid() && it->key().starts_with(prefix); it->Next()) {
+    auto row = DecodeTensorRow(it->value().ToStringView());
+    if (!row.ok()) return Status::Corruption(Where("version " + id.Hex() + ": " + row.status().message()));
+    rows.push_back(std::move(*row));
+  }
+  if (!it->status().ok()) return Translate(it->status(), "read tensors of version " + id.Hex());
+  return rows;
+}
+
+Result<VersionRecord> RocksStore::LoadVersion(const Digest& id) const {
+  FERRY_ASSIGN_OR_RETURN(auto json, Get(kVersions, DigestKey(id)));
+  if (!json) return Status::NotFound(Where("version " + id.Hex() + " not found"));
+  auto rec = DecodeVersion(*json);
+  if (!rec.ok()) return Status::Corruption(Where(rec.status().message()));
+  FERRY_ASSIGN_OR_RETURN(rec->tensors, LoadTensors(id));
+  return std::move(*rec);
+}
+
+Result<std::pair<uint64_t, std::optional<Digest>>> RocksStore::LastOfRun(const std::string& run) const {
+  const std::string prefix = run + std::string(1, '\0');
+  std::unique_ptr<rocksdb::Iterator> it(db_->NewIterator(rocksdb::ReadOptions(), cfs_[kRuns]));
+  it->SeekForPrev(RunKey(run, UINT64_MAX));
+  if (!it->status().ok()) return Translate(it->status(), "read run " + run);
+  if (!it->Valid() || !it->key().starts_with(prefix) || it->key().size() != prefix.size() + 8) {
+    return std::pair<uint64_t, std::optional<Digest>>{0, std::nullopt};
+  }
+  FERRY_ASSIGN_OR_RETURN(Digest id, DigestFromKey(it->value().ToStringView()));
+  return std::pair<uint64_t, std::optional<Digest>>{ReadU64Be(it->key().ToStringView().substr(prefix.size())), id};
+}
+
+Result<VersionRecord> RocksStore::GetVersion(std::string_view id_or_prefix) {
+  std::string p(id_or_prefix);
+  std::transform(p.begin(), p.end(), p.begin(), [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
+  if (!IsHex(p) || p.size() > 32) {
+    return Status::InvalidArgument(Where("'" + std::string(id_or_prefix) + "' is not a version id (32 hex characters)"));
+  }
+  if (p.size() == 32) {
+    FERRY_ASSIGN_OR_RETURN(Digest id, Digest::FromHex(p));
+    return LoadVersion(id);
+  }
+  if (p.size() < 6) {
+    return Status::InvalidArgument(Where("version prefix '" + p + "' is too short (at least 6 hex characters)"));
+  }
+  // Seek to the whole bytes of the prefix, then compare hex text.
+  std::string padded = p + std::string(32 - p.size(), '0');
+  FERRY_ASSIGN_OR_RETURN(Digest lower, Digest::FromHex(padded));
+  std::vector<Digest> matches;
+  std::unique_ptr<rocksdb::Iterator> it(db_->NewIterator(rocksdb::ReadOptions(), cfs_[kVersions]));
+  for (it->Seek(DigestKey(lower)); it->Valid() && matches.size() < 2; it->Next()) {
+    FERRY_ASSIGN_OR_RETURN(Digest id, DigestFromKey(it->key().ToStringView()));
+    if (id.Hex().compare(0, p.size(), p) != 0) break;
+    matches.push_back(id);
+  }
+  if (!it->status().ok()) return Translate(it->status(), "read versions");
+  if (matches.empty()) return Status::NotFound(Where("no version matches '" + p + "'"));
+  if (matches.size() > 1) {
+    return Status::InvalidArgument(Where("version prefix '" + p + "' is ambiguous (" + matches[0].Hex() + ", " +
+                                         matches[1].Hex() + ", ...)"));
+  }
+  return LoadVersion(matches[0]);
+}
+
+Result<std::vector<VersionRecord>> RocksStore::ListVersions(std::optional<std::string> run) {
+  std::vector<VersionRecord> out;
+  if (run) {
+    const std::string prefix = *run + std::string(1, '\0');
+    std::vector<Digest> ids;
+    std::unique_ptr<rocksdb::Iterator> it(db_->NewIterator(rocksdb::ReadOptions(), cfs_[kRuns]));
+    for (it->Seek(prefix); it->Valid() && it->key().starts_with(prefix); it->Next()) {
+      if (it->key().size() != prefix.size() + 8) continue;  // a longer run name sharing the prefix
+      FERRY_ASSIGN_OR_RETURN(Digest id, DigestFromKey(it->value().ToStringView()));
+      ids.push_back(id);
+    }
+    if (!it->status().ok()) return Translate(it->status(), "read run " + *run);
+    for (const Digest& id : ids) {
+      FERRY_ASSIGN_OR_RETURN(VersionRecord r, LoadVersion(id));
+      out.push_back(std::move(r));
+    }
+    return out;
+  }
+  std::unique_ptr<rocksdb::Iterator> it(db_->NewIterator(rocksdb::ReadOptions(), cfs_[kVersions]));
+  for (it->SeekToFirst(); it->Valid(); it->Next()) {
+    auto rec = DecodeVersion(it->value().ToStringView());
+    if (!rec.ok()) return Status::Corruption(Where(rec.status().message()));
+    FERRY_ASSIGN_OR_RETURN(rec->tensors, LoadTensors(rec->id));
+    out.push_back(std::move(*rec));
+  }
+  if (!it->status().ok()) return Translate(it->status(), "read versions");
+  std::sort(out.begin(), out.end(), [](const VersionRecord& a, const VersionRecord& b) {
+    return std::tie(a.time_ns, a.run, a.sequence) < std::tie(b.time_ns, b.run, b.sequence);
+  });
+  return out;
+}
+
+Result<std::vector<std::string>> RocksStore::ListRuns() {
+  std::vector<std::string> runs;
+  std::unique_ptr<rocksdb::Iterator> it(db_->NewIterator(rocksdb::ReadOptions(), cfs_[kLatest]));
+  for (it->SeekToFirst(); it->Valid(); it->Next()) runs.push_back(it->key().ToString());
+  if (!it->status().ok()) return Translate(it->status(), "read runs");
+  return runs;
+}
+
+Result<std::optional<Digest>> RocksStore::Latest(const std::string& run) {
+  FERRY_ASSIGN_OR_RETURN(auto v, Get(kLatest, run));
+  if (!v) return std::optional<Digest>();
+  FERRY_ASSIGN_OR_RETURN(Digest id, DigestFromKey(*v));
+  return std::optional<Digest>(id);
+}
+
+std::vector<Digest> RocksStore::VersionsHolding(const std::string& name, const Digest& digest) const {
+  std::vector<Digest> ids;
+  std::unique_ptr<rocksdb::Iterator> it(db_->NewIterator(rocksdb::ReadOptions(), cfs_[kTensors]));
+  for (it->SeekToFirst(); it->Valid(); it->Next()) {
+    auto key = it->key().ToStringView();
+    if (key.size() != 16 + name.size() || key.substr(16) != name) continue;
+    auto row = DecodeTensorRow(it->value().ToStringView());
+    if (row.ok() && row->digest == digest) {
+      auto id = DigestFromKey(key);
+      if (id.ok()) ids.push_back(*id);
+    }
+  }
+  return ids;
+}
+
+Result<Tensor> RocksStore::ReadTensor(const TensorRow& row, bool verify) {
+  const auto path = objects_.PathOf(ObjectStore::Kind::kTensor, row.digest);
+  auto describe = [&] {
+    auto holders = VersionsHolding(row.name, row.digest);
+    std::string v = holders.empty() ? "no stored version" : "version " + ShortList(holders);
+    return "tensor '" + row.name + "' of " + v;
+  };
+  auto file = MappedFile::Open(path);
+  if (!file.ok()) {
+    return Status(file.status().code(), Where(describe() + ": object " + path.string() + ": " +
+                                              file.status().message()));
+  }
+  if ((*file)->size() != row.nbytes) {
+    return Status::Corruption(Where(describe() + ": object " + path.string() + " has " +
+                                    std::to_string((*file)->size()) + " bytes, expected " +
+                                    std::to_string(row.nbytes)));
+  }
+  auto t = Tensor::Wrap(row.dtype, row.shape, (*file)->bytes(), *file);
+  if (!t.ok()) return Status::Corruption(Where(describe() + ": " + t.status().message()));
+  if (verify) {
+    Digest got = TensorDigest(*t);
+    if (got != row.digest) {
+      return Status::Corruption(Where(describe() + " is corrupted: object " + path.string() + " hashes to " +
+                                      got.Hex() + ", expected " + row.digest.Hex()));
+    }
+  }
+  return t;
+}
+
+Result<std::string> RocksStore::ReadAux(const AuxFile& aux) {
+  const auto path = objects_.PathOf(ObjectStore::Kind::kAux, aux.digest);
+  auto text = ReadSmallFile(path, size_t{256} << 20);
+  if (!text.ok()) {
+    return Status(text.status().code(), Where("auxiliary file '" + aux.name + "': " + text.status().message()));
+  }
+  if (text->size() != aux.size || HashString(*text) != aux.digest) {
+    return Status::Corruption(Where("auxiliary file '" + aux.name + "' is corrupted: object " + path.string() +
+                                    " does not match digest " + aux.digest.Hex()));
+  }
+  return text;
+}
+
+Result<std::vector<VerifyReport>> RocksStore::Verify(std::optional<Digest> version) {
+  std::vector<VersionRecord> records;
+  if (version) {
+    FERRY_ASSIGN_OR_RETURN(VersionRecord r, LoadVersion(*version));
+    records.push_back(std::move(r));
+  } else {
+    FERRY_ASSIGN_OR_RETURN(records, ListVersions(std::nullopt));
+  }
+  // An object shared by many versions is hashed once per call.
+  std::map<Digest, StatusCode> tensor_state, aux_state;
+  std::vector<VerifyReport> reports;
+  for (const VersionRecord& r : records) {
+    VerifyReport rep;
+    rep.version = r.id;
+    for (const TensorRow& row : r.tensors) {
+      auto [it, fresh] = tensor_state.try_emplace(row.digest, StatusCode::kOk);
+      if (fresh) it->second = objects_.CheckTensor(row).code();
+      if (it->second == StatusCode::kNotFound) {
+        rep.missing.push_back(row.name);
+      } else if (it->second != StatusCode::kOk) {
+        rep.corrupted.push_back(row.name);
+      }
+    }
+    for (const AuxFile& a : r.aux) {
+      auto [it, fresh] = aux_state.try_emplace(a.digest, StatusCode::kOk);
+      if (fresh) it->second = objects_.CheckAux(a).code();
+      if (it->second == StatusCode::kNotFound) {
+        rep.missing.push_back(a.name);
+      } else if (it->second != StatusCode::kOk) {
+        rep.corrupted.push_back(a.name);
+      }
+    }
+    reports.push_back(std::move(rep));
+  }
+  return reports;
+}
+
+Status RocksStore::AddEvent(const Event& e) {
+  FERRY_RETURN_IF_ERROR(RequireWritable("adding an event"));
+  if (e.time_ns < 0) return Status::InvalidArgument(Where("event time " + std::to_string(e.time_ns) + " is negative"));
+  Event stored = e;
+  if (stored.time_ns == 0) stored.time_ns = NowNs();
+  rocksdb::WriteBatch batch;
+  batch.Put(cfs_[kEvents], EventKey(stored.time_ns, event_counter_), EncodeEvent(stored));
+  FERRY_RETURN_IF_ERROR(Write(batch, "add event for version " + e.version.Hex()));
+  ++event_counter_;
+  return Status::OK();
+}
+
+Result<std::vector<Event>> RocksStore::ListEvents(std::optional<Digest> version) {
+  std::vector<Event> out;
+  std::unique_ptr<rocksdb::Iterator> it(db_->NewIterator(rocksdb::ReadOptions(), cfs_[kEvents]));
+  for (it->SeekToFirst(); it->Valid(); it->Next()) {
+    auto e = DecodeEvent(it->value().ToStringView());
+    if (!e.ok()) return Status::Corruption(Where(e.status().message()));
+    if (!version || e->version == *version) out.push_back(std::move(*e));
+  }
+  if (!it->status().ok()) return Translate(it->status(), "read events");
+  return out;
+}
+
+Status RocksStore::Refresh() {
+  if (!options_.read_only) return Status::OK();
+  rocksdb::Status st = db_->TryCatchUpWithPrimary();
+  if (!st.ok()) return Translate(st, "catch up with the writer");
+  return Status::OK();
+}
+
+}  // namespace internal
+}  // namespace ferry::store

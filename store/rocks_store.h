@@ -1,0 +1,80 @@
+// RocksStore: the Store of store.h over RocksDB and the object directories. Internal; the
+// implementation is split by concern: rocks_store.cpp (open, reads, events, verify),
+// import.cpp, export.cpp, gc.cpp.
+#pragma once
+
+#include <filesystem>
+#include <memory>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include <rocksdb/db.h>
+
+#include "store/object_store.h"
+#include "store/store.h"
+
+namespace ferry::store::internal {
+
+class RocksStore final : public Store {
+ public:
+  static Result<std::unique_ptr<Store>> OpenImpl(const std::filesystem::path& dir, const StoreOptions& options);
+  ~RocksStore() override;
+
+  Result<ImportResult> Import(const std::filesystem::path& path, const ImportOptions& options) override;
+  Result<ImportResult> ImportCheckpoint(const Checkpoint& ckpt,
+                                        const std::vector<std::pair<std::string, std::string>>& aux_files,
+                                        const ImportOptions& options) override;
+  Result<VersionRecord> GetVersion(std::string_view id_or_prefix) override;
+  Result<std::vector<VersionRecord>> ListVersions(std::optional<std::string> run) override;
+  Result<std::vector<std::string>> ListRuns() override;
+  Result<std::optional<Digest>> Latest(const std::string& run) override;
+  Result<Tensor> ReadTensor(const TensorRow& row, bool verify) override;
+  Result<std::string> ReadAux(const AuxFile& aux) override;
+  Result<std::vector<VerifyReport>> Verify(std::optional<Digest> version) override;
+  Status Export(const Digest& version, const std::filesystem::path& out, bool force) override;
+  Status AddEvent(const Event& e) override;
+  Result<std::vector<Event>> ListEvents(std::optional<Digest> version) override;
+  Result<int64_t> GarbageCollect(int64_t keep) override;
+  Status Refresh() override;
+
+ private:
+  // Column families, in the order they are opened.
+  enum Cf { kDefault = 0, kVersions, kTensors, kRuns, kLatest, kObjects, kEvents, kNumCf };
+  static const char* CfName(int cf);
+
+  RocksStore(std::filesystem::path dir, const StoreOptions& options)
+      : dir_(std::move(dir)), options_(options), objects_(dir_, options.sync_objects) {}
+
+  // "store <dir>: <what>: <rocksdb message>" with the code mapped from `s`.
+  Status Translate(const rocksdb::Status& s, std::string_view what) const;
+  // "store <dir>: <msg>"
+  std::string Where(std::string_view msg) const;
+  Status RequireWritable(std::string_view operation) const;
+
+  // nullopt when absent.
+  Result<std::optional<std::string>> Get(Cf cf, const std::string& key) const;
+  Status Write(rocksdb::WriteBatch& batch, std::string_view what);
+  // The record (tensors included); kNotFound naming the id when absent.
+  Result<VersionRecord> LoadVersion(const Digest& id) const;
+  Result<bool> HasVersion(const Digest& id) const;
+  Result<std::vector<TensorRow>> LoadTensors(const Digest& id) const;
+  // The highest sequence of `run` (0 when it has none) and the version holding it.
+  Result<std::pair<uint64_t, std::optional<Digest>>> LastOfRun(const std::string& run) const;
+  // The versions holding a tensor `name` with digest `digest` (for error messages).
+  std::vector<Digest> VersionsHolding(const std::string& name, const Digest& digest) const;
+  // Writes any object of `row` not yet stored; adds to the counters.
+  Status StoreTensorObject(const Tensor& t, const TensorRow& row, std::set<std::filesystem::path>& dirty,
+                           std::set<Digest>& written, ImportResult& result);
+
+  std::filesystem::path dir_;
+  StoreOptions options_;
+  ObjectStore objects_;
+  std::unique_ptr<rocksdb::DB> db_;
+  std::vector<rocksdb::ColumnFamilyHandle*> cfs_;
+  std::filesystem::path secondary_dir_;  // read-only stores: RocksDB's private directory
+  uint64_t event_counter_ = 0;
+};
+
+}  // namespace ferry::store::internal

@@ -1,0 +1,252 @@
+// The weight store: every set of weights Ferry produces, imports or moves becomes a
+// content-addressed, verifiable version recorded in RocksDB.
+//
+// ---------------------------------------------------------------------------------------
+// Digests (defined here, once; docs/store.md repeats them).
+//   tensor digest   = XXH3-128( "ferry.tensor.v1\0" || dtype name || "\0" || u32le(ndim) ||
+//                               i64le(dim_0) .. i64le(dim_n-1) || raw bytes )
+//                     raw bytes little-endian, C order, exactly as in safetensors.
+//   manifest digest = XXH3-128( "ferry.manifest.v1\0" || for each tensor sorted by name:
+//                               name || "\0" || dtype name || "\0" || u32le(ndim) ||
+//                               i64le dims || tensor digest (16 bytes, big-endian hi then lo)
+//                               || "ferry.aux.v1\0" || for each auxiliary file sorted by
+//                               name: name || "\0" || XXH3-128(contents) (16 bytes) )
+//   Digests print as 32 lowercase hex characters (hi then lo). The version id IS the
+//   manifest digest: the same weights (and configs) always get the same id.
+//   Auxiliary files: config.json, generation_config.json, tokenizer*.json,
+//   special_tokens_map.json, tokenizer.model, vocab.*, merges.txt, chat_template.*,
+//   adapter_config.json — whichever exist beside the weights.
+//
+// On-disk layout of a store at DB/:
+//   DB/rocksdb/            RocksDB, column families below
+//   DB/objects/ab/cdef…    tensor bytes, one file per tensor digest (raw bytes only, no
+//                          header), written to a temp name, fsynced, renamed: shared by every
+//                          version that holds the same tensor (frozen base weights are stored
+//                          once). Chosen over RocksDB blob files so that tensors can be
+//                          memory-mapped and copied with copy_file_range when materialised,
+//                          and verified or collected file by file.
+//   DB/aux/ab/cdef…        auxiliary files by content digest, same rules.
+//
+// RocksDB column families (keys are bytes; u64be = 8-byte big-endian so keys sort numerically):
+//   "versions"  version id (16 bytes)                    -> VersionRecord as JSON
+//   "tensors"   version id || name                        -> TensorRow as JSON
+//   "runs"      run || "\0" || u64be(sequence)            -> version id
+//   "latest"    run                                       -> version id
+//   "objects"   tensor digest (16 bytes)                  -> u64le(size) (presence = stored)
+//   "events"    u64be(time_ns) || u64be(event counter)    -> Event as JSON
+//   "default"   "schema"                                  -> "1"
+//
+// Commit protocol: object files are written and fsynced first (and their directory);
+// then ONE WriteBatch with sync = true adds the version record, its tensor rows, the run
+// index entry and the latest pointer. A version is visible iff its batch committed, so a
+// crash at any point leaves either the whole version or none of it (orphan objects are
+// removed by gc). Readers (the CLI) may open the store while a writer holds it: they open
+// RocksDB as a secondary instance and see every version committed before they opened.
+//
+// Decisions the implementation (store/*.cpp) makes where the above leaves room:
+//   - Aux digests in the manifest are 16 bytes big-endian hi then lo, like tensor digests.
+//     Version keys and object keys are the digest in that same byte order, so key order is
+//     hex order (prefix lookups seek directly).
+//   - "versions" values hold the record WITHOUT its tensors (they are the "tensors" rows);
+//     GetVersion / ListVersions return records with tensors filled in. The "objects" rows
+//     of a version's tensors are written in its commit batch; an object file without a row
+//     (a crash between the write and the commit) is rewritten by the next import that
+//     needs it and removed by gc.
+//   - read_only: RocksDB's secondary instance keeps its own LOG/MANIFEST copy in a private
+//     directory made with mkdtemp under $TMPDIR (default /tmp), "ferry-secondary-XXXXXX",
+//     removed when the Store is destroyed; the store directory itself is never written, so
+//     a reader needs no write permission there. Writing calls on a read-only store return
+//     kFailedPrecondition. A second writer (another process, or a second writable Store
+//     in the same process) gets kFailedPrecondition naming the directory.
+//   - Import of weights whose version id is already stored commits nothing: the stored
+//     record is returned (with its original run and sequence) and already_present is set.
+//   - Import(path) sets kind = kAdapter (when options.kind is the default kFull) if the
+//     weights file is adapter_model.* or adapter_config.json is beside it, and then fills
+//     adapter_config. Auxiliary files come from the weights' directory (a file's parent).
+//     An explicit ImportOptions.parent must be a stored version (kNotFound otherwise);
+//     base_version / adapter_version are recorded as given.
+//   - Statistics: l2_norm sums the squares of the finite elements only (NaN/Inf are counted
+//     in nonfinite); all_zero is true when every element is +0 or -0. Computed for F32,
+//     F64, F16, BF16, F8_E4M3 and F8_E5M2; zero for every other dtype.
+//   - Verify hashes each distinct object once per call; auxiliary files that are missing
+//     or corrupted are reported in missing/corrupted under their file name.
+//   - Export writes model.safetensors (adapter_model.safetensors for adapters), sharded at
+//     5,000,000,000 bytes when larger, plus the aux files, into a hidden temporary directory
+//     beside `out`, renamed into place (an existing `out` is replaced only with force).
+//   - GarbageCollect(keep), keep >= 1 (kInvalidArgument otherwise): kept = the newest
+//     `keep` of each run, plus the direct parent of each of those (one level, not the
+//     parent's parent), plus base/adapter references followed transitively. Removed
+//     versions lose their records, tensor rows and run entries; events stay.
+//   - Events are committed with sync = true; time_ns 0 means "now".
+// ---------------------------------------------------------------------------------------
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <functional>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "core/checkpoint.h"
+#include "core/status.h"
+
+namespace ferry::store {
+
+struct Digest {
+  uint64_t hi = 0;
+  uint64_t lo = 0;
+  bool operator==(const Digest&) const = default;
+  auto operator<=>(const Digest&) const = default;
+  std::string Hex() const;                      // 32 lowercase hex chars
+  static Result<Digest> FromHex(std::string_view hex);  // kInvalidArgument on bad text
+};
+
+// The tensor digest defined above, streamed over `t`'s bytes.
+Digest TensorDigest(const Tensor& t);
+// The same over bytes held elsewhere (e.g. a file range being copied).
+Digest TensorDigest(DType dtype, const Shape& shape, std::span<const std::byte> bytes);
+
+enum class VersionKind { kBase, kAdapter, kMerged, kFull };
+enum class VersionSource { kConvert, kImport, kDaemon, kSync };
+std::string_view KindName(VersionKind k);
+std::string_view SourceName(VersionSource s);
+Result<VersionKind> ParseKind(std::string_view s);
+
+// Per-tensor facts recorded at import (the audit uses them).
+struct TensorRow {
+  std::string name;
+  DType dtype = DType::kF32;
+  Shape shape;
+  Digest digest;
+  uint64_t nbytes = 0;
+  // Floating-point tensors only (zeros otherwise):
+  double l2_norm = 0;       // sqrt(sum x^2) in double
+  int64_t nonfinite = 0;    // NaN or Inf elements
+  bool all_zero = false;
+};
+
+struct AuxFile {
+  std::string name;
+  Digest digest;
+  uint64_t size = 0;
+};
+
+struct VersionRecord {
+  Digest id;                          // = manifest digest
+  std::string run;                    // Default: "default"
+  uint64_t sequence = 0;              // 1, 2, ... within the run, assigned at commit
+  std::optional<Digest> parent;       // the run's previous version, unless given
+  VersionKind kind = VersionKind::kFull;
+  std::string layout = "hf";          // hf | fused | lora
+  VersionSource source = VersionSource::kImport;
+  int64_t time_ns = 0;                // commit time, Unix epoch
+  std::optional<int64_t> step;        // training step
+  std::optional<Digest> base_version; // the base an adapter applies to / a merge came from
+  std::optional<Digest> adapter_version;  // for merged versions: the adapter merged in
+  std::string adapter_config;         // adapter_config.json text, for adapters
+  std::map<std::string, double> metrics;  // free-form (reward_mean, ...)
+  std::vector<TensorRow> tensors;     // sorted by name
+  std::vector<AuxFile> aux;           // sorted by name
+  uint64_t total_bytes = 0;
+};
+
+// One thing that happened to a version, recorded by sync and the daemon.
+struct Event {
+  enum class Type { kPublished, kAcknowledged, kActivated, kAnomaly };
+  Type type = Type::kPublished;
+  int64_t time_ns = 0;
+  std::string receiver;               // receiver id for acks/activations
+  Digest version;                     // the version concerned
+  std::optional<Digest> computed;     // the manifest digest the receiver computed
+  std::string detail;                 // free text (anomaly description, endpoint, ...)
+};
+std::string_view EventTypeName(Event::Type t);
+
+struct ImportOptions {
+  std::string run = "default";
+  VersionKind kind = VersionKind::kFull;  // Default: full (adapter when the path is a PEFT adapter)
+  std::string layout = "hf";
+  VersionSource source = VersionSource::kImport;
+  std::optional<int64_t> step;
+  std::optional<Digest> base_version;
+  std::optional<Digest> adapter_version;
+  std::optional<Digest> parent;           // Default: the run's latest version
+  std::map<std::string, double> metrics;
+  // Called with (bytes hashed so far, total bytes).
+  std::function<void(uint64_t, uint64_t)> progress;
+};
+
+struct ImportResult {
+  VersionRecord record;
+  bool already_present = false;  // the same version id was already stored (nothing new written)
+  uint64_t bytes_written = 0;    // new object bytes written (0 when everything was stored)
+  int64_t objects_written = 0;
+};
+
+struct VerifyReport {
+  Digest version;
+  std::vector<std::string> missing;     // tensors whose object file is gone
+  std::vector<std::string> corrupted;   // object bytes whose digest differs from the record
+  bool ok() const { return missing.empty() && corrupted.empty(); }
+};
+
+struct StoreOptions {
+  bool create_if_missing = false;  // Default: false (opening a missing store is kNotFound)
+  bool read_only = false;          // open as a RocksDB secondary: never blocks a writer
+  bool sync_objects = true;        // fsync object files before committing. Default: true.
+};
+
+// A store on disk. Thread-compatible: one writer object per store; many readers.
+class Store {
+ public:
+  // Opens (or creates) the store at `dir`. A writer fails with kFailedPrecondition naming
+  // the directory when another process holds it for writing.
+  static Result<std::unique_ptr<Store>> Open(const std::filesystem::path& dir, const StoreOptions& options);
+  virtual ~Store() = default;
+
+  // Records the weights at `path` (a safetensors file, model directory or PEFT adapter
+  // directory) as a version: hashes every tensor, stores bytes not yet stored, commits.
+  virtual Result<ImportResult> Import(const std::filesystem::path& path, const ImportOptions& options) = 0;
+  // The same for tensors already open (the sync publisher and daemon use this).
+  virtual Result<ImportResult> ImportCheckpoint(const Checkpoint& ckpt, const std::vector<std::pair<std::string, std::string>>& aux_files,
+                                                const ImportOptions& options) = 0;
+
+  // kNotFound naming the id when absent. `prefix`: a unique hex prefix (>= 6 chars) is accepted.
+  virtual Result<VersionRecord> GetVersion(std::string_view id_or_prefix) = 0;
+  // Versions, oldest first, optionally of one run.
+  virtual Result<std::vector<VersionRecord>> ListVersions(std::optional<std::string> run) = 0;
+  virtual Result<std::vector<std::string>> ListRuns() = 0;
+  virtual Result<std::optional<Digest>> Latest(const std::string& run) = 0;
+
+  // A stored tensor's bytes (memory-mapped object file), checked against its digest when
+  // `verify` is set (kCorruption naming the version and tensor otherwise).
+  virtual Result<Tensor> ReadTensor(const TensorRow& row, bool verify) = 0;
+  // A stored auxiliary file's contents.
+  virtual Result<std::string> ReadAux(const AuxFile& aux) = 0;
+
+  // Re-hashes every stored byte of `version` (all versions when nullopt).
+  virtual Result<std::vector<VerifyReport>> Verify(std::optional<Digest> version) = 0;
+
+  // Writes a version out as a loadable directory (safetensors + aux files), atomically.
+  virtual Status Export(const Digest& version, const std::filesystem::path& out, bool force) = 0;
+
+  virtual Status AddEvent(const Event& e) = 0;
+  virtual Result<std::vector<Event>> ListEvents(std::optional<Digest> version) = 0;
+
+  // Keeps the newest `keep` versions of each run (and every version they reference as
+  // base/adapter/parent); deletes the rest and every object no kept version uses.
+  // Returns the number of versions removed.
+  virtual Result<int64_t> GarbageCollect(int64_t keep) = 0;
+
+  // For read-only (secondary) stores: catch up with the writer's newest commits.
+  virtual Status Refresh() = 0;
+};
+
+// Hashes the weights at `path` without storing them (what `ferry verify PATH` does): a
+// record with id, tensors and aux files filled in (run/sequence empty).
+Result<VersionRecord> HashPath(const std::filesystem::path& path, const std::function<void(uint64_t, uint64_t)>& progress = {});
+
+}  // namespace ferry::store

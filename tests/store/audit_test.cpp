@@ -1,0 +1,325 @@
+// The post-run audit (store/audit.h): each anomaly rule on stores built from synthetic
+// tensors, a clean run reporting none, and the JSON / HTML renderings.
+#include "store/audit.h"
+
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <filesystem>
+#include <limits>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "core/mapped_file.h"
+#include "core/safetensors.h"
+
+namespace ferry::store {
+namespace {
+
+namespace fs = std::filesystem;
+
+// name -> (shape, values), written as F32.
+using Tensors = std::map<std::string, std::pair<Shape, std::vector<float>>>;
+
+class AuditTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = fs::path(::testing::TempDir()) / ("ferry_audit_test_" + std::to_string(::getpid()));
+    fs::remove_all(dir_);
+    fs::create_directories(dir_);
+    StoreOptions o;
+    o.create_if_missing = true;
+    o.sync_objects = false;
+    auto s = Store::Open(dir_ / "db", o);
+    ASSERT_TRUE(s.ok()) << s.status().ToString();
+    store_ = std::move(*s);
+  }
+  void TearDown() override {
+    store_.reset();
+    fs::remove_all(dir_);
+  }
+
+  // Writes `tensors` into a fresh directory (model.safetensors, or adapter_model.safetensors
+  // + adapter_config.json when `adapter`).
+  fs::path Write(const Tensors& tensors, bool adapter, const std::string& config = "") {
+    const fs::path d = dir_ / ("w" + std::to_string(counter_++));
+    fs::create_directories(d);
+    std::vector<TensorSpec> specs;
+    for (const auto& [name, t] : tensors) specs.push_back({name, DType::kF32, t.first});
+    auto w = SafetensorsWriter::CreateFile(d / (adapter ? "adapter_model.safetensors" : "model.safetensors"), specs);
+    EXPECT_TRUE(w.ok()) << w.status().ToString();
+    for (const auto& [name, t] : tensors) {
+      std::span<const std::byte> bytes(reinterpret_cast<const std::byte*>(t.second.data()), t.second.size() * 4);
+      EXPECT_TRUE((*w)->Append(bytes).ok());
+    }
+    EXPECT_TRUE((*w)->Finish().ok());
+    if (adapter) {
+      EXPECT_TRUE(WriteFileAtomic(d / "adapter_config.json",
+                                  R"({"peft_type":"LORA","r":1,"lora_alpha":1,"target_modules":["q_proj"]})")
+                      .ok());
+    }
+    if (!config.empty()) {
+      EXPECT_TRUE(WriteFileAtomic(d / "config.json", config).ok());
+    }
+    return d;
+  }
+
+  VersionRecord Import(const Tensors& tensors, VersionKind kind, std::optional<int64_t> step = std::nullopt,
+                       std::optional<Digest> base = std::nullopt, std::optional<Digest> adapter = std::nullopt,
+                       std::map<std::string, double> metrics = {}, const std::string& config = "") {
+    ImportOptions o;
+    o.run = "r";
+    o.kind = kind;
+    o.step = step;
+    o.base_version = base;
+    o.adapter_version = adapter;
+    o.metrics = std::move(metrics);
+    auto r = store_->Import(Write(tensors, kind == VersionKind::kAdapter, config), o);
+    EXPECT_TRUE(r.ok()) << r.status().ToString();
+    return r.ok() ? r->record : VersionRecord{};
+  }
+
+  // A one-layer adapter: lora_A [1, 2] = {a, 0}, lora_B [2, 1] = {b, 0}.
+  static Tensors Adapter(float a, float b) {
+    return {{"base_model.model.layers.0.q_proj.lora_A.weight", {{1, 2}, {a, 0}}},
+            {"base_model.model.layers.0.q_proj.lora_B.weight", {{2, 1}, {b, 0}}}};
+  }
+  static Tensors Base(float w = 1) { return {{"layers.0.q_proj.weight", {{2, 2}, {w, 2, 3, 4}}}}; }
+
+  AuditReport Audit(AuditOptions o = {}) {
+    auto r = RunAudit(*store_, o);
+    EXPECT_TRUE(r.ok()) << r.status().ToString();
+    return r.ok() ? *r : AuditReport{};
+  }
+
+  Status Record(Event::Type type, const Digest& v, const std::string& receiver, std::optional<Digest> computed,
+               int64_t t) {
+    store::Event e;
+    e.type = type;
+    e.version = v;
+    e.receiver = receiver;
+    e.computed = computed;
+    e.time_ns = t;
+    return store_->AddEvent(e);
+  }
+
+  std::vector<const Anomaly*> Of(const AuditReport& r, AnomalyKind k) {
+    std::vector<const Anomaly*> out;
+    for (const auto& a : r.anomalies) {
+      if (a.kind == k) out.push_back(&a);
+    }
+    return out;
+  }
+
+  fs::path dir_;
+  int counter_ = 0;
+  std::unique_ptr<Store> store_;
+};
+
+TEST_F(AuditTest, CleanRunReportsNoAnomalies) {
+  VersionRecord base = Import(Base(), VersionKind::kBase);
+  VersionRecord a1 = Import(Adapter(1, 1), VersionKind::kAdapter, 1, base.id, std::nullopt, {{"reward_mean", 0.1}});
+  VersionRecord a2 = Import(Adapter(2, 1), VersionKind::kAdapter, 2, base.id, std::nullopt, {{"reward_mean", 0.2}});
+  VersionRecord a3 = Import(Adapter(3, 1), VersionKind::kAdapter, 3, base.id, std::nullopt, {{"reward_mean", 0.3}});
+  VersionRecord m = Import(Base(2), VersionKind::kMerged, 3, base.id, a3.id);
+  for (const auto& v : {base, a1, a2, a3, m}) ASSERT_TRUE(Record(Event::Type::kPublished, v.id, "", std::nullopt, 10).ok());
+  ASSERT_TRUE(Record(Event::Type::kActivated, m.id, "gen-0", m.id, 20).ok());
+
+  AuditReport r = Audit();
+  EXPECT_TRUE(r.anomalies.empty()) << r.anomalies.front().message;
+  ASSERT_EQ(r.timeline.size(), 5u);
+  EXPECT_EQ(r.timeline[0].version.id, base.id);
+  EXPECT_EQ(r.timeline[4].version.sequence, 5u);
+  // d_k = |a_k - a_{k-1}| (only lora_A[0] changes): 1 and 1.
+  ASSERT_TRUE(r.timeline[2].delta_norm.has_value());
+  EXPECT_DOUBLE_EQ(*r.timeline[2].delta_norm, 1.0);
+  EXPECT_DOUBLE_EQ(*r.timeline[3].delta_norm, 1.0);
+  EXPECT_FALSE(r.timeline[1].delta_norm.has_value());
+  ASSERT_EQ(r.receivers.size(), 1u);
+  EXPECT_EQ(r.receivers[0].receiver, "gen-0");
+  EXPECT_TRUE(r.receivers[0].digest_matched);
+  EXPECT_EQ(r.timeline[4].activated_by, std::vector<std::string>{"gen-0"});
+  EXPECT_TRUE(r.gaps.empty());
+  // A receiver exists, so unacknowledged versions are listed: all but the merged one.
+  EXPECT_EQ(r.never_acknowledged.size(), 4u);
+  EXPECT_EQ(r.metric_names, std::vector<std::string>{"reward_mean"});
+}
+
+TEST_F(AuditTest, MergedEqualToBaseWithNonZeroAdapterIsFlagged) {
+  VersionRecord base = Import(Base(), VersionKind::kBase);
+  VersionRecord a = Import(Adapter(1, 0.5f), VersionKind::kAdapter, 1, base.id);
+  // The flat-reward failure: what was recorded as the merge holds the base's weights (its
+  // config.json makes it a version of its own: identical files would be the base's id).
+  VersionRecord m = Import(Base(), VersionKind::kMerged, 1, base.id, a.id, {}, R"({"merged": true})");
+  ASSERT_NE(m.id, base.id);
+  ASSERT_EQ(m.kind, VersionKind::kMerged);
+  AuditReport r = Audit();
+  auto found = Of(r, AnomalyKind::kMergedEqualsBase);
+  ASSERT_EQ(found.size(), 1u);
+  EXPECT_EQ(found[0]->version, m.id);
+  EXPECT_EQ(found[0]->tensor, "base_model.model.layers.0.q_proj.lora_B.weight");
+  EXPECT_NE(found[0]->message.find("has the same tensor digests as its base version " + base.id.Hex().substr(0, 12)),
+            std::string::npos)
+      << found[0]->message;
+  EXPECT_NE(found[0]->message.find("adapter version " + a.id.Hex().substr(0, 12) + " is non-zero"), std::string::npos);
+  EXPECT_NE(found[0]->message.find("l2_norm 0.5"), std::string::npos) << found[0]->message;
+}
+
+TEST_F(AuditTest, MergedEqualToBaseWithZeroAdapterIsNotAMergeFailure) {
+  VersionRecord base = Import(Base(), VersionKind::kBase);
+  VersionRecord a = Import(Adapter(1, 0), VersionKind::kAdapter, 0, base.id);
+  VersionRecord m = Import(Base(), VersionKind::kMerged, 0, base.id, a.id, {}, R"({"merged": true})");
+  ASSERT_EQ(m.kind, VersionKind::kMerged);
+  AuditReport r = Audit();
+  EXPECT_TRUE(Of(r, AnomalyKind::kMergedEqualsBase).empty());
+  // Step 0: B is zero by PEFT's initialisation, not flagged either.
+  EXPECT_TRUE(Of(r, AnomalyKind::kZeroAdapter).empty());
+}
+
+TEST_F(AuditTest, AllZeroAdapterIsFlaggedAfterStepZero) {
+  VersionRecord base = Import(Base(), VersionKind::kBase);
+  VersionRecord a = Import(Adapter(1, 0), VersionKind::kAdapter, 7, base.id);
+  AuditReport r = Audit();
+  auto found = Of(r, AnomalyKind::kZeroAdapter);
+  ASSERT_EQ(found.size(), 1u);
+  EXPECT_EQ(found[0]->version, a.id);
+  EXPECT_NE(found[0]->message.find("adapter version " + a.id.Hex().substr(0, 12) + " (run r, seq 2) is all zero: all 1 "
+                                   "lora_B tensors are zero"),
+            std::string::npos)
+      << found[0]->message;
+}
+
+TEST_F(AuditTest, NonFiniteTensorIsNamed) {
+  Tensors t = Base();
+  t["layers.0.k_proj.weight"] = {{3}, {1, std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity()}};
+  VersionRecord v = Import(t, VersionKind::kFull);
+  AuditReport r = Audit();
+  auto found = Of(r, AnomalyKind::kNonFinite);
+  ASSERT_EQ(found.size(), 1u);
+  EXPECT_EQ(found[0]->tensor, "layers.0.k_proj.weight");
+  EXPECT_EQ(found[0]->message, "version " + v.id.Hex().substr(0, 12) +
+                                   " (run r, seq 1): tensor layers.0.k_proj.weight has 2 NaN/Inf values");
+}
+
+TEST_F(AuditTest, DeltaNormJumpIsFlaggedByTheMedianRule) {
+  VersionRecord base = Import(Base(), VersionKind::kBase);
+  // lora_A[0] = 0, 1, 2, 3, 23: deltas 1, 1, 1, 20 -> 20x the median 1 > 10x.
+  std::vector<VersionRecord> a;
+  for (float x : {0.f, 1.f, 2.f, 3.f, 23.f}) a.push_back(Import(Adapter(x, 1), VersionKind::kAdapter, int64_t(x) + 1, base.id));
+  AuditReport r = Audit();
+  auto found = Of(r, AnomalyKind::kDeltaJump);
+  ASSERT_EQ(found.size(), 1u);
+  EXPECT_EQ(found[0]->version, a[4].id);
+  EXPECT_NE(found[0]->message.find("delta norm 20 from version " + a[3].id.Hex().substr(0, 12) +
+                                   " is 20x the median 1 of the 3 previous deltas (rule: > 10x)"),
+            std::string::npos)
+      << found[0]->message;
+  EXPECT_DOUBLE_EQ(*r.timeline.back().delta_norm, 20.0);
+
+  // A looser factor does not flag it; the rule needs min_history previous deltas.
+  AuditOptions loose;
+  loose.jump_factor = 25;
+  EXPECT_TRUE(Of(Audit(loose), AnomalyKind::kDeltaJump).empty());
+}
+
+TEST_F(AuditTest, AcknowledgementsOfUnpublishedVersionsAndDigestMismatches) {
+  VersionRecord base = Import(Base(), VersionKind::kBase);
+  VersionRecord full = Import(Base(3), VersionKind::kFull);
+  ASSERT_TRUE(Record(Event::Type::kPublished, full.id, "", std::nullopt, 5).ok());
+  // base was imported but never published; `ghost` has no record at all.
+  const Digest ghost{0x1234, 0x5678};
+  ASSERT_TRUE(Record(Event::Type::kAcknowledged, base.id, "gen-1", base.id, 10).ok());
+  ASSERT_TRUE(Record(Event::Type::kActivated, ghost, "gen-2", ghost, 11).ok());
+  ASSERT_TRUE(Record(Event::Type::kActivated, full.id, "gen-3", base.id, 12).ok());
+  AuditReport r = Audit();
+  auto unpublished = Of(r, AnomalyKind::kUnpublishedAck);
+  ASSERT_EQ(unpublished.size(), 2u);
+  EXPECT_EQ(unpublished[0]->message, "receiver gen-1 acknowledged version " + base.id.Hex().substr(0, 12) +
+                                         ", which was never published (no published event)");
+  EXPECT_EQ(unpublished[1]->message, "receiver gen-2 activated version " + ghost.Hex().substr(0, 12) +
+                                         ", which was never published (no version record)");
+  auto mismatch = Of(r, AnomalyKind::kDigestMismatch);
+  ASSERT_EQ(mismatch.size(), 1u);
+  EXPECT_EQ(mismatch[0]->version, full.id);
+  EXPECT_NE(mismatch[0]->message.find("receiver gen-3 activated version " + full.id.Hex().substr(0, 12) +
+                                      " but computed digest " + base.id.Hex().substr(0, 12)),
+            std::string::npos);
+  ASSERT_EQ(r.receivers.size(), 3u);
+  EXPECT_FALSE(r.receivers[1].known_version);
+  EXPECT_FALSE(r.receivers[2].digest_matched);
+  EXPECT_TRUE(r.never_acknowledged.empty());
+}
+
+TEST_F(AuditTest, RunFilterAndUnknownRun) {
+  Import(Base(), VersionKind::kBase);
+  AuditOptions o;
+  o.run = "nope";
+  auto r = RunAudit(*store_, o);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), StatusCode::kNotFound);
+  EXPECT_NE(r.status().message().find("run 'nope'"), std::string::npos);
+  o.run = "r";
+  EXPECT_EQ(Audit(o).timeline.size(), 1u);
+}
+
+// Gaps are checked on records directly: the store assigns sequences without holes.
+TEST(AnalyzeAudit, SequenceGapsAndNeverAcknowledged) {
+  std::vector<VersionRecord> v(3);
+  for (int i = 0; i < 3; ++i) {
+    v[i].id = Digest{1, static_cast<uint64_t>(i)};
+    v[i].run = "r";
+    v[i].kind = VersionKind::kFull;
+  }
+  v[0].sequence = 1;
+  v[1].sequence = 2;
+  v[2].sequence = 5;
+  std::vector<Event> events(2);
+  events[0].type = Event::Type::kPublished;
+  events[0].version = v[1].id;
+  events[1].type = Event::Type::kActivated;
+  events[1].version = v[1].id;
+  events[1].receiver = "g";
+  events[1].computed = v[1].id;
+  auto r = AnalyzeAudit(v, events, {}, {});
+  ASSERT_TRUE(r.ok());
+  ASSERT_EQ(r->gaps.size(), 1u);
+  EXPECT_EQ(r->gaps[0].first_missing, 3u);
+  EXPECT_EQ(r->gaps[0].last_missing, 4u);
+  EXPECT_EQ(r->never_acknowledged, (std::vector<Digest>{v[0].id, v[2].id}));
+  EXPECT_TRUE(r->anomalies.empty());
+  EXPECT_NE(AuditToText(*r).find("run r: missing 3..4"), std::string::npos);
+
+  AuditOptions bad;
+  bad.jump_factor = 0;
+  EXPECT_EQ(AnalyzeAudit(v, events, {}, bad).status().code(), StatusCode::kInvalidArgument);
+}
+
+TEST_F(AuditTest, JsonAndSelfContainedHtml) {
+  VersionRecord base = Import(Base(), VersionKind::kBase);
+  Import(Adapter(1, 0), VersionKind::kAdapter, 4, base.id, std::nullopt, {{"reward_mean", 0.25}});
+  AuditReport r = Audit();
+  auto j = nlohmann::json::parse(AuditToJson(r));
+  for (const char* k : {"run", "timeline", "receivers", "gaps", "never_acknowledged", "anomalies"}) {
+    EXPECT_TRUE(j.contains(k)) << k;
+  }
+  EXPECT_EQ(j["timeline"].size(), 2u);
+  EXPECT_EQ(j["timeline"][1]["metrics"]["reward_mean"], 0.25);
+  EXPECT_EQ(j["anomalies"][0]["kind"], "zero_adapter");
+
+  const std::string html = AuditToHtml(r, "audit <test>");
+  EXPECT_EQ(html.rfind("<!DOCTYPE html>", 0), 0u);
+  EXPECT_NE(html.find("<title>audit &lt;test&gt;</title>"), std::string::npos);
+  EXPECT_NE(html.find("<svg class=\"timeline\""), std::string::npos);
+  EXPECT_NE(html.find("<svg class=\"metric\""), std::string::npos);
+  EXPECT_NE(html.find(">reward_mean</text>"), std::string::npos);
+  EXPECT_NE(html.find("zero_adapter"), std::string::npos);
+  for (const char* external : {"<script", "<link", "src=", "@import", "url("}) {
+    EXPECT_EQ(html.find(external), std::string::npos) << external;
+  }
+}
+
+}  // namespace
+}  // namespace ferry::store

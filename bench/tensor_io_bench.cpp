@@ -230,6 +230,13 @@ void WriterCopy(const fs::path& src, const fs::path& dst, bool sync) {
   auto w = ferry::SafetensorsWriter::CreateInDirectory(dst, specs, opts);
   if (!w.ok()) Die(w.status().message());
   for (const auto& n : order) {
+    // Tensors that already sit in a file are copied inside the kernel (copy_file_range, as
+    // cp does); the converter takes the same path for every unchanged tensor.
+    const auto range = c->RangeOf(n);
+    if (range.fd >= 0) {
+      Check((*w)->AppendFileRange(range.fd, range.offset, range.length));
+      continue;
+    }
     auto t = c->Get(n);
     if (!t.ok()) Die(t.status().message());
     Check((*w)->Write(n, *t));

@@ -17,5 +17,8 @@ void SetStoreCommand(CLI::App& app);
 void SetVersionsCommand(CLI::App& app);
 void SetVerifyCommand(CLI::App& app);
 void SetAuditCommand(CLI::App& app);
+// Weight sync over ZeroMQ (sync/): `sync publish|receive|status`, `keys generate`.
+void SetSyncCommand(CLI::App& app);
+void SetKeysCommand(CLI::App& app);
 
 }  // namespace ferry::cli

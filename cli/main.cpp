@@ -14,6 +14,8 @@ int main(int argc, char** argv) {
   ferry::cli::SetVersionsCommand(app);
   ferry::cli::SetVerifyCommand(app);
   ferry::cli::SetAuditCommand(app);
+  ferry::cli::SetSyncCommand(app);
+  ferry::cli::SetKeysCommand(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::RuntimeError& e) {

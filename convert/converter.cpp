@@ -21,6 +21,7 @@
 #include "core/checkpoint.h"
 #include "core/mapped_file.h"
 #include "core/safetensors.h"
+#include "core/staging_dir.h"
 #include "kernels/lora_merge.h"
 
 namespace ferry {
@@ -49,58 +50,6 @@ bool IsWeightFile(const std::string& name) {
   return EndsWith(name, ".safetensors") || EndsWith(name, ".index.json") || EndsWith(name, ".bin") ||
          EndsWith(name, ".pt") || EndsWith(name, ".pth");
 }
-
-// A hidden temporary directory beside the final output, removed unless committed.
-class StagingDir {
- public:
-  static Result<StagingDir> Create(const fs::path& out, bool force) {
-    std::error_code ec;
-    if (fs::exists(fs::symlink_status(out, ec)) && !force) {
-      return Status::AlreadyExists(out.string() + ": output already exists (use --force to replace it)");
-    }
-    fs::path parent = out.parent_path().empty() ? fs::path(".") : out.parent_path();
-    fs::create_directories(parent, ec);
-    if (!fs::is_directory(parent, ec)) return Status::IOError(parent.string() + ": cannot create the output's parent directory");
-    StagingDir s;
-    s.final_ = out;
-    s.tmp_ = TempNameFor(out);
-    if (!fs::create_directory(s.tmp_, ec)) return Status::IOError(s.tmp_.string() + ": " + ec.message());
-    s.active_ = true;
-    return s;
-  }
-  StagingDir() = default;
-  StagingDir(StagingDir&& o) noexcept : final_(std::move(o.final_)), tmp_(std::move(o.tmp_)), active_(o.active_) { o.active_ = false; }
-  StagingDir& operator=(StagingDir&&) = delete;
-  ~StagingDir() {
-    if (active_) {
-      std::error_code ec;
-      fs::remove_all(tmp_, ec);
-    }
-  }
-  const fs::path& path() const { return tmp_; }
-
-  // Renames the staging directory to the final name (replacing an existing one).
-  Status Commit() {
-    std::error_code ec;
-    fs::path old;
-    if (fs::exists(fs::symlink_status(final_, ec))) {
-      old = TempNameFor(final_).string() + ".old";
-      if (::rename(final_.c_str(), old.c_str()) != 0) return ErrnoStatus(final_.string(), errno);
-    }
-    if (::rename(tmp_.c_str(), final_.c_str()) != 0) {
-      Status s = ErrnoStatus(final_.string(), errno);
-      if (!old.empty()) (void)::rename(old.c_str(), final_.c_str());
-      return s;
-    }
-    active_ = false;
-    if (!old.empty()) fs::remove_all(old, ec);
-    return SyncDirectory(final_.parent_path().empty() ? fs::path(".") : final_.parent_path());
-  }
-
- private:
-  fs::path final_, tmp_;
-  bool active_ = false;
-};
 
 Result<std::vector<float>> ReadF32(const Checkpoint& c, const std::string& key) {
   FERRY_ASSIGN_OR_RETURN(Tensor t, c.Get(key));

@@ -41,7 +41,10 @@ class Planner {
 
  private:
   std::string Where(const std::string& adapter_key) const {
-    return adapter_.FileOf(adapter_key).string() + ": adapter tensor " + Q(adapter_key);
+    // In-memory adapters (the snapshot builder, the daemon) have no file: name the origin.
+    std::string where = adapter_.FileOf(adapter_key).string();
+    if (where.empty()) where = adapter_.path().empty() ? std::string("adapter") : adapter_.path().string();
+    return where + ": adapter tensor " + Q(adapter_key);
   }
 
   void FindTiedSource(bool tie) {

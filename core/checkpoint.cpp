@@ -8,6 +8,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "core/json_limits.h"
+
 namespace ferry {
 namespace {
 
@@ -64,32 +66,6 @@ Result<LegacyLoader> Loader() {
 }
 
 std::string Quote(std::string_view s) { return "'" + std::string(s) + "'"; }
-
-// True when `text` nests arrays/objects more than `limit` deep (string contents skipped).
-// Refuses "[[[[..." bombs before the JSON parser spends memory on every level.
-bool NestsDeeperThan(std::string_view text, int limit) {
-  int depth = 0;
-  bool in_string = false;
-  bool escaped = false;
-  for (char c : text) {
-    if (in_string) {
-      if (escaped) {
-        escaped = false;
-      } else if (c == '\\') {
-        escaped = true;
-      } else if (c == '"') {
-        in_string = false;
-      }
-    } else if (c == '"') {
-      in_string = true;
-    } else if (c == '[' || c == '{') {
-      if (++depth > limit) return true;
-    } else if (c == ']' || c == '}') {
-      --depth;
-    }
-  }
-  return false;
-}
 
 bool EndsWith(const std::string& s, std::string_view suffix) {
   return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
@@ -162,7 +138,7 @@ Result<Checkpoint> Checkpoint::Open(const std::filesystem::path& path) {
 
 Result<Checkpoint> Checkpoint::OpenIndex(const std::filesystem::path& index_path) {
   FERRY_ASSIGN_OR_RETURN(std::string text, ReadSmallFile(index_path));
-  if (NestsDeeperThan(text, 16)) return Status::Corruption(index_path.string() + ": JSON is nested too deeply");
+  if (JsonNestsDeeperThan(text, 16)) return Status::Corruption(index_path.string() + ": JSON is nested too deeply");
   // nlohmann keeps the last of duplicate keys silently: watch the keys of weight_map.
   std::string top_key;
   std::string duplicate;

@@ -12,6 +12,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "core/json_limits.h"
+
 namespace ferry {
 namespace {
 
@@ -24,32 +26,6 @@ uint64_t ReadLE64(const std::byte* p) {
 }
 
 std::string Quote(std::string_view s) { return "'" + std::string(s) + "'"; }
-
-// True when `text` nests arrays/objects more than `limit` deep (string contents skipped).
-// Refuses "[[[[..." bombs before the JSON parser spends memory on every level.
-bool NestsDeeperThan(std::string_view text, int limit) {
-  int depth = 0;
-  bool in_string = false;
-  bool escaped = false;
-  for (char c : text) {
-    if (in_string) {
-      if (escaped) {
-        escaped = false;
-      } else if (c == '\\') {
-        escaped = true;
-      } else if (c == '"') {
-        in_string = false;
-      }
-    } else if (c == '"') {
-      in_string = true;
-    } else if (c == '[' || c == '{') {
-      if (++depth > limit) return true;
-    } else if (c == ']' || c == '}') {
-      --depth;
-    }
-  }
-  return false;
-}
 
 Result<TensorInfo> ParseEntry(const std::string& name, const json& v) {
   const std::string where = "tensor " + Quote(name);
@@ -119,7 +95,7 @@ Result<SafetensorsHeader> ParseSafetensorsHeader(std::span<const std::byte> file
   if (n == 0) return Status::Corruption("header is empty");
   const char* hdr = reinterpret_cast<const char*>(file.data() + 8);
   if (hdr[0] != '{') return Status::Corruption("header does not start with '{'");
-  if (NestsDeeperThan(std::string_view(hdr, n), 8)) return Status::Corruption("header JSON is nested too deeply");
+  if (JsonNestsDeeperThan(std::string_view(hdr, n), 8)) return Status::Corruption("header JSON is nested too deeply");
 
   // Duplicate names: nlohmann keeps the last value silently, so watch keys at depth 1.
   std::set<std::string> seen;

@@ -2,6 +2,7 @@
 #include <unistd.h>
 
 #include "core/safetensors.h"
+#include "core/staging_dir.h"
 #include "store/internal.h"
 #include "store/rocks_store.h"
 
@@ -11,43 +12,14 @@ namespace {
 // Hugging Face's default shard limit ("5GB").
 constexpr uint64_t kExportShardBytes = 5'000'000'000ull;
 
-// Removes a directory tree unless released.
-class DirGuard {
- public:
-  explicit DirGuard(std::filesystem::path p) : path_(std::move(p)) {}
-  ~DirGuard() {
-    if (path_.empty()) return;
-    std::error_code ec;
-    std::filesystem::remove_all(path_, ec);
-  }
-  DirGuard(const DirGuard&) = delete;
-  DirGuard& operator=(const DirGuard&) = delete;
-  void Release() { path_.clear(); }
-
- private:
-  std::filesystem::path path_;
-};
-
 }  // namespace
 
 Status RocksStore::Export(const Digest& version, const std::filesystem::path& out, bool force) {
   FERRY_ASSIGN_OR_RETURN(VersionRecord rec, LoadVersion(version));
   const std::string what = "export of version " + rec.id.Hex() + " to " + out.string();
-  std::error_code ec;
-  const bool out_exists = std::filesystem::exists(std::filesystem::symlink_status(out, ec));
-  if (out_exists && !force) {
-    return Status::AlreadyExists(Where(what + ": " + out.string() + " exists (pass force to replace it)"));
-  }
-  std::filesystem::path parent = out.parent_path();
-  if (parent.empty()) parent = ".";
-  if (!std::filesystem::is_directory(parent, ec)) {
-    return Status::NotFound(Where(what + ": directory " + parent.string() + " does not exist"));
-  }
-  const auto tmp = TempNameFor(out);
-  if (!std::filesystem::create_directory(tmp, ec) || ec) {
-    return Status::IOError(Where(what + ": cannot create " + tmp.string() + ": " + ec.message()));
-  }
-  DirGuard guard(tmp);
+  auto staging = StagingDir::Create(out, force);
+  if (!staging.ok()) return Status(staging.status().code(), Where(what + ": " + staging.status().message()));
+  const std::filesystem::path tmp = staging->path();
 
   std::vector<TensorSpec> specs;
   for (const TensorRow& row : rec.tensors) specs.push_back(TensorSpec{row.name, row.dtype, row.shape});
@@ -96,24 +68,8 @@ Status RocksStore::Export(const Digest& version, const std::filesystem::path& ou
       return Status(s.code(), Where(what + ": " + s.message()));
     }
   }
-  if (Status s = SyncDirectory(tmp); !s.ok()) return Status(s.code(), Where(what + ": " + s.message()));
-
-  if (out_exists) {
-    // Replace: move the old tree aside, move the new one in, then delete the old one.
-    const auto old = TempNameFor(out);
-    if (::rename(out.c_str(), old.c_str()) != 0) return ErrnoStatus(Where(what + ": rename " + out.string()), errno);
-    if (::rename(tmp.c_str(), out.c_str()) != 0) {
-      int e = errno;
-      (void)::rename(old.c_str(), out.c_str());
-      return ErrnoStatus(Where(what + ": rename " + tmp.string()), e);
-    }
-    guard.Release();
-    std::filesystem::remove_all(old, ec);
-  } else {
-    if (::rename(tmp.c_str(), out.c_str()) != 0) return ErrnoStatus(Where(what + ": rename " + tmp.string()), errno);
-    guard.Release();
-  }
-  return SyncDirectory(parent);
+  if (Status s = staging->Commit(); !s.ok()) return Status(s.code(), Where(what + ": " + s.message()));
+  return Status::OK();
 }
 
 }  // namespace ferry::store::internal

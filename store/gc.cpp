@@ -50,13 +50,9 @@ Result<int64_t> RocksStore::GarbageCollect(int64_t keep) {
     std::sort(list.begin(), list.end(), [](auto* a, auto* b) { return a->sequence > b->sequence; });
     for (size_t i = 0; i < list.size() && i < static_cast<size_t>(keep); ++i) kept.insert(list[i]->id);
   }
-  // One level of parents, then base/adapter references transitively.
-  std::vector<Digest> work;
-  for (const Digest& id : std::set<Digest>(kept)) {
-    const VersionRecord* r = by_id[id];
-    if (r->parent && by_id.count(*r->parent) && kept.insert(*r->parent).second) work.push_back(*r->parent);
-    work.push_back(id);
-  }
+  // Base/adapter references are dependencies (a merged or adapter version cannot be
+  // materialised without them) and are followed transitively; a parent is history only.
+  std::vector<Digest> work(kept.begin(), kept.end());
   while (!work.empty()) {
     const Digest id = work.back();
     work.pop_back();

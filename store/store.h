@@ -73,9 +73,10 @@
 //   - Export writes model.safetensors (adapter_model.safetensors for adapters), sharded at
 //     5,000,000,000 bytes when larger, plus the aux files, into a hidden temporary directory
 //     beside `out`, renamed into place (an existing `out` is replaced only with force).
-//   - GarbageCollect(keep), keep >= 1 (kInvalidArgument otherwise): kept = the newest
-//     `keep` of each run, plus the direct parent of each of those (one level, not the
-//     parent's parent), plus base/adapter references followed transitively. Removed
+//   - GarbageCollect(keep), keep >= 1 (kInvalidArgument otherwise): kept = exactly the newest
+//     `keep` of each run, plus the base/adapter versions they reference, followed
+//     transitively (dependencies for materialising); a parent link is history and keeps
+//     nothing alive (the audit shows a collected parent as such). Removed
 //     versions lose their records, tensor rows and run entries; events stay.
 //   - Events are committed with sync = true; time_ns 0 means "now".
 // ---------------------------------------------------------------------------------------

@@ -55,8 +55,6 @@ Result<std::map<std::string, Tensor>> LoadTorchPickle(const std::filesystem::pat
   return out;
 }
 
-void InstallLegacyLoader() { SetLegacyLoader(&LoadTorchPickle); }
-
 }  // namespace ferry::torchio
 
 // The plugin's entry point, found by core/checkpoint.cpp with dlsym.
@@ -64,7 +62,3 @@ extern "C" __attribute__((visibility("default"))) const ferry::LegacyLoader* fer
   static const ferry::LegacyLoader loader = &ferry::torchio::LoadTorchPickle;
   return &loader;
 }
-
-namespace ferry::torchio {
-
-}  // namespace ferry::torchio

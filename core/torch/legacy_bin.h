@@ -1,5 +1,7 @@
 // Reader for torch pickles (adapter_model.bin as older PEFT versions save it), through
-// LibTorch. Kept in its own target so nothing else links LibTorch.
+// LibTorch. Built as the plugin libferry_torchio.so, which core/checkpoint.cpp loads with
+// dlopen on the first pickle it meets (entry point ferry_torchio_loader), so nothing else
+// links LibTorch.
 #pragma once
 
 #include <filesystem>
@@ -15,8 +17,5 @@ namespace ferry::torchio {
 // tensors of dtypes safetensors cannot express, are errors naming the key. Returned
 // tensors wrap the LibTorch storage without a copy.
 Result<std::map<std::string, Tensor>> LoadTorchPickle(const std::filesystem::path& path);
-
-// Registers LoadTorchPickle with ferry::Checkpoint (see core/checkpoint.h).
-void InstallLegacyLoader();
 
 }  // namespace ferry::torchio

@@ -9,6 +9,8 @@
 
 #include <gtest/gtest.h>
 
+#include "tests/cli/cli_runner.h"
+
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -51,37 +53,14 @@ struct RunResult {
   std::string err;
 };
 
-// Runs FERRY_CLI_PATH with `args`; stdout/stderr go to files in `scratch`.
-RunResult RunFerry(const std::vector<std::string>& args, const fs::path& scratch) {
-  const fs::path out = scratch / "stdout.txt";
-  const fs::path err = scratch / "stderr.txt";
-  posix_spawn_file_actions_t actions;
-  posix_spawn_file_actions_init(&actions);
-  posix_spawn_file_actions_addopen(&actions, STDIN_FILENO, "/dev/null", O_RDONLY, 0);
-  posix_spawn_file_actions_addopen(&actions, STDOUT_FILENO, out.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-  posix_spawn_file_actions_addopen(&actions, STDERR_FILENO, err.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-  std::vector<std::string> argv_s = {FERRY_CLI_PATH};
-  argv_s.insert(argv_s.end(), args.begin(), args.end());
-  std::vector<char*> argv;
-  for (auto& s : argv_s) argv.push_back(s.data());
-  argv.push_back(nullptr);
+// Runs FERRY_CLI_PATH with `args` through the shared runner.
+RunResult RunFerry(const std::vector<std::string>& args, const fs::path& /*scratch*/) {
+  testing::CliResult c = testing::RunFerry(args);
   RunResult r;
-  pid_t pid = 0;
-  const int rc = ::posix_spawn(&pid, FERRY_CLI_PATH, &actions, nullptr, argv.data(), environ);
-  posix_spawn_file_actions_destroy(&actions);
-  if (rc != 0) {
-    ADD_FAILURE() << "posix_spawn " << FERRY_CLI_PATH << ": " << std::strerror(rc);
-    return r;
-  }
-  int status = 0;
-  if (::waitpid(pid, &status, 0) != pid) {
-    ADD_FAILURE() << "waitpid: " << std::strerror(errno);
-    return r;
-  }
-  r.exited = WIFEXITED(status);
-  r.code = r.exited ? WEXITSTATUS(status) : WTERMSIG(status);
-  r.out = Slurp(out);
-  r.err = Slurp(err);
+  r.exited = c.signal == 0 && c.exit_code >= 0;
+  r.code = r.exited ? c.exit_code : c.signal;
+  r.out = std::move(c.out);
+  r.err = std::move(c.err);
   return r;
 }
 

@@ -7,6 +7,8 @@
 
 #include <gtest/gtest.h>
 
+#include "tests/cli/cli_runner.h"
+
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
@@ -34,13 +36,6 @@ struct RunResult {
   std::string err;
 };
 
-std::string Slurp(const fs::path& p) {
-  std::ifstream f(p, std::ios::binary);
-  std::stringstream ss;
-  ss << f.rdbuf();
-  return ss.str();
-}
-
 class DiffCliTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -53,33 +48,10 @@ class DiffCliTest : public ::testing::Test {
     fs::remove_all(dir_, ec);
   }
 
-  // Runs `ferry <args>` with stdout and stderr captured in files.
+  // Runs `ferry <args>` (the shared runner); a signal shows as 128 + signal number.
   RunResult Run(const std::vector<std::string>& args) {
-    const fs::path out = dir_ / "stdout.txt";
-    const fs::path err = dir_ / "stderr.txt";
-    posix_spawn_file_actions_t actions;
-    posix_spawn_file_actions_init(&actions);
-    posix_spawn_file_actions_addopen(&actions, STDOUT_FILENO, out.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-    posix_spawn_file_actions_addopen(&actions, STDERR_FILENO, err.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-    std::vector<std::string> argv_s = {FERRY_CLI_PATH};
-    argv_s.insert(argv_s.end(), args.begin(), args.end());
-    std::vector<char*> argv;
-    for (auto& s : argv_s) argv.push_back(s.data());
-    argv.push_back(nullptr);
-    pid_t pid = 0;
-    RunResult r;
-    const int rc = posix_spawn(&pid, FERRY_CLI_PATH, &actions, nullptr, argv.data(), environ);
-    posix_spawn_file_actions_destroy(&actions);
-    if (rc != 0) {
-      ADD_FAILURE() << "posix_spawn " << FERRY_CLI_PATH << ": " << std::strerror(rc);
-      return r;
-    }
-    int status = 0;
-    waitpid(pid, &status, 0);
-    r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-    r.out = Slurp(out);
-    r.err = Slurp(err);
-    return r;
+    testing::CliResult c = testing::RunFerry(args);
+    return RunResult{c.signal != 0 ? 128 + c.signal : c.exit_code, c.out, c.err};
   }
 
   // Writes one BF16 tensor "w" of shape [2, 3] (and an I32 "ids") to <dir>/<name>.

@@ -390,9 +390,15 @@ TEST_F(StoreTest, ExportWritesALoadableDirectoryAtomically) {
   Status unknown = store_->Export(Digest{3, 4}, tmp_ / "x", false);
   EXPECT_EQ(unknown.code(), StatusCode::kNotFound);
   EXPECT_TRUE(Contains(unknown.message(), Digest{3, 4}.Hex()));
-  Status no_parent = store_->Export(v1.record.id, tmp_ / "no" / "such" / "dir", false);
-  EXPECT_EQ(no_parent.code(), StatusCode::kNotFound);
-  EXPECT_TRUE(Contains(no_parent.message(), (tmp_ / "no" / "such").string())) << no_parent.message();
+  // Missing parent directories are created (as every Ferry command that writes a directory does).
+  Status nested = store_->Export(v1.record.id, tmp_ / "no" / "such" / "dir", false);
+  EXPECT_TRUE(nested.ok()) << nested.ToString();
+  EXPECT_TRUE(std::filesystem::exists(tmp_ / "no" / "such" / "dir" / "model.safetensors"));
+  // A parent that is a file cannot be created: kIOError naming it.
+  std::ofstream(tmp_ / "plainfile") << "x";
+  Status blocked = store_->Export(v1.record.id, tmp_ / "plainfile" / "dir", false);
+  EXPECT_EQ(blocked.code(), StatusCode::kIOError);
+  EXPECT_TRUE(Contains(blocked.message(), (tmp_ / "plainfile").string())) << blocked.message();
 }
 
 TEST_F(StoreTest, AdapterDirectoriesBecomeAdapterVersions) {
@@ -487,13 +493,13 @@ TEST_F(StoreTest, GarbageCollectKeepsNewestAndReferencedVersionsAndRemovesTheirO
 
   auto removed = store_->GarbageCollect(2);
   ASSERT_TRUE(removed.ok()) << removed.status().ToString();
-  // Kept: v4, v3 (newest two), v2 (v3's parent), v0 (other's base), other. Removed: v1.
-  EXPECT_EQ(*removed, 1);
+  // Kept: v4, v3 (newest two), v0 (other's base), other. Removed: v1, v2 (parents keep nothing).
+  EXPECT_EQ(*removed, 2);
   auto all = store_->ListVersions(std::nullopt);
   ASSERT_TRUE(all.ok());
   std::set<Digest> ids;
   for (const auto& r : *all) ids.insert(r.id);
-  EXPECT_EQ(ids, (std::set<Digest>{v[0].record.id, v[2].record.id, v[3].record.id, v[4].record.id, other.record.id}));
+  EXPECT_EQ(ids, (std::set<Digest>{v[0].record.id, v[3].record.id, v[4].record.id, other.record.id}));
   const Digest v1_q = Row(v[1].record, "model.layers.0.self_attn.q_proj.weight").digest;
   EXPECT_FALSE(std::filesystem::exists(ObjectPath(db_, v1_q)));
   EXPECT_FALSE(std::filesystem::exists(orphan_path));
@@ -504,7 +510,7 @@ TEST_F(StoreTest, GarbageCollectKeepsNewestAndReferencedVersionsAndRemovesTheirO
   for (const auto& rep : *reports) EXPECT_TRUE(rep.ok()) << rep.version.Hex();
   auto run = store_->ListVersions(std::string("default"));
   ASSERT_TRUE(run.ok());
-  ASSERT_EQ(run->size(), 4u);
+  ASSERT_EQ(run->size(), 3u);
   EXPECT_EQ((*run)[0].sequence, 1u);
 
   // Importing v1's weights again writes its object again (its row was collected).

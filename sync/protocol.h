@@ -1,0 +1,130 @@
+// The weight-sync wire protocol between a publisher (serving store versions) and
+// receivers (which verify and atomically activate them). Defined here, once; docs/sync.md
+// repeats it.
+//
+// ---------------------------------------------------------------------------------------
+// Sockets.
+//   requests   publisher ROUTER  <->  receiver DEALER   (HELLO, FETCH, ACK and their replies)
+//   updates    publisher PUB      ->  receiver SUB      (ANNOUNCE, sequence-numbered)
+//   A receiver subscribes first, then sends HELLO and gets the latest MANIFEST at once
+//   (zguide clone pattern): a late joiner never waits for the next announcement.
+//
+// Every message is 1 or 2 ZeroMQ frames (after the ROUTER routing id):
+//   frame 0  header:  "FSY1" (4 bytes) || u8 type || type-specific fixed fields
+//   frame 1  payload: only where listed below
+//   Integers are little-endian; a digest is 16 bytes, hi then lo, each u64 big-endian
+//   (the byte order of Digest::Hex()).
+//
+//   type  name      header fields after the type byte          payload frame
+//   1     HELLO     (none)                                      receiver id
+//   2     MANIFEST  u64 sequence                                manifest JSON (below)
+//   3     FETCH     digest version || u8 kind || u32 index ||   (none)
+//                   u64 offset || u32 length
+//   4     CHUNK     digest version || u8 kind || u32 index ||   the bytes
+//                   u64 offset || u64 latest sequence
+//   5     ACK       digest version || digest computed           receiver id
+//   6     ACKED     digest version                              (none)
+//   7     ANNOUNCE  u64 sequence || digest version              (none)       (PUB only)
+//   8     ERROR     u32 StatusCode                              message text
+//
+//   kind: 0 = tensor (index into the manifest's tensors), 1 = auxiliary file.
+//   MANIFEST JSON: {"version": hex, "sequence": n, "tensors": [{"name", "dtype", "shape",
+//   "digest", "nbytes"}...] sorted by name, "aux": [{"name", "digest", "size"}...]}.
+//   A CHUNK carries the publisher's latest sequence, so a receiver learns of a newer
+//   version on its very next chunk and skips to it.
+//
+// Sequence numbers: the publisher numbers each version it publishes 1, 2, ... (per
+// publisher process). A receiver ignores announcements not newer than what it holds; any
+// newer (or a hole) means "send HELLO again and take the latest".
+//
+// Flow control: the receiver keeps at most `credit` FETCHes outstanding; the publisher
+// answers each FETCH with exactly one CHUNK, so it never queues more than credit chunks
+// per receiver (zguide ch. 7 file transfer).
+//
+// Limits (both sides): ZMQ_MAXMSGSIZE = kMaxFrameBytes on every socket; a FETCH length is
+// at most kMaxChunkBytes; a manifest holds at most kMaxTensors tensors and kMaxAuxFiles
+// aux files, names at most kMaxNameBytes; receiver ids match [A-Za-z0-9._-]{1,64}.
+// Every frame is parsed defensively: a malformed one yields kCorruption naming the field,
+// never a crash; the publisher answers it with ERROR (or drops it when unroutable).
+// ---------------------------------------------------------------------------------------
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "core/status.h"
+#include "store/store.h"
+
+namespace ferry::sync {
+
+inline constexpr std::string_view kMagic = "FSY1";
+inline constexpr uint32_t kMaxChunkBytes = 16u << 20;           // 16 MiB
+inline constexpr int64_t kMaxFrameBytes = kMaxChunkBytes + 4096;  // header or chunk + slack
+inline constexpr size_t kMaxTensors = 1u << 16;
+inline constexpr size_t kMaxAuxFiles = 256;
+inline constexpr size_t kMaxNameBytes = 512;
+inline constexpr size_t kMaxReceiverIdBytes = 64;
+inline constexpr uint64_t kMaxAuxBytes = 64u << 20;
+
+enum class MsgType : uint8_t {
+  kHello = 1,
+  kManifest = 2,
+  kFetch = 3,
+  kChunk = 4,
+  kAck = 5,
+  kAcked = 6,
+  kAnnounce = 7,
+  kError = 8,
+};
+enum class ItemKind : uint8_t { kTensor = 0, kAux = 1 };
+
+// A decoded header frame plus the optional payload frame. Which fields are meaningful
+// depends on `type` (see the table above).
+struct Message {
+  MsgType type = MsgType::kError;
+  uint64_t sequence = 0;        // MANIFEST, ANNOUNCE; CHUNK: latest sequence
+  store::Digest version;        // FETCH, CHUNK, ACK, ACKED, ANNOUNCE
+  store::Digest computed;       // ACK
+  ItemKind kind = ItemKind::kTensor;  // FETCH, CHUNK
+  uint32_t index = 0;           // FETCH, CHUNK
+  uint64_t offset = 0;          // FETCH, CHUNK
+  uint32_t length = 0;          // FETCH
+  uint32_t code = 0;            // ERROR: a StatusCode value
+  std::string payload;          // HELLO/ACK: receiver id; MANIFEST: JSON; ERROR: text
+  std::span<const std::byte> bytes;  // CHUNK: view into the received payload frame
+};
+
+// What a receiver needs to fetch and check one version.
+struct Manifest {
+  store::Digest version;
+  uint64_t sequence = 0;
+  std::vector<store::TensorRow> tensors;  // name, dtype, shape, digest, nbytes; sorted by name
+  std::vector<store::AuxFile> aux;        // sorted by name
+};
+
+// Encodes the header frame of `m` (payload and bytes are sent as a second frame by the caller).
+std::string EncodeHeader(const Message& m);
+// Whether `type` carries a payload frame.
+bool HasPayload(MsgType type);
+// Decodes a header frame and optional payload frame. kCorruption naming the field when the
+// magic, type, length or a field is wrong, or the payload frame is missing/unexpected.
+// `payload` may be null (no second frame). `m.bytes` views `payload` (CHUNK only).
+[[nodiscard]] Result<Message> Decode(std::span<const std::byte> header, const std::span<const std::byte>* payload);
+
+// The manifest JSON for a stored version.
+std::string EncodeManifest(const store::VersionRecord& r, uint64_t sequence);
+// Parses and validates a manifest (limits, sorted unique names, known dtypes, sizes that
+// match shapes, safe aux file names). kCorruption naming the field at fault.
+[[nodiscard]] Result<Manifest> DecodeManifest(std::string_view json);
+
+// Whether `id` is a valid receiver id ([A-Za-z0-9._-]{1,64}).
+bool IsValidReceiverId(std::string_view id);
+// Whether `name` is safe as a file name inside a version directory (no '/', no leading
+// '.', not empty, at most kMaxNameBytes).
+bool IsSafeFileName(std::string_view name);
+
+}  // namespace ferry::sync

@@ -1,0 +1,95 @@
+// The sync publisher: serves store versions to receivers over ZeroMQ (see sync/protocol.h
+// for the wire format) and records their acknowledgements as store events.
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "core/status.h"
+#include "store/store.h"
+
+namespace ferry::sync {
+
+// Where a publisher listens and receivers connect.
+struct Endpoints {
+  std::string requests;  // ROUTER/DEALER, e.g. "ipc:///run/x/requests" or "tcp://10.0.0.1:5555"
+  std::string updates;   // PUB/SUB announcements, e.g. "ipc:///run/x/updates" or "tcp://10.0.0.1:5556"
+};
+
+// Creates (or checks) `dir` as a private directory (mode 0700, owned by this user) and
+// returns ipc:// endpoints inside it, so only the owner can connect. kFailedPrecondition
+// naming the directory when another user owns it; kInvalidArgument when the socket path
+// would exceed the 107-byte limit of a Unix socket address.
+[[nodiscard]] Result<Endpoints> PrivateIpcEndpoints(const std::filesystem::path& dir);
+
+// CURVE settings. Publisher: its own keypair plus the allow-list of receiver public keys.
+// Receiver: its own keypair plus the publisher's public key. All keys are Z85 text.
+struct CurveOptions {
+  std::string public_key;
+  std::string secret_key;
+  std::string server_public_key;          // receiver only
+  std::vector<std::string> allowed_keys;  // publisher only: receivers allowed to connect
+};
+
+// Checks the endpoint schemes: ipc:// and inproc:// are always allowed; tcp:// only with
+// CURVE (kFailedPrecondition naming the endpoint otherwise); anything else kInvalidArgument.
+[[nodiscard]] Status CheckEndpoints(const Endpoints& e, bool curve);
+
+struct PublisherOptions {
+  Endpoints endpoints;                 // both bound by the publisher
+  std::optional<CurveOptions> curve;   // Default: none (then tcp:// is refused)
+  // When set, the publisher polls store->Latest(run) and publishes each new latest
+  // version itself. Default: none (versions are published with Publish()).
+  std::optional<std::string> follow_run;
+  int follow_interval_ms = 500;        // Default: 500
+  int heartbeat_ivl_ms = 1000;         // ZMTP heartbeat interval (0: off). Default: 1000
+  int heartbeat_timeout_ms = 5000;     // Default: 5000
+};
+
+// What the publisher knows about one receiver (from its HELLO and ACK messages).
+struct ReceiverInfo {
+  std::string id;
+  std::optional<store::Digest> acknowledged;  // the newest version it acknowledged
+  uint64_t acknowledged_sequence = 0;         // its publish sequence (0: unknown)
+  int64_t last_seen_ns = 0;
+};
+
+// Serves versions from a store on a background thread. Thread-safe. The store must
+// outlive the publisher and must not be used by anyone else while the publisher runs
+// (Store is thread-compatible): the publisher reads tensors and writes events.
+class Publisher {
+ public:
+  // Binds the endpoints (and, with CURVE, a ZAP handler at inproc://zeromq.zap.01 of the
+  // publisher's own context that admits only allowed keys) and starts serving.
+  [[nodiscard]] static Result<std::unique_ptr<Publisher>> Start(store::Store* store, PublisherOptions options);
+  // Stops serving and joins the thread.
+  ~Publisher();
+  Publisher(const Publisher&) = delete;
+  Publisher& operator=(const Publisher&) = delete;
+
+  // Makes `version` (a stored version id) the latest: assigns it the next sequence number
+  // and announces it. Returns that sequence once every request handled afterwards sees it.
+  // kNotFound naming the id when the store does not hold it.
+  [[nodiscard]] Result<uint64_t> Publish(const store::Digest& version);
+
+  // Receivers seen so far, sorted by id.
+  std::vector<ReceiverInfo> Receivers() const;
+  // The endpoints actually bound (a tcp:// port given as * resolved to the real port).
+  Endpoints bound_endpoints() const;
+  // The latest published sequence (0: nothing published yet).
+  uint64_t latest_sequence() const;
+
+  // Test hook: flips one byte of the next `n` CHUNKs sent.
+  void CorruptNextChunksForTesting(int n);
+
+ private:
+  class Impl;
+  explicit Publisher(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace ferry::sync

@@ -1,0 +1,433 @@
+#include "sync/snapshot.h"
+
+#include <algorithm>
+#include <cstring>
+#include <span>
+#include <thread>
+
+#include <nlohmann/json.hpp>
+
+#include "convert/merge_plan.h"
+#include "kernels/lora_merge.h"
+#include "store/internal.h"
+
+namespace ferry::sync {
+namespace {
+
+constexpr std::string_view kPeftPrefix = "base_model.model.";
+constexpr std::string_view kSourceOrigin = "<snapshot source>";
+constexpr std::string_view kAdapterOrigin = "<snapshot adapter>";
+
+std::string Q(std::string_view s) { return "'" + std::string(s) + "'"; }
+
+bool EndsWith(std::string_view s, std::string_view suffix) {
+  return s.size() >= suffix.size() && s.substr(s.size() - suffix.size()) == suffix;
+}
+
+// Removes every ".<segment>." occurrence of `segment`, keeping one dot.
+void DropSegment(std::string& name, std::string_view segment) {
+  const std::string needle = "." + std::string(segment) + ".";
+  for (size_t pos = name.find(needle); pos != std::string::npos; pos = name.find(needle, pos)) {
+    name.erase(pos, needle.size() - 1);
+  }
+}
+
+bool IsLoraKind(AdapterKey::Kind kind) {
+  switch (kind) {
+    case AdapterKey::kLoraA:
+    case AdapterKey::kLoraB:
+    case AdapterKey::kLoraBBias:
+    case AdapterKey::kEmbeddingA:
+    case AdapterKey::kEmbeddingB:
+    case AdapterKey::kMagnitude:
+    case AdapterKey::kModulesToSave:
+    case AdapterKey::kTrainableTokens:
+      return true;
+    case AdapterKey::kBaseLayer:
+    case AdapterKey::kOther:
+      return false;
+  }
+  return false;
+}
+
+// A copy of `t` in a new buffer owned by the copy.
+Result<Tensor> CopyTensor(const Tensor& t) {
+  FERRY_ASSIGN_OR_RETURN(Tensor out, Tensor::Empty(t.dtype(), t.shape()));
+  if (t.nbytes() > 0) std::memcpy(out.mutable_data(), t.data(), t.nbytes());
+  return out;
+}
+
+Result<std::map<std::string, Tensor>> CopyAll(const std::map<std::string, Tensor>& in) {
+  std::map<std::string, Tensor> out;
+  for (const auto& [name, t] : in) {
+    auto copy = CopyTensor(t);
+    if (!copy.ok()) return copy.status().WithContext("tensor " + Q(name));
+    out.emplace(name, std::move(copy).value());
+  }
+  return out;
+}
+
+// Source tensors under generator names, and the LoRA tensors found among them.
+struct Normalised {
+  std::map<std::string, Tensor> base;
+  std::map<std::string, Tensor> adapter;
+};
+
+Result<Normalised> Normalise(const SnapshotSource& source) {
+  Normalised n;
+  n.adapter = source.adapter_tensors;
+  std::map<std::string, std::string> origin;  // normalised name -> source name
+  for (const auto& [name, t] : source.tensors) {
+    auto key = ParseAdapterKey(name);
+    if (!key.ok()) return Status(key.status().code(), "snapshot source: " + key.status().message());
+    if (IsLoraKind(key->kind)) {
+      if (!source.adapter_config) {
+        return Status::InvalidArgument("snapshot source: tensor " + Q(name) + " is a " +
+                                       std::string(AdapterKeyKindName(key->kind)) +
+                                       " tensor but no adapter config was given");
+      }
+      if (!n.adapter.emplace(name, t).second) {
+        return Status::InvalidArgument("snapshot source: tensor " + Q(name) +
+                                       " is given both as a source and as an adapter tensor");
+      }
+      continue;
+    }
+    std::string out = name;
+    if (out.rfind(kPeftPrefix, 0) == 0) out.erase(0, kPeftPrefix.size());
+    DropSegment(out, "base_layer");
+    DropSegment(out, "original_module");
+    auto [it, inserted] = origin.emplace(out, name);
+    if (!inserted) {
+      return Status::InvalidArgument("snapshot source: tensors " + Q(it->second) + " and " + Q(name) +
+                                     " both normalise to " + Q(out));
+    }
+    n.base.emplace(out, t);
+  }
+  return n;
+}
+
+Result<std::vector<float>> ReadF32(const Checkpoint& c, const std::string& key) {
+  FERRY_ASSIGN_OR_RETURN(Tensor t, c.Get(key));
+  std::vector<float> v(static_cast<size_t>(t.numel()));
+  Status s = ReadAsF32(t, v);
+  if (!s.ok()) return s.WithContext(c.path().string() + ": tensor " + Q(key));
+  return v;
+}
+
+// Executes a merge plan into new buffers (the converter's MergeWriter::Compute, in memory).
+class Merger {
+ public:
+  Merger(const Checkpoint& base, const Checkpoint& adapter, const MergePlan& plan, int threads)
+      : base_(base), adapter_(adapter), plan_(plan), threads_(threads) {}
+
+  // The output tensor `name` (base space: hf names) in a new buffer.
+  Result<Tensor> Make(const std::string& name) {
+    const std::string source = plan_.SourceOf(name);
+    FERRY_ASSIGN_OR_RETURN(Tensor base, base_.Get(source));
+    if (!plan_.Changes(name)) return CopyTensor(base);
+    if (const LoraModule* m = Fusable(name, base)) {
+      FERRY_ASSIGN_OR_RETURN(Tensor out, Tensor::Empty(base.dtype(), base.shape()));
+      FERRY_ASSIGN_OR_RETURN(std::vector<float> a, ReadF32(adapter_, m->a_key));
+      FERRY_ASSIGN_OR_RETURN(std::vector<float> b, ReadF32(adapter_, m->b_key));
+      kernels::LoraMergeRows16(base.data_as<uint16_t>(),
+                               base.dtype() == DType::kBF16 ? kernels::Float16Kind::kBF16 : kernels::Float16Kind::kF16,
+                               a.data(), b.data(), m->out, m->in, m->rank, static_cast<float>(m->scaling),
+                               out.mutable_data_as<uint16_t>(), threads_);
+      return out;
+    }
+    if (!CanWriteFromF32(base.dtype())) {
+      return Status::Unsupported("snapshot source: tensor " + Q(source) + " is " + std::string(DTypeName(base.dtype())) +
+                                 " and cannot be merged (only F32, F16, BF16 and F64 weights can)");
+    }
+    FERRY_ASSIGN_OR_RETURN(std::vector<float> w, Compute(name, base));
+    FERRY_ASSIGN_OR_RETURN(Tensor out, Tensor::Empty(base.dtype(), base.shape()));
+    Status s = WriteFromF32(w, base.dtype(), std::span<std::byte>(out.mutable_data(), out.nbytes()));
+    if (!s.ok()) return s.WithContext("snapshot: tensor " + Q(name));
+    return out;
+  }
+
+ private:
+  // One plain LoRA delta on a 16-bit weight: the fused kernel (bit-identical to Compute).
+  const LoraModule* Fusable(const std::string& name, const Tensor& base) const {
+    auto d = plan_.deltas.find(name);
+    if (d == plan_.deltas.end() || d->second.size() != 1) return nullptr;
+    if (plan_.bias_deltas.count(name) || plan_.replacements.count(name) || plan_.token_rows.count(name)) return nullptr;
+    const LoraModule& m = plan_.modules[d->second.front()];
+    if (m.kind != LoraModule::Kind::kLinear || m.fan_in_fan_out || !m.magnitude_key.empty() || m.row_offset != 0 ||
+        m.b_row_begin != 0 || (base.dtype() != DType::kBF16 && base.dtype() != DType::kF16) ||
+        base.shape() != Shape{m.out, m.in}) {
+      return nullptr;
+    }
+    return &m;
+  }
+
+  Result<std::vector<float>> Compute(const std::string& name, const Tensor& base) {
+    std::vector<float> w;
+    if (auto r = plan_.replacements.find(name); r != plan_.replacements.end()) {
+      FERRY_ASSIGN_OR_RETURN(w, ReadF32(adapter_, r->second));
+    } else {
+      FERRY_ASSIGN_OR_RETURN(w, ReadF32(base_, plan_.SourceOf(name)));
+    }
+    if (auto t = plan_.token_rows.find(name); t != plan_.token_rows.end()) {
+      FERRY_ASSIGN_OR_RETURN(std::vector<float> rows, ReadF32(adapter_, t->second.first));
+      const size_t dim = static_cast<size_t>(base.shape()[1]);
+      for (size_t i = 0; i < t->second.second.size(); ++i) {
+        std::memcpy(&w[static_cast<size_t>(t->second.second[i]) * dim], &rows[i * dim], dim * sizeof(float));
+      }
+    }
+    if (auto d = plan_.deltas.find(name); d != plan_.deltas.end()) {
+      for (size_t idx : d->second) FERRY_RETURN_IF_ERROR(ApplyDelta(plan_.modules[idx], w));
+    }
+    if (auto b = plan_.bias_deltas.find(name); b != plan_.bias_deltas.end()) {
+      for (size_t idx : b->second) {
+        const LoraModule& m = plan_.modules[idx];
+        FERRY_ASSIGN_OR_RETURN(std::vector<float> bias, ReadF32(adapter_, m.bias_key));
+        const float s = static_cast<float>(m.scaling);
+        for (size_t i = 0; i < bias.size(); ++i) w[i] += s * bias[i];
+      }
+    }
+    return w;
+  }
+
+  Status ApplyDelta(const LoraModule& m, std::vector<float>& w) {
+    FERRY_ASSIGN_OR_RETURN(std::vector<float> a, ReadF32(adapter_, m.a_key));
+    FERRY_ASSIGN_OR_RETURN(std::vector<float> b, ReadF32(adapter_, m.b_key));
+    const float s = static_cast<float>(m.scaling);
+    const float* bp = b.data() + m.b_row_begin * m.rank;
+    if (m.kind == LoraModule::Kind::kEmbedding) {
+      kernels::LoraEmbeddingDeltaAccumulate(a.data(), bp, m.in, m.out, m.rank, s, w.data(), threads_);
+    } else if (m.fan_in_fan_out) {
+      kernels::LoraDeltaAccumulateFanInFanOut(a.data(), bp, m.out, m.in, m.rank, s, w.data(), threads_);
+    } else {
+      kernels::LoraDeltaAccumulate(a.data(), bp, m.out, m.in, m.rank, s, w.data() + m.row_offset * m.in, threads_);
+    }
+    if (!m.magnitude_key.empty()) {
+      FERRY_ASSIGN_OR_RETURN(std::vector<float> mag, ReadF32(adapter_, m.magnitude_key));
+      kernels::DoraApply(w.data(), mag.data(), m.out, m.in, m.fan_in_fan_out);
+    }
+    return Status::OK();
+  }
+
+  const Checkpoint& base_;
+  const Checkpoint& adapter_;
+  const MergePlan& plan_;
+  int threads_;
+};
+
+// Stacks q/k/v into qkv_proj and gate/up into gate_up_proj (weights and biases) on axis 0,
+// where every member is present (as `ferry convert --layout fused`).
+Status FuseLayout(std::map<std::string, Tensor>& tensors) {
+  static const std::vector<std::pair<std::vector<std::string>, std::string>> kGroups = {
+      {{"q_proj", "k_proj", "v_proj"}, "qkv_proj"}, {{"gate_proj", "up_proj"}, "gate_up_proj"}};
+  std::vector<std::string> names;
+  for (const auto& [name, t] : tensors) names.push_back(name);
+  for (const std::string& name : names) {
+    for (const auto& [members, fused] : kGroups) {
+      for (const char* param : {".weight", ".bias"}) {
+        const std::string first = "." + members[0] + param;
+        if (!EndsWith(name, first)) continue;
+        const std::string prefix = name.substr(0, name.size() - first.size() + 1);
+        const Tensor& t0 = tensors.at(name);
+        std::vector<Tensor> parts;
+        int64_t rows = 0;
+        for (const auto& m : members) {
+          auto it = tensors.find(prefix + m + param);
+          if (it == tensors.end()) break;
+          const Shape& s = it->second.shape();
+          const Shape& s0 = t0.shape();
+          if (s.empty() || s.size() != s0.size() || !std::equal(s.begin() + 1, s.end(), s0.begin() + 1) ||
+              it->second.dtype() != t0.dtype()) {
+            return Status::InvalidArgument("snapshot source: cannot fuse " + Q(it->first) + " " + ShapeToString(s) +
+                                           " with " + Q(name) + " " + ShapeToString(s0));
+          }
+          rows += s[0];
+          parts.push_back(it->second);
+        }
+        if (parts.size() != members.size()) continue;
+        const std::string fused_name = prefix + fused + param;
+        if (tensors.count(fused_name)) {
+          return Status::InvalidArgument("snapshot source: has both " + Q(fused_name) + " and " + Q(name));
+        }
+        Shape shape = t0.shape();
+        shape[0] = rows;
+        FERRY_ASSIGN_OR_RETURN(Tensor out, Tensor::Empty(t0.dtype(), shape));
+        size_t offset = 0;
+        for (const Tensor& p : parts) {
+          if (p.nbytes() > 0) std::memcpy(out.mutable_data() + offset, p.data(), p.nbytes());
+          offset += p.nbytes();
+        }
+        for (const auto& m : members) tensors.erase(prefix + m + param);
+        tensors.emplace(fused_name, std::move(out));
+      }
+    }
+  }
+  return Status::OK();
+}
+
+// config.json as `ferry convert` writes it beside merged weights.
+Result<std::string> RewriteModelConfig(const std::string& text, bool untie) {
+  using ojson = nlohmann::ordered_json;
+  ojson j = ojson::parse(text, nullptr, false);
+  if (j.is_discarded() || !j.is_object()) return Status::Corruption("snapshot aux file config.json: not a JSON object");
+  j.erase("quantization_config");
+  if (untie) j["tie_word_embeddings"] = false;
+  return j.dump(2) + "\n";
+}
+
+Result<std::vector<std::pair<std::string, std::string>>> SortedAux(
+    const std::vector<std::pair<std::string, std::string>>& aux) {
+  std::vector<std::pair<std::string, std::string>> out = aux;
+  std::sort(out.begin(), out.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
+  for (size_t i = 0; i < out.size(); ++i) {
+    const std::string& name = out[i].first;
+    if (name.empty() || name.find('/') != std::string::npos || name == "." || name == "..") {
+      return Status::InvalidArgument("snapshot aux file " + Q(name) + " is not a plain file name");
+    }
+    if (i > 0 && out[i - 1].first == name) {
+      return Status::InvalidArgument("snapshot aux file " + Q(name) + " is given twice");
+    }
+  }
+  return out;
+}
+
+// The planner names the adapter's origin ("<snapshot adapter>") for in-memory tensors.
+Status InMemoryContext(const Status& s) { return s.WithContext("snapshot"); }
+
+int ThreadsOf(const SnapshotOptions& options) {
+  return options.threads > 0 ? options.threads : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+}
+
+}  // namespace
+
+std::string_view SnapshotLayoutName(SnapshotLayout layout) {
+  return layout == SnapshotLayout::kFused ? "fused" : "hf";
+}
+
+Result<std::shared_ptr<const Snapshot>> BuildSnapshot(const SnapshotSource& source, const SnapshotOptions& options) {
+  FERRY_ASSIGN_OR_RETURN(auto aux, SortedAux(source.aux_files));
+  FERRY_ASSIGN_OR_RETURN(Normalised in, Normalise(source));
+  std::map<std::string, Tensor> out;
+  const bool merging = source.adapter_config.has_value();
+  if (!merging) {
+    if (!in.adapter.empty()) {
+      return Status::InvalidArgument("snapshot source: adapter tensor " + Q(in.adapter.begin()->first) +
+                                     " given without an adapter config");
+    }
+    FERRY_ASSIGN_OR_RETURN(out, CopyAll(in.base));
+  } else {
+    const PeftConfig& cfg = *source.adapter_config;
+    FERRY_RETURN_IF_ERROR(cfg.CheckMergeable());
+    const Checkpoint base = Checkpoint::FromTensors(std::string(kSourceOrigin), std::move(in.base));
+    const Checkpoint adapter = Checkpoint::FromTensors(std::string(kAdapterOrigin), std::move(in.adapter));
+    auto planned = PlanMerge(cfg, adapter, base, options.tie_word_embeddings);
+    if (!planned.ok()) return InMemoryContext(planned.status());
+    MergePlan plan = std::move(planned).value();
+    if (!plan.quantized.empty()) {
+      return Status::Unsupported("snapshot source: tensor " + Q(plan.quantized.begin()->first) +
+                                 " is a 4-bit quantised weight; snapshot unquantised parameters");
+    }
+    Merger merger(base, adapter, plan, ThreadsOf(options));
+    for (const std::string& name : base.names()) {
+      if (plan.quant_aux.count(name)) continue;
+      FERRY_ASSIGN_OR_RETURN(Tensor t, merger.Make(name));
+      out.emplace(name, std::move(t));
+    }
+    if (plan.untie) {
+      FERRY_ASSIGN_OR_RETURN(Tensor t, merger.Make(plan.lm_head_key));
+      out.emplace(plan.lm_head_key, std::move(t));
+    }
+    for (auto& [name, contents] : aux) {
+      if (name == "config.json") {
+        FERRY_ASSIGN_OR_RETURN(contents, RewriteModelConfig(contents, plan.untie));
+      }
+    }
+  }
+  if (options.layout == SnapshotLayout::kFused) FERRY_RETURN_IF_ERROR(FuseLayout(out));
+
+  auto snap = std::shared_ptr<Snapshot>(new Snapshot());
+  std::vector<store::TensorRow> rows;
+  for (const auto& [name, t] : out) {
+    store::TensorRow row;
+    row.name = name;
+    row.dtype = t.dtype();
+    row.shape = t.shape();
+    row.digest = store::TensorDigest(t);
+    row.nbytes = t.nbytes();
+    snap->digests_.emplace(name, row.digest);
+    snap->bytes_ += t.nbytes();
+    rows.push_back(std::move(row));
+  }
+  std::vector<store::AuxFile> aux_rows;
+  for (const auto& [name, contents] : aux) {
+    aux_rows.push_back(store::AuxFile{name, store::internal::HashString(contents), contents.size()});
+  }
+  snap->manifest_id_ = store::internal::ManifestDigest(rows, aux_rows);
+  snap->checkpoint_ = Checkpoint::FromTensors("<snapshot " + snap->manifest_id_.Hex() + ">", std::move(out));
+  snap->aux_files_ = std::move(aux);
+  snap->layout_ = options.layout;
+  snap->merged_ = merging;
+  return std::shared_ptr<const Snapshot>(std::move(snap));
+}
+
+Result<store::ImportResult> RecordSnapshot(store::Store& store, const Snapshot& snapshot,
+                                           const store::ImportOptions& options) {
+  store::ImportOptions opts = options;
+  if (snapshot.merged() && opts.kind == store::VersionKind::kFull) opts.kind = store::VersionKind::kMerged;
+  if (opts.source == store::VersionSource::kImport) opts.source = store::VersionSource::kDaemon;
+  opts.layout = std::string(SnapshotLayoutName(snapshot.layout()));
+  FERRY_ASSIGN_OR_RETURN(store::ImportResult result,
+                         store.ImportCheckpoint(snapshot.checkpoint(), snapshot.aux_files(), opts));
+  if (result.record.id != snapshot.manifest_id()) {
+    return Status::Internal("snapshot " + snapshot.manifest_id().Hex() + " was recorded as version " +
+                            result.record.id.Hex() + ": the manifest digests disagree");
+  }
+  return result;
+}
+
+Result<AdapterSnapshot> BuildAdapterSnapshot(const SnapshotSource& source, const SnapshotOptions& options) {
+  if (!source.adapter_config) {
+    return Status::InvalidArgument("snapshot source: adapter-only publication needs an adapter config");
+  }
+  FERRY_ASSIGN_OR_RETURN(Normalised in, Normalise(source));
+  FERRY_ASSIGN_OR_RETURN(auto merged, BuildSnapshot(source, options));
+  AdapterSnapshot a;
+  a.config = *source.adapter_config;
+  FERRY_ASSIGN_OR_RETURN(auto copies, CopyAll(in.adapter));
+  for (const auto& [name, t] : copies) a.adapter_digests.emplace(name, store::TensorDigest(t));
+  a.adapter = std::make_shared<const Checkpoint>(Checkpoint::FromTensors(std::string(kAdapterOrigin), std::move(copies)));
+  a.expected_merged_id = merged->manifest_id();
+  a.layout = options.layout;
+  return a;
+}
+
+Result<std::shared_ptr<const Snapshot>> ApplyAdapterSnapshot(const AdapterSnapshot& adapter, const SnapshotSource& base,
+                                                             const SnapshotOptions& options) {
+  if (!adapter.adapter) return Status::InvalidArgument("adapter snapshot: holds no adapter tensors");
+  SnapshotSource merged_source;
+  merged_source.tensors = base.tensors;
+  merged_source.aux_files = base.aux_files;
+  merged_source.adapter_config = adapter.config;
+  for (const std::string& name : adapter.adapter->names()) {
+    FERRY_ASSIGN_OR_RETURN(Tensor t, adapter.adapter->Get(name));
+    merged_source.adapter_tensors.emplace(name, std::move(t));
+  }
+  SnapshotOptions opts = options;
+  opts.layout = adapter.layout;
+  FERRY_ASSIGN_OR_RETURN(auto snap, BuildSnapshot(merged_source, opts));
+  if (snap->manifest_id() != adapter.expected_merged_id) {
+    return Status::Corruption("adapter snapshot: the local merge has manifest " + snap->manifest_id().Hex() +
+                              " but the publisher's merged manifest is " + adapter.expected_merged_id.Hex() +
+                              " (the receiver's base or the adapter differs from the publisher's)");
+  }
+  return snap;
+}
+
+std::vector<std::string> MissingTensors(const Snapshot& snapshot, const std::set<store::Digest>& receiver_has) {
+  std::vector<std::string> out;
+  for (const auto& [name, digest] : snapshot.digests()) {
+    if (!receiver_has.count(digest)) out.push_back(name);
+  }
+  return out;
+}
+
+}  // namespace ferry::sync

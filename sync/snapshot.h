@@ -1,0 +1,152 @@
+// Snapshots: immutable, hashed copies of a model's weights, taken after an optimiser step
+// and before anything is sent, so the trainer may keep mutating (or free) its parameters.
+//
+// A snapshot is built from named tensors from any source (memory-mapped files, LibTorch
+// parameters wrapped as Tensors) plus, for LoRA, the adapter tensors and its config:
+//   1. Names are normalised to the generator's: "base_model.model." is stripped and the
+//      ".base_layer" and ".original_module" segments dropped
+//      ("base_model.model.M.base_layer.weight" -> "M.weight").
+//      LoRA tensors found among the source tensors ("M.lora_A.default.weight", ...) join the
+//      adapter tensors when an adapter config is given and are an error otherwise.
+//   2. Every output tensor is written into a NEW buffer owned by the snapshot: unchanged
+//      tensors are copied, LoRA targets are merged exactly as `ferry convert` merges them
+//      (convert/merge_plan.h resolves the adapter; fp32 accumulation, one rounding to the
+//      base dtype; bit-identical to the converter's hf output). The snapshot never aliases
+//      the source: changing or freeing the source after BuildSnapshot returns cannot change
+//      it (the trl #2856 bug: state_dict() tensors aliasing live, later unmerged parameters).
+//   3. The fused layout stacks q/k/v into self_attn.qkv_proj and gate/up into
+//      mlp.gate_up_proj on the output axis (as `ferry convert --layout fused`).
+//   4. Every tensor digest and the manifest digest (= the store's version id) are computed
+//      exactly as store/store.h defines them, so RecordSnapshot's version id equals
+//      manifest_id() and a receiver can prove what it holds by digest.
+// Nothing here copies or serialises model objects: only tensors' bytes are read.
+//
+// Modes of publication:
+//   merged-full   the Snapshot itself;
+//   adapter-only  AdapterSnapshot: copied adapter tensors + config + the merged manifest id
+//                 the publisher computed; a receiver that keeps the base merges locally
+//                 (ApplyAdapterSnapshot) and proves its result has that id;
+//   delta         MissingTensors: only the tensors whose digest the receiver lacks.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <optional>
+#include <set>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "convert/peft_config.h"
+#include "core/checkpoint.h"
+#include "core/status.h"
+#include "core/tensor.h"
+#include "store/store.h"
+
+namespace ferry::sync {
+
+// The weights to snapshot. The tensors are only read during BuildSnapshot.
+struct SnapshotSource {
+  // Base or full weights with HF names as a model's state_dict gives them; PEFT-wrapped
+  // names ("base_model.model.X.base_layer.weight") are accepted and normalised.
+  std::map<std::string, Tensor> tensors;
+  // The LoRA adapter to merge in. Default: none (the tensors are the full weights).
+  std::optional<PeftConfig> adapter_config;
+  // Adapter tensors as adapter_model.safetensors names them ("base_model.model.M.lora_A.weight").
+  std::map<std::string, Tensor> adapter_tensors;
+  // Auxiliary files (name, contents) recorded with the weights: config.json,
+  // generation_config.json, tokenizer files. Plain file names, each at most once.
+  std::vector<std::pair<std::string, std::string>> aux_files;
+};
+
+enum class SnapshotLayout { kHf, kFused };
+// "hf" or "fused" (the store records it as the version's layout).
+std::string_view SnapshotLayoutName(SnapshotLayout layout);
+
+struct SnapshotOptions {
+  SnapshotLayout layout = SnapshotLayout::kHf;  // Default: hf
+  int threads = 0;                  // merge threads. Default: 0 = all hardware threads.
+  // The base model ties lm_head to the input embedding (config.json's tie_word_embeddings).
+  // Default: false.
+  bool tie_word_embeddings = false;
+};
+
+// An immutable snapshot. Thread-safe: every accessor is const and the buffers never change.
+class Snapshot {
+ public:
+  // The tensors, in buffers owned by the snapshot (names sorted). Tensors taken from it keep
+  // those buffers alive on their own.
+  const Checkpoint& checkpoint() const { return checkpoint_; }
+  // The manifest digest of store.h over the tensors and aux files: the version id.
+  const store::Digest& manifest_id() const { return manifest_id_; }
+  // Tensor digests (store.h), by name.
+  const std::map<std::string, store::Digest>& digests() const { return digests_; }
+  // Auxiliary files, sorted by name (config.json rewritten as `ferry convert` writes it when
+  // an adapter was merged: quantization_config removed, tie_word_embeddings false if untied).
+  const std::vector<std::pair<std::string, std::string>>& aux_files() const { return aux_files_; }
+  SnapshotLayout layout() const { return layout_; }
+  // True when an adapter was merged in.
+  bool merged() const { return merged_; }
+  // Total tensor bytes.
+  uint64_t bytes() const { return bytes_; }
+
+ private:
+  friend Result<std::shared_ptr<const Snapshot>> BuildSnapshot(const SnapshotSource&, const SnapshotOptions&);
+  Snapshot() = default;
+
+  Checkpoint checkpoint_;
+  store::Digest manifest_id_;
+  std::map<std::string, store::Digest> digests_;
+  std::vector<std::pair<std::string, std::string>> aux_files_;
+  SnapshotLayout layout_ = SnapshotLayout::kHf;
+  bool merged_ = false;
+  uint64_t bytes_ = 0;
+};
+
+// Builds a snapshot of `source` (see the top of this file). Errors (nothing is returned):
+// kInvalidArgument naming the tensor for two source names that normalise to the same name,
+// a LoRA tensor among the source tensors without an adapter config, q/k/v (gate/up) that
+// cannot be stacked, or a bad aux file name; PlanMerge's and CheckMergeable's errors for
+// the adapter; kUnsupported for 4-bit quantised bases; kCorruption for an unreadable
+// config.json when an adapter is merged. REQUIRES: nobody writes the source tensors during
+// the call.
+Result<std::shared_ptr<const Snapshot>> BuildSnapshot(const SnapshotSource& source, const SnapshotOptions& options);
+
+// Records `snapshot` as a version in `store`. options.kind kFull (the default) becomes
+// kMerged for a merged snapshot; options.source kImport (the default) becomes kDaemon;
+// options.layout is set to the snapshot's layout. The stored version id equals
+// snapshot.manifest_id() (kInternal otherwise). Store errors pass through.
+Result<store::ImportResult> RecordSnapshot(store::Store& store, const Snapshot& snapshot,
+                                           const store::ImportOptions& options);
+
+// Adapter-only publication: what a receiver that keeps the base needs to rebuild the
+// publisher's merged weights and prove it did.
+struct AdapterSnapshot {
+  PeftConfig config;
+  std::shared_ptr<const Checkpoint> adapter;  // adapter tensors, in buffers owned here
+  std::map<std::string, store::Digest> adapter_digests;
+  // The manifest id of the publisher's merged snapshot (BuildSnapshot of the same source
+  // and options): the receiver's local merge must have exactly this id.
+  store::Digest expected_merged_id;
+  SnapshotLayout layout = SnapshotLayout::kHf;
+};
+
+// Copies the adapter tensors of `source` (which must have an adapter config; kInvalidArgument
+// otherwise) and computes the merged manifest id by building the merged snapshot.
+Result<AdapterSnapshot> BuildAdapterSnapshot(const SnapshotSource& source, const SnapshotOptions& options);
+
+// Receiver side: merges `adapter` into the receiver's own base (`base.tensors` and
+// `base.aux_files`; its adapter fields are ignored) and returns the merged snapshot.
+// kCorruption naming both ids when the result's manifest id differs from
+// adapter.expected_merged_id (the receiver's base or the adapter is not the publisher's).
+Result<std::shared_ptr<const Snapshot>> ApplyAdapterSnapshot(const AdapterSnapshot& adapter,
+                                                             const SnapshotSource& base,
+                                                             const SnapshotOptions& options);
+
+// Delta publication: the names (sorted) of the snapshot's tensors whose digest is not in
+// `receiver_has`.
+std::vector<std::string> MissingTensors(const Snapshot& snapshot, const std::set<store::Digest>& receiver_has);
+
+}  // namespace ferry::sync

@@ -115,7 +115,7 @@ Status SyncDirectory(const std::filesystem::path& dir) {
   return Status::OK();
 }
 
-Status WriteFileAtomic(const std::filesystem::path& path, std::string_view contents) {
+Status WriteFileAtomic(const std::filesystem::path& path, std::string_view contents, bool sync) {
   const auto tmp = TempNameFor(path);
   int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
   if (fd < 0) return ErrnoStatus(tmp.string(), errno);
@@ -131,7 +131,7 @@ Status WriteFileAtomic(const std::filesystem::path& path, std::string_view conte
     }
     done += static_cast<size_t>(w);
   }
-  const int sync_rc = ::fsync(fd);
+  const int sync_rc = sync ? ::fsync(fd) : 0;
   const int sync_errno = errno;
   if (::close(fd) != 0 || sync_rc != 0) {
     int e = sync_rc != 0 ? sync_errno : errno;
@@ -143,7 +143,7 @@ Status WriteFileAtomic(const std::filesystem::path& path, std::string_view conte
     ::unlink(tmp.c_str());
     return ErrnoStatus(path.string(), e);
   }
-  return SyncDirectory(path.parent_path());
+  return sync ? SyncDirectory(path.parent_path()) : Status::OK();
 }
 
 }  // namespace ferry

@@ -47,8 +47,9 @@ class MappedFile {
 Result<std::string> ReadSmallFile(const std::filesystem::path& path, size_t limit = 64u << 20);
 
 // Writes `contents` to `path` atomically: a temporary file in the same directory,
-// fsync, rename. On failure nothing is left at `path` or at the temporary name.
-Status WriteFileAtomic(const std::filesystem::path& path, std::string_view contents);
+// fsync (file and directory, unless `sync` is false), rename. On failure nothing is left at
+// `path` or at the temporary name.
+Status WriteFileAtomic(const std::filesystem::path& path, std::string_view contents, bool sync = true);
 
 // fsyncs a directory so that renames inside it are durable.
 Status SyncDirectory(const std::filesystem::path& dir);

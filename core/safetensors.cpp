@@ -359,6 +359,7 @@ Status SafetensorsWriter::FlushBuffer() {
 }
 
 Status SafetensorsWriter::CloseShard() {
+  FERRY_RETURN_IF_ERROR(FlushPendingRange());
   FERRY_RETURN_IF_ERROR(FlushBuffer());
   const auto& path = shards_[cur_shard_].temp_path;
   if (options_.sync && ::fdatasync(fd_) != 0) return ErrnoStatus(path.string() + ": fsync", errno);
@@ -410,9 +411,32 @@ Status SafetensorsWriter::AppendFileRange(int src, uint64_t offset, uint64_t len
     return Status::InvalidArgument("file range of " + std::to_string(length) + " bytes exceeds the current tensor");
   }
   FERRY_RETURN_IF_ERROR(FlushBuffer());
+  // Ranges that continue the pending one (consecutive tensors of the same source file) are
+  // coalesced, so a run of unchanged tensors costs one in-kernel copy, as cp's does.
+  if (pending_src_ == src && pending_off_ + pending_len_ == offset) {
+    pending_len_ += length;
+  } else {
+    FERRY_RETURN_IF_ERROR(FlushPendingRange());
+    pending_src_ = src;
+    pending_off_ = offset;
+    pending_len_ = length;
+  }
+  bytes_written_ += length;
+  cur_offset_ += length;
+  return Advance();
+}
+
+Status SafetensorsWriter::FlushPendingRange() {
+  if (pending_src_ < 0 || pending_len_ == 0) {
+    pending_src_ = -1;
+    return Status::OK();
+  }
+  const int src = pending_src_;
+  loff_t in_off = static_cast<loff_t>(pending_off_);
+  uint64_t left = pending_len_;
+  pending_src_ = -1;
+  pending_len_ = 0;
   const auto& path = shards_[cur_shard_].temp_path;
-  loff_t in_off = static_cast<loff_t>(offset);
-  uint64_t left = length;
   bool fallback = false;
   while (left > 0 && !fallback) {
     ssize_t n = ::copy_file_range(src, &in_off, fd_, nullptr, std::min<uint64_t>(left, 1u << 30), 0);
@@ -436,9 +460,7 @@ Status SafetensorsWriter::AppendFileRange(int src, uint64_t offset, uint64_t len
       left -= static_cast<uint64_t>(n);
     }
   }
-  bytes_written_ += length;
-  cur_offset_ += length;
-  return Advance();
+  return Status::OK();
 }
 
 Status SafetensorsWriter::Write(std::string_view name, const Tensor& t) {
@@ -471,6 +493,7 @@ Status SafetensorsWriter::Write(std::string_view name, const Tensor& t) {
 }
 
 Status SafetensorsWriter::AppendRaw(std::string_view data) {
+  FERRY_RETURN_IF_ERROR(FlushPendingRange());  // keep the byte order
   // Small pieces go through the buffer; large ones are written straight from the source.
   if (data.size() >= kWriteBuffer / 2) {
     FERRY_RETURN_IF_ERROR(FlushBuffer());
@@ -526,7 +549,7 @@ Status SafetensorsWriter::Finish() {
     std::sort(entries.begin(), entries.end());
     for (auto& [k, v] : entries) weight_map[k] = v;
     nlohmann::ordered_json idx = {{"metadata", {{"total_size", total}}}, {"weight_map", weight_map}};
-    st = WriteFileAtomic(index_path_, idx.dump(2) + "\n");
+    st = WriteFileAtomic(index_path_, idx.dump(2) + "\n", options_.sync);
     if (!st.ok()) {
       Abort();
       return st;

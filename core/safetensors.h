@@ -162,6 +162,7 @@ class SafetensorsWriter {
   Status CloseShard();
   Status FlushBuffer();
   Status AppendRaw(std::string_view data);
+  Status FlushPendingRange();
   Status Advance();
   void Abort();
 
@@ -175,6 +176,9 @@ class SafetensorsWriter {
   size_t cur_shard_ = SIZE_MAX;
   int fd_ = -1;
   std::vector<std::byte> buffer_;
+  int pending_src_ = -1;  // a coalesced AppendFileRange not yet copied
+  uint64_t pending_off_ = 0;
+  uint64_t pending_len_ = 0;
   size_t buffered_ = 0;
   uint64_t bytes_written_ = 0;
   bool finished_ = false;

@@ -1,6 +1,9 @@
 // Hashing checkpoints (HashPath, HashCheckpoint) and importing them (the commit protocol).
 #include <algorithm>
+#include <atomic>
+#include <mutex>
 #include <set>
+#include <thread>
 
 #include <rocksdb/write_batch.h>
 
@@ -50,9 +53,10 @@ Result<VersionRecord> HashCheckpoint(const Checkpoint& ckpt,
                                      const TensorVisitor& on_tensor) {
   VersionRecord rec;
   const uint64_t total = ckpt.total_bytes();
+  std::mutex progress_mu;
   uint64_t done = 0;
-  for (const std::string& name : ckpt.names()) {
-    FERRY_ASSIGN_OR_RETURN(Tensor t, ckpt.Get(name));
+  auto hash_one = [&](const std::string& name, Tensor& t) -> Result<TensorRow> {
+    FERRY_ASSIGN_OR_RETURN(t, ckpt.Get(name));
     TensorDigester digester(t.dtype(), t.shape());
     TensorStats stats(t.dtype());
     auto bytes = t.bytes();
@@ -60,8 +64,11 @@ Result<VersionRecord> HashCheckpoint(const Checkpoint& ckpt,
       auto piece = bytes.subspan(off, std::min(kChunkBytes, bytes.size() - off));
       digester.Update(piece);
       stats.Update(piece);
-      done += piece.size();
-      if (progress) progress(done, total);
+      if (progress) {
+        std::lock_guard<std::mutex> lock(progress_mu);
+        done += piece.size();
+        progress(done, total);
+      }
     }
     TensorRow row;
     row.name = name;
@@ -70,16 +77,40 @@ Result<VersionRecord> HashCheckpoint(const Checkpoint& ckpt,
     row.digest = digester.Finish();
     row.nbytes = t.nbytes();
     stats.Finish(row);
-    if (on_tensor) {
-      Status s = on_tensor(t, row);
-      if (!s.ok()) {
-        ckpt.Release(name);
-        return s;
+    return row;
+  };
+  const auto& names = ckpt.names();
+  if (!on_tensor) {
+    // Hashing only (ferry verify): tensors are independent, so every core takes the next one.
+    std::vector<Result<TensorRow>> rows(names.size(), Status::Internal("not hashed"));
+    std::atomic<size_t> next{0};
+    auto worker = [&] {
+      for (size_t i = next++; i < names.size(); i = next++) {
+        Tensor t;
+        rows[i] = hash_one(names[i], t);
+        ckpt.Release(names[i]);
       }
+    };
+    const size_t threads = std::min<size_t>(std::max(1u, std::thread::hardware_concurrency()), names.size());
+    std::vector<std::thread> pool;
+    for (size_t k = 1; k < threads; ++k) pool.emplace_back(worker);
+    worker();
+    for (auto& th : pool) th.join();
+    for (auto& r : rows) {
+      if (!r.ok()) return r.status();
+      rec.total_bytes += r->nbytes;
+      rec.tensors.push_back(std::move(r).value());
     }
-    ckpt.Release(name);
-    rec.total_bytes += row.nbytes;
-    rec.tensors.push_back(std::move(row));
+  } else {
+    for (const std::string& name : names) {
+      Tensor t;
+      FERRY_ASSIGN_OR_RETURN(TensorRow row, hash_one(name, t));
+      Status s = on_tensor(t, row);
+      ckpt.Release(name);
+      if (!s.ok()) return s;
+      rec.total_bytes += row.nbytes;
+      rec.tensors.push_back(std::move(row));
+    }
   }
   std::set<std::string> seen;
   for (const auto& [name, contents] : aux_files) {

@@ -51,13 +51,6 @@ bool IsWeightFile(const std::string& name) {
          EndsWith(name, ".pt") || EndsWith(name, ".pth");
 }
 
-Result<std::vector<float>> ReadF32(const Checkpoint& c, const std::string& key) {
-  FERRY_ASSIGN_OR_RETURN(Tensor t, c.Get(key));
-  std::vector<float> v(static_cast<size_t>(t.numel()));
-  Status s = ReadAsF32(t, v);
-  if (!s.ok()) return s.WithContext(c.FileOf(key).string() + ": tensor " + Q(key));
-  return v;
-}
 
 // Converts fp32 values to `dtype` in chunks and appends them to the writer.
 Status AppendF32As(SafetensorsWriter& w, std::span<const float> values, DType dtype) {
@@ -385,27 +378,17 @@ class MergeWriter {
   // The common case — one plain LoRA delta on an unquantized 16-bit weight written in its own
   // dtype — runs through the fused kernel (decode, rank-r update, round in one pass per row
   // block). Bit-identical to Compute() + AppendF32As(); returns null when it does not apply.
+  // The common case (one plain LoRA delta on a 16-bit weight kept in its dtype) runs through
+  // the fused kernel, bit-identical to Compute() + AppendF32As().
   const LoraModule* FusableDelta(const std::string& name, DType out_dtype) const {
-    auto d = plan_.deltas.find(name);
-    if (d == plan_.deltas.end() || d->second.size() != 1) return nullptr;
-    if (plan_.bias_deltas.count(name) || plan_.replacements.count(name) || plan_.token_rows.count(name) ||
-        plan_.quantized.count(name)) {
-      return nullptr;
-    }
-    const LoraModule& m = plan_.modules[d->second.front()];
     const DType base = NaturalDType(name);
-    if (m.kind != LoraModule::Kind::kLinear || m.fan_in_fan_out || !m.magnitude_key.empty() || m.row_offset != 0 ||
-        m.b_row_begin != 0 || base != out_dtype || (base != DType::kBF16 && base != DType::kF16) ||
-        NaturalShape(name) != Shape{m.out, m.in}) {
-      return nullptr;
-    }
-    return &m;
+    return base == out_dtype ? plan_.FusableDelta(name, base, NaturalShape(name)) : nullptr;
   }
 
   Result<std::shared_ptr<std::vector<uint16_t>>> FusedMerge(const std::string& name, const LoraModule& m, DType dtype) {
     FERRY_ASSIGN_OR_RETURN(Tensor base, base_.Get(plan_.SourceOf(name)));
-    FERRY_ASSIGN_OR_RETURN(std::vector<float> a, ReadF32(adapter_, m.a_key));
-    FERRY_ASSIGN_OR_RETURN(std::vector<float> b, ReadF32(adapter_, m.b_key));
+    FERRY_ASSIGN_OR_RETURN(std::vector<float> a, ReadTensorAsF32(adapter_, m.a_key));
+    FERRY_ASSIGN_OR_RETURN(std::vector<float> b, ReadTensorAsF32(adapter_, m.b_key));
     auto out = pool_.Acquire(static_cast<size_t>(m.out * m.in));
     kernels::LoraMergeRows16(reinterpret_cast<const uint16_t*>(base.data()),
                              dtype == DType::kBF16 ? kernels::Float16Kind::kBF16 : kernels::Float16Kind::kF16, a.data(),
@@ -421,7 +404,7 @@ class MergeWriter {
     FERRY_ASSIGN_OR_RETURN(int64_t n, CheckedNumel(shape));
     std::vector<float> w;
     if (auto r = plan_.replacements.find(name); r != plan_.replacements.end()) {
-      FERRY_ASSIGN_OR_RETURN(w, ReadF32(adapter_, r->second));
+      FERRY_ASSIGN_OR_RETURN(w, ReadTensorAsF32(adapter_, r->second));
     } else if (auto q = plan_.quantized.find(name); q != plan_.quantized.end()) {
       w.resize(static_cast<size_t>(n));
       FERRY_RETURN_IF_ERROR(Dequantize4bitWeight(base_, q->second, w));
@@ -429,46 +412,10 @@ class MergeWriter {
       // tensor is the base the adapter was trained against.
       FERRY_RETURN_IF_ERROR(RoundTo(q->second.dtype, w));
     } else {
-      FERRY_ASSIGN_OR_RETURN(w, ReadF32(base_, plan_.SourceOf(name)));
+      FERRY_ASSIGN_OR_RETURN(w, ReadTensorAsF32(base_, plan_.SourceOf(name)));
     }
-    if (auto t = plan_.token_rows.find(name); t != plan_.token_rows.end()) {
-      FERRY_ASSIGN_OR_RETURN(std::vector<float> rows, ReadF32(adapter_, t->second.first));
-      const size_t dim = static_cast<size_t>(shape[1]);
-      for (size_t i = 0; i < t->second.second.size(); ++i) {
-        std::memcpy(&w[static_cast<size_t>(t->second.second[i]) * dim], &rows[i * dim], dim * sizeof(float));
-      }
-    }
-    if (auto d = plan_.deltas.find(name); d != plan_.deltas.end()) {
-      for (size_t idx : d->second) FERRY_RETURN_IF_ERROR(ApplyDelta(plan_.modules[idx], w));
-    }
-    if (auto b = plan_.bias_deltas.find(name); b != plan_.bias_deltas.end()) {
-      for (size_t idx : b->second) {
-        const LoraModule& m = plan_.modules[idx];
-        FERRY_ASSIGN_OR_RETURN(std::vector<float> bias, ReadF32(adapter_, m.bias_key));
-        const float s = static_cast<float>(m.scaling);
-        for (size_t i = 0; i < bias.size(); ++i) w[i] += s * bias[i];
-      }
-    }
+    FERRY_RETURN_IF_ERROR(ApplyPlanEdits(plan_, adapter_, name, shape, w, threads_));
     return w;
-  }
-
-  Status ApplyDelta(const LoraModule& m, std::vector<float>& w) {
-    FERRY_ASSIGN_OR_RETURN(std::vector<float> a, ReadF32(adapter_, m.a_key));
-    FERRY_ASSIGN_OR_RETURN(std::vector<float> b, ReadF32(adapter_, m.b_key));
-    const float s = static_cast<float>(m.scaling);
-    const float* bp = b.data() + m.b_row_begin * m.rank;
-    if (m.kind == LoraModule::Kind::kEmbedding) {
-      kernels::LoraEmbeddingDeltaAccumulate(a.data(), bp, m.in, m.out, m.rank, s, w.data(), threads_);
-    } else if (m.fan_in_fan_out) {
-      kernels::LoraDeltaAccumulateFanInFanOut(a.data(), bp, m.out, m.in, m.rank, s, w.data(), threads_);
-    } else {
-      kernels::LoraDeltaAccumulate(a.data(), bp, m.out, m.in, m.rank, s, w.data() + m.row_offset * m.in, threads_);
-    }
-    if (!m.magnitude_key.empty()) {
-      FERRY_ASSIGN_OR_RETURN(std::vector<float> mag, ReadF32(adapter_, m.magnitude_key));
-      kernels::DoraApply(w.data(), mag.data(), m.out, m.in, m.fan_in_fan_out);
-    }
-    return Status::OK();
   }
 
   const ConvertOptions& opt_;
@@ -540,8 +487,8 @@ Result<ConvertSummary> WriteLora(const ConvertOptions& opt, const PeftConfig& cf
     std::vector<float> b_out(static_cast<size_t>(e.out * rank), 0.0f);
     int64_t col = 0;
     for (const LoraModule* p : e.parts) {
-      FERRY_ASSIGN_OR_RETURN(std::vector<float> a, ReadF32(adapter, p->a_key));
-      FERRY_ASSIGN_OR_RETURN(std::vector<float> b, ReadF32(adapter, p->b_key));
+      FERRY_ASSIGN_OR_RETURN(std::vector<float> a, ReadTensorAsF32(adapter, p->a_key));
+      FERRY_ASSIGN_OR_RETURN(std::vector<float> b, ReadTensorAsF32(adapter, p->b_key));
       const float s = static_cast<float>(p->scaling);
       for (int64_t k = 0; k < p->rank; ++k) {
         for (int64_t i = 0; i < e.in; ++i) a_out[static_cast<size_t>((col + k) * e.in + i)] = s * a[static_cast<size_t>(k * e.in + i)];

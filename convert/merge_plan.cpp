@@ -1,6 +1,9 @@
 #include "convert/merge_plan.h"
 
 #include <cmath>
+#include <cstring>
+
+#include "kernels/lora_merge.h"
 
 namespace ferry {
 namespace {
@@ -330,6 +333,78 @@ class Planner {
 };
 
 }  // namespace
+
+const LoraModule* MergePlan::FusableDelta(const std::string& name, DType base_dtype, const Shape& base_shape) const {
+  auto d = deltas.find(name);
+  if (d == deltas.end() || d->second.size() != 1) return nullptr;
+  if (bias_deltas.count(name) || replacements.count(name) || token_rows.count(name) || quantized.count(name)) {
+    return nullptr;
+  }
+  const LoraModule& m = modules[d->second.front()];
+  if (m.kind != LoraModule::Kind::kLinear || m.fan_in_fan_out || !m.magnitude_key.empty() || m.row_offset != 0 ||
+      m.b_row_begin != 0 || (base_dtype != DType::kBF16 && base_dtype != DType::kF16) ||
+      base_shape != Shape{m.out, m.in}) {
+    return nullptr;
+  }
+  return &m;
+}
+
+Result<std::vector<float>> ReadTensorAsF32(const Checkpoint& c, const std::string& key) {
+  FERRY_ASSIGN_OR_RETURN(Tensor t, c.Get(key));
+  std::vector<float> v(static_cast<size_t>(t.numel()));
+  Status s = ReadAsF32(t, v);
+  if (!s.ok()) {
+    const std::string where = c.FileOf(key).empty() ? c.path().string() : c.FileOf(key).string();
+    return s.WithContext(where + ": tensor " + Q(key));
+  }
+  return v;
+}
+
+namespace {
+
+Status ApplyDelta(const LoraModule& m, const Checkpoint& adapter, std::vector<float>& w, int threads) {
+  FERRY_ASSIGN_OR_RETURN(std::vector<float> a, ReadTensorAsF32(adapter, m.a_key));
+  FERRY_ASSIGN_OR_RETURN(std::vector<float> b, ReadTensorAsF32(adapter, m.b_key));
+  const float s = static_cast<float>(m.scaling);
+  const float* bp = b.data() + m.b_row_begin * m.rank;
+  if (m.kind == LoraModule::Kind::kEmbedding) {
+    kernels::LoraEmbeddingDeltaAccumulate(a.data(), bp, m.in, m.out, m.rank, s, w.data(), threads);
+  } else if (m.fan_in_fan_out) {
+    kernels::LoraDeltaAccumulateFanInFanOut(a.data(), bp, m.out, m.in, m.rank, s, w.data(), threads);
+  } else {
+    kernels::LoraDeltaAccumulate(a.data(), bp, m.out, m.in, m.rank, s, w.data() + m.row_offset * m.in, threads);
+  }
+  if (!m.magnitude_key.empty()) {
+    FERRY_ASSIGN_OR_RETURN(std::vector<float> mag, ReadTensorAsF32(adapter, m.magnitude_key));
+    kernels::DoraApply(w.data(), mag.data(), m.out, m.in, m.fan_in_fan_out);
+  }
+  return Status::OK();
+}
+
+}  // namespace
+
+Status ApplyPlanEdits(const MergePlan& plan, const Checkpoint& adapter, const std::string& name, const Shape& shape,
+                      std::vector<float>& w, int threads) {
+  if (auto t = plan.token_rows.find(name); t != plan.token_rows.end()) {
+    FERRY_ASSIGN_OR_RETURN(std::vector<float> rows, ReadTensorAsF32(adapter, t->second.first));
+    const size_t dim = static_cast<size_t>(shape[1]);
+    for (size_t i = 0; i < t->second.second.size(); ++i) {
+      std::memcpy(&w[static_cast<size_t>(t->second.second[i]) * dim], &rows[i * dim], dim * sizeof(float));
+    }
+  }
+  if (auto d = plan.deltas.find(name); d != plan.deltas.end()) {
+    for (size_t idx : d->second) FERRY_RETURN_IF_ERROR(ApplyDelta(plan.modules[idx], adapter, w, threads));
+  }
+  if (auto b = plan.bias_deltas.find(name); b != plan.bias_deltas.end()) {
+    for (size_t idx : b->second) {
+      const LoraModule& m = plan.modules[idx];
+      FERRY_ASSIGN_OR_RETURN(std::vector<float> bias, ReadTensorAsF32(adapter, m.bias_key));
+      const float s = static_cast<float>(m.scaling);
+      for (size_t i = 0; i < bias.size(); ++i) w[i] += s * bias[i];
+    }
+  }
+  return Status::OK();
+}
 
 bool MergePlan::Changes(const std::string& name) const {
   return deltas.count(name) || bias_deltas.count(name) || replacements.count(name) || token_rows.count(name);

@@ -73,6 +73,11 @@ struct MergePlan {
 
   // True when the output tensor `name` differs from the base tensor of the same name.
   bool Changes(const std::string& name) const;
+  // The single plain LoRA delta on `name` when that is all the plan does to it (no DoRA,
+  // bias, replacement, token rows, fused rows or fan_in_fan_out) and the base tensor is a
+  // 16-bit [out, in] weight: the case kernels::LoraMergeRows16 handles in one pass.
+  // nullptr otherwise. `base_dtype`/`base_shape` describe the stored base tensor.
+  const LoraModule* FusableDelta(const std::string& name, DType base_dtype, const Shape& base_shape) const;
   // The base tensor an output tensor starts from ("lm_head.weight" -> tied_source when tied).
   std::string SourceOf(const std::string& name) const;
 };
@@ -83,5 +88,15 @@ struct MergePlan {
 // lora_bias on a layer without bias. `tie_word_embeddings` comes from the base config.json.
 Result<MergePlan> PlanMerge(const PeftConfig& config, const Checkpoint& adapter, const Checkpoint& base,
                             bool tie_word_embeddings);
+
+// A tensor of `c` as fp32 values; errors name the file (or origin) and tensor.
+Result<std::vector<float>> ReadTensorAsF32(const Checkpoint& c, const std::string& key);
+
+// Applies what `plan` does to base-space tensor `name` on top of its starting values `w`
+// (fp32: the base tensor, dequantized, or its replacement), in this order: trainable-token
+// rows, LoRA deltas (with DoRA), lora_B biases. fp32 accumulation; the caller rounds once.
+// The one implementation of Ferry's merge arithmetic (converter, snapshots, materialize).
+Status ApplyPlanEdits(const MergePlan& plan, const Checkpoint& adapter, const std::string& name, const Shape& shape,
+                      std::vector<float>& w, int threads);
 
 }  // namespace ferry

@@ -106,14 +106,6 @@ Result<Normalised> Normalise(const SnapshotSource& source) {
   return n;
 }
 
-Result<std::vector<float>> ReadF32(const Checkpoint& c, const std::string& key) {
-  FERRY_ASSIGN_OR_RETURN(Tensor t, c.Get(key));
-  std::vector<float> v(static_cast<size_t>(t.numel()));
-  Status s = ReadAsF32(t, v);
-  if (!s.ok()) return s.WithContext(c.path().string() + ": tensor " + Q(key));
-  return v;
-}
-
 // Executes a merge plan into new buffers (the converter's MergeWriter::Compute, in memory).
 class Merger {
  public:
@@ -125,10 +117,10 @@ class Merger {
     const std::string source = plan_.SourceOf(name);
     FERRY_ASSIGN_OR_RETURN(Tensor base, base_.Get(source));
     if (!plan_.Changes(name)) return CopyTensor(base);
-    if (const LoraModule* m = Fusable(name, base)) {
+    if (const LoraModule* m = plan_.FusableDelta(name, base.dtype(), base.shape())) {
       FERRY_ASSIGN_OR_RETURN(Tensor out, Tensor::Empty(base.dtype(), base.shape()));
-      FERRY_ASSIGN_OR_RETURN(std::vector<float> a, ReadF32(adapter_, m->a_key));
-      FERRY_ASSIGN_OR_RETURN(std::vector<float> b, ReadF32(adapter_, m->b_key));
+      FERRY_ASSIGN_OR_RETURN(std::vector<float> a, ReadTensorAsF32(adapter_, m->a_key));
+      FERRY_ASSIGN_OR_RETURN(std::vector<float> b, ReadTensorAsF32(adapter_, m->b_key));
       kernels::LoraMergeRows16(base.data_as<uint16_t>(),
                                base.dtype() == DType::kBF16 ? kernels::Float16Kind::kBF16 : kernels::Float16Kind::kF16,
                                a.data(), b.data(), m->out, m->in, m->rank, static_cast<float>(m->scaling),
@@ -147,65 +139,15 @@ class Merger {
   }
 
  private:
-  // One plain LoRA delta on a 16-bit weight: the fused kernel (bit-identical to Compute).
-  const LoraModule* Fusable(const std::string& name, const Tensor& base) const {
-    auto d = plan_.deltas.find(name);
-    if (d == plan_.deltas.end() || d->second.size() != 1) return nullptr;
-    if (plan_.bias_deltas.count(name) || plan_.replacements.count(name) || plan_.token_rows.count(name)) return nullptr;
-    const LoraModule& m = plan_.modules[d->second.front()];
-    if (m.kind != LoraModule::Kind::kLinear || m.fan_in_fan_out || !m.magnitude_key.empty() || m.row_offset != 0 ||
-        m.b_row_begin != 0 || (base.dtype() != DType::kBF16 && base.dtype() != DType::kF16) ||
-        base.shape() != Shape{m.out, m.in}) {
-      return nullptr;
-    }
-    return &m;
-  }
-
   Result<std::vector<float>> Compute(const std::string& name, const Tensor& base) {
     std::vector<float> w;
     if (auto r = plan_.replacements.find(name); r != plan_.replacements.end()) {
-      FERRY_ASSIGN_OR_RETURN(w, ReadF32(adapter_, r->second));
+      FERRY_ASSIGN_OR_RETURN(w, ReadTensorAsF32(adapter_, r->second));
     } else {
-      FERRY_ASSIGN_OR_RETURN(w, ReadF32(base_, plan_.SourceOf(name)));
+      FERRY_ASSIGN_OR_RETURN(w, ReadTensorAsF32(base_, plan_.SourceOf(name)));
     }
-    if (auto t = plan_.token_rows.find(name); t != plan_.token_rows.end()) {
-      FERRY_ASSIGN_OR_RETURN(std::vector<float> rows, ReadF32(adapter_, t->second.first));
-      const size_t dim = static_cast<size_t>(base.shape()[1]);
-      for (size_t i = 0; i < t->second.second.size(); ++i) {
-        std::memcpy(&w[static_cast<size_t>(t->second.second[i]) * dim], &rows[i * dim], dim * sizeof(float));
-      }
-    }
-    if (auto d = plan_.deltas.find(name); d != plan_.deltas.end()) {
-      for (size_t idx : d->second) FERRY_RETURN_IF_ERROR(ApplyDelta(plan_.modules[idx], w));
-    }
-    if (auto b = plan_.bias_deltas.find(name); b != plan_.bias_deltas.end()) {
-      for (size_t idx : b->second) {
-        const LoraModule& m = plan_.modules[idx];
-        FERRY_ASSIGN_OR_RETURN(std::vector<float> bias, ReadF32(adapter_, m.bias_key));
-        const float s = static_cast<float>(m.scaling);
-        for (size_t i = 0; i < bias.size(); ++i) w[i] += s * bias[i];
-      }
-    }
+    FERRY_RETURN_IF_ERROR(ApplyPlanEdits(plan_, adapter_, name, base.shape(), w, threads_));
     return w;
-  }
-
-  Status ApplyDelta(const LoraModule& m, std::vector<float>& w) {
-    FERRY_ASSIGN_OR_RETURN(std::vector<float> a, ReadF32(adapter_, m.a_key));
-    FERRY_ASSIGN_OR_RETURN(std::vector<float> b, ReadF32(adapter_, m.b_key));
-    const float s = static_cast<float>(m.scaling);
-    const float* bp = b.data() + m.b_row_begin * m.rank;
-    if (m.kind == LoraModule::Kind::kEmbedding) {
-      kernels::LoraEmbeddingDeltaAccumulate(a.data(), bp, m.in, m.out, m.rank, s, w.data(), threads_);
-    } else if (m.fan_in_fan_out) {
-      kernels::LoraDeltaAccumulateFanInFanOut(a.data(), bp, m.out, m.in, m.rank, s, w.data(), threads_);
-    } else {
-      kernels::LoraDeltaAccumulate(a.data(), bp, m.out, m.in, m.rank, s, w.data() + m.row_offset * m.in, threads_);
-    }
-    if (!m.magnitude_key.empty()) {
-      FERRY_ASSIGN_OR_RETURN(std::vector<float> mag, ReadF32(adapter_, m.magnitude_key));
-      kernels::DoraApply(w.data(), mag.data(), m.out, m.in, m.fan_in_fan_out);
-    }
-    return Status::OK();
   }
 
   const Checkpoint& base_;

@@ -3,6 +3,8 @@
 #include "core/safetensors.h"
 
 #include <gtest/gtest.h>
+
+#include "tests/temp_dir.h"
 #include <stdlib.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -28,21 +30,10 @@ namespace {
 
 namespace fs = std::filesystem;
 
-class TempDir {
+// Each test gets its own directory, removed afterwards.
+class TempDir : public testing::ScopedTempDir {
  public:
-  TempDir() {
-    std::string tmpl = (fs::path(::testing::TempDir()) / "ferry_st_XXXXXX").string();
-    EXPECT_NE(::mkdtemp(tmpl.data()), nullptr) << tmpl;
-    path_ = tmpl;
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path_, ec);
-  }
-  const fs::path& path() const { return path_; }
-
- private:
-  fs::path path_;
+  TempDir() : ScopedTempDir("ferry_st_") {}
 };
 
 std::string ReadFile(const fs::path& p) {

@@ -15,6 +15,8 @@
 
 #include <gtest/gtest.h>
 
+#include "tests/temp_dir.h"
+
 #include "convert/converter.h"
 #include "core/mapped_file.h"
 #include "core/safetensors.h"
@@ -26,21 +28,10 @@ namespace fs = std::filesystem;
 
 const fs::path kCase = fs::path(FERRY_FIXTURES_DIR) / "cases" / "llama_lora_all_linear_f32";
 
-class TempDir {
+// Each test gets its own directory, removed afterwards.
+class TempDir : public testing::ScopedTempDir {
  public:
-  TempDir() {
-    std::string tmpl = (fs::path(::testing::TempDir()) / "ferry-sync-test-XXXXXX").string();
-    EXPECT_NE(::mkdtemp(tmpl.data()), nullptr) << tmpl;
-    path_ = tmpl;
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path_, ec);
-  }
-  const fs::path& path() const { return path_; }
-
- private:
-  fs::path path_;
+  TempDir() : ScopedTempDir("ferry-sync-test-") {}
 };
 
 // Every tensor of the checkpoint at `path`, copied into owned, writable buffers (as live

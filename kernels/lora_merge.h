@@ -9,7 +9,10 @@
 //             an fp32 sum in the natural order k = 0..r-1, starting from 0.0f,
 //   W[o,i] += scaling * d        (one fp32 multiply, one fp32 add).
 // Every product and sum is rounded separately (the file is built with -ffp-contract=off, so
-// no FMA contraction), which makes the result deterministic and independent of threading.
+// no FMA contraction), which makes the result deterministic and independent of threading and
+// of the instruction set the CPU kernels pick at load time. One caveat, as in IEEE 754: where
+// two NaNs with different payloads or signs meet in one operation, which of them the result
+// carries is unspecified (it is always a quiet NaN).
 //
 // Layouts are dense, row-major, without padding. Pointers must not alias each other except
 // where a contract says so. All functions are thread-safe (no shared state); concurrent calls

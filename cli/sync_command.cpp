@@ -1,14 +1,21 @@
 // `ferry sync publish|receive|status`: weight sync over ZeroMQ (sync/protocol.h).
-//   publish  --db DB [--run R] (--socket-dir DIR | --requests EP --updates EP --key PREFIX --allow FILE)
-//   receive  --dir DIR --id ID (--socket-dir DIR | --requests EP --updates EP --key PREFIX --server-key FILE) [--once]
-//   status   --db DB [--run R] [--json]   receivers that acknowledged versions, and their lag
+//   publish  --db DB --bind EP [--run R] [--key PREFIX --allow FILE] [--mode merged|adapter|delta]
+//            [--watch DIR --base V|DIR [--layout hf|fused] [--poll-ms N]] [--json]
+//   receive  --connect EP --out DIR --id ID [--key PREFIX --server-key FILE] [--layout hf|fused]
+//            [--base DIR] [--once] [--timeout-ms N] [--json]
+//   status   --db DB [--run R] [--json]   receivers, their versions, lag, last seen, lost
+// EP is ipc://DIR (a private directory holding both sockets) or tcp://HOST:PORT (requests on
+// PORT, announcements on PORT+1; CURVE keys required).
 #include <signal.h>
 
-#include <atomic>
+#include <algorithm>
+#include <charconv>
 #include <cstdio>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
+#include <vector>
 
 #include "cli/commands.h"
 #include "cli/output.h"
@@ -16,42 +23,64 @@
 #include "sync/keys.h"
 #include "sync/publisher.h"
 #include "sync/receiver.h"
+#include "sync/snapshot.h"
+#include "sync/watch.h"
 
 namespace ferry::cli {
 namespace {
 
 using Json = nlohmann::ordered_json;
 
-struct EndpointFlags {
-  std::string socket_dir, requests, updates, key, allow, server_key;
-};
+constexpr const char* kEndpointHelp =
+    "ipc://DIR (a private directory, created or forced to mode 0700, holding both sockets) or "
+    "tcp://HOST:PORT (requests on PORT, announcements on PORT+1; needs CURVE keys)";
 
-void AddEndpointFlags(CLI::App* c, EndpointFlags& f, bool publisher) {
-  c->add_option("--socket-dir", f.socket_dir, "Private directory (mode 0700) for the ipc:// sockets");
-  c->add_option("--requests", f.requests, "Request endpoint (tcp:// needs CURVE keys)");
-  c->add_option("--updates", f.updates, "Announcement endpoint (tcp:// needs CURVE keys)");
-  c->add_option("--key", f.key, "CURVE keypair prefix (PREFIX.key / PREFIX.pub, from `ferry keys generate`)");
-  if (publisher) {
-    c->add_option("--allow", f.allow, "File of receiver public keys allowed to connect (one per line)");
-  } else {
-    c->add_option("--server-key", f.server_key, "The publisher's public key file (PREFIX.pub)");
-  }
-}
-
-sync::Endpoints EndpointsOrFail(const EndpointFlags& f) {
-  if (!f.socket_dir.empty()) {
-    if (!f.requests.empty() || !f.updates.empty()) Fail("--socket-dir and --requests/--updates are exclusive");
-    auto e = sync::PrivateIpcEndpoints(f.socket_dir);
-    if (!e.ok()) Fail(e.status());
+// The socket pair an ENDPOINT flag names; fails naming the flag and the value otherwise.
+sync::Endpoints ParseEndpointOrFail(const std::string& flag, const std::string& value) {
+  constexpr std::string_view kIpc = "ipc://", kTcp = "tcp://";
+  const std::string_view v = value;
+  if (v.starts_with(kIpc)) {
+    const std::string dir(v.substr(kIpc.size()));
+    if (dir.empty()) Fail(flag + " " + value + ": ipc:// needs a directory (ipc://DIR)");
+    auto e = sync::PrivateIpcEndpoints(dir);
+    if (!e.ok()) Fail(e.status().WithContext(flag + " " + value));
     return *e;
   }
-  if (f.requests.empty() || f.updates.empty()) Fail("give --socket-dir, or both --requests and --updates");
-  return {f.requests, f.updates};
+  if (v.starts_with(kTcp)) {
+    const std::string_view hostport = v.substr(kTcp.size());
+    const size_t colon = hostport.rfind(':');
+    if (colon == std::string_view::npos || colon == 0) Fail(flag + " " + value + ": expected tcp://HOST:PORT");
+    const std::string_view host = hostport.substr(0, colon), port_text = hostport.substr(colon + 1);
+    unsigned port = 0;
+    auto [ptr, ec] = std::from_chars(port_text.data(), port_text.data() + port_text.size(), port);
+    if (ec != std::errc() || ptr != port_text.data() + port_text.size() || port == 0 || port > 65534) {
+      Fail(flag + " " + value + ": PORT must be 1..65534 (announcements use PORT+1)");
+    }
+    const std::string prefix = "tcp://" + std::string(host) + ":";
+    return {prefix + std::to_string(port), prefix + std::to_string(port + 1)};
+  }
+  Fail(flag + " " + value + ": unsupported endpoint (expected ipc://DIR or tcp://HOST:PORT)");
 }
 
-std::optional<sync::CurveOptions> CurveOrFail(const EndpointFlags& f, bool publisher) {
+struct KeyFlags {
+  std::string key, allow, server_key;
+};
+
+void AddKeyFlags(CLI::App* c, KeyFlags& f, bool publisher) {
+  c->add_option("--key", f.key,
+                "CURVE keypair prefix (PREFIX.key / PREFIX.pub, from `ferry keys generate`); needed for tcp://");
+  if (publisher) {
+    c->add_option("--allow", f.allow,
+                  "File of receiver public keys allowed to connect (one per line); needed with --key");
+  } else {
+    c->add_option("--server-key", f.server_key, "The publisher's public key file (PREFIX.pub); needed with --key");
+  }
+}
+
+std::optional<sync::CurveOptions> CurveOrFail(const KeyFlags& f, bool publisher) {
   if (f.key.empty()) {
-    if (!f.allow.empty() || !f.server_key.empty()) Fail("--allow / --server-key need --key");
+    if (!f.allow.empty()) Fail("--allow needs --key");
+    if (!f.server_key.empty()) Fail("--server-key needs --key");
     return std::nullopt;
   }
   sync::CurveOptions c;
@@ -75,6 +104,18 @@ std::optional<sync::CurveOptions> CurveOrFail(const EndpointFlags& f, bool publi
   return c;
 }
 
+// Fails naming the flag unless both endpoints are usable with/without CURVE.
+void CheckEndpointsOrFail(const std::string& flag, const std::string& value, const sync::Endpoints& e, bool curve) {
+  Status s = sync::CheckEndpoints(e, curve);
+  if (!s.ok()) Fail(s.WithContext(flag + " " + value));
+}
+
+sync::SnapshotLayout ParseLayoutOrFail(const std::string& layout) {
+  if (layout == "hf") return sync::SnapshotLayout::kHf;
+  if (layout == "fused") return sync::SnapshotLayout::kFused;
+  Fail("--layout '" + layout + "' is not one of hf, fused");
+}
+
 // Blocks SIGINT/SIGTERM in every thread (call before starting any) and returns the set.
 sigset_t BlockStopSignals() {
   sigset_t set;
@@ -85,22 +126,263 @@ sigset_t BlockStopSignals() {
   return set;
 }
 
-bool StopRequested(const sigset_t& set) {
-  timespec zero{0, 0};
-  return sigtimedwait(&set, nullptr, &zero) > 0;
+// Waits up to `timeout_ms` for SIGINT/SIGTERM; true when one arrived.
+bool WaitForStop(const sigset_t& set, int timeout_ms) {
+  timespec ts{timeout_ms / 1000, static_cast<long>(timeout_ms % 1000) * 1000000L};
+  return sigtimedwait(&set, nullptr, &ts) > 0;
 }
 
-void PrintSync(const sync::SyncResult& r, const std::string& id) {
-  Json j;
-  j["receiver"] = id;
-  j["version"] = r.version.Hex();
-  j["sequence"] = r.sequence;
-  j["bytes_received"] = r.bytes_received;
-  j["refetches"] = r.refetches;
-  j["skipped"] = r.skipped;
-  j["already_active"] = r.already_active;
-  std::printf("%s\n", j.dump().c_str());
+void PrintSync(const sync::SyncResult& r, const std::string& id, bool json) {
+  if (json) {
+    Json j;
+    j["receiver"] = id;
+    j["version"] = r.version.Hex();
+    j["active"] = r.active.Hex();
+    j["proven"] = r.proven ? Json(r.proven->Hex()) : Json(nullptr);
+    j["sequence"] = r.sequence;
+    j["bytes_received"] = r.bytes_received;
+    j["bytes_reused"] = r.bytes_reused;
+    j["refetches"] = r.refetches;
+    j["skipped"] = r.skipped;
+    j["already_active"] = r.already_active;
+    std::printf("%s\n", j.dump().c_str());
+  } else {
+    std::printf("%s %s (served %s, sequence %llu, %s received, %s reused)\n",
+                r.already_active ? "already active" : "activated", r.active.Hex().c_str(), ShortId(r.version).c_str(),
+                static_cast<unsigned long long>(r.sequence), HumanBytes(r.bytes_received).c_str(),
+                HumanBytes(r.bytes_reused).c_str());
+  }
   std::fflush(stdout);
+}
+
+// The newest version of `run` that `mode` can publish (merged/full, or in adapter mode an
+// adapter whose merged version is stored), if any.
+std::optional<store::Digest> NewestPublishable(store::Store& s, const std::string& run, sync::PublishMode mode) {
+  auto versions = s.ListVersions(run);
+  if (!versions.ok()) Fail(versions.status());
+  for (auto it = versions->rbegin(); it != versions->rend(); ++it) {
+    if (mode != sync::PublishMode::kAdapter) {
+      if (it->kind == store::VersionKind::kMerged || it->kind == store::VersionKind::kFull) return it->id;
+      continue;
+    }
+    if (it->kind != store::VersionKind::kMerged || !it->adapter_version) continue;
+    return *it->adapter_version;
+  }
+  return std::nullopt;
+}
+
+struct PublishFlags {
+  std::string db, run = "default", bind, mode = "merged", watch, base, layout = "hf";
+  KeyFlags keys;
+  int poll_ms = 1000;
+  bool json = false;
+};
+
+// Publishes what the watcher handled; a broken checkpoint is reported on stderr and skipped.
+void PublishWatched(sync::Publisher& p, const sync::WatchedCheckpoint& c, sync::PublishMode mode, bool json) {
+  const std::string step = c.step ? std::to_string(*c.step) : "-";
+  if (!c.error.ok()) {
+    std::fprintf(stderr, "ferry: warning: skipped: %s\n", c.error.message().c_str());
+    return;
+  }
+  if (mode == sync::PublishMode::kAdapter && !c.adapter) {
+    std::fprintf(stderr,
+                 "ferry: warning: skipped: checkpoint %s is a full model; --mode adapter publishes adapters only\n",
+                 c.dir.c_str());
+    return;
+  }
+  const store::Digest publish = mode == sync::PublishMode::kAdapter ? *c.adapter_version : *c.version;
+  auto seq = p.Publish(publish);
+  if (!seq.ok()) {
+    std::fprintf(stderr, "ferry: warning: skipped: checkpoint %s: %s\n", c.dir.c_str(), seq.status().message().c_str());
+    return;
+  }
+  if (json) {
+    Json j;
+    j["dir"] = c.dir.string();
+    j["step"] = c.step ? Json(*c.step) : Json(nullptr);
+    j["published"] = publish.Hex();
+    j["version"] = c.version->Hex();
+    j["adapter"] = c.adapter_version ? Json(c.adapter_version->Hex()) : Json(nullptr);
+    j["sequence"] = *seq;
+    std::printf("%s\n", j.dump().c_str());
+  } else {
+    std::printf("published %s (checkpoint %s, step %s, %s %s, sequence %llu)\n", publish.Hex().c_str(), c.dir.c_str(),
+                step.c_str(), c.adapter ? "merged" : "full", c.version->Hex().c_str(),
+                static_cast<unsigned long long>(*seq));
+  }
+  std::fflush(stdout);
+}
+
+void RunPublish(const PublishFlags& f) {
+  const bool watching = !f.watch.empty();
+  if (watching && f.base.empty()) Fail("--watch needs --base V|DIR (the base version id or base model directory)");
+  if (!watching && !f.base.empty()) Fail("--base is only used with --watch");
+  if (!watching && f.layout != "hf") Fail("--layout is only used with --watch");
+  auto mode = sync::ParsePublishMode(f.mode);
+  if (!mode.ok()) Fail(mode.status().WithContext("--mode"));
+  const sync::SnapshotLayout layout = ParseLayoutOrFail(f.layout);
+  if (*mode == sync::PublishMode::kAdapter && layout != sync::SnapshotLayout::kHf) {
+    Fail("--mode adapter needs --layout hf (receivers choose their layout with `sync receive --layout`)");
+  }
+  if (f.poll_ms <= 0) Fail("--poll-ms must be positive");
+
+  sync::PublisherOptions o;
+  o.endpoints = ParseEndpointOrFail("--bind", f.bind);
+  o.curve = CurveOrFail(f.keys, true);
+  CheckEndpointsOrFail("--bind", f.bind, o.endpoints, o.curve.has_value());
+  o.mode = *mode;
+  if (!watching) o.follow_run = f.run;  // the publisher follows the run's latest itself
+
+  auto owned = OpenStoreOrFail(f.db, /*writable=*/true, /*create=*/watching);
+  sync::SerializedStore store(owned.get());
+  std::unique_ptr<sync::CheckpointWatcher> watcher;
+  if (watching) {
+    sync::WatchOptions w;
+    w.dir = f.watch;
+    w.base = f.base;
+    w.run = f.run;
+    w.layout = layout;
+    auto created = sync::CheckpointWatcher::Create(&store, w);
+    if (!created.ok()) Fail(created.status());
+    watcher = std::move(*created);
+  }
+  const sigset_t set = BlockStopSignals();
+  auto p = sync::Publisher::Start(&store, o);
+  if (!p.ok()) Fail(p.status());
+  const auto bound = (*p)->bound_endpoints();
+  std::fprintf(stderr, "ferry: publishing run %s (%s mode) on %s (announcements on %s)%s%s\n", f.run.c_str(),
+               std::string(sync::PublishModeName(*mode)).c_str(), bound.requests.c_str(), bound.updates.c_str(),
+               watching ? ", watching " : "", watching ? f.watch.c_str() : "");
+  if (!watching) {
+    int sig = 0;
+    sigwait(&set, &sig);
+    return;
+  }
+  if (auto newest = NewestPublishable(store, f.run, *mode)) {
+    auto seq = (*p)->Publish(*newest);
+    if (!seq.ok()) std::fprintf(stderr, "ferry: warning: %s\n", seq.status().message().c_str());
+  }
+  do {
+    auto handled = watcher->Poll();
+    if (!handled.ok()) Fail(handled.status());
+    for (const auto& c : *handled) PublishWatched(**p, c, *mode, f.json);
+  } while (!WaitForStop(set, f.poll_ms));
+}
+
+struct ReceiveFlags {
+  std::string connect, out, id, layout = "hf", base;
+  KeyFlags keys;
+  bool once = false, json = false;
+  int timeout_ms = 10000;
+};
+
+void RunReceive(const ReceiveFlags& f) {
+  sync::ReceiverOptions o;
+  o.id = f.id;
+  o.dir = f.out;
+  o.timeout_ms = f.timeout_ms;
+  (void)ParseLayoutOrFail(f.layout);
+  o.layout = f.layout;
+  if (!f.base.empty()) o.base_dir = f.base;
+  o.endpoints = ParseEndpointOrFail("--connect", f.connect);
+  o.curve = CurveOrFail(f.keys, false);
+  CheckEndpointsOrFail("--connect", f.connect, o.endpoints, o.curve.has_value());
+  const sigset_t set = BlockStopSignals();
+  auto r = sync::Receiver::Connect(o);
+  if (!r.ok()) Fail(r.status());
+  auto s = (*r)->SyncLatest();
+  if (!s.ok()) {
+    if (f.base.empty() && s.status().message().find("base_dir") != std::string::npos) {
+      Fail(s.status().WithContext("the publisher serves adapters: give --base DIR (the local base model)"));
+    }
+    Fail(s.status());
+  }
+  PrintSync(*s, f.id, f.json);
+  while (!f.once && !WaitForStop(set, 0)) {
+    auto n = (*r)->WaitForNewer(500);
+    if (!n.ok()) {
+      if (n.status().code() == StatusCode::kNotFound) continue;  // nothing new yet
+      if (n.status().code() == StatusCode::kIOError) {
+        // The publisher is gone or unreachable: keep the active version and keep trying.
+        std::fprintf(stderr, "ferry: warning: %s\n", n.status().message().c_str());
+        continue;
+      }
+      Fail(n.status());
+    }
+    PrintSync(*n, f.id, f.json);
+  }
+}
+
+struct StatusFlags {
+  std::string db, run = "default";
+  bool json = false;
+};
+
+void RunStatus(const StatusFlags& f) {
+  auto store = OpenStoreOrFail(f.db, /*writable=*/false);
+  auto versions = store->ListVersions(f.run);
+  if (!versions.ok()) Fail(versions.status());
+  // Lag counts the servable versions (merged or full) of the run newer than the acknowledged
+  // one; base and adapter versions a watcher records along the way do not count.
+  std::map<store::Digest, uint64_t> seq_of;
+  std::vector<uint64_t> servable;  // sequences, ascending
+  for (const auto& v : *versions) {
+    seq_of[v.id] = v.sequence;
+    if (v.kind == store::VersionKind::kMerged || v.kind == store::VersionKind::kFull) servable.push_back(v.sequence);
+  }
+  std::sort(servable.begin(), servable.end());
+  auto lag_of = [&](uint64_t seq) -> uint64_t {
+    return static_cast<uint64_t>(servable.end() - std::upper_bound(servable.begin(), servable.end(), seq));
+  };
+  auto events = store->ListEvents(std::nullopt);
+  if (!events.ok()) Fail(events.status());
+  struct Row {
+    std::optional<store::Event> ack;  // newest acknowledgement
+    int64_t last_seen_ns = 0;         // newest event naming the receiver
+    std::optional<std::string> lost;  // set while the newest event is a "lost" anomaly
+  };
+  std::map<std::string, Row> rows;  // events are in time order
+  for (const auto& e : *events) {
+    if (e.receiver.empty()) continue;
+    Row& r = rows[e.receiver];
+    const bool lost = e.type == store::Event::Type::kAnomaly && e.detail.find(" lost: ") != std::string::npos;
+    if (e.type == store::Event::Type::kAcknowledged) r.ack = e;
+    if (!lost) r.last_seen_ns = std::max(r.last_seen_ns, e.time_ns);
+    if (lost) {
+      r.lost = e.detail;
+    } else {
+      r.lost.reset();
+    }
+  }
+  Json out = Json::array();
+  for (const auto& [id, r] : rows) {
+    Json j;
+    j["receiver"] = id;
+    j["version"] = r.ack ? Json(r.ack->version.Hex()) : Json(nullptr);
+    j["verified"] = r.ack && r.ack->computed && *r.ack->computed == r.ack->version;
+    auto it = r.ack ? seq_of.find(r.ack->version) : seq_of.end();
+    j["lag"] = it != seq_of.end() ? Json(lag_of(it->second)) : Json(nullptr);  // null: not of this run
+    j["time"] = r.ack ? Json(FormatTime(r.ack->time_ns)) : Json(nullptr);
+    j["last_seen"] = r.last_seen_ns > 0 ? Json(FormatTime(r.last_seen_ns)) : Json(nullptr);
+    j["lost"] = r.lost.has_value();
+    if (r.lost) j["lost_detail"] = *r.lost;
+    out.push_back(j);
+  }
+  if (f.json) {
+    std::printf("%s\n", out.dump(2).c_str());
+    return;
+  }
+  std::printf("%-24s %-12s %-8s %-5s %-20s %-20s %s\n", "RECEIVER", "VERSION", "VERIFIED", "LAG", "ACKED", "LAST SEEN",
+              "STATE");
+  for (const auto& j : out) {
+    auto text = [](const Json& v) { return v.is_null() ? std::string("-") : v.get<std::string>(); };
+    const std::string lag = j["lag"].is_null() ? "-" : std::to_string(j["lag"].get<uint64_t>());
+    const std::string version = j["version"].is_null() ? "-" : j["version"].get<std::string>().substr(0, 12);
+    std::printf("%-24s %-12s %-8s %-5s %-20s %-20s %s\n", j["receiver"].get<std::string>().c_str(), version.c_str(),
+                j["version"].is_null() ? "-" : (j["verified"].get<bool>() ? "yes" : "NO"), lag.c_str(),
+                text(j["time"]).c_str(), text(j["last_seen"]).c_str(), j["lost"].get<bool>() ? "LOST" : "ok");
+  }
 }
 
 }  // namespace
@@ -109,119 +391,56 @@ void SetSyncCommand(CLI::App& app) {
   auto* sync_cmd = app.add_subcommand("sync", "Serve or receive weight versions over ZeroMQ");
   sync_cmd->require_subcommand(1);
 
-  struct PublishFlags {
-    std::string db, run = "default";
-    EndpointFlags ep;
-  };
   auto pf = std::make_shared<PublishFlags>();
-  auto* publish = sync_cmd->add_subcommand("publish", "Serve the latest version of a run until SIGINT/SIGTERM");
-  publish->add_option("--db", pf->db, "Store directory (opened for writing: acks are recorded)")->required();
-  publish->add_option("--run", pf->run, "Run whose latest version is served (followed as it changes)");
-  AddEndpointFlags(publish, pf->ep, /*publisher=*/true);
-  publish->callback([pf] {
-    sync::PublisherOptions o;
-    o.endpoints = EndpointsOrFail(pf->ep);
-    o.curve = CurveOrFail(pf->ep, true);
-    o.follow_run = pf->run;
-    auto store = OpenStoreOrFail(pf->db, /*writable=*/true);
-    const sigset_t set = BlockStopSignals();
-    auto p = sync::Publisher::Start(store.get(), o);
-    if (!p.ok()) Fail(p.status());
-    const auto bound = (*p)->bound_endpoints();
-    std::fprintf(stderr, "ferry: publishing run %s on %s (announcements on %s)\n", pf->run.c_str(),
-                 bound.requests.c_str(), bound.updates.c_str());
-    int sig = 0;
-    sigwait(&set, &sig);
-  });
+  auto* publish = sync_cmd->add_subcommand(
+      "publish",
+      "Serve the latest version of a run (or, with --watch, each new trainer checkpoint) until SIGINT/SIGTERM");
+  publish
+      ->add_option(
+          "--db", pf->db,
+          "Store directory (opened for writing: acks and watched checkpoints are recorded; created with --watch)")
+      ->required();
+  publish->add_option("--bind", pf->bind, std::string("Endpoint to serve on: ") + kEndpointHelp)->required();
+  publish->add_option("--run", pf->run, "Run whose versions are served and recorded (default: default)");
+  publish->add_option("--mode", pf->mode,
+                      "merged (every tensor), adapter (the LoRA adapter; receivers merge onto their --base) or delta "
+                      "(only tensors the receiver lacks) (default: merged)");
+  publish->add_option("--watch", pf->watch,
+                      "Trainer output directory: each new checkpoint subdirectory (PEFT adapter or full model) is "
+                      "imported, merged onto --base when an adapter, and published (default: follow the run's latest)");
+  publish->add_option("--base", pf->base,
+                      "With --watch: the base version id, or a base model directory (imported when new)");
+  publish->add_option("--layout", pf->layout,
+                      "With --watch: layout of the merged versions recorded, hf | fused (default: hf)");
+  publish->add_option("--poll-ms", pf->poll_ms,
+                      "With --watch: milliseconds between scans; a checkpoint is imported once "
+                      "unchanged across two scans (default: 1000)");
+  publish->add_flag("--json", pf->json, "Print one JSON line per published checkpoint");
+  AddKeyFlags(publish, pf->keys, /*publisher=*/true);
+  publish->callback([pf] { RunPublish(*pf); });
 
-  struct ReceiveFlags {
-    std::string dir, id;
-    EndpointFlags ep;
-    bool once = false;
-    int timeout_ms = 10000;
-  };
   auto rf = std::make_shared<ReceiveFlags>();
-  auto* receive = sync_cmd->add_subcommand("receive", "Fetch, verify and activate the publisher's latest version");
-  receive->add_option("--dir", rf->dir, "Receiver directory (DIR/current is the active version)")->required();
+  auto* receive = sync_cmd->add_subcommand(
+      "receive", "Keep DIR/current pointing at the publisher's newest fully verified version (switched atomically)");
+  receive->add_option("--connect", rf->connect, std::string("Publisher endpoint: ") + kEndpointHelp)->required();
+  receive->add_option("--out,--dir", rf->out, "Receiver directory (DIR/current is the active version)")->required();
   receive->add_option("--id", rf->id, "Receiver id recorded by the publisher ([A-Za-z0-9._-]{1,64})")->required();
-  receive->add_option("--timeout-ms", rf->timeout_ms, "Longest wait for a reply");
+  receive->add_option("--layout", rf->layout, "Layout activated in DIR/current, hf | fused (default: hf)");
+  receive->add_option("--base", rf->base,
+                      "Local base model directory (needed when the publisher serves --mode adapter)");
+  receive->add_option("--timeout-ms", rf->timeout_ms, "Longest wait for a reply from the publisher (default: 10000)");
   receive->add_flag("--once", rf->once, "Sync the latest version and exit (default: keep following)");
-  AddEndpointFlags(receive, rf->ep, /*publisher=*/false);
-  receive->callback([rf] {
-    sync::ReceiverOptions o;
-    o.id = rf->id;
-    o.dir = rf->dir;
-    o.timeout_ms = rf->timeout_ms;
-    o.endpoints = EndpointsOrFail(rf->ep);
-    o.curve = CurveOrFail(rf->ep, false);
-    const sigset_t set = BlockStopSignals();
-    auto r = sync::Receiver::Connect(o);
-    if (!r.ok()) Fail(r.status());
-    auto s = (*r)->SyncLatest();
-    if (!s.ok()) Fail(s.status());
-    PrintSync(*s, rf->id);
-    while (!rf->once && !StopRequested(set)) {
-      auto n = (*r)->WaitForNewer(500);
-      if (!n.ok()) {
-        if (n.status().code() == StatusCode::kNotFound) continue;  // nothing new yet
-        Fail(n.status());
-      }
-      PrintSync(*n, rf->id);
-    }
-  });
+  receive->add_flag("--json", rf->json, "Print one JSON line per activated version");
+  AddKeyFlags(receive, rf->keys, /*publisher=*/false);
+  receive->callback([rf] { RunReceive(*rf); });
 
-  struct StatusFlags {
-    std::string db, run = "default";
-    bool json = false;
-  };
   auto sf = std::make_shared<StatusFlags>();
-  auto* status = sync_cmd->add_subcommand("status", "Receivers that acknowledged versions of a run, and their lag");
+  auto* status = sync_cmd->add_subcommand(
+      "status", "Receivers: newest acknowledged version, digest match, lag behind the run, last seen, lost");
   status->add_option("--db", sf->db, "Store directory")->required();
-  status->add_option("--run", sf->run, "Run to compare against");
+  status->add_option("--run", sf->run, "Run to measure lag against (default: default)");
   status->add_flag("--json", sf->json, "Machine-readable output");
-  status->callback([sf] {
-    auto store = OpenStoreOrFail(sf->db, /*writable=*/false);
-    auto versions = store->ListVersions(sf->run);
-    if (!versions.ok()) Fail(versions.status());
-    std::map<store::Digest, uint64_t> seq_of;
-    uint64_t latest = 0;
-    for (const auto& v : *versions) {
-      seq_of[v.id] = v.sequence;
-      latest = std::max(latest, v.sequence);
-    }
-    auto events = store->ListEvents(std::nullopt);
-    if (!events.ok()) Fail(events.status());
-    std::map<std::string, store::Event> last;  // newest ack per receiver (events are in time order)
-    for (const auto& e : *events) {
-      if (e.type == store::Event::Type::kAcknowledged) last[e.receiver] = e;
-    }
-    Json rows = Json::array();
-    for (const auto& [id, e] : last) {
-      Json j;
-      j["receiver"] = id;
-      j["version"] = e.version.Hex();
-      j["time"] = FormatTime(e.time_ns);
-      j["verified"] = e.computed && *e.computed == e.version;
-      auto it = seq_of.find(e.version);
-      if (it != seq_of.end()) {
-        j["lag"] = latest - it->second;
-      } else {
-        j["lag"] = nullptr;  // not a version of this run (or collected)
-      }
-      rows.push_back(j);
-    }
-    if (sf->json) {
-      std::printf("%s\n", rows.dump(2).c_str());
-      return;
-    }
-    std::printf("%-24s %-12s %-8s %-5s %s\n", "RECEIVER", "VERSION", "VERIFIED", "LAG", "ACKED");
-    for (const auto& j : rows) {
-      const std::string lag = j["lag"].is_null() ? "-" : std::to_string(j["lag"].get<uint64_t>());
-      std::printf("%-24s %-12s %-8s %-5s %s\n", j["receiver"].get<std::string>().c_str(),
-                  j["version"].get<std::string>().substr(0, 12).c_str(), j["verified"].get<bool>() ? "yes" : "NO",
-                  lag.c_str(), j["time"].get<std::string>().c_str());
-    }
-  });
+  status->callback([sf] { RunStatus(*sf); });
 }
 
 }  // namespace ferry::cli

@@ -1,6 +1,7 @@
 #include "sync/protocol.h"
 
 #include <cstring>
+#include <initializer_list>
 #include <set>
 
 #include <nlohmann/json.hpp>
@@ -68,7 +69,10 @@ std::string EncodeHeader(const Message& m) {
   out.push_back(static_cast<char>(m.type));
   switch (m.type) {
     case MsgType::kHello: break;
-    case MsgType::kManifest: PutLe(out, m.sequence, 8); break;
+    case MsgType::kManifest:
+      PutLe(out, m.sequence, 8);
+      PutLe(out, m.epoch, 8);
+      break;
     case MsgType::kFetch:
       PutDigest(out, m.version);
       out.push_back(static_cast<char>(m.kind));
@@ -82,15 +86,19 @@ std::string EncodeHeader(const Message& m) {
       PutLe(out, m.index, 4);
       PutLe(out, m.offset, 8);
       PutLe(out, m.sequence, 8);
+      PutLe(out, m.epoch, 8);
       break;
     case MsgType::kAck:
       PutDigest(out, m.version);
       PutDigest(out, m.computed);
+      out.push_back(m.proven ? '\x01' : '\x00');
+      PutDigest(out, m.proven.value_or(store::Digest{}));
       break;
     case MsgType::kAcked: PutDigest(out, m.version); break;
     case MsgType::kAnnounce:
       PutLe(out, m.sequence, 8);
       PutDigest(out, m.version);
+      PutLe(out, m.epoch, 8);
       break;
     case MsgType::kError: PutLe(out, m.code, 4); break;
   }
@@ -99,7 +107,7 @@ std::string EncodeHeader(const Message& m) {
 
 Result<Message> Decode(std::span<const std::byte> header, const std::span<const std::byte>* payload) {
   if (header.size() < kMagic.size() + 1 || std::memcmp(header.data(), kMagic.data(), kMagic.size()) != 0) {
-    return Status::Corruption("sync message: header frame does not start with magic \"FSY1\"");
+    return Status::Corruption("sync message: header frame does not start with magic \"" + std::string(kMagic) + "\"");
   }
   Message m;
   const auto t = static_cast<uint8_t>(header[kMagic.size()]);
@@ -111,7 +119,7 @@ Result<Message> Decode(std::span<const std::byte> header, const std::span<const 
   bool ok = true;
   switch (m.type) {
     case MsgType::kHello: break;
-    case MsgType::kManifest: ok = r.Le(&m.sequence, 8); break;
+    case MsgType::kManifest: ok = r.Le(&m.sequence, 8) && r.Le(&m.epoch, 8); break;
     case MsgType::kFetch:
     case MsgType::kChunk:
       ok = r.Dig(&m.version) && r.Le(&v, 1);
@@ -128,12 +136,18 @@ Result<Message> Decode(std::span<const std::byte> header, const std::span<const 
                                     std::to_string(kMaxChunkBytes));
         }
       } else {
-        ok = ok && r.Le(&m.sequence, 8);
+        ok = ok && r.Le(&m.sequence, 8) && r.Le(&m.epoch, 8);
       }
       break;
-    case MsgType::kAck: ok = r.Dig(&m.version) && r.Dig(&m.computed); break;
+    case MsgType::kAck: {
+      store::Digest proven;
+      ok = r.Dig(&m.version) && r.Dig(&m.computed) && r.Le(&v, 1) && r.Dig(&proven);
+      if (ok && v > 1) return Status::Corruption("sync ACK: field has_proven has value " + std::to_string(v));
+      if (ok && v == 1) m.proven = proven;
+      break;
+    }
     case MsgType::kAcked: ok = r.Dig(&m.version); break;
-    case MsgType::kAnnounce: ok = r.Le(&m.sequence, 8) && r.Dig(&m.version); break;
+    case MsgType::kAnnounce: ok = r.Le(&m.sequence, 8) && r.Dig(&m.version) && r.Le(&m.epoch, 8); break;
     case MsgType::kError:
       ok = r.Le(&v, 4);
       m.code = static_cast<uint32_t>(v);
@@ -175,12 +189,31 @@ bool IsSafeFileName(std::string_view name) {
   return true;
 }
 
-std::string EncodeManifest(const store::VersionRecord& r, uint64_t sequence) {
+Manifest ManifestFor(const store::VersionRecord& r) {
+  Manifest m;
+  m.version = r.id;
+  m.kind = std::string(store::KindName(r.kind));
+  m.layout = r.layout;
+  m.base_version = r.base_version;
+  m.tensors = r.tensors;
+  m.aux = r.aux;
+  return m;
+}
+
+std::string EncodeManifest(const Manifest& m) {
   nlohmann::json j;
-  j["version"] = r.id.Hex();
-  j["sequence"] = sequence;
+  j["version"] = m.version.Hex();
+  j["sequence"] = m.sequence;
+  j["epoch"] = m.epoch;
+  j["kind"] = m.kind;
+  j["layout"] = m.layout;
+  j["mode"] = m.mode;
+  if (m.mode == "adapter") {
+    if (m.base_version) j["base_version"] = m.base_version->Hex();
+    if (m.merged_version) j["merged_version"] = m.merged_version->Hex();
+  }
   j["tensors"] = nlohmann::json::array();
-  for (const auto& t : r.tensors) {
+  for (const auto& t : m.tensors) {
     j["tensors"].push_back({{"name", t.name},
                             {"dtype", std::string(DTypeName(t.dtype))},
                             {"shape", t.shape},
@@ -188,7 +221,7 @@ std::string EncodeManifest(const store::VersionRecord& r, uint64_t sequence) {
                             {"nbytes", t.nbytes}});
   }
   j["aux"] = nlohmann::json::array();
-  for (const auto& a : r.aux) j["aux"].push_back({{"name", a.name}, {"digest", a.digest.Hex()}, {"size", a.size}});
+  for (const auto& a : m.aux) j["aux"].push_back({{"name", a.name}, {"digest", a.digest.Hex()}, {"size", a.size}});
   return j.dump();
 }
 
@@ -209,6 +242,25 @@ Result<Manifest> DecodeManifest(std::string_view text) {
   Manifest m;
   FERRY_ASSIGN_OR_RETURN(m.version, get_digest(j, "version"));
   FERRY_ASSIGN_OR_RETURN(m.sequence, get_u64(j, "sequence"));
+  FERRY_ASSIGN_OR_RETURN(m.epoch, get_u64(j, "epoch"));
+  auto get_enum = [&](const std::string& field, std::initializer_list<std::string_view> allowed) -> Result<std::string> {
+    if (!j.contains(field) || !j[field].is_string()) return bad("field " + field + " missing or not a string");
+    std::string v = j[field].get<std::string>();
+    for (std::string_view a : allowed) {
+      if (v == a) return v;
+    }
+    return bad("field " + field + " has unknown value \"" + v.substr(0, 32) + "\"");
+  };
+  FERRY_ASSIGN_OR_RETURN(m.kind, get_enum("kind", {"full", "base", "merged", "adapter"}));
+  FERRY_ASSIGN_OR_RETURN(m.layout, get_enum("layout", {"hf", "fused", "lora"}));
+  FERRY_ASSIGN_OR_RETURN(m.mode, get_enum("mode", {"merged", "adapter", "delta"}));
+  if (m.mode == "adapter") {
+    if (m.kind != "adapter") return bad("field kind is \"" + m.kind + "\" in adapter mode (must be adapter)");
+    FERRY_ASSIGN_OR_RETURN(m.base_version, get_digest(j, "base_version"));
+    FERRY_ASSIGN_OR_RETURN(m.merged_version, get_digest(j, "merged_version"));
+  } else if (m.kind == "adapter") {
+    return bad("field kind is \"adapter\" outside adapter mode (mode " + m.mode + ")");
+  }
   if (!j.contains("tensors") || !j["tensors"].is_array()) return bad("field tensors missing or not an array");
   if (!j.contains("aux") || !j["aux"].is_array()) return bad("field aux missing or not an array");
   if (j["tensors"].size() > kMaxTensors) return bad("more than " + std::to_string(kMaxTensors) + " tensors");

@@ -8,34 +8,54 @@
 //   updates    publisher PUB      ->  receiver SUB      (ANNOUNCE, sequence-numbered)
 //   A receiver subscribes first, then sends HELLO and gets the latest MANIFEST at once
 //   (zguide clone pattern): a late joiner never waits for the next announcement.
+//   A receiver's DEALER routing id is "<receiver id>/<16 hex digits>" (new digits for each
+//   socket), so the publisher can attribute FETCHes and connections to a receiver.
 //
 // Every message is 1 or 2 ZeroMQ frames (after the ROUTER routing id):
-//   frame 0  header:  "FSY1" (4 bytes) || u8 type || type-specific fixed fields
+//   frame 0  header:  "FSY2" (4 bytes) || u8 type || type-specific fixed fields
 //   frame 1  payload: only where listed below
 //   Integers are little-endian; a digest is 16 bytes, hi then lo, each u64 big-endian
 //   (the byte order of Digest::Hex()).
 //
 //   type  name      header fields after the type byte          payload frame
 //   1     HELLO     (none)                                      receiver id
-//   2     MANIFEST  u64 sequence                                manifest JSON (below)
+//   2     MANIFEST  u64 sequence || u64 epoch                   manifest JSON (below)
 //   3     FETCH     digest version || u8 kind || u32 index ||   (none)
 //                   u64 offset || u32 length
 //   4     CHUNK     digest version || u8 kind || u32 index ||   the bytes
-//                   u64 offset || u64 latest sequence
-//   5     ACK       digest version || digest computed           receiver id
+//                   u64 offset || u64 latest sequence ||
+//                   u64 epoch
+//   5     ACK       digest version || digest computed ||        receiver id
+//                   u8 has_proven || digest proven (zeros
+//                   when has_proven is 0)
 //   6     ACKED     digest version                              (none)
-//   7     ANNOUNCE  u64 sequence || digest version              (none)       (PUB only)
+//   7     ANNOUNCE  u64 sequence || digest version || u64 epoch (none)       (PUB only)
 //   8     ERROR     u32 StatusCode                              message text
 //
 //   kind: 0 = tensor (index into the manifest's tensors), 1 = auxiliary file.
-//   MANIFEST JSON: {"version": hex, "sequence": n, "tensors": [{"name", "dtype", "shape",
-//   "digest", "nbytes"}...] sorted by name, "aux": [{"name", "digest", "size"}...]}.
-//   A CHUNK carries the publisher's latest sequence, so a receiver learns of a newer
-//   version on its very next chunk and skips to it.
+//   MANIFEST JSON: {"version": hex, "sequence": n, "epoch": n, "kind": "full"|"base"|
+//   "merged"|"adapter", "layout": "hf"|"fused"|"lora", "mode": "merged"|"adapter"|"delta",
+//   "base_version": hex, "merged_version": hex (both only in adapter mode), "tensors":
+//   [{"name", "dtype", "shape", "digest", "nbytes"}...] sorted by name, "aux": [{"name",
+//   "digest", "size"}...]}. Unknown fields are ignored.
+//   ACK: version = the served version, computed = the manifest digest the receiver computed
+//   over the files it received; in adapter mode proven = the manifest id of its local
+//   merge (checked equal to merged_version before activating).
+//   A CHUNK carries the publisher's latest sequence and epoch, so a receiver learns of a
+//   newer version (or a restarted publisher) on its very next chunk and skips to it.
 //
-// Sequence numbers: the publisher numbers each version it publishes 1, 2, ... (per
-// publisher process). A receiver ignores announcements not newer than what it holds; any
-// newer (or a hole) means "send HELLO again and take the latest".
+// Epochs and sequence numbers: a publisher picks a random non-zero 64-bit epoch when it
+// starts and numbers each version it publishes 1, 2, ... within that epoch. A receiver
+// ignores announcements of its own epoch that are not newer than what it holds; a newer
+// one (or a hole), or ANY announcement of another epoch (a restarted publisher), means
+// "send HELLO again and take the latest". Once it has synced from a new epoch, a receiver
+// ignores announcements of the epochs it left (the last 16), so stale ones cannot bounce it.
+//
+// Beacons: the publisher re-sends ANNOUNCE for its latest version (sequence 0 and a zero
+// version before anything is published) every heartbeat interval, so a receiver that
+// missed an announcement (PUB drops, a SUB still reconnecting to a restarted publisher)
+// catches up within one interval, and an idle receiver that hears nothing for its timeout
+// knows the publisher is gone.
 //
 // Flow control: the receiver keeps at most `credit` FETCHes outstanding; the publisher
 // answers each FETCH with exactly one CHUNK, so it never queues more than credit chunks
@@ -51,6 +71,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -61,7 +82,7 @@
 
 namespace ferry::sync {
 
-inline constexpr std::string_view kMagic = "FSY1";
+inline constexpr std::string_view kMagic = "FSY2";
 inline constexpr uint32_t kMaxChunkBytes = 16u << 20;           // 16 MiB
 inline constexpr int64_t kMaxFrameBytes = kMaxChunkBytes + 4096;  // header or chunk + slack
 inline constexpr size_t kMaxTensors = 1u << 16;
@@ -87,8 +108,10 @@ enum class ItemKind : uint8_t { kTensor = 0, kAux = 1 };
 struct Message {
   MsgType type = MsgType::kError;
   uint64_t sequence = 0;        // MANIFEST, ANNOUNCE; CHUNK: latest sequence
+  uint64_t epoch = 0;           // MANIFEST, CHUNK, ANNOUNCE: the publisher's epoch
   store::Digest version;        // FETCH, CHUNK, ACK, ACKED, ANNOUNCE
   store::Digest computed;       // ACK
+  std::optional<store::Digest> proven;  // ACK (adapter mode): the merged id the receiver proved
   ItemKind kind = ItemKind::kTensor;  // FETCH, CHUNK
   uint32_t index = 0;           // FETCH, CHUNK
   uint64_t offset = 0;          // FETCH, CHUNK
@@ -98,10 +121,16 @@ struct Message {
   std::span<const std::byte> bytes;  // CHUNK: view into the received payload frame
 };
 
-// What a receiver needs to fetch and check one version.
+// What a receiver needs to fetch, check and activate one version.
 struct Manifest {
   store::Digest version;
   uint64_t sequence = 0;
+  uint64_t epoch = 0;
+  std::string kind = "full";    // the stored version's kind: full | base | merged | adapter
+  std::string layout = "hf";    // hf | fused | lora
+  std::string mode = "merged";  // the publication mode: merged | adapter | delta
+  std::optional<store::Digest> base_version;    // adapter mode only
+  std::optional<store::Digest> merged_version;  // adapter mode only: the merged hf id to prove
   std::vector<store::TensorRow> tensors;  // name, dtype, shape, digest, nbytes; sorted by name
   std::vector<store::AuxFile> aux;        // sorted by name
 };
@@ -115,10 +144,14 @@ bool HasPayload(MsgType type);
 // `payload` may be null (no second frame). `m.bytes` views `payload` (CHUNK only).
 [[nodiscard]] Result<Message> Decode(std::span<const std::byte> header, const std::span<const std::byte>* payload);
 
-// The manifest JSON for a stored version.
-std::string EncodeManifest(const store::VersionRecord& r, uint64_t sequence);
+// The manifest of a stored version: id, kind, layout, base_version, tensors and aux from
+// `r`; sequence, epoch, mode and merged_version are left for the caller to fill in.
+Manifest ManifestFor(const store::VersionRecord& r);
+// The manifest JSON (see the table above) of `m`.
+std::string EncodeManifest(const Manifest& m);
 // Parses and validates a manifest (limits, sorted unique names, known dtypes, sizes that
-// match shapes, safe aux file names). kCorruption naming the field at fault.
+// match shapes, safe aux file names, known kind/layout/mode, adapter mode with kind adapter
+// and both base_version and merged_version). kCorruption naming the field at fault.
 [[nodiscard]] Result<Manifest> DecodeManifest(std::string_view json);
 
 // Whether `id` is a valid receiver id ([A-Za-z0-9._-]{1,64}).

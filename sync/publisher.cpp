@@ -3,10 +3,13 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cstring>
 #include <map>
 #include <mutex>
+#include <random>
 #include <set>
 #include <thread>
 
@@ -19,6 +22,8 @@ namespace {
 
 constexpr size_t kMaxPublishedKept = 8;  // versions still served after a newer one is published
 constexpr size_t kMaxCachedItems = 4;    // tensors/aux files kept open for chunking
+
+using Clock = std::chrono::steady_clock;
 
 int64_t NowNs() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::system_clock::now().time_since_epoch()).count();
@@ -45,7 +50,31 @@ void SetCommonOptions(zmq::socket_t& s, const PublisherOptions& o) {
   }
 }
 
+uint64_t RandomEpoch() {
+  std::random_device rd;
+  for (;;) {
+    const uint64_t e = (static_cast<uint64_t>(rd()) << 32) ^ static_cast<uint64_t>(rd());
+    if (e != 0) return e;
+  }
+}
+
 }  // namespace
+
+std::string_view PublishModeName(PublishMode mode) {
+  switch (mode) {
+    case PublishMode::kMerged: return "merged";
+    case PublishMode::kAdapter: return "adapter";
+    case PublishMode::kDelta: return "delta";
+  }
+  return "unknown";
+}
+
+Result<PublishMode> ParsePublishMode(std::string_view name) {
+  for (PublishMode m : {PublishMode::kMerged, PublishMode::kAdapter, PublishMode::kDelta}) {
+    if (PublishModeName(m) == name) return m;
+  }
+  return Status::InvalidArgument("publish mode \"" + std::string(name) + "\": expected merged, adapter or delta");
+}
 
 Result<Endpoints> PrivateIpcEndpoints(const std::filesystem::path& dir) {
   std::error_code ec;
@@ -83,7 +112,8 @@ Status CheckEndpoints(const Endpoints& e, bool curve) {
 
 class Publisher::Impl {
  public:
-  Impl(store::Store* store, PublisherOptions options) : store_(store), options_(std::move(options)) {}
+  Impl(store::Store* store, PublisherOptions options)
+      : store_(store), options_(std::move(options)), epoch_(RandomEpoch()) {}
 
   Status Bind() {
     try {
@@ -106,6 +136,14 @@ class Publisher::Impl {
       router_ = zmq::socket_t(ctx_, zmq::socket_type::router);
       SetCommonOptions(router_, options_);
       router_.set(zmq::sockopt::router_mandatory, true);
+      if (zmq_socket_monitor(router_.handle(), "inproc://ferry-publisher-monitor",
+                             ZMQ_EVENT_ACCEPTED | ZMQ_EVENT_DISCONNECTED) != 0) {
+        return Status::IOError("sync publisher: cannot monitor " + options_.endpoints.requests + ": " +
+                               zmq_strerror(zmq_errno()));
+      }
+      monitor_ = zmq::socket_t(ctx_, zmq::socket_type::pair);
+      monitor_.set(zmq::sockopt::linger, 0);
+      monitor_.connect("inproc://ferry-publisher-monitor");
       router_.bind(options_.endpoints.requests);
       pub_ = zmq::socket_t(ctx_, zmq::socket_type::pub);
       SetCommonOptions(pub_, options_);
@@ -161,10 +199,11 @@ class Publisher::Impl {
   std::vector<ReceiverInfo> Receivers() const {
     std::lock_guard lock(info_mu_);
     std::vector<ReceiverInfo> out;
-    for (const auto& [id, info] : receivers_) out.push_back(info);
+    for (const auto& [id, peer] : peers_) out.push_back(peer.info);
     return out;
   }
   uint64_t latest_sequence() const { return sequence_.load(); }
+  uint64_t epoch() const { return epoch_; }
   const Endpoints& bound() const { return bound_; }
   void Corrupt(int n) { corrupt_.fetch_add(n); }
 
@@ -172,31 +211,52 @@ class Publisher::Impl {
   struct Published {
     store::VersionRecord record;
     uint64_t sequence = 0;
+    std::optional<store::Digest> merged_version;  // adapter mode
+    std::string manifest_json;
   };
 
+  // A receiver as the publisher thread tracks it (guarded by info_mu_).
+  struct Peer {
+    ReceiverInfo info;
+    std::set<int> fds;                 // open connections it sent messages over
+    Clock::time_point last_sign;       // last message or connection close
+  };
+
+  int TickMs() const { return options_.heartbeat_ivl_ms > 0 ? options_.heartbeat_ivl_ms : 1000; }
+
   void Loop() {
-    auto next_follow = std::chrono::steady_clock::now();
+    auto next_follow = Clock::now();
+    auto next_tick = Clock::now();
     for (;;) {
-      std::vector<zmq::pollitem_t> items = {{control_.handle(), 0, ZMQ_POLLIN, 0}, {router_.handle(), 0, ZMQ_POLLIN, 0}};
+      std::vector<zmq::pollitem_t> items = {{control_.handle(), 0, ZMQ_POLLIN, 0},
+                                            {router_.handle(), 0, ZMQ_POLLIN, 0},
+                                            {monitor_.handle(), 0, ZMQ_POLLIN, 0}};
       if (zap_) items.push_back({zap_.handle(), 0, ZMQ_POLLIN, 0});
-      int timeout = -1;
-      if (options_.follow_run) {
-        const auto now = std::chrono::steady_clock::now();
-        if (now >= next_follow) {
-          Follow();
-          next_follow = now + std::chrono::milliseconds(options_.follow_interval_ms);
-        }
-        timeout = static_cast<int>(
-            std::chrono::duration_cast<std::chrono::milliseconds>(next_follow - std::chrono::steady_clock::now()).count());
-        if (timeout < 0) timeout = 0;
+      auto now = Clock::now();
+      if (options_.follow_run && now >= next_follow) {
+        Follow();
+        next_follow = now + std::chrono::milliseconds(options_.follow_interval_ms);
       }
+      if (now >= next_tick) {
+        Tick();
+        next_tick = now + std::chrono::milliseconds(TickMs());
+      }
+      auto wake = next_tick;
+      if (options_.follow_run) wake = std::min(wake, next_follow);
+      const auto timeout = std::max<int64_t>(
+          0, std::chrono::duration_cast<std::chrono::milliseconds>(wake - Clock::now()).count());
       try {
         zmq::poll(items.data(), items.size(), std::chrono::milliseconds(timeout));
-        if (items.size() > 2 && (items[2].revents & ZMQ_POLLIN)) HandleZap();
+        if (items.size() > 3 && (items[3].revents & ZMQ_POLLIN)) HandleZap();
         if (items[0].revents & ZMQ_POLLIN) {
           if (!HandleControl()) return;
         }
-        if (items[1].revents & ZMQ_POLLIN) HandleRequest();
+        // Connection events first, so a close is seen before messages of a later connection.
+        if (items[2].revents & ZMQ_POLLIN) HandleMonitor();
+        if (items[1].revents & ZMQ_POLLIN) {
+          HandleMonitor();
+          HandleRequest();
+        }
       } catch (const zmq::error_t& e) {
         if (e.num() == ETERM) return;
         // Any other socket error concerns one peer; keep serving the others.
@@ -209,6 +269,78 @@ class Publisher::Impl {
     if (!latest.ok() || !latest->has_value()) return;
     if (!published_.empty() && published_.back().record.id == **latest) return;
     (void)DoPublish(**latest);
+  }
+
+  // Periodic work: the ANNOUNCE beacon and the receiver liveness check.
+  void Tick() {
+    Message a;
+    a.type = MsgType::kAnnounce;
+    a.epoch = epoch_;
+    if (!published_.empty()) {
+      a.sequence = published_.back().sequence;
+      a.version = published_.back().record.id;
+    }
+    try {
+      pub_.send(Frame(EncodeHeader(a)), zmq::send_flags::dontwait);
+    } catch (const zmq::error_t&) {
+    }
+    CheckLiveness();
+  }
+
+  void CheckLiveness() {
+    const auto now = Clock::now();
+    std::vector<store::Event> lost;
+    {
+      std::lock_guard lock(info_mu_);
+      for (auto& [id, peer] : peers_) {
+        if (!peer.info.alive || !peer.fds.empty()) continue;
+        const int64_t quiet = std::chrono::duration_cast<std::chrono::milliseconds>(now - peer.last_sign).count();
+        if (quiet < options_.heartbeat_timeout_ms) continue;
+        store::Event e;
+        e.type = store::Event::Type::kAnomaly;
+        e.receiver = id;
+        if (peer.info.acknowledged) {
+          e.version = *peer.info.acknowledged;
+        } else if (!published_.empty()) {
+          e.version = published_.back().record.id;
+        }
+        e.detail = "receiver " + id + " lost: no traffic for " + std::to_string(quiet) + " ms (on " +
+                   options_.endpoints.requests + ")";
+        lost.push_back(std::move(e));
+      }
+    }
+    for (const auto& e : lost) {
+      (void)store_->AddEvent(e);  // history only; serving does not depend on it
+      std::lock_guard lock(info_mu_);
+      peers_[e.receiver].info.alive = false;  // after the event, so a caller seeing !alive finds it
+    }
+  }
+
+  void HandleMonitor() {
+    for (;;) {
+      zmq::message_t ev;
+      if (!monitor_.recv(ev, zmq::recv_flags::dontwait)) return;
+      bool more = ev.more();
+      while (more) {  // the endpoint frame
+        zmq::message_t extra;
+        if (!monitor_.recv(extra, zmq::recv_flags::dontwait)) break;
+        more = extra.more();
+      }
+      if (ev.size() < 6) continue;
+      uint16_t event = 0;
+      uint32_t value = 0;
+      std::memcpy(&event, ev.data(), 2);
+      std::memcpy(&value, static_cast<const char*>(ev.data()) + 2, 4);
+      if (event != ZMQ_EVENT_DISCONNECTED) continue;
+      const int fd = static_cast<int>(value);
+      auto it = fd_owner_.find(fd);
+      if (it == fd_owner_.end()) continue;
+      std::lock_guard lock(info_mu_);
+      auto& peer = peers_[it->second];
+      peer.fds.erase(fd);
+      peer.last_sign = Clock::now();
+      fd_owner_.erase(it);
+    }
   }
 
   bool HandleControl() {
@@ -234,23 +366,68 @@ class Publisher::Impl {
     return true;
   }
 
+  // Adapter mode: the stored merged (hf) version of adapter `rec` onto its base.
+  Result<store::Digest> FindMerged(const store::VersionRecord& rec) {
+    FERRY_ASSIGN_OR_RETURN(std::vector<store::VersionRecord> all, store_->ListVersions(std::nullopt));
+    for (auto it = all.rbegin(); it != all.rend(); ++it) {
+      if (it->kind == store::VersionKind::kMerged && it->layout == "hf" && it->adapter_version == rec.id &&
+          it->base_version == rec.base_version) {
+        return it->id;
+      }
+    }
+    return Status::FailedPrecondition("version " + rec.id.Hex() + ": adapter mode needs a stored merged version of it " +
+                                      "(kind merged, layout hf, adapter_version " + rec.id.Hex() + ", base_version " +
+                                      rec.base_version->Hex() + "); record the merged version first");
+  }
+
   Result<uint64_t> DoPublish(const store::Digest& v) {
     FERRY_ASSIGN_OR_RETURN(store::VersionRecord rec, store_->GetVersion(v.Hex()));
     if (rec.tensors.empty()) return Status::FailedPrecondition("version " + v.Hex() + " has no tensors to sync");
+    const bool is_adapter = rec.kind == store::VersionKind::kAdapter;
+    Published p;
+    if (options_.mode == PublishMode::kAdapter) {
+      if (!is_adapter) {
+        return Status::FailedPrecondition("version " + v.Hex() + " is of kind " + std::string(store::KindName(rec.kind)) +
+                                          ": adapter mode publishes adapter versions");
+      }
+      if (!rec.base_version) {
+        return Status::FailedPrecondition("version " + v.Hex() + ": adapter has no base_version recorded; adapter mode "
+                                          "needs the base the receivers keep");
+      }
+      FERRY_ASSIGN_OR_RETURN(p.merged_version, FindMerged(rec));
+    } else if (is_adapter) {
+      return Status::FailedPrecondition("version " + v.Hex() + " is an adapter: publish it in adapter mode, or publish "
+                                        "its merged version in " + std::string(PublishModeName(options_.mode)) + " mode");
+    }
     const uint64_t seq = sequence_.load() + 1;
-    published_.push_back({std::move(rec), seq});
+    Manifest man = ManifestFor(rec);
+    man.sequence = seq;
+    man.epoch = epoch_;
+    man.mode = std::string(PublishModeName(options_.mode));
+    man.merged_version = p.merged_version;
+    p.manifest_json = EncodeManifest(man);
+    p.record = std::move(rec);
+    p.sequence = seq;
+    published_.push_back(std::move(p));
     if (published_.size() > kMaxPublishedKept) published_.erase(published_.begin());
+    cache_.clear();
     sequence_.store(seq);
     store::Event e;
     e.type = store::Event::Type::kPublished;
     e.version = v;
-    e.detail = "sync sequence " + std::to_string(seq) + " on " + options_.endpoints.requests;
+    e.detail = "sync sequence " + std::to_string(seq) + " epoch " + std::to_string(epoch_) + " mode " +
+               std::string(PublishModeName(options_.mode)) + " on " + options_.endpoints.requests;
     (void)store_->AddEvent(e);  // history only; serving does not depend on it
     Message a;
     a.type = MsgType::kAnnounce;
     a.sequence = seq;
     a.version = v;
-    pub_.send(Frame(EncodeHeader(a)), zmq::send_flags::dontwait);
+    a.epoch = epoch_;
+    try {
+      pub_.send(Frame(EncodeHeader(a)), zmq::send_flags::dontwait);
+    } catch (const zmq::error_t&) {
+      // The beacon repeats it.
+    }
     return seq;
   }
 
@@ -309,30 +486,57 @@ class Publisher::Impl {
     const std::span<const std::byte> payload = parts.size() == 3 ? Bytes(parts[2]) : std::span<const std::byte>();
     auto msg = Decode(Bytes(parts[1]), parts.size() == 3 ? &payload : nullptr);
     if (!msg.ok()) return ReplyError(rid, msg.status());
+    const int fd = parts[1].get(ZMQ_SRCFD);
     switch (msg->type) {
-      case MsgType::kHello: return HandleHello(rid, *msg);
-      case MsgType::kFetch: return HandleFetch(rid, *msg);
-      case MsgType::kAck: return HandleAck(rid, *msg);
+      case MsgType::kHello:
+        Touch(msg->payload, fd);
+        return HandleHello(rid);
+      case MsgType::kFetch:
+        Touch(SenderId(rid, fd), fd);
+        return HandleFetch(rid, *msg);
+      case MsgType::kAck:
+        Touch(msg->payload, fd);
+        return HandleAck(rid, *msg);
       default: return ReplyError(rid, Status::Corruption("sync request: a receiver may not send this message type"));
     }
   }
 
-  void Touch(const std::string& id) {
-    std::lock_guard lock(info_mu_);
-    auto& info = receivers_[id];
-    info.id = id;
-    info.last_seen_ns = NowNs();
+  // The receiver id behind a message without one: its routing id "<id>/<suffix>" (set by
+  // Receiver), else the id last seen on the same connection; "" when unknown.
+  std::string SenderId(const zmq::message_t& rid, int fd) const {
+    const std::string r = rid.to_string();
+    const size_t slash = r.find('/');
+    if (slash != std::string::npos && IsValidReceiverId(std::string_view(r).substr(0, slash))) return r.substr(0, slash);
+    auto it = fd_owner_.find(fd);
+    return it == fd_owner_.end() ? std::string() : it->second;
   }
 
-  void HandleHello(const zmq::message_t& rid, const Message& m) {
-    Touch(m.payload);
+  void Touch(const std::string& id, int fd) {
+    if (id.empty()) return;
+    std::lock_guard lock(info_mu_);
+    auto& peer = peers_[id];
+    peer.info.id = id;
+    peer.info.last_seen_ns = NowNs();
+    peer.info.alive = true;
+    peer.last_sign = Clock::now();
+    if (fd >= 0) {
+      auto [it, inserted] = fd_owner_.try_emplace(fd, id);
+      if (!inserted && it->second != id) {
+        peers_[it->second].fds.erase(fd);
+        it->second = id;
+      }
+      peer.fds.insert(fd);
+    }
+  }
+
+  void HandleHello(const zmq::message_t& rid) {
     if (published_.empty()) return ReplyError(rid, Status::NotFound("sync HELLO: nothing published yet"));
     const Published& p = published_.back();
     Message r;
     r.type = MsgType::kManifest;
     r.sequence = p.sequence;
-    const std::string json = EncodeManifest(p.record, p.sequence);
-    Reply(rid, r, {reinterpret_cast<const std::byte*>(json.data()), json.size()});
+    r.epoch = epoch_;
+    Reply(rid, r, {reinterpret_cast<const std::byte*>(p.manifest_json.data()), p.manifest_json.size()});
   }
 
   const Published* Find(const store::Digest& v) const {
@@ -386,6 +590,7 @@ class Publisher::Impl {
     r.index = m.index;
     r.offset = m.offset;
     r.sequence = sequence_.load();
+    r.epoch = epoch_;
     std::span<const std::byte> bytes = item->subspan(m.offset, n);
     std::vector<std::byte> flipped;
     if (corrupt_.load() > 0) {
@@ -398,7 +603,6 @@ class Publisher::Impl {
   }
 
   void HandleAck(const zmq::message_t& rid, const Message& m) {
-    Touch(m.payload);
     const Published* p = Find(m.version);
     store::Event e;
     e.type = store::Event::Type::kAcknowledged;
@@ -407,12 +611,27 @@ class Publisher::Impl {
     e.computed = m.computed;
     e.detail = m.computed == m.version ? "receiver verified the manifest digest"
                                        : "MISMATCH: receiver computed " + m.computed.Hex();
+    if (p != nullptr && p->merged_version) {
+      // Adapter mode: the receiver runs the merged weights; record what it proved about them.
+      e.version = *p->merged_version;
+      e.computed = m.proven.value_or(m.computed);
+      const std::string adapter = "adapter " + m.version.Hex();
+      if (!m.proven) {
+        e.detail = "MISMATCH: " + adapter + " acknowledged without a proven merged id";
+      } else if (!(m.computed == m.version)) {
+        e.detail = "MISMATCH: " + adapter + " received as " + m.computed.Hex();
+      } else if (!(*m.proven == *p->merged_version)) {
+        e.detail = "MISMATCH: " + adapter + " merged by the receiver into " + m.proven->Hex();
+      } else {
+        e.detail = adapter + " merged by the receiver; merged manifest digest verified";
+      }
+    }
     Status st = store_->AddEvent(e);
     if (!st.ok()) return ReplyError(rid, st);
     {
       std::lock_guard lock(info_mu_);
-      auto& info = receivers_[m.payload];
-      info.acknowledged = m.version;
+      auto& info = peers_[m.payload].info;
+      info.acknowledged = e.version;
       info.acknowledged_sequence = p ? p->sequence : 0;
     }
     Message r;
@@ -423,24 +642,29 @@ class Publisher::Impl {
 
   store::Store* store_;
   PublisherOptions options_;
+  const uint64_t epoch_;
   zmq::context_t ctx_;
-  zmq::socket_t router_, pub_, zap_, control_, caller_;
+  zmq::socket_t router_, pub_, zap_, control_, caller_, monitor_;
   Endpoints bound_;
   std::set<std::string> allowed_;  // binary 32-byte public keys
   std::thread thread_;
   std::mutex call_mu_;
   std::vector<Published> published_;  // thread only
   std::map<std::tuple<store::Digest, ItemKind, uint32_t>, std::pair<Tensor, std::string>> cache_;  // thread only
+  std::map<int, std::string> fd_owner_;  // thread only: connection descriptor -> receiver id
   std::atomic<uint64_t> sequence_{0};
   std::atomic<int> corrupt_{0};
   mutable std::mutex info_mu_;
-  std::map<std::string, ReceiverInfo> receivers_;
+  std::map<std::string, Peer> peers_;  // guarded by info_mu_
 };
 
 Result<std::unique_ptr<Publisher>> Publisher::Start(store::Store* store, PublisherOptions options) {
   FERRY_RETURN_IF_ERROR(CheckEndpoints(options.endpoints, options.curve.has_value()));
   if (options.curve && (options.curve->secret_key.size() != 40 || options.curve->public_key.size() != 40)) {
     return Status::InvalidArgument("sync publisher: CURVE keypair must be two 40-character Z85 keys");
+  }
+  if (options.heartbeat_ivl_ms < 0 || options.heartbeat_timeout_ms <= 0) {
+    return Status::InvalidArgument("sync publisher: heartbeat_ivl_ms must be >= 0 and heartbeat_timeout_ms > 0");
   }
   auto impl = std::make_unique<Impl>(store, std::move(options));
   FERRY_RETURN_IF_ERROR(impl->Bind());
@@ -454,6 +678,7 @@ Result<uint64_t> Publisher::Publish(const store::Digest& version) { return impl_
 std::vector<ReceiverInfo> Publisher::Receivers() const { return impl_->Receivers(); }
 Endpoints Publisher::bound_endpoints() const { return impl_->bound(); }
 uint64_t Publisher::latest_sequence() const { return impl_->latest_sequence(); }
+uint64_t Publisher::epoch() const { return impl_->epoch(); }
 void Publisher::CorruptNextChunksForTesting(int n) { impl_->Corrupt(n); }
 
 }  // namespace ferry::sync

@@ -7,6 +7,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "core/status.h"
@@ -39,6 +40,21 @@ struct CurveOptions {
 // CURVE (kFailedPrecondition naming the endpoint otherwise); anything else kInvalidArgument.
 [[nodiscard]] Status CheckEndpoints(const Endpoints& e, bool curve);
 
+// How versions are published (the MANIFEST's "mode"; see sync/protocol.h):
+//   kMerged   every tensor of the version is sent; the receiver activates what it received.
+//   kAdapter  the version must be an adapter (kind adapter, base_version set); the publisher
+//             also names its merged version (a stored version of kind merged, layout hf,
+//             whose adapter_version is the adapter and base_version the adapter's base);
+//             the receiver merges onto its local base and proves the merged id.
+//   kDelta    as kMerged, but the receiver copies tensors it already holds in its active
+//             version (matched by tensor digest, verified while copying) instead of
+//             fetching them.
+enum class PublishMode { kMerged, kAdapter, kDelta };
+// "merged", "adapter" or "delta".
+std::string_view PublishModeName(PublishMode mode);
+// Parses "merged" | "adapter" | "delta"; kInvalidArgument naming the value otherwise.
+[[nodiscard]] Result<PublishMode> ParsePublishMode(std::string_view name);
+
 struct PublisherOptions {
   Endpoints endpoints;                 // both bound by the publisher
   std::optional<CurveOptions> curve;   // Default: none (then tcp:// is refused)
@@ -46,16 +62,28 @@ struct PublisherOptions {
   // version itself. Default: none (versions are published with Publish()).
   std::optional<std::string> follow_run;
   int follow_interval_ms = 500;        // Default: 500
-  int heartbeat_ivl_ms = 1000;         // ZMTP heartbeat interval (0: off). Default: 1000
-  int heartbeat_timeout_ms = 5000;     // Default: 5000
+  // ZMTP heartbeat interval (0: no ZMTP heartbeats). Also the period of the ANNOUNCE
+  // beacon and of the receiver liveness check (1000 ms when 0). Default: 1000
+  int heartbeat_ivl_ms = 1000;
+  // A receiver with no open connection and no message for this long is declared dead
+  // (ReceiverInfo::alive false, one kAnomaly event); also the ZMTP heartbeat timeout.
+  // Default: 5000
+  int heartbeat_timeout_ms = 5000;
+  PublishMode mode = PublishMode::kMerged;  // Default: merged
 };
 
-// What the publisher knows about one receiver (from its HELLO and ACK messages).
+// What the publisher knows about one receiver (from its messages and connections).
 struct ReceiverInfo {
   std::string id;
-  std::optional<store::Digest> acknowledged;  // the newest version it acknowledged
+  // The newest version it acknowledged (adapter mode: the merged version it proved).
+  std::optional<store::Digest> acknowledged;
   uint64_t acknowledged_sequence = 0;         // its publish sequence (0: unknown)
-  int64_t last_seen_ns = 0;
+  int64_t last_seen_ns = 0;                   // last message, Unix epoch ns
+  // False once the receiver has had no open connection (closed, or dropped by the ZMTP
+  // heartbeat timeout) and sent no message for heartbeat_timeout_ms; true again on its next
+  // message. Connections are tracked per socket descriptor (ipc://, tcp://); over inproc://
+  // only messages count.
+  bool alive = true;
 };
 
 // Serves versions from a store on a background thread. Thread-safe. The store must
@@ -73,7 +101,10 @@ class Publisher {
 
   // Makes `version` (a stored version id) the latest: assigns it the next sequence number
   // and announces it. Returns that sequence once every request handled afterwards sees it.
-  // kNotFound naming the id when the store does not hold it.
+  // kNotFound naming the id when the store does not hold it. kFailedPrecondition naming
+  // the id when it has no tensors; in merged/delta mode when it is an adapter; in adapter
+  // mode when it is not an adapter, has no base_version, or no merged version of it is
+  // stored ("record the merged version first").
   [[nodiscard]] Result<uint64_t> Publish(const store::Digest& version);
 
   // Receivers seen so far, sorted by id.
@@ -82,6 +113,8 @@ class Publisher {
   Endpoints bound_endpoints() const;
   // The latest published sequence (0: nothing published yet).
   uint64_t latest_sequence() const;
+  // This publisher's epoch: random, non-zero, chosen at Start.
+  uint64_t epoch() const;
 
   // Test hook: flips one byte of the next `n` CHUNKs sent.
   void CorruptNextChunksForTesting(int n);

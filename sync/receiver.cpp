@@ -1,15 +1,25 @@
 #include "sync/receiver.h"
 
 #include <fcntl.h>
+#include <sys/file.h>
 #include <unistd.h>
 
+#include <atomic>
+#include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <deque>
+#include <map>
+#include <random>
 #include <vector>
 
+#include <nlohmann/json.hpp>
 #include <zmq.hpp>
 
+#include "core/mapped_file.h"
 #include "core/safetensors.h"
+#include "store/internal.h"
+#include "sync/activate.h"
 #include "sync/protocol.h"
 
 namespace ferry::sync {
@@ -17,6 +27,12 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 namespace fs = std::filesystem;
+
+// Delta copies read the local file in pieces of this size.
+constexpr size_t kCopyPieceBytes = size_t{1} << 20;
+// Epochs of publishers this receiver moved away from, remembered so that their stale
+// announcements (still queued, or from a publisher that did not really die) are ignored.
+constexpr size_t kRetiredEpochsKept = 16;
 
 std::span<const std::byte> Bytes(const zmq::message_t& m) {
   return {static_cast<const std::byte*>(m.data()), m.size()};
@@ -32,23 +48,41 @@ Status FsyncDir(const fs::path& dir) {
   return Status::OK();
 }
 
+Status PwriteAll(int fd, std::span<const std::byte> bytes, uint64_t offset, const fs::path& path) {
+  size_t done = 0;
+  while (done < bytes.size()) {
+    const ssize_t n = ::pwrite(fd, bytes.data() + done, bytes.size() - done, static_cast<off_t>(offset + done));
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return Status::IOError(path.string() + ": write at offset " + std::to_string(offset + done) +
+                                       " failed: " + std::strerror(errno));
+    done += static_cast<size_t>(n);
+  }
+  return Status::OK();
+}
+
 Status WriteNewFile(const fs::path& path, std::span<const std::byte> bytes) {
   const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
   if (fd < 0) return Status::IOError(path.string() + ": cannot create: " + std::strerror(errno));
-  size_t done = 0;
-  while (done < bytes.size()) {
-    const ssize_t n = ::write(fd, bytes.data() + done, bytes.size() - done);
-    if (n <= 0) {
-      ::close(fd);
-      return Status::IOError(path.string() + ": write failed: " + std::strerror(errno));
-    }
-    done += static_cast<size_t>(n);
-  }
-  const int rc = ::fsync(fd);
+  Status st = PwriteAll(fd, bytes, 0, path);
+  if (st.ok() && ::fsync(fd) != 0) st = Status::IOError(path.string() + ": fsync failed: " + std::strerror(errno));
   ::close(fd);
-  if (rc != 0) return Status::IOError(path.string() + ": fsync failed: " + std::strerror(errno));
-  return Status::OK();
+  return st;
 }
+
+// Closes a descriptor when destroyed.
+class FdGuard {
+ public:
+  explicit FdGuard(int fd) : fd_(fd) {}
+  ~FdGuard() {
+    if (fd_ >= 0) ::close(fd_);
+  }
+  FdGuard(const FdGuard&) = delete;
+  FdGuard& operator=(const FdGuard&) = delete;
+  int get() const { return fd_; }
+
+ private:
+  int fd_;
+};
 
 // Removes a temporary version directory unless released.
 class TempDirGuard {
@@ -60,18 +94,72 @@ class TempDirGuard {
       fs::remove_all(path_, ec);
     }
   }
+  TempDirGuard(const TempDirGuard&) = delete;
+  TempDirGuard& operator=(const TempDirGuard&) = delete;
   void Release() { path_.clear(); }
 
  private:
   fs::path path_;
 };
 
+std::string RandomHex() {
+  std::random_device rd;
+  const uint64_t v = (static_cast<uint64_t>(rd()) << 32) ^ static_cast<uint64_t>(rd());
+  static constexpr char kHex[] = "0123456789abcdef";
+  std::string s(16, '0');
+  for (int i = 0; i < 16; ++i) s[i] = kHex[(v >> (60 - 4 * i)) & 0xf];
+  return s;
+}
+
+bool IsTempName(const std::string& name) { return name.find(".tmp-") != std::string::npos; }
+
+// Removes what a killed receiver may have left: temporary version directories, manifest
+// temp files and symlink temp names. REQUIRES: the caller holds DIR/.lock.
+void RemoveStaleTemporaries(const fs::path& dir) {
+  for (const fs::path& sub : {dir / "versions", dir / "manifests", dir}) {
+    std::error_code ec;
+    std::vector<fs::path> stale;
+    for (fs::directory_iterator it(sub, ec), end; !ec && it != end; it.increment(ec)) {
+      if (IsTempName(it->path().filename().string())) stale.push_back(it->path());
+    }
+    for (const auto& p : stale) fs::remove_all(p, ec);
+  }
+}
+
 }  // namespace
 
 struct Receiver::Sockets {
   zmq::context_t ctx;
-  zmq::socket_t dealer{ctx, zmq::socket_type::dealer};
+  zmq::socket_t dealer;
   zmq::socket_t sub{ctx, zmq::socket_type::sub};
+};
+
+namespace receiver_detail {
+
+// What the receiver knows about its publisher link.
+struct Link {
+  Clock::time_point last_heard;         // last message of any kind from the publisher
+  std::deque<uint64_t> retired_epochs;  // at most kRetiredEpochsKept
+
+  bool Retired(uint64_t epoch) const {
+    return std::find(retired_epochs.begin(), retired_epochs.end(), epoch) != retired_epochs.end();
+  }
+  void Retire(uint64_t epoch) {
+    if (epoch == 0 || Retired(epoch)) return;
+    retired_epochs.push_back(epoch);
+    if (retired_epochs.size() > kRetiredEpochsKept) retired_epochs.pop_front();
+  }
+};
+
+}  // namespace receiver_detail
+
+// What DIR/current holds and how it came to be (from DIR/manifests/<active>.json).
+struct Receiver::ActiveState {
+  std::optional<store::Digest> active;  // DIR/current
+  std::optional<store::Digest> served;  // the served version it was activated from
+  std::string layout;                   // the layout it was activated in
+  std::optional<store::Digest> proven;  // adapter mode
+  receiver_detail::Link link;
 };
 
 // One thing that arrived: an announcement or a reply. `msg.bytes` views `payload`.
@@ -85,10 +173,16 @@ namespace {
 
 enum class Outcome { kDone, kNewer };
 
+// Where delta mode may copy tensors from: the active version's received file.
+struct ReuseSource {
+  std::shared_ptr<SafetensorsFile> file;
+  std::map<store::Digest, const TensorInfo*> by_digest;
+};
+
 class Session {
  public:
-  Session(const ReceiverOptions& o, zmq::socket_t& dealer, zmq::socket_t& sub, uint64_t sequence)
-      : o_(o), dealer_(dealer), sub_(sub), sequence_(sequence) {}
+  Session(const ReceiverOptions& o, zmq::socket_t& dealer, zmq::socket_t& sub, receiver_detail::Link* link)
+      : o_(o), dealer_(dealer), sub_(sub), link_(link) {}
 
   Status Send(const Message& m, std::span<const std::byte> payload) {
     try {
@@ -119,16 +213,16 @@ class Session {
         zmq::poll(items, 2, std::chrono::milliseconds(left));
         if (items[1].revents & ZMQ_POLLIN) {
           zmq::message_t m;
-          bool more = false;
           if (sub_.recv(m, zmq::recv_flags::dontwait)) {
-            more = m.more();
+            bool more = m.more();
             while (more) {  // drain a malformed multipart announcement
               zmq::message_t extra;
               if (!sub_.recv(extra, zmq::recv_flags::dontwait)) break;
               more = extra.more();
             }
             auto a = Decode(Bytes(m), nullptr);
-            if (a.ok() && a->type == MsgType::kAnnounce) {
+            if (a.ok() && a->type == MsgType::kAnnounce && !link_->Retired(a->epoch)) {
+              link_->last_heard = Clock::now();
               in->announce = true;
               in->msg = *a;
               return Status::OK();
@@ -145,6 +239,7 @@ class Session {
             if (!more) break;
           }
           if (parts.empty()) continue;
+          link_->last_heard = Clock::now();
           if (parts.size() > 2) {
             return Status::Corruption("sync receiver " + o_.id + ": reply from " + o_.endpoints.requests +
                                       " has more than 2 frames");
@@ -175,8 +270,8 @@ class Session {
 
   Clock::time_point Deadline() const { return Clock::now() + std::chrono::milliseconds(o_.timeout_ms); }
 
-  // Sends HELLO and waits for the MANIFEST.
-  Result<Manifest> Hello() {
+  // Sends HELLO and waits for the MANIFEST; `json` receives its text.
+  Result<Manifest> Hello(std::string* json) {
     FERRY_RETURN_IF_ERROR(SendWithId(MsgType::kHello, {}));
     const auto deadline = Deadline();
     for (;;) {
@@ -187,17 +282,20 @@ class Session {
       if (in.msg.type != MsgType::kManifest) continue;  // stale reply to an abandoned request
       auto m = DecodeManifest(in.msg.payload);
       if (!m.ok()) return Status::Corruption("from " + o_.endpoints.requests + ": " + m.status().message());
-      if (m->sequence != in.msg.sequence) {
-        return Status::Corruption("sync MANIFEST from " + o_.endpoints.requests + ": header and JSON sequence differ");
+      if (m->sequence != in.msg.sequence || m->epoch != in.msg.epoch) {
+        return Status::Corruption("sync MANIFEST from " + o_.endpoints.requests +
+                                  ": header and JSON sequence or epoch differ");
       }
       if (m->tensors.empty()) return Status::Corruption("sync MANIFEST from " + o_.endpoints.requests + ": no tensors");
+      *json = std::move(in.msg.payload);
       return *m;
     }
   }
 
-  // Fetches one item into `out` (sized by the caller) with at most `credit` FETCHes in flight.
-  Result<Outcome> Fetch(const Manifest& man, ItemKind kind, uint32_t index, std::span<std::byte> out) {
-    const uint64_t size = out.size();
+  // Fetches one item of `size` bytes with at most `credit` FETCHes in flight, handing each
+  // chunk, in order, to `sink(bytes, offset)`.
+  template <typename Sink>
+  Result<Outcome> Fetch(const Manifest& man, ItemKind kind, uint32_t index, uint64_t size, Sink&& sink) {
     uint64_t next = 0, received = 0;
     uint32_t in_flight = 0;
     auto deadline = Deadline();
@@ -217,7 +315,7 @@ class Session {
       Incoming in;
       FERRY_RETURN_IF_ERROR(Next(deadline, &in));
       if (in.announce) {
-        if (in.msg.sequence > man.sequence) return Outcome::kNewer;
+        if (in.msg.epoch != man.epoch || in.msg.sequence > man.sequence) return Outcome::kNewer;
         continue;
       }
       if (in.msg.type == MsgType::kError) return PublisherError(in.msg);
@@ -225,13 +323,14 @@ class Session {
           in.msg.index != index || in.msg.offset != received) {
         continue;  // stale
       }
+      if (in.msg.epoch != man.epoch) return Outcome::kNewer;  // answered by a restarted publisher
       const uint64_t expect = std::min<uint64_t>(o_.chunk_bytes, size - received);
       const auto bytes = Bytes(in.payload);
       if (bytes.size() != expect) {
         return Status::Corruption("sync CHUNK from " + o_.endpoints.requests + ": " + std::to_string(bytes.size()) +
                                   " bytes at offset " + std::to_string(received) + ", expected " + std::to_string(expect));
       }
-      std::memcpy(out.data() + received, bytes.data(), bytes.size());
+      FERRY_RETURN_IF_ERROR(sink(bytes, received));
       received += bytes.size();
       bytes_received_ += bytes.size();
       --in_flight;
@@ -242,8 +341,29 @@ class Session {
     return Outcome::kDone;
   }
 
+  // Copies tensor `row` from the reuse source into `fd` at `offset`, hashing as it goes.
+  // True when the copied bytes have the row's digest (false: fetch it instead).
+  Result<bool> CopyLocal(const ReuseSource& src, const TensorInfo& info, const store::TensorRow& row, int fd,
+                         uint64_t offset, const fs::path& path, std::vector<std::byte>& piece) {
+    const auto range = src.file->RangeOf(info);
+    if (range.length != row.nbytes) return false;
+    store::internal::TensorDigester digester(row.dtype, row.shape);
+    piece.resize(kCopyPieceBytes);
+    for (uint64_t done = 0; done < range.length;) {
+      const size_t want = static_cast<size_t>(std::min<uint64_t>(piece.size(), range.length - done));
+      const ssize_t n = ::pread(range.fd, piece.data(), want, static_cast<off_t>(range.offset + done));
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0) return false;  // unreadable local copy: fetch instead
+      const std::span<const std::byte> bytes(piece.data(), static_cast<size_t>(n));
+      digester.Update(bytes);
+      FERRY_RETURN_IF_ERROR(PwriteAll(fd, bytes, offset + done, path));
+      done += static_cast<uint64_t>(n);
+    }
+    return digester.Finish() == row.digest;
+  }
+
   // Receives `man` into DIR/versions/<id> (verified). Returns kNewer when abandoned.
-  Result<Outcome> Receive(const Manifest& man, int* refetches) {
+  Result<Outcome> Receive(const Manifest& man, const ReuseSource* reuse, SyncResult* result) {
     const fs::path versions = o_.dir / "versions";
     const fs::path final_dir = versions / man.version.Hex();
     std::error_code ec;
@@ -254,52 +374,103 @@ class Session {
     }
     const fs::path tmp = tmpl;
     TempDirGuard guard(tmp);
+
+    // Lay the safetensors file out in full, then write every chunk at its place.
     std::vector<TensorSpec> specs;
     for (const auto& t : man.tensors) specs.push_back({t.name, t.dtype, t.shape});
-    FERRY_ASSIGN_OR_RETURN(auto writer, SafetensorsWriter::CreateFile(tmp / "model.safetensors", specs));
-    std::vector<std::byte> buf;
+    FERRY_ASSIGN_OR_RETURN(std::string header, SerializeSafetensorsHeader(specs, {{"format", "pt"}}));
+    const fs::path model = tmp / "model.safetensors";
+    FdGuard fd(::open(model.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644));
+    if (fd.get() < 0) return Status::IOError(model.string() + ": cannot create: " + std::strerror(errno));
+    uint64_t total = header.size();
+    for (const auto& t : man.tensors) total += t.nbytes;
+    FERRY_RETURN_IF_ERROR(
+        PwriteAll(fd.get(), {reinterpret_cast<const std::byte*>(header.data()), header.size()}, 0, model));
+    if (::ftruncate(fd.get(), static_cast<off_t>(total)) != 0) {
+      return Status::IOError(model.string() + ": cannot size to " + std::to_string(total) + " bytes: " +
+                             std::strerror(errno));
+    }
+    std::vector<std::byte> piece;
+    uint64_t begin = header.size();
     for (uint32_t i = 0; i < man.tensors.size(); ++i) {
       const auto& row = man.tensors[i];
-      buf.resize(row.nbytes);
+      const uint64_t at = begin;
+      begin += row.nbytes;
+      if (reuse != nullptr) {
+        if (auto it = reuse->by_digest.find(row.digest); it != reuse->by_digest.end()) {
+          FERRY_ASSIGN_OR_RETURN(bool same, CopyLocal(*reuse, *it->second, row, fd.get(), at, model, piece));
+          if (same) {
+            result->bytes_reused += row.nbytes;
+            continue;
+          }
+        }
+      }
       for (int attempt = 0;; ++attempt) {
+        store::internal::TensorDigester digester(row.dtype, row.shape);
         if (row.nbytes > 0) {
-          FERRY_ASSIGN_OR_RETURN(Outcome oc, Fetch(man, ItemKind::kTensor, i, buf));
+          FERRY_ASSIGN_OR_RETURN(Outcome oc, Fetch(man, ItemKind::kTensor, i, row.nbytes,
+                                                   [&](std::span<const std::byte> bytes, uint64_t offset) {
+                                                     digester.Update(bytes);
+                                                     return PwriteAll(fd.get(), bytes, at + offset, model);
+                                                   }));
           if (oc == Outcome::kNewer) return oc;
         }
-        if (store::TensorDigest(row.dtype, row.shape, buf) == row.digest) break;
-        if (attempt >= o_.max_retries) {
+        if (digester.Finish() == row.digest) break;
+        if (attempt >= o_.max_retries || row.nbytes == 0) {
           return Status::Corruption("sync: tensor " + row.name + " of version " + man.version.Hex() +
-                                    " still fails its digest after " + std::to_string(o_.max_retries) + " refetches");
+                                    " still fails its digest after " + std::to_string(attempt) + " refetches");
         }
-        ++*refetches;
+        ++result->refetches;
       }
-      FERRY_RETURN_IF_ERROR(writer->Append(buf));
     }
-    FERRY_RETURN_IF_ERROR(writer->Finish());
+    if (::fsync(fd.get()) != 0) return Status::IOError(model.string() + ": fsync failed: " + std::strerror(errno));
+
+    std::string aux;
     for (uint32_t i = 0; i < man.aux.size(); ++i) {
-      buf.resize(man.aux[i].size);
-      if (!buf.empty()) {
-        FERRY_ASSIGN_OR_RETURN(Outcome oc, Fetch(man, ItemKind::kAux, i, buf));
-        if (oc == Outcome::kNewer) return oc;
+      const auto& file = man.aux[i];
+      for (int attempt = 0;; ++attempt) {
+        aux.assign(file.size, '\0');
+        if (!aux.empty()) {
+          FERRY_ASSIGN_OR_RETURN(Outcome oc, Fetch(man, ItemKind::kAux, i, aux.size(),
+                                                   [&](std::span<const std::byte> bytes, uint64_t offset) {
+                                                     std::memcpy(aux.data() + offset, bytes.data(), bytes.size());
+                                                     return Status::OK();
+                                                   }));
+          if (oc == Outcome::kNewer) return oc;
+        }
+        if (store::internal::HashString(aux) == file.digest) break;
+        if (attempt >= o_.max_retries || aux.empty()) {
+          return Status::Corruption("sync: aux file " + file.name + " of version " + man.version.Hex() +
+                                    " still fails its digest after " + std::to_string(attempt) + " refetches");
+        }
+        ++result->refetches;
       }
-      FERRY_RETURN_IF_ERROR(WriteNewFile(tmp / man.aux[i].name, buf));
+      FERRY_RETURN_IF_ERROR(
+          WriteNewFile(tmp / file.name, {reinterpret_cast<const std::byte*>(aux.data()), aux.size()}));
     }
     FERRY_ASSIGN_OR_RETURN(store::VersionRecord rec, store::HashPath(tmp));
     if (!(rec.id == man.version)) {
       return Status::Corruption("sync: received files of version " + man.version.Hex() + " hash to " + rec.id.Hex() +
-                                " (an aux file or the manifest is corrupt)");
+                                " (the manifest is inconsistent with its tensors)");
     }
     FERRY_RETURN_IF_ERROR(FsyncDir(tmp));
-    if (::rename(tmp.c_str(), final_dir.c_str()) != 0) {
-      if (!fs::is_directory(final_dir, ec)) {
-        return Status::IOError(final_dir.string() + ": cannot rename the received version into place: " +
-                               std::strerror(errno));
-      }
-    } else {
-      guard.Release();
-    }
-    FERRY_RETURN_IF_ERROR(FsyncDir(versions));
+    FERRY_RETURN_IF_ERROR(RenameIntoPlace(tmp, final_dir));
+    guard.Release();
     return Outcome::kDone;
+  }
+
+  // Renames the directory `tmp` to `final_dir` (removing `tmp` instead when an identical,
+  // verified `final_dir` already exists) and syncs the parent.
+  static Status RenameIntoPlace(const fs::path& tmp, const fs::path& final_dir) {
+    std::error_code ec;
+    if (::rename(tmp.c_str(), final_dir.c_str()) != 0) {
+      const int err = errno;
+      if (!fs::is_directory(final_dir, ec)) {
+        return Status::IOError(final_dir.string() + ": cannot rename the version into place: " + std::strerror(err));
+      }
+      fs::remove_all(tmp, ec);
+    }
+    return FsyncDir(final_dir.parent_path());
   }
 
   Status Activate(const store::Digest& v) {
@@ -318,10 +489,11 @@ class Session {
     return FsyncDir(o_.dir);
   }
 
-  Status Ack(const store::Digest& v, const store::Digest& computed) {
+  Status Ack(const store::Digest& v, const store::Digest& computed, const std::optional<store::Digest>& proven) {
     Message m;
     m.version = v;
     m.computed = computed;
+    m.proven = proven;
     FERRY_RETURN_IF_ERROR(SendWithId(MsgType::kAck, m));
     const auto deadline = Deadline();
     for (;;) {
@@ -339,9 +511,39 @@ class Session {
   const ReceiverOptions& o_;
   zmq::socket_t& dealer_;
   zmq::socket_t& sub_;
-  uint64_t sequence_;
+  receiver_detail::Link* link_;
   uint64_t bytes_received_ = 0;
 };
+
+// The delta source for the active version `active`: DIR/manifests/<active>.json names the
+// served version whose directory holds the received bytes. Null when there is none.
+std::unique_ptr<ReuseSource> OpenReuseSource(const fs::path& dir, const store::Digest& active) {
+  auto text = ReadSmallFile(dir / "manifests" / (active.Hex() + ".json"));
+  if (!text.ok()) return nullptr;
+  auto man = DecodeManifest(*text);
+  if (!man.ok()) return nullptr;
+  auto file = SafetensorsFile::Open(dir / "versions" / man->version.Hex() / "model.safetensors");
+  if (!file.ok()) return nullptr;
+  auto src = std::make_unique<ReuseSource>();
+  src->file = *file;
+  for (const auto& row : man->tensors) {
+    const TensorInfo* info = src->file->Find(row.name);
+    if (info != nullptr && info->nbytes() == row.nbytes && info->dtype == row.dtype && info->shape == row.shape) {
+      src->by_digest.emplace(row.digest, info);
+    }
+  }
+  return src;
+}
+
+ActivationPlan PlanFor(const Manifest& man, const ReceiverOptions& o) {
+  ActivationPlan plan;
+  plan.served_kind = man.mode == "adapter" ? "adapter" : man.kind;
+  plan.served_layout = man.layout;
+  plan.merged_version = man.merged_version;
+  plan.want_layout = o.layout;
+  plan.base_dir = o.base_dir;
+  return plan;
+}
 
 }  // namespace
 
@@ -358,8 +560,41 @@ Result<std::optional<store::Digest>> ActiveVersion(const fs::path& dir) {
   return std::optional<store::Digest>(*d);
 }
 
-Receiver::Receiver(ReceiverOptions options) : options_(std::move(options)) {}
-Receiver::~Receiver() = default;
+Receiver::Receiver(ReceiverOptions options)
+    : options_(std::move(options)), state_(std::make_unique<ActiveState>()) {}
+
+Receiver::~Receiver() {
+  sockets_.reset();
+  if (lock_fd_ >= 0) ::close(lock_fd_);  // releases the flock
+}
+
+Status Receiver::ResetDealer() {
+  const ReceiverOptions& opt = options_;
+  try {
+    zmq::socket_t s(sockets_->ctx, zmq::socket_type::dealer);
+    s.set(zmq::sockopt::maxmsgsize, kMaxFrameBytes);
+    s.set(zmq::sockopt::linger, 0);
+    // "<id>/<random>": lets the publisher attribute every request to this receiver; a fresh
+    // suffix per socket so a reconnect never collides with a connection being torn down.
+    s.set(zmq::sockopt::routing_id, opt.id + "/" + RandomHex());
+    if (opt.heartbeat_ivl_ms > 0) {
+      s.set(zmq::sockopt::heartbeat_ivl, opt.heartbeat_ivl_ms);
+      s.set(zmq::sockopt::heartbeat_timeout, opt.heartbeat_ivl_ms * 5);
+    }
+    if (opt.curve) {
+      s.set(zmq::sockopt::curve_serverkey, opt.curve->server_public_key);
+      s.set(zmq::sockopt::curve_publickey, opt.curve->public_key);
+      s.set(zmq::sockopt::curve_secretkey, opt.curve->secret_key);
+    }
+    s.connect(opt.endpoints.requests);
+    sockets_->dealer = std::move(s);
+  } catch (const zmq::error_t& e) {
+    return Status::InvalidArgument("sync receiver " + opt.id + ": cannot connect to " + opt.endpoints.requests + ": " +
+                                   e.what());
+  }
+  reset_dealer_ = false;
+  return Status::OK();
+}
 
 Result<std::unique_ptr<Receiver>> Receiver::Connect(ReceiverOptions o) {
   if (!IsValidReceiverId(o.id)) return Status::InvalidArgument("sync receiver: id \"" + o.id + "\" is not [A-Za-z0-9._-]{1,64}");
@@ -369,63 +604,148 @@ Result<std::unique_ptr<Receiver>> Receiver::Connect(ReceiverOptions o) {
   if (o.credit == 0 || o.credit > 1024) return Status::InvalidArgument("sync receiver: credit must be 1..1024");
   if (o.timeout_ms <= 0) return Status::InvalidArgument("sync receiver: timeout_ms must be positive");
   if (o.max_retries < 0) return Status::InvalidArgument("sync receiver: max_retries must be >= 0");
+  if (o.layout != "hf" && o.layout != "fused") {
+    return Status::InvalidArgument("sync receiver: layout \"" + o.layout + "\" must be hf or fused");
+  }
   FERRY_RETURN_IF_ERROR(CheckEndpoints(o.endpoints, o.curve.has_value()));
   std::error_code ec;
-  fs::create_directories(o.dir / "versions", ec);
-  if (ec) return Status::IOError((o.dir / "versions").string() + ": cannot create: " + ec.message());
-  FERRY_ASSIGN_OR_RETURN(auto active, ActiveVersion(o.dir));
+  for (const char* sub : {"versions", "manifests"}) {
+    fs::create_directories(o.dir / sub, ec);
+    if (ec) return Status::IOError((o.dir / sub).string() + ": cannot create: " + ec.message());
+  }
   std::unique_ptr<Receiver> r(new Receiver(std::move(o)));
-  r->active_ = active;
-  r->sockets_ = std::make_unique<Sockets>();
   const ReceiverOptions& opt = r->options_;
+  const fs::path lock = opt.dir / ".lock";
+  r->lock_fd_ = ::open(lock.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  if (r->lock_fd_ < 0) return Status::IOError(lock.string() + ": cannot open lock file: " + std::strerror(errno));
+  if (::flock(r->lock_fd_, LOCK_EX | LOCK_NB) != 0) {
+    const int err = errno;
+    if (err == EWOULDBLOCK) {
+      return Status::FailedPrecondition("sync receiver " + opt.id + ": directory " + opt.dir.string() +
+                                        " is in use by another receiver (" + lock.string() + " is locked)");
+    }
+    return Status::IOError(lock.string() + ": cannot lock: " + std::strerror(err));
+  }
+  RemoveStaleTemporaries(opt.dir);
+  FERRY_ASSIGN_OR_RETURN(r->state_->active, ActiveVersion(opt.dir));
+  if (r->state_->active) {
+    // How the active version came to be, for already-active checks and delta copies.
+    auto text = ReadSmallFile(opt.dir / "manifests" / (r->state_->active->Hex() + ".json"));
+    if (text.ok()) {
+      auto man = DecodeManifest(*text);
+      const nlohmann::json j = nlohmann::json::parse(*text, nullptr, /*allow_exceptions=*/false);
+      if (man.ok() && j.is_object()) {
+        r->state_->served = man->version;
+        r->state_->layout = j.value("activated_layout", std::string());
+        if (j.contains("proven") && j["proven"].is_string()) {
+          auto p = store::Digest::FromHex(j["proven"].get<std::string>());
+          if (p.ok()) r->state_->proven = *p;
+        }
+      }
+    }
+  }
+  r->sockets_ = std::make_unique<Sockets>();
   try {
-    for (zmq::socket_t* s : {&r->sockets_->dealer, &r->sockets_->sub}) {
-      s->set(zmq::sockopt::maxmsgsize, kMaxFrameBytes);
-      s->set(zmq::sockopt::linger, 0);
-      if (opt.heartbeat_ivl_ms > 0) {
-        s->set(zmq::sockopt::heartbeat_ivl, opt.heartbeat_ivl_ms);
-        s->set(zmq::sockopt::heartbeat_timeout, opt.heartbeat_ivl_ms * 5);
-      }
-      if (opt.curve) {
-        s->set(zmq::sockopt::curve_serverkey, opt.curve->server_public_key);
-        s->set(zmq::sockopt::curve_publickey, opt.curve->public_key);
-        s->set(zmq::sockopt::curve_secretkey, opt.curve->secret_key);
-      }
+    zmq::socket_t& sub = r->sockets_->sub;
+    sub.set(zmq::sockopt::maxmsgsize, kMaxFrameBytes);
+    sub.set(zmq::sockopt::linger, 0);
+    if (opt.heartbeat_ivl_ms > 0) {
+      sub.set(zmq::sockopt::heartbeat_ivl, opt.heartbeat_ivl_ms);
+      sub.set(zmq::sockopt::heartbeat_timeout, opt.heartbeat_ivl_ms * 5);
+    }
+    if (opt.curve) {
+      sub.set(zmq::sockopt::curve_serverkey, opt.curve->server_public_key);
+      sub.set(zmq::sockopt::curve_publickey, opt.curve->public_key);
+      sub.set(zmq::sockopt::curve_secretkey, opt.curve->secret_key);
     }
     std::string topic(kMagic);
     topic.push_back(static_cast<char>(MsgType::kAnnounce));
-    r->sockets_->sub.set(zmq::sockopt::subscribe, topic);
-    r->sockets_->sub.connect(opt.endpoints.updates);  // subscribe first (clone pattern)
-    r->sockets_->dealer.connect(opt.endpoints.requests);
+    sub.set(zmq::sockopt::subscribe, topic);
+    sub.connect(opt.endpoints.updates);  // subscribe first (clone pattern)
   } catch (const zmq::error_t& e) {
-    return Status::InvalidArgument("sync receiver " + opt.id + ": cannot connect to " + opt.endpoints.requests + " / " +
-                                   opt.endpoints.updates + ": " + e.what());
+    return Status::InvalidArgument("sync receiver " + opt.id + ": cannot connect to " + opt.endpoints.updates + ": " +
+                                   e.what());
   }
+  FERRY_RETURN_IF_ERROR(r->ResetDealer());
+  r->state_->link.last_heard = Clock::now();
   return r;
 }
 
 Result<SyncResult> Receiver::SyncLatest() {
-  Session s(options_, sockets_->dealer, sockets_->sub, sequence_);
+  if (reset_dealer_) FERRY_RETURN_IF_ERROR(ResetDealer());
+  auto r = SyncLatestOnce();
+  // After a failure, replies to requests still queued for an unreachable or restarted
+  // publisher must not be taken for answers to the next ones (Lazy Pirate: new socket).
+  if (!r.ok()) reset_dealer_ = true;
+  return r;
+}
+
+Result<SyncResult> Receiver::SyncLatestOnce() {
+  Session s(options_, sockets_->dealer, sockets_->sub, &state_->link);
   SyncResult result;
+  ActiveState& st = *state_;
   for (int round = 0; round < 64; ++round) {
-    FERRY_ASSIGN_OR_RETURN(Manifest man, s.Hello());
+    std::string json;
+    FERRY_ASSIGN_OR_RETURN(Manifest man, s.Hello(&json));
     result.version = man.version;
     result.sequence = man.sequence;
-    if (active_ && *active_ == man.version) {
+    result.epoch = man.epoch;
+    const ActivationPlan plan = PlanFor(man, options_);
+    if (st.active && st.served == man.version && st.layout == options_.layout) {
       result.already_active = true;
     } else {
-      FERRY_ASSIGN_OR_RETURN(Outcome oc, s.Receive(man, &result.refetches));
+      std::unique_ptr<ReuseSource> reuse;
+      if (man.mode == "delta" && st.active) reuse = OpenReuseSource(options_.dir, *st.active);
+      FERRY_ASSIGN_OR_RETURN(Outcome oc, s.Receive(man, reuse.get(), &result));
       if (oc == Outcome::kNewer) {
         ++result.skipped;
         continue;
       }
-      FERRY_RETURN_IF_ERROR(s.Activate(man.version));
-      active_ = man.version;
+      store::Digest activate = man.version;
+      std::optional<store::Digest> proven;
+      if (NeedsPreparation(plan)) {
+        const fs::path versions = options_.dir / "versions";
+        static std::atomic<uint64_t> counter{0};
+        const fs::path tmp = versions / (man.version.Hex() + ".prepare.tmp-" + std::to_string(::getpid()) + "-" +
+                                         std::to_string(counter.fetch_add(1)));
+        auto prepared = PrepareActivation(versions / man.version.Hex(), plan, tmp);
+        if (!prepared.ok()) {
+          std::error_code ec;
+          fs::remove_all(tmp, ec);
+          return prepared.status();
+        }
+        if (plan.served_kind == "adapter" && !(prepared->proven == plan.merged_version)) {
+          std::error_code ec;
+          fs::remove_all(tmp, ec);
+          return Status::Corruption("sync: the local merge of adapter " + man.version.Hex() + " onto " +
+                                    options_.base_dir.value_or(fs::path()).string() + " is " +
+                                    (prepared->proven ? prepared->proven->Hex() : std::string("unproven")) +
+                                    ", the publisher's merged version is " + man.merged_version->Hex());
+        }
+        FERRY_RETURN_IF_ERROR(Session::RenameIntoPlace(tmp, versions / prepared->id.Hex()));
+        activate = prepared->id;
+        proven = prepared->proven;
+      }
+      nlohmann::json record = nlohmann::json::parse(json, nullptr, /*allow_exceptions=*/false);
+      record["activated_as"] = activate.Hex();
+      record["activated_layout"] = options_.layout;
+      if (proven) record["proven"] = proven->Hex();
+      FERRY_RETURN_IF_ERROR(
+          WriteFileAtomic(options_.dir / "manifests" / (activate.Hex() + ".json"), record.dump()));
+      FERRY_RETURN_IF_ERROR(s.Activate(activate));
+      st.active = activate;
+      st.served = man.version;
+      st.layout = options_.layout;
+      st.proven = proven;
     }
     sequence_ = man.sequence;
+    if (epoch_ != man.epoch) st.link.Retire(epoch_);
+    epoch_ = man.epoch;
     result.computed = man.version;  // Receive() checked HashPath(files) == version
+    result.active = *st.active;
+    result.proven = st.proven;
     result.bytes_received = s.bytes_received();
-    FERRY_RETURN_IF_ERROR(s.Ack(man.version, result.computed));
+    FERRY_RETURN_IF_ERROR(s.Ack(man.version, result.computed, st.proven));
     return result;
   }
   return Status::IOError("sync receiver " + options_.id + ": versions kept changing mid-transfer (64 skips)");
@@ -433,20 +753,46 @@ Result<SyncResult> Receiver::SyncLatest() {
 
 Result<SyncResult> Receiver::WaitForNewer(int timeout_ms) {
   const auto deadline = Clock::now() + std::chrono::milliseconds(timeout_ms);
+  const auto silence = std::chrono::milliseconds(options_.timeout_ms);
   for (;;) {
-    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
-    if (left <= 0) return Status::NotFound("sync receiver " + options_.id + ": no newer version announced within " +
-                                           std::to_string(timeout_ms) + " ms");
+    const auto now = Clock::now();
+    const auto wake = std::min(deadline, state_->link.last_heard + silence);
+    const auto wait = std::max<int64_t>(0, std::chrono::duration_cast<std::chrono::milliseconds>(wake - now).count());
     zmq::pollitem_t item = {sockets_->sub.handle(), 0, ZMQ_POLLIN, 0};
     try {
-      zmq::poll(&item, 1, std::chrono::milliseconds(left));
-      if (!(item.revents & ZMQ_POLLIN)) continue;
-      zmq::message_t m;
-      if (!sockets_->sub.recv(m, zmq::recv_flags::dontwait)) continue;
-      auto a = Decode(Bytes(m), nullptr);
-      if (a.ok() && a->type == MsgType::kAnnounce && a->sequence > sequence_) return SyncLatest();
+      zmq::poll(&item, 1, std::chrono::milliseconds(wait));
+      if (item.revents & ZMQ_POLLIN) {
+        zmq::message_t m;
+        if (!sockets_->sub.recv(m, zmq::recv_flags::dontwait)) continue;
+        bool more = m.more();
+        while (more) {
+          zmq::message_t extra;
+          if (!sockets_->sub.recv(extra, zmq::recv_flags::dontwait)) break;
+          more = extra.more();
+        }
+        auto a = Decode(Bytes(m), nullptr);
+        if (!a.ok() || a->type != MsgType::kAnnounce || state_->link.Retired(a->epoch)) continue;
+        state_->link.last_heard = Clock::now();
+        if (a->sequence == 0) continue;  // a beacon: alive, nothing published yet
+        if (a->epoch != epoch_) {
+          reset_dealer_ = true;  // a restarted publisher: drop anything queued for the old one
+          return SyncLatest();
+        }
+        if (a->sequence > sequence_) return SyncLatest();
+        continue;
+      }
     } catch (const zmq::error_t& e) {
       return Status::IOError("sync receiver " + options_.id + ": " + options_.endpoints.updates + ": " + e.what());
+    }
+    const auto after = Clock::now();
+    if (after >= state_->link.last_heard + silence) {
+      return Status::IOError("sync receiver " + options_.id + ": nothing heard from the publisher at " +
+                             options_.endpoints.requests + " (announcements on " + options_.endpoints.updates +
+                             ") for " + std::to_string(options_.timeout_ms) + " ms: publisher gone");
+    }
+    if (after >= deadline) {
+      return Status::NotFound("sync receiver " + options_.id + ": no newer version announced within " +
+                              std::to_string(timeout_ms) + " ms");
     }
   }
 }

@@ -2,9 +2,19 @@
 // every tensor and the manifest digest, and activates it atomically.
 //
 // Layout of a receiver directory DIR:
-//   DIR/versions/<id>/            a verified version: model.safetensors + aux files
-//   DIR/versions/<id>.tmp-XXXXXX  a version being received (never read by anyone; removed
-//                                 on failure; a crash may leave one behind, never activated)
+//   DIR/.lock                     flock(2)ed by the Receiver for its lifetime: one receiver
+//                                 per DIR at a time
+//   DIR/versions/<id>/            a verified version: model.safetensors + aux files (a served
+//                                 version as received, or one prepared from it: an adapter
+//                                 merged onto the local base, or the fused layout)
+//   DIR/versions/<id>.tmp-XXXXXX  a version being received or prepared (never read by anyone;
+//                                 removed on failure; one left by a crash is removed by the
+//                                 next Connect, never activated)
+//   DIR/manifests/<id>.json       for each activated version <id>: the MANIFEST JSON received
+//                                 for it (its "version" is the served id, whose directory
+//                                 holds the received bytes) plus "activated_as",
+//                                 "activated_layout" and, in adapter mode, "proven". Outside
+//                                 the version directories, so HashPath never sees it.
 //   DIR/current -> versions/<id>  the active version: a relative symlink replaced with
 //                                 rename(2), so readers see the old or the new one, never a mix
 #pragma once
@@ -32,15 +42,25 @@ struct ReceiverOptions {
   int timeout_ms = 10000;              // longest wait for any reply. Default: 10 s
   int max_retries = 3;                 // refetches of one tensor whose digest is wrong. Default: 3
   int heartbeat_ivl_ms = 1000;         // ZMTP heartbeats (0: off). Default: 1000
+  // The layout activated in DIR/current: "hf" or "fused" (an hf version is re-laid out by
+  // sync/activate.h's PrepareActivation). Default: "hf"
+  std::string layout = "hf";
+  // Adapter mode: the base model directory this receiver keeps (the base the publisher's
+  // adapter applies to). Default: none (adapter mode then fails naming the missing base).
+  std::optional<std::filesystem::path> base_dir;
   // Test hook: called after each CHUNK is accepted (before the next FETCH is sent).
   std::function<void(uint64_t offset)> on_chunk_for_testing;
 };
 
 struct SyncResult {
-  store::Digest version;      // the version now active (DIR/current)
-  store::Digest computed;     // the manifest digest computed over the written files (== version)
+  store::Digest version;      // the version the publisher served (and this receiver acknowledged)
+  store::Digest computed;     // the manifest digest computed over the received files (== version)
+  store::Digest active;       // the id of what DIR/current holds (== version unless prepared)
+  std::optional<store::Digest> proven;  // adapter mode: the merged hf id the local merge produced
   uint64_t sequence = 0;      // its publish sequence
-  uint64_t bytes_received = 0;
+  uint64_t epoch = 0;         // the publisher's epoch
+  uint64_t bytes_received = 0;  // tensor and aux bytes fetched from the publisher
+  uint64_t bytes_reused = 0;    // delta mode: tensor bytes copied from the active version
   int refetches = 0;          // tensors fetched again after a digest mismatch
   int skipped = 0;            // versions abandoned mid-transfer for a newer one
   bool already_active = false;  // nothing fetched: DIR/current already was this version
@@ -49,34 +69,50 @@ struct SyncResult {
 // One receiver. Thread-compatible (use from one thread).
 class Receiver {
  public:
-  // Connects (subscribing to announcements first, clone pattern). Fails on bad options
-  // (kInvalidArgument naming the field) or a tcp:// endpoint without CURVE.
+  // Takes DIR/.lock, removes stale temporary directories left in DIR/versions by a killed
+  // receiver, and connects (subscribing to announcements first, clone pattern). Fails on
+  // bad options (kInvalidArgument naming the field), a tcp:// endpoint without CURVE, or
+  // DIR locked by another receiver (kFailedPrecondition naming DIR).
   [[nodiscard]] static Result<std::unique_ptr<Receiver>> Connect(ReceiverOptions options);
   ~Receiver();
   Receiver(const Receiver&) = delete;
   Receiver& operator=(const Receiver&) = delete;
 
-  // Asks for the latest version and makes it active: fetches, verifies, writes, renames,
-  // switches DIR/current, acknowledges. Skips to a newer version announced mid-transfer.
-  // kIOError naming the endpoint when the publisher does not answer within timeout_ms;
-  // kCorruption naming the tensor when a tensor stays corrupt after max_retries refetches.
-  // On any error nothing new is activated and the temporary directory is removed.
+  // Asks for the latest version and makes it active: fetches (streaming each chunk into
+  // the pre-laid-out file and hashing as it goes; in delta mode copying tensors the active
+  // version holds), verifies every tensor, aux file and the manifest digest, renames,
+  // prepares it when sync/activate.h says so (adapter mode, fused layout), switches
+  // DIR/current, acknowledges. Skips to a newer version (or a restarted publisher's)
+  // announced mid-transfer. kIOError naming the endpoint when the publisher does not
+  // answer within timeout_ms; kCorruption naming the tensor (aux file) when it stays
+  // corrupt after max_retries refetches; PrepareActivation's errors. On any error nothing
+  // new is activated and the temporary directories are removed.
   [[nodiscard]] Result<SyncResult> SyncLatest();
 
-  // Waits up to `timeout_ms` for an announcement newer than the active version, then
-  // SyncLatest(). kNotFound when none arrives in time.
+  // Waits up to `timeout_ms` for an announcement newer than the active version (or any of
+  // another publisher epoch: a restarted publisher), then SyncLatest(). kNotFound when none
+  // arrives in time; kIOError naming the endpoints when nothing at all (not even the
+  // publisher's beacon) was heard for options.timeout_ms: the publisher is gone.
   [[nodiscard]] Result<SyncResult> WaitForNewer(int timeout_ms);
 
   // The sequence of the active version (0: none yet).
   uint64_t sequence() const { return sequence_; }
+  // The epoch of the publisher that served the active version (0: none yet).
+  uint64_t epoch() const { return epoch_; }
 
  private:
   struct Sockets;
+  struct ActiveState;
   explicit Receiver(ReceiverOptions options);
+  Result<SyncResult> SyncLatestOnce();
+  Status ResetDealer();
   ReceiverOptions options_;
   std::unique_ptr<Sockets> sockets_;
+  std::unique_ptr<ActiveState> state_;
   uint64_t sequence_ = 0;
-  std::optional<store::Digest> active_;
+  uint64_t epoch_ = 0;
+  int lock_fd_ = -1;
+  bool reset_dealer_ = false;
 };
 
 // The version DIR/current points at, if any (kCorruption when it is not a versions/<id> link).

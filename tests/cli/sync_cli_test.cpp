@@ -1,4 +1,6 @@
-// End-to-end tests of `ferry keys generate` and `ferry sync publish|receive|status`.
+// End-to-end tests of `ferry keys generate` and `ferry sync publish|receive|status`,
+// including `publish --watch` over the committed PEFT fixture.
+#include <fcntl.h>
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <spawn.h>
@@ -6,9 +8,13 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <filesystem>
 #include <fstream>
+#include <nlohmann/json.hpp>
 #include <span>
+#include <sstream>
+#include <thread>
 
 #include "core/safetensors.h"
 #include "store/store.h"
@@ -21,6 +27,15 @@ namespace {
 
 namespace fs = std::filesystem;
 using ferry::testing::RunFerry;
+
+const fs::path kCase = fs::path(FERRY_FIXTURES_DIR) / "cases" / "llama_lora_all_linear_f32";
+
+std::string Slurp(const fs::path& p) {
+  std::ifstream in(p, std::ios::binary);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
 
 class SyncCliTest : public ::testing::Test {
  protected:
@@ -54,13 +69,41 @@ class SyncCliTest : public ::testing::Test {
     return r->record.id;
   }
 
+  // Starts `ferry ARGS` in the background, stdout and stderr going to pub.out / pub.err.
   void SpawnPublisher(const std::vector<std::string>& args) {
     std::vector<std::string> all = {FERRY_CLI_PATH};
     all.insert(all.end(), args.begin(), args.end());
     std::vector<char*> argv;
     for (auto& a : all) argv.push_back(a.data());
     argv.push_back(nullptr);
-    ASSERT_EQ(::posix_spawn(&pid_, FERRY_CLI_PATH, nullptr, nullptr, argv.data(), environ), 0);
+    const std::string out = (root_ / "pub.out").string(), err = (root_ / "pub.err").string();
+    posix_spawn_file_actions_t actions;
+    posix_spawn_file_actions_init(&actions);
+    posix_spawn_file_actions_addopen(&actions, STDIN_FILENO, "/dev/null", O_RDONLY, 0);
+    posix_spawn_file_actions_addopen(&actions, STDOUT_FILENO, out.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    posix_spawn_file_actions_addopen(&actions, STDERR_FILENO, err.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    const int rc = ::posix_spawn(&pid_, FERRY_CLI_PATH, &actions, nullptr, argv.data(), environ);
+    posix_spawn_file_actions_destroy(&actions);
+    ASSERT_EQ(rc, 0);
+  }
+
+  // Polls the publisher's `file` ("pub.out" / "pub.err") until it holds `needle`, the
+  // publisher exits, or 60 s pass; returns the file's contents.
+  std::string WaitForOutput(const std::string& file, const std::string& needle) {
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+    std::string text;
+    while (pid_ > 0 && std::chrono::steady_clock::now() < deadline) {
+      text = Slurp(root_ / file);
+      if (text.find(needle) != std::string::npos) return text;
+      if (pid_ > 0 && ::waitpid(pid_, nullptr, WNOHANG) == pid_) {
+        pid_ = -1;
+        ADD_FAILURE() << "publisher exited; stderr: " << Slurp(root_ / "pub.err");
+        return text;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+    ADD_FAILURE() << "no '" << needle << "' in " << file << " within 60 s; stderr: " << Slurp(root_ / "pub.err");
+    return text;
   }
 
   // Stops the publisher with SIGTERM and returns its exit code.
@@ -94,19 +137,61 @@ TEST_F(SyncCliTest, KeysGenerateWritesPrivateSecretAndPrintsPublicKey) {
 
 TEST_F(SyncCliTest, TcpWithoutKeysIsRefused) {
   MakeStore();
-  auto r = RunFerry({"sync", "publish", "--db", (root_ / "db").string(), "--requests", "tcp://127.0.0.1:0",
-                     "--updates", "tcp://127.0.0.1:0"});
+  auto r = RunFerry({"sync", "publish", "--db", (root_ / "db").string(), "--bind", "tcp://127.0.0.1:5555"});
   EXPECT_EQ(r.exit_code, 1);
-  EXPECT_NE(r.err.find("tcp://127.0.0.1:0: tcp:// needs CURVE keys"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("--bind tcp://127.0.0.1:5555"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("tcp:// needs CURVE keys"), std::string::npos) << r.err;
+  auto rc = RunFerry({"sync", "receive", "--once", "--connect", "tcp://127.0.0.1:5555", "--out",
+                      (root_ / "gen").string(), "--id", "gen-1"});
+  EXPECT_EQ(rc.exit_code, 1);
+  EXPECT_NE(rc.err.find("--connect tcp://127.0.0.1:5555"), std::string::npos) << rc.err;
+  EXPECT_NE(rc.err.find("tcp:// needs CURVE keys"), std::string::npos) << rc.err;
+  EXPECT_FALSE(fs::exists(root_ / "gen"));
+}
+
+TEST_F(SyncCliTest, BadEndpointsAreRefusedNamingThem) {
+  MakeStore();
+  auto r = RunFerry({"sync", "publish", "--db", (root_ / "db").string(), "--bind", "udp://127.0.0.1:5555"});
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.err.find("--bind udp://127.0.0.1:5555: unsupported endpoint"), std::string::npos) << r.err;
+  r = RunFerry({"sync", "publish", "--db", (root_ / "db").string(), "--bind", "tcp://127.0.0.1:http"});
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.err.find("--bind tcp://127.0.0.1:http: PORT must be"), std::string::npos) << r.err;
+  r = RunFerry({"sync", "receive", "--connect", "ipc://", "--out", (root_ / "gen").string(), "--id", "g"});
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.err.find("--connect ipc://: ipc:// needs a directory"), std::string::npos) << r.err;
+}
+
+TEST_F(SyncCliTest, BogusModeIsRefusedNamingTheValue) {
+  MakeStore();
+  auto r = RunFerry({"sync", "publish", "--db", (root_ / "db").string(), "--bind", "ipc://" + (root_ / "sock").string(),
+                     "--mode", "bogus"});
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.err.find("--mode"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("bogus"), std::string::npos) << r.err;
+}
+
+TEST_F(SyncCliTest, WatchWithoutBaseIsRefusedNamingTheFlag) {
+  MakeStore();
+  fs::create_directories(root_ / "w");
+  auto r = RunFerry({"sync", "publish", "--db", (root_ / "db").string(), "--bind", "ipc://" + (root_ / "sock").string(),
+                     "--watch", (root_ / "w").string()});
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.err.find("--watch needs --base"), std::string::npos) << r.err;
+  r = RunFerry({"sync", "publish", "--db", (root_ / "db").string(), "--bind", "ipc://" + (root_ / "sock").string(),
+                "--watch", (root_ / "w").string(), "--base", (root_ / "missing").string()});
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.err.find((root_ / "missing").string()), std::string::npos) << r.err;
 }
 
 TEST_F(SyncCliTest, PublishReceiveStatusEndToEnd) {
   const store::Digest v = MakeStore();
-  const std::string sock = (root_ / "sock").string();
-  SpawnPublisher({"sync", "publish", "--db", (root_ / "db").string(), "--socket-dir", sock});
+  const std::string ep = "ipc://" + (root_ / "sock").string();
+  SpawnPublisher({"sync", "publish", "--db", (root_ / "db").string(), "--bind", ep});
+  WaitForOutput("pub.err", "publishing run default");
   // The receiver's HELLO waits in its queue until the publisher is up (bounded by --timeout-ms).
-  auto r = RunFerry({"sync", "receive", "--once", "--dir", (root_ / "gen").string(), "--id", "gen-1", "--socket-dir",
-                     sock, "--timeout-ms", "20000"});
+  auto r = RunFerry({"sync", "receive", "--once", "--json", "--out", (root_ / "gen").string(), "--id", "gen-1",
+                     "--connect", ep, "--timeout-ms", "20000"});
   ASSERT_EQ(r.exit_code, 0) << r.err;
   EXPECT_NE(r.out.find("\"version\":\"" + v.Hex() + "\""), std::string::npos) << r.out;
   EXPECT_EQ(fs::read_symlink(root_ / "gen" / "current"), fs::path("versions") / v.Hex());
@@ -120,6 +205,95 @@ TEST_F(SyncCliTest, PublishReceiveStatusEndToEnd) {
   EXPECT_NE(s.out.find("\"receiver\": \"gen-1\""), std::string::npos) << s.out;
   EXPECT_NE(s.out.find("\"verified\": true"), std::string::npos) << s.out;
   EXPECT_NE(s.out.find("\"lag\": 0"), std::string::npos) << s.out;
+  EXPECT_NE(s.out.find("\"lost\": false"), std::string::npos) << s.out;
+  EXPECT_EQ(s.out.find("\"last_seen\": null"), std::string::npos) << s.out;
+}
+
+// A trainer drops a broken checkpoint, then a PEFT adapter checkpoint, into the watched
+// directory: the broken one is reported and skipped, the adapter is merged onto the base and
+// published, and a receiver activates exactly the merged version the publisher printed.
+TEST_F(SyncCliTest, WatchPublishesEachNewAdapterCheckpointMerged) {
+  const fs::path watched = root_ / "trainer";
+  fs::create_directories(watched);
+  const std::string ep = "ipc://" + (root_ / "sock").string();
+  SpawnPublisher({"sync", "publish", "--db", (root_ / "db").string(), "--bind", ep, "--run", "rl", "--watch",
+                  watched.string(), "--base", (kCase / "base").string(), "--poll-ms", "100", "--json"});
+  WaitForOutput("pub.err", "publishing run rl");
+  ASSERT_FALSE(HasFailure());
+  EXPECT_TRUE(fs::is_directory(root_ / "db" / "rocksdb"));  // --watch creates the store
+
+  // Broken: complete config, truncated weights (prepared outside, then renamed in).
+  const fs::path broken = root_ / "staging-broken";
+  fs::create_directories(broken);
+  fs::copy_file(kCase / "adapter" / "adapter_config.json", broken / "adapter_config.json");
+  const std::string weights = Slurp(kCase / "adapter" / "adapter_model.safetensors");
+  std::ofstream(broken / "adapter_model.safetensors", std::ios::binary) << weights.substr(0, weights.size() / 2);
+  fs::rename(broken, watched / "checkpoint-5");
+  const std::string err = WaitForOutput("pub.err", "checkpoint-5");
+  ASSERT_FALSE(HasFailure());
+  EXPECT_NE(err.find((watched / "checkpoint-5").string()), std::string::npos) << err;
+  EXPECT_NE(err.find("adapter_model.safetensors"), std::string::npos) << err;
+
+  fs::copy(kCase / "adapter", watched / "checkpoint-10", fs::copy_options::recursive);
+  const std::string out = WaitForOutput("pub.out", "checkpoint-10");
+  ASSERT_FALSE(HasFailure());
+  ASSERT_NE(out.find('\n'), std::string::npos) << out;
+  const auto line = nlohmann::json::parse(out.substr(0, out.find('\n')), nullptr, false);
+  ASSERT_TRUE(line.is_object()) << out;
+  EXPECT_EQ(line["step"], 10);
+  const std::string merged = line["version"].get<std::string>();
+  EXPECT_EQ(line["published"], merged);  // --mode merged publishes the merged version
+  auto adapter_hash = store::HashPath(kCase / "adapter");
+  ASSERT_TRUE(adapter_hash.ok());
+  EXPECT_EQ(line["adapter"], adapter_hash->id.Hex());
+
+  auto r = RunFerry({"sync", "receive", "--once", "--json", "--connect", ep, "--out", (root_ / "gen").string(), "--id",
+                     "gen-1", "--timeout-ms", "20000"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  auto hashed = store::HashPath(root_ / "gen" / "current");
+  ASSERT_TRUE(hashed.ok()) << hashed.status().ToString();
+  EXPECT_EQ(hashed->id.Hex(), merged);
+  EXPECT_TRUE(fs::exists(root_ / "gen" / "current" / "config.json"));
+  EXPECT_TRUE(fs::exists(root_ / "gen" / "current" / "tokenizer.json"));
+
+  // A second, different adapter (lowest mantissa byte of its last float changed): recorded
+  // and published as sequence 2; gen-1 is then one servable version behind (the adapter
+  // version recorded along the way does not count).
+  std::string weights2 = weights;
+  weights2[weights2.size() - 4] = static_cast<char>(weights2[weights2.size() - 4] ^ 1);
+  const fs::path second = root_ / "staging-second";
+  fs::copy(kCase / "adapter", second, fs::copy_options::recursive);
+  std::ofstream(second / "adapter_model.safetensors", std::ios::binary | std::ios::trunc) << weights2;
+  fs::rename(second, watched / "checkpoint-20");
+  const std::string out2 = WaitForOutput("pub.out", "checkpoint-20");
+  ASSERT_FALSE(HasFailure());
+  EXPECT_NE(out2.find("\"sequence\":2"), std::string::npos) << out2;
+  EXPECT_EQ(StopPublisher(), 0);
+  auto st = RunFerry({"sync", "status", "--db", (root_ / "db").string(), "--run", "rl", "--json"});
+  ASSERT_EQ(st.exit_code, 0) << st.err;
+  const auto rows = nlohmann::json::parse(st.out, nullptr, false);
+  ASSERT_TRUE(rows.is_array() && rows.size() == 1u) << st.out;
+  EXPECT_EQ(rows[0]["receiver"], "gen-1");
+  EXPECT_EQ(rows[0]["version"], merged);
+  EXPECT_EQ(rows[0]["verified"], true);
+  EXPECT_EQ(rows[0]["lag"], 1);
+  EXPECT_EQ(rows[0]["lost"], false);
+
+  // The store holds the base and each checkpoint's adapter and merged versions of run rl;
+  // the first merged one names its adapter and the base.
+  auto s = store::Store::Open(root_ / "db", {.read_only = true});
+  ASSERT_TRUE(s.ok()) << s.status().ToString();
+  auto rec = (*s)->GetVersion(merged);
+  ASSERT_TRUE(rec.ok()) << rec.status().ToString();
+  EXPECT_EQ(rec->kind, store::VersionKind::kMerged);
+  EXPECT_EQ(rec->step, 10);
+  EXPECT_EQ(rec->adapter_version, adapter_hash->id);
+  auto base_hash = store::HashPath(kCase / "base");
+  ASSERT_TRUE(base_hash.ok());
+  EXPECT_EQ(rec->base_version, base_hash->id);
+  auto all = (*s)->ListVersions("rl");
+  ASSERT_TRUE(all.ok());
+  EXPECT_EQ(all->size(), 5u);  // base + 2 x (adapter, merged); nothing from the broken checkpoint
 }
 
 }  // namespace

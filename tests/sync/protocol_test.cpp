@@ -10,9 +10,13 @@
 #include <fstream>
 #include <zmq.hpp>
 
+#include "convert/peft_config.h"
+#include "core/checkpoint.h"
+#include "core/mapped_file.h"
 #include "core/safetensors.h"
 #include "store/store.h"
 #include "sync/keys.h"
+#include "sync/snapshot.h"
 #include "sync/protocol.h"
 #include "sync/publisher.h"
 #include "sync/receiver.h"
@@ -37,7 +41,7 @@ TEST(ProtocolTest, FetchRoundTripsEveryField) {
   const std::string h = EncodeHeader(m);
   // magic 4 + type 1 + digest 16 + kind 1 + index 4 + offset 8 + length 4
   ASSERT_EQ(h.size(), 38u);
-  EXPECT_EQ(h.substr(0, 4), "FSY1");
+  EXPECT_EQ(h.substr(0, 4), "FSY2");
   EXPECT_EQ(h[4], 3);
   EXPECT_EQ(static_cast<uint8_t>(h[5]), 0x01);   // digest hi, big-endian
   EXPECT_EQ(static_cast<uint8_t>(h[20]), 0x18);  // digest lo, last byte
@@ -51,19 +55,70 @@ TEST(ProtocolTest, FetchRoundTripsEveryField) {
   EXPECT_EQ(d->length, 4096u);
 }
 
-TEST(ProtocolTest, ChunkCarriesPayloadAndLatestSequence) {
+TEST(ProtocolTest, ChunkCarriesPayloadLatestSequenceAndEpoch) {
   Message m;
   m.type = MsgType::kChunk;
   m.sequence = 9;
+  m.epoch = 0xfedcba9876543210ull;
   m.offset = 16;
   const std::string h = EncodeHeader(m);
+  // magic 4 + type 1 + digest 16 + kind 1 + index 4 + offset 8 + sequence 8 + epoch 8
+  ASSERT_EQ(h.size(), 50u);
+  EXPECT_EQ(static_cast<uint8_t>(h[42]), 0x10);  // epoch, little-endian
+  EXPECT_EQ(static_cast<uint8_t>(h[49]), 0xfe);
   const std::string body = "abc";
   const auto payload = AsBytes(body);
   auto d = Decode(AsBytes(h), &payload);
   ASSERT_TRUE(d.ok()) << d.status().message();
   EXPECT_EQ(d->sequence, 9u);
+  EXPECT_EQ(d->epoch, 0xfedcba9876543210ull);
   EXPECT_EQ(d->offset, 16u);
   EXPECT_EQ(d->bytes.size(), 3u);
+}
+
+TEST(ProtocolTest, ManifestAndAnnounceCarryTheEpoch) {
+  Message m;
+  m.type = MsgType::kAnnounce;
+  m.sequence = 3;
+  m.version = {7, 8};
+  m.epoch = 42;
+  auto d = Decode(AsBytes(EncodeHeader(m)), nullptr);
+  ASSERT_TRUE(d.ok()) << d.status().message();
+  EXPECT_EQ(d->sequence, 3u);
+  EXPECT_EQ(d->version, m.version);
+  EXPECT_EQ(d->epoch, 42u);
+  m.type = MsgType::kManifest;
+  m.epoch = 43;
+  const std::string json = "{}";
+  const auto payload = AsBytes(json);
+  d = Decode(AsBytes(EncodeHeader(m)), &payload);
+  ASSERT_TRUE(d.ok()) << d.status().message();
+  EXPECT_EQ(d->sequence, 3u);
+  EXPECT_EQ(d->epoch, 43u);
+}
+
+TEST(ProtocolTest, AckCarriesTheProvenMergedIdOnlyWhenSet) {
+  Message m;
+  m.type = MsgType::kAck;
+  m.version = {1, 2};
+  m.computed = {3, 4};
+  const std::string id = "gen-0";
+  const auto payload = AsBytes(id);
+  auto plain = Decode(AsBytes(EncodeHeader(m)), &payload);
+  ASSERT_TRUE(plain.ok()) << plain.status().message();
+  EXPECT_FALSE(plain->proven.has_value());
+  EXPECT_EQ(plain->computed, m.computed);
+  m.proven = store::Digest{5, 6};
+  std::string h = EncodeHeader(m);
+  auto with = Decode(AsBytes(h), &payload);
+  ASSERT_TRUE(with.ok()) << with.status().message();
+  ASSERT_TRUE(with->proven.has_value());
+  EXPECT_EQ(*with->proven, (store::Digest{5, 6}));
+  h[4 + 1 + 32] = 2;  // has_proven must be 0 or 1
+  auto bad = Decode(AsBytes(h), &payload);
+  ASSERT_FALSE(bad.ok());
+  EXPECT_EQ(bad.status().code(), StatusCode::kCorruption);
+  EXPECT_NE(bad.status().message().find("ACK: field has_proven"), std::string::npos) << bad.status().message();
 }
 
 TEST(ProtocolTest, RejectsMalformedHeadersWithTypedErrors) {
@@ -75,18 +130,22 @@ TEST(ProtocolTest, RejectsMalformedHeadersWithTypedErrors) {
   };
   expect_corrupt("", nullptr, "magic");
   expect_corrupt("XXXX\x01", nullptr, "magic");
-  expect_corrupt(std::string("FSY1\x09", 5), nullptr, "unknown type");
-  expect_corrupt(std::string("FSY1\x03\x01\x02", 7), nullptr, "FETCH: header frame truncated");
+  expect_corrupt(std::string("FSY1\x01", 5), nullptr, "magic");  // the previous protocol version
+  expect_corrupt(std::string("FSY2\x09", 5), nullptr, "unknown type");
+  expect_corrupt(std::string("FSY2\x03\x01\x02", 7), nullptr, "FETCH: header frame truncated");
   Message f;
   f.type = MsgType::kFetch;
   f.length = kMaxChunkBytes + 1;
   expect_corrupt(EncodeHeader(f), nullptr, "field length");
   f.length = 0;
   expect_corrupt(EncodeHeader(f), nullptr, "field length");
-  expect_corrupt(std::string("FSY1\x01", 5), nullptr, "HELLO: payload frame missing");
+  expect_corrupt(std::string("FSY2\x01", 5), nullptr, "HELLO: payload frame missing");
   const std::string bad_id = "a/b";
   const auto p = AsBytes(bad_id);
-  expect_corrupt(std::string("FSY1\x01", 5), &p, "receiver id");
+  expect_corrupt(std::string("FSY2\x01", 5), &p, "receiver id");
+  Message old_announce;  // an FSY1-sized ANNOUNCE (no epoch) is truncated
+  old_announce.type = MsgType::kAnnounce;
+  expect_corrupt(EncodeHeader(old_announce).substr(0, 4 + 1 + 8 + 16), nullptr, "ANNOUNCE: header frame truncated");
   Message ack;
   ack.type = MsgType::kAcked;
   expect_corrupt(EncodeHeader(ack) + "x", nullptr, "trailing bytes");
@@ -95,13 +154,27 @@ TEST(ProtocolTest, RejectsMalformedHeadersWithTypedErrors) {
 TEST(ProtocolTest, ManifestValidation) {
   const std::string d = std::string(32, 'a');
   const std::string good_tensor = R"({"name":"w","dtype":"F32","shape":[2,3],"digest":")" + d + R"(","nbytes":24})";
-  auto parse = [&](const std::string& tensors, const std::string& aux) {
-    return DecodeManifest(R"({"version":")" + d + R"(","sequence":1,"tensors":[)" + tensors + R"(],"aux":[)" + aux + "]}");
+  const std::string plain_fields = R"("epoch":7,"kind":"merged","layout":"hf","mode":"delta",)";
+  auto parse_with = [&](const std::string& fields, const std::string& tensors, const std::string& aux) {
+    return DecodeManifest(R"({"version":")" + d + R"(","sequence":1,)" + fields + R"("tensors":[)" + tensors +
+                          R"(],"aux":[)" + aux + "]}");
   };
+  auto parse = [&](const std::string& tensors, const std::string& aux) { return parse_with(plain_fields, tensors, aux); };
   auto ok = parse(good_tensor, R"({"name":"config.json","digest":")" + d + R"(","size":5})");
   ASSERT_TRUE(ok.ok()) << ok.status().message();
   EXPECT_EQ(ok->tensors[0].nbytes, 24u);
   EXPECT_EQ(ok->aux[0].name, "config.json");
+  EXPECT_EQ(ok->epoch, 7u);
+  EXPECT_EQ(ok->kind, "merged");
+  EXPECT_EQ(ok->mode, "delta");
+  EXPECT_FALSE(ok->merged_version.has_value());
+  const std::string e = std::string(32, 'e'), f = std::string(32, 'f');
+  auto adapter = parse_with(R"("epoch":7,"kind":"adapter","layout":"lora","mode":"adapter","base_version":")" + e +
+                                R"(","merged_version":")" + f + R"(",)",
+                            good_tensor, "");
+  ASSERT_TRUE(adapter.ok()) << adapter.status().message();
+  EXPECT_EQ(adapter->base_version->Hex(), e);
+  EXPECT_EQ(adapter->merged_version->Hex(), f);
 
   auto expect = [&](const Result<Manifest>& r, std::string_view what) {
     ASSERT_FALSE(r.ok()) << what;
@@ -117,6 +190,20 @@ TEST(ProtocolTest, ManifestValidation) {
   std::string bad_dtype = good_tensor;
   bad_dtype.replace(bad_dtype.find("F32"), 3, "Q99");
   expect(parse(bad_dtype, ""), "tensor w: field dtype unknown");
+  expect(parse_with(R"("kind":"merged","layout":"hf","mode":"delta",)", good_tensor, ""), "field epoch missing");
+  expect(parse_with(R"("epoch":7,"kind":"merged","layout":"hf","mode":"sideways",)", good_tensor, ""),
+         "field mode has unknown value \"sideways\"");
+  expect(parse_with(R"("epoch":7,"kind":"merged","layout":"diagonal","mode":"merged",)", good_tensor, ""),
+         "field layout has unknown value");
+  expect(parse_with(R"("epoch":7,"kind":"merged","layout":"hf","mode":"adapter","base_version":")" + e +
+                        R"(","merged_version":")" + f + R"(",)",
+                    good_tensor, ""),
+         "field kind is \"merged\" in adapter mode");
+  expect(parse_with(R"("epoch":7,"kind":"adapter","layout":"lora","mode":"adapter","base_version":")" + e + R"(",)",
+                    good_tensor, ""),
+         "field merged_version missing");
+  expect(parse_with(R"("epoch":7,"kind":"adapter","layout":"lora","mode":"merged",)", good_tensor, ""),
+         "field kind is \"adapter\" outside adapter mode");
 }
 
 TEST(KeysTest, GeneratedKeysRoundTripAndSecretIsPrivate) {
@@ -138,6 +225,19 @@ TEST(KeysTest, GeneratedKeysRoundTripAndSecretIsPrivate) {
   EXPECT_EQ(loose.status().code(), StatusCode::kFailedPrecondition);
   EXPECT_NE(loose.status().message().find("r.key"), std::string::npos);
   fs::remove_all(dir);
+}
+
+TEST(ProtocolTest, PublishModeNamesRoundTripAndUnknownIsRefused) {
+  for (PublishMode m : {PublishMode::kMerged, PublishMode::kAdapter, PublishMode::kDelta}) {
+    auto parsed = ParsePublishMode(PublishModeName(m));
+    ASSERT_TRUE(parsed.ok()) << parsed.status().message();
+    EXPECT_EQ(*parsed, m);
+  }
+  EXPECT_EQ(PublishModeName(PublishMode::kDelta), "delta");
+  auto bad = ParsePublishMode("full");
+  ASSERT_FALSE(bad.ok());
+  EXPECT_EQ(bad.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(bad.status().message().find("\"full\""), std::string::npos) << bad.status().message();
 }
 
 // ---- end to end ------------------------------------------------------------------------
@@ -429,9 +529,9 @@ TEST_F(SyncTest, MalformedFramesAreAnsweredWithErrorsAndPublisherSurvives) {
     EXPECT_NE(text.find(what), std::string::npos) << text;
   };
   expect_error({"garbage"}, "magic");
-  expect_error({std::string("FSY1\x03\x00", 6)}, "FETCH: header frame truncated");
+  expect_error({std::string("FSY2\x03\x00", 6)}, "FETCH: header frame truncated");
   expect_error({"a", "b", "c"}, "more than 2 frames");
-  expect_error({std::string("FSY1\x01", 5), std::string(100, 'x')}, "receiver id");
+  expect_error({std::string("FSY2\x01", 5), std::string(100, 'x')}, "receiver id");
   Message chunk;
   chunk.type = MsgType::kChunk;
   expect_error({EncodeHeader(chunk), "zz"}, "may not send");
@@ -462,6 +562,325 @@ TEST_F(SyncTest, MalformedFramesAreAnsweredWithErrorsAndPublisherSurvives) {
   auto man = DecodeManifest(text);
   ASSERT_TRUE(man.ok());
   EXPECT_EQ(man->version, v1_);
+}
+
+// ---- publication modes: delta, adapter, fused layout ------------------------------------
+
+const fs::path kCase = fs::path(FERRY_FIXTURES_DIR) / "cases" / "llama_lora_all_linear_f32";
+
+class ModesTest : public SyncTest {
+ protected:
+  // Four F32 tensors t0..t3 of 256 elements; tensor i holds scales[i] * (j + 1). Same
+  // config.json for every version.
+  store::Digest ImportFour(const std::string& name, const std::array<float, 4>& scales) {
+    const fs::path dir = root_ / name;
+    fs::create_directories(dir);
+    std::vector<TensorSpec> specs;
+    for (int i = 0; i < 4; ++i) specs.push_back({"t" + std::to_string(i), DType::kF32, {16, 16}});
+    auto w = SafetensorsWriter::CreateFile(dir / "model.safetensors", specs);
+    EXPECT_TRUE(w.ok());
+    for (int i = 0; i < 4; ++i) {
+      std::vector<float> v(256);
+      for (int j = 0; j < 256; ++j) v[j] = scales[i] * static_cast<float>(j + 1);
+      EXPECT_TRUE((*w)->Append(std::as_bytes(std::span(v))).ok());
+    }
+    EXPECT_TRUE((*w)->Finish().ok());
+    std::ofstream(dir / "config.json") << "{\"model_type\": \"four\"}\n";
+    auto r = store_->Import(dir, {});
+    EXPECT_TRUE(r.ok()) << r.status().message();
+    return r->record.id;
+  }
+  uint64_t ConfigBytes() const { return fs::file_size(root_ / "four1" / "config.json"); }
+
+  // Flips one byte of tensor `name` in DIR/versions/<v>/model.safetensors.
+  void CorruptLocalTensor(const fs::path& dir, const store::Digest& v, const std::string& name) {
+    const fs::path file = dir / "versions" / v.Hex() / "model.safetensors";
+    uint64_t at = 0;
+    {
+      auto f = SafetensorsFile::Open(file);
+      ASSERT_TRUE(f.ok()) << f.status().message();
+      const TensorInfo* info = (*f)->Find(name);
+      ASSERT_NE(info, nullptr);
+      at = (*f)->RangeOf(*info).offset + 17;
+    }
+    std::fstream io(file, std::ios::in | std::ios::out | std::ios::binary);
+    io.seekg(static_cast<std::streamoff>(at));
+    char c = 0;
+    io.read(&c, 1);
+    c = static_cast<char>(c ^ 0x40);
+    io.seekp(static_cast<std::streamoff>(at));
+    io.write(&c, 1);
+    ASSERT_TRUE(io.good());
+  }
+
+  // The fixture's base + adapter with owned buffers and the base's aux files.
+  static SnapshotSource FixtureSource() {
+    SnapshotSource src;
+    for (const char* part : {"base", "adapter"}) {
+      auto ckpt = Checkpoint::Open(kCase / part);
+      EXPECT_TRUE(ckpt.ok()) << ckpt.status().ToString();
+      auto& into = std::string(part) == "base" ? src.tensors : src.adapter_tensors;
+      for (const auto& name : ckpt->names()) {
+        Tensor t = ckpt->Get(name).value();
+        Tensor copy = Tensor::Empty(t.dtype(), t.shape()).value();
+        std::memcpy(copy.mutable_data(), t.data(), t.nbytes());
+        into.emplace(name, copy);
+      }
+    }
+    src.adapter_config = LoadPeftConfig(kCase / "adapter").value();
+    for (const char* n : {"config.json", "generation_config.json", "special_tokens_map.json", "tokenizer.json",
+                          "tokenizer_config.json"}) {
+      src.aux_files.emplace_back(n, ReadSmallFile(kCase / "base" / n).value());
+    }
+    return src;
+  }
+  static store::Digest SnapshotId(SnapshotLayout layout) {
+    SnapshotOptions o;
+    o.layout = layout;
+    o.threads = 2;
+    auto snap = BuildSnapshot(FixtureSource(), o);
+    EXPECT_TRUE(snap.ok()) << snap.status().ToString();
+    return snap.ok() ? (*snap)->manifest_id() : store::Digest{};
+  }
+
+  // Imports the fixture's base and adapter; records the merged hf version unless told not to.
+  void ImportFixture(bool record_merged) {
+    store::ImportOptions bo;
+    bo.kind = store::VersionKind::kBase;
+    auto base = store_->Import(kCase / "base", bo);
+    ASSERT_TRUE(base.ok()) << base.status().message();
+    base_ = base->record.id;
+    store::ImportOptions ao;
+    ao.base_version = base_;
+    auto adapter = store_->Import(kCase / "adapter", ao);
+    ASSERT_TRUE(adapter.ok()) << adapter.status().message();
+    ASSERT_EQ(adapter->record.kind, store::VersionKind::kAdapter);
+    adapter_ = adapter->record.id;
+    if (record_merged) RecordMerged(SnapshotLayout::kHf);
+  }
+  void RecordMerged(SnapshotLayout layout) {
+    SnapshotOptions so;
+    so.layout = layout;
+    so.threads = 2;
+    auto snap = BuildSnapshot(FixtureSource(), so);
+    ASSERT_TRUE(snap.ok()) << snap.status().ToString();
+    store::ImportOptions mo;
+    mo.base_version = base_;
+    mo.adapter_version = adapter_;
+    auto rec = RecordSnapshot(*store_, **snap, mo);
+    ASSERT_TRUE(rec.ok()) << rec.status().ToString();
+    (layout == SnapshotLayout::kHf ? merged_ : merged_fused_) = rec->record.id;
+  }
+
+  // DIR/current points at `v`, its files hash to `v`, nothing temporary is left.
+  void ExpectCurrent(const fs::path& dir, const store::Digest& v) {
+    auto active = ActiveVersion(dir);
+    ASSERT_TRUE(active.ok()) << active.status().message();
+    ASSERT_TRUE(active->has_value());
+    EXPECT_EQ(**active, v);
+    auto rec = store::HashPath(dir / "current");
+    ASSERT_TRUE(rec.ok()) << rec.status().message();
+    EXPECT_EQ(rec->id, v);
+    for (const auto& e : fs::directory_iterator(dir / "versions")) {
+      EXPECT_EQ(e.path().filename().string().find(".tmp-"), std::string::npos) << "left behind: " << e.path();
+    }
+  }
+
+  store::Digest base_, adapter_, merged_, merged_fused_;
+};
+
+TEST_F(ModesTest, DeltaCopiesHeldTensorsAndFetchesOnlyTheChangedOne) {
+  const store::Digest v1 = ImportFour("four1", {1, 2, 3, 4});
+  const store::Digest v2 = ImportFour("four2", {1, 2, 5, 4});  // t2 differs
+  const store::Digest v3 = ImportFour("four3", {1, 2, 5, 6});  // t3 differs from v2
+  PublisherOptions po;
+  po.mode = PublishMode::kDelta;
+  StartPublisher(po);
+  ASSERT_TRUE(publisher_->Publish(v1).ok());
+  auto o = RecvOptions("delta");
+  o.chunk_bytes = 256;
+  auto r = Receiver::Connect(o);
+  ASSERT_TRUE(r.ok()) << r.status().message();
+  auto s1 = (*r)->SyncLatest();
+  ASSERT_TRUE(s1.ok()) << s1.status().message();
+  EXPECT_EQ(s1->bytes_received, 4 * 1024 + ConfigBytes());  // nothing held yet
+  EXPECT_EQ(s1->bytes_reused, 0u);
+  // The received manifest is kept outside the version directory.
+  EXPECT_TRUE(fs::exists(o.dir / "manifests" / (v1.Hex() + ".json")));
+
+  ASSERT_TRUE(publisher_->Publish(v2).ok());
+  auto s2 = (*r)->WaitForNewer(5000);
+  ASSERT_TRUE(s2.ok()) << s2.status().message();
+  EXPECT_EQ(s2->version, v2);
+  EXPECT_EQ(s2->bytes_received, 1024 + ConfigBytes());
+  EXPECT_EQ(s2->bytes_reused, 3 * 1024u);
+  EXPECT_EQ(s2->refetches, 0);
+  ExpectCurrent(o.dir, v2);
+
+  // A held tensor whose local bytes went bad is fetched instead of copied.
+  CorruptLocalTensor(o.dir, v2, "t0");
+  ASSERT_TRUE(publisher_->Publish(v3).ok());
+  auto s3 = (*r)->WaitForNewer(5000);
+  ASSERT_TRUE(s3.ok()) << s3.status().message();
+  EXPECT_EQ(s3->version, v3);
+  EXPECT_EQ(s3->bytes_received, 2 * 1024 + ConfigBytes());  // t3 (new) and t0 (bad copy)
+  EXPECT_EQ(s3->bytes_reused, 2 * 1024u);                   // t1, t2
+  ExpectCurrent(o.dir, v3);
+}
+
+TEST_F(ModesTest, MergedModeFetchesEverythingAgain) {
+  const store::Digest v1 = ImportFour("four1", {1, 2, 3, 4});
+  const store::Digest v2 = ImportFour("four2", {1, 2, 5, 4});
+  StartPublisher();
+  ASSERT_TRUE(publisher_->Publish(v1).ok());
+  auto r = Receiver::Connect(RecvOptions("merged"));
+  ASSERT_TRUE(r.ok()) << r.status().message();
+  ASSERT_TRUE((*r)->SyncLatest().ok());
+  ASSERT_TRUE(publisher_->Publish(v2).ok());
+  auto s2 = (*r)->WaitForNewer(5000);
+  ASSERT_TRUE(s2.ok()) << s2.status().message();
+  EXPECT_EQ(s2->bytes_received, 4 * 1024 + ConfigBytes());
+  EXPECT_EQ(s2->bytes_reused, 0u);
+  ExpectCurrent(root_ / "recv-merged", v2);
+}
+
+TEST_F(ModesTest, PublishRefusesVersionsTheModeCannotServe) {
+  ImportFixture(/*record_merged=*/false);
+  PublisherOptions po;
+  po.mode = PublishMode::kAdapter;
+  StartPublisher(po);
+  auto not_adapter = publisher_->Publish(base_);
+  ASSERT_FALSE(not_adapter.ok());
+  EXPECT_EQ(not_adapter.status().code(), StatusCode::kFailedPrecondition);
+  EXPECT_NE(not_adapter.status().message().find(base_.Hex()), std::string::npos) << not_adapter.status().message();
+  EXPECT_NE(not_adapter.status().message().find("kind base"), std::string::npos) << not_adapter.status().message();
+  auto no_merged = publisher_->Publish(adapter_);
+  ASSERT_FALSE(no_merged.ok());
+  EXPECT_EQ(no_merged.status().code(), StatusCode::kFailedPrecondition);
+  EXPECT_NE(no_merged.status().message().find(adapter_.Hex()), std::string::npos) << no_merged.status().message();
+  EXPECT_NE(no_merged.status().message().find("record the merged version first"), std::string::npos)
+      << no_merged.status().message();
+  EXPECT_EQ(publisher_->latest_sequence(), 0u);
+  publisher_.reset();
+
+  StartPublisher();  // merged mode
+  auto adapter_in_merged = publisher_->Publish(adapter_);
+  ASSERT_FALSE(adapter_in_merged.ok());
+  EXPECT_EQ(adapter_in_merged.status().code(), StatusCode::kFailedPrecondition);
+  EXPECT_NE(adapter_in_merged.status().message().find(adapter_.Hex() + " is an adapter"), std::string::npos)
+      << adapter_in_merged.status().message();
+}
+
+TEST_F(ModesTest, AdapterModeReceiverMergesOntoItsBaseAndProvesTheMergedId) {
+  ImportFixture(/*record_merged=*/true);
+  ASSERT_EQ(merged_, SnapshotId(SnapshotLayout::kHf));
+  PublisherOptions po;
+  po.mode = PublishMode::kAdapter;
+  StartPublisher(po);
+  ASSERT_EQ(*publisher_->Publish(adapter_), 1u);
+
+  auto o = RecvOptions("lora");
+  o.base_dir = kCase / "base";
+  auto r = Receiver::Connect(o);
+  ASSERT_TRUE(r.ok()) << r.status().message();
+  auto s = (*r)->SyncLatest();
+  ASSERT_TRUE(s.ok()) << s.status().message();
+  EXPECT_EQ(s->version, adapter_);
+  EXPECT_EQ(s->computed, adapter_);
+  ASSERT_TRUE(s->proven.has_value());
+  EXPECT_EQ(*s->proven, merged_);
+  EXPECT_EQ(s->active, merged_);
+  const uint64_t adapter_bytes = fs::file_size(kCase / "adapter" / "adapter_model.safetensors");
+  EXPECT_LT(s->bytes_received, adapter_bytes + 4096) << "adapter mode sent more than the adapter";
+  ExpectCurrent(o.dir, merged_);
+  // Asking again fetches nothing and still acknowledges the proven id.
+  auto again = (*r)->SyncLatest();
+  ASSERT_TRUE(again.ok()) << again.status().message();
+  EXPECT_TRUE(again->already_active);
+  EXPECT_EQ(again->proven, std::optional<store::Digest>(merged_));
+
+  // A receiver that wants the fused layout activates the fused merge, still proving the hf id.
+  auto fo = RecvOptions("lora-fused");
+  fo.base_dir = kCase / "base";
+  fo.layout = "fused";
+  auto fr = Receiver::Connect(fo);
+  ASSERT_TRUE(fr.ok()) << fr.status().message();
+  auto fs_ = (*fr)->SyncLatest();
+  ASSERT_TRUE(fs_.ok()) << fs_.status().message();
+  EXPECT_EQ(fs_->proven, std::optional<store::Digest>(merged_));
+  EXPECT_EQ(fs_->active, SnapshotId(SnapshotLayout::kFused));
+  ExpectCurrent(fo.dir, fs_->active);
+
+  auto infos = publisher_->Receivers();
+  ASSERT_EQ(infos.size(), 2u);
+  EXPECT_EQ(infos[0].acknowledged, std::optional<store::Digest>(merged_));
+  publisher_.reset();
+  auto events = store_->ListEvents(merged_);
+  ASSERT_TRUE(events.ok()) << events.status().message();
+  int acks = 0;
+  for (const auto& e : *events) {
+    if (e.type != store::Event::Type::kAcknowledged) continue;
+    ++acks;
+    EXPECT_EQ(e.computed, std::optional<store::Digest>(merged_));
+    EXPECT_NE(e.detail.find("adapter " + adapter_.Hex()), std::string::npos) << e.detail;
+    EXPECT_EQ(e.detail.find("MISMATCH"), std::string::npos) << e.detail;
+  }
+  EXPECT_EQ(acks, 3);  // lora twice, lora-fused once
+}
+
+TEST_F(ModesTest, AdapterModeWithoutABaseActivatesNothing) {
+  ImportFixture(/*record_merged=*/true);
+  PublisherOptions po;
+  po.mode = PublishMode::kAdapter;
+  StartPublisher(po);
+  ASSERT_TRUE(publisher_->Publish(adapter_).ok());
+  auto o = RecvOptions("nobase");
+  auto r = Receiver::Connect(o);
+  ASSERT_TRUE(r.ok()) << r.status().message();
+  auto s = (*r)->SyncLatest();
+  ASSERT_FALSE(s.ok());
+  EXPECT_EQ(s.status().code(), StatusCode::kFailedPrecondition) << s.status().message();
+  EXPECT_NE(s.status().message().find("base"), std::string::npos) << s.status().message();
+  EXPECT_FALSE(fs::exists(fs::symlink_status(o.dir / "current")));
+  for (const auto& e : fs::directory_iterator(o.dir / "versions")) {
+    EXPECT_EQ(e.path().filename().string().find(".tmp-"), std::string::npos) << "left behind: " << e.path();
+  }
+}
+
+TEST_F(ModesTest, FusedLayoutReceiverActivatesTheFusedRelayout) {
+  ImportFixture(/*record_merged=*/true);
+  StartPublisher();
+  ASSERT_TRUE(publisher_->Publish(merged_).ok());
+  auto o = RecvOptions("fused");
+  o.layout = "fused";
+  auto r = Receiver::Connect(o);
+  ASSERT_TRUE(r.ok()) << r.status().message();
+  auto s = (*r)->SyncLatest();
+  ASSERT_TRUE(s.ok()) << s.status().message();
+  EXPECT_EQ(s->version, merged_);
+  EXPECT_EQ(s->computed, merged_);
+  EXPECT_FALSE(s->proven.has_value());
+  EXPECT_EQ(s->active, SnapshotId(SnapshotLayout::kFused));
+  ExpectCurrent(o.dir, s->active);
+  publisher_.reset();
+  auto events = store_->ListEvents(merged_);
+  ASSERT_TRUE(events.ok());
+  int acks = 0;
+  for (const auto& e : *events) {
+    if (e.type != store::Event::Type::kAcknowledged) continue;
+    ++acks;
+    EXPECT_EQ(e.computed, std::optional<store::Digest>(merged_));
+  }
+  EXPECT_EQ(acks, 1);
+}
+
+TEST_F(ModesTest, ReceiverRefusesAnUnknownLayout) {
+  auto o = RecvOptions("odd");
+  o.layout = "diagonal";
+  auto r = Receiver::Connect(o);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(r.status().message().find("layout \"diagonal\""), std::string::npos) << r.status().message();
 }
 
 }  // namespace

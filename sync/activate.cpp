@@ -1,0 +1,297 @@
+// Receiver-side activation (sync/activate.h): adapter merge onto a local base, hf -> fused.
+#include "sync/activate.h"
+
+#include <algorithm>
+#include <map>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <utility>
+#include <vector>
+
+#include "convert/peft_config.h"
+#include "core/checkpoint.h"
+#include "core/mapped_file.h"
+#include "core/safetensors.h"
+#include "core/staging_dir.h"
+#include "store/internal.h"
+#include "sync/snapshot.h"
+
+namespace ferry::sync {
+namespace {
+
+namespace fs = std::filesystem;
+
+// Outputs are sharded like `Store::Export` shards (one file below this many data bytes).
+constexpr uint64_t kMaxShardBytes = 5'000'000'000;
+
+std::string Q(std::string_view s) { return "'" + std::string(s) + "'"; }
+
+bool EndsWith(std::string_view s, std::string_view suffix) {
+  return s.size() >= suffix.size() && s.substr(s.size() - suffix.size()) == suffix;
+}
+
+bool IsTensorLayout(std::string_view layout) { return layout == "hf" || layout == "fused"; }
+
+// One output tensor: its spec and the input tensors whose bytes it is, concatenated in order.
+struct OutputTensor {
+  TensorSpec spec;
+  std::vector<std::string> parts;
+};
+
+// The output tensors of `ckpt` in the hf layout (every tensor as is) or the fused one: the
+// rules of the snapshot builder's fused layout (and `ferry convert --layout fused`): q/k/v
+// into self_attn.qkv_proj and gate/up into mlp.gate_up_proj, weights and biases, stacked
+// on axis 0 where every member is present. Only metadata is read. Sorted by name.
+Result<std::vector<OutputTensor>> PlanLayout(const Checkpoint& ckpt, bool fuse) {
+  static const std::vector<std::pair<std::vector<std::string>, std::string>> kGroups = {
+      {{"q_proj", "k_proj", "v_proj"}, "qkv_proj"}, {{"gate_proj", "up_proj"}, "gate_up_proj"}};
+  std::map<std::string, OutputTensor> out;
+  for (const std::string& name : ckpt.names()) {
+    const TensorInfo* info = ckpt.Info(name);
+    if (info == nullptr) return Status::Internal(ckpt.path().string() + ": tensor " + Q(name) + " has no metadata");
+    out.emplace(name, OutputTensor{TensorSpec{name, info->dtype, info->shape}, {name}});
+  }
+  if (!fuse) {
+    std::vector<OutputTensor> v;
+    for (auto& [name, o] : out) v.push_back(std::move(o));
+    return v;
+  }
+  for (const std::string& name : ckpt.names()) {
+    for (const auto& [members, fused] : kGroups) {
+      for (const char* param : {".weight", ".bias"}) {
+        const std::string first = "." + members[0] + param;
+        if (!EndsWith(name, first)) continue;
+        const std::string prefix = name.substr(0, name.size() - first.size() + 1);
+        const TensorInfo& t0 = *ckpt.Info(name);
+        std::vector<std::string> parts;
+        int64_t rows = 0;
+        for (const auto& m : members) {
+          const std::string member = prefix + m + param;
+          const TensorInfo* t = ckpt.Info(member);
+          if (t == nullptr) break;
+          const Shape& s = t->shape;
+          const Shape& s0 = t0.shape;
+          if (s.empty() || s.size() != s0.size() || !std::equal(s.begin() + 1, s.end(), s0.begin() + 1) ||
+              t->dtype != t0.dtype) {
+            return Status::InvalidArgument(ckpt.path().string() + ": cannot fuse " + Q(member) + " " +
+                                           ShapeToString(s) + " " + std::string(DTypeName(t->dtype)) + " with " +
+                                           Q(name) + " " + ShapeToString(s0) + " " + std::string(DTypeName(t0.dtype)));
+          }
+          rows += s[0];
+          parts.push_back(member);
+        }
+        if (parts.size() != members.size()) continue;
+        const std::string fused_name = prefix + fused + param;
+        if (ckpt.Contains(fused_name)) {
+          return Status::InvalidArgument(ckpt.path().string() + ": has both " + Q(fused_name) + " and " + Q(name));
+        }
+        Shape shape = t0.shape;
+        shape[0] = rows;
+        for (const std::string& p : parts) out.erase(p);
+        out.emplace(fused_name, OutputTensor{TensorSpec{fused_name, t0.dtype, std::move(shape)}, std::move(parts)});
+      }
+    }
+  }
+  std::vector<OutputTensor> v;
+  for (auto& [name, o] : out) v.push_back(std::move(o));
+  return v;
+}
+
+// Streams the output tensors into `dir` (model.safetensors, or shards and an index): file
+// ranges are copied inside the kernel, in-memory tensors appended, one tensor at a time.
+Status WriteTensors(const Checkpoint& ckpt, const std::vector<OutputTensor>& outputs, const fs::path& dir) {
+  std::vector<TensorSpec> specs;
+  specs.reserve(outputs.size());
+  for (const OutputTensor& o : outputs) specs.push_back(o.spec);
+  WriterOptions options;
+  options.max_shard_bytes = kMaxShardBytes;
+  FERRY_ASSIGN_OR_RETURN(auto writer, SafetensorsWriter::CreateInDirectory(dir, std::move(specs), options));
+  for (const OutputTensor& o : outputs) {
+    for (const std::string& part : o.parts) {
+      const SafetensorsFile::FileRange range = ckpt.RangeOf(part);
+      if (range.fd >= 0) {
+        FERRY_RETURN_IF_ERROR(writer->AppendFileRange(range.fd, range.offset, range.length));
+      } else {
+        FERRY_ASSIGN_OR_RETURN(Tensor t, ckpt.Get(part));
+        if (t.nbytes() > 0) FERRY_RETURN_IF_ERROR(writer->Append(t.bytes()));
+      }
+      ckpt.Release(part);
+    }
+  }
+  return writer->Finish();
+}
+
+Status WriteAux(const std::vector<std::pair<std::string, std::string>>& aux, const fs::path& dir) {
+  for (const auto& [name, contents] : aux) {
+    FERRY_RETURN_IF_ERROR(WriteFileAtomic(dir / name, contents));
+  }
+  return Status::OK();
+}
+
+// config.json's tie_word_embeddings, read as the converter reads it (absent or null: false).
+Result<bool> TiedEmbeddings(const std::vector<std::pair<std::string, std::string>>& aux, const fs::path& base_dir) {
+  for (const auto& [name, contents] : aux) {
+    if (name != "config.json") continue;
+    const auto j = nlohmann::ordered_json::parse(contents, nullptr, false);
+    if (j.is_discarded() || !j.is_object()) {
+      return Status::Corruption((base_dir / "config.json").string() + ": not a JSON object");
+    }
+    auto it = j.find("tie_word_embeddings");
+    if (it == j.end() || it->is_null()) return false;
+    if (!it->is_boolean()) {
+      return Status::Corruption((base_dir / "config.json").string() +
+                                ": field 'tie_word_embeddings' must be true or false");
+    }
+    return it->get<bool>();
+  }
+  return false;
+}
+
+// What to write: the tensors (a checkpoint kept alive by `owner` when in memory), how to lay
+// them out, the aux files, and the id the result must have (when known before writing).
+struct Plan {
+  std::shared_ptr<const Snapshot> owner;
+  std::optional<Checkpoint> mapped;
+  const Checkpoint& tensors() const { return owner ? owner->checkpoint() : *mapped; }
+  std::vector<std::pair<std::string, std::string>> aux;
+  std::optional<store::Digest> expected_id;
+  std::optional<store::Digest> proven;
+};
+
+// Adapter mode: the merged hf snapshot of `received` onto plan.base_dir, checked against
+// plan.merged_version.
+Result<Plan> MergeAdapter(const fs::path& received, const ActivationPlan& plan) {
+  const fs::path& base_dir = *plan.base_dir;
+  std::error_code ec;
+  if (!fs::is_directory(base_dir, ec)) {
+    return Status::FailedPrecondition("adapter activation of " + received.string() + ": base directory " +
+                                      base_dir.string() + " (ActivationPlan.base_dir) does not exist");
+  }
+  auto base = Checkpoint::Open(base_dir);
+  if (!base.ok()) {
+    return Status::FailedPrecondition("adapter activation of " + received.string() + ": cannot read the base " +
+                                      base_dir.string() + ": " + base.status().message());
+  }
+  auto base_aux = store::internal::CollectAuxFiles(base_dir);
+  if (!base_aux.ok()) {
+    return Status::FailedPrecondition("adapter activation of " + received.string() + ": cannot read the base " +
+                                      base_dir.string() + ": " + base_aux.status().message());
+  }
+  SnapshotSource source;
+  for (auto& file : *base_aux) {
+    // A merged model is not an adapter: an adapter_config.json left beside the base is not its.
+    if (file.first != "adapter_config.json") source.aux_files.push_back(std::move(file));
+  }
+  FERRY_ASSIGN_OR_RETURN(const bool tied, TiedEmbeddings(source.aux_files, base_dir));
+  FERRY_ASSIGN_OR_RETURN(PeftConfig config, LoadPeftConfig(received));
+  FERRY_ASSIGN_OR_RETURN(Checkpoint adapter, Checkpoint::Open(received));
+  for (const std::string& name : base->names()) {
+    FERRY_ASSIGN_OR_RETURN(Tensor t, base->Get(name));
+    source.tensors.emplace(name, std::move(t));
+  }
+  for (const std::string& name : adapter.names()) {
+    FERRY_ASSIGN_OR_RETURN(Tensor t, adapter.Get(name));
+    source.adapter_tensors.emplace(name, std::move(t));
+  }
+  source.adapter_config = std::move(config);
+  SnapshotOptions options;
+  options.layout = SnapshotLayout::kHf;
+  options.threads = plan.threads;
+  options.tie_word_embeddings = tied;
+  auto snap = BuildSnapshot(source, options);
+  if (!snap.ok()) {
+    return snap.status().WithContext("adapter activation of " + received.string() + " onto " + base_dir.string());
+  }
+  const store::Digest& got = (*snap)->manifest_id();
+  if (got != *plan.merged_version) {
+    return Status::Corruption("adapter activation: merging " + received.string() + " onto the base " +
+                              base_dir.string() + " gives manifest " + got.Hex() +
+                              " but the publisher's merged version is " + plan.merged_version->Hex() +
+                              " (the local base or the adapter differs from the publisher's)");
+  }
+  Plan p;
+  p.owner = *snap;
+  p.aux = p.owner->aux_files();
+  p.proven = got;
+  if (plan.want_layout == "hf") p.expected_id = got;
+  return p;
+}
+
+// Layout mode: the received tensors, mapped, with their aux files.
+Result<Plan> Relayout(const fs::path& received) {
+  Plan p;
+  FERRY_ASSIGN_OR_RETURN(Checkpoint ckpt, Checkpoint::Open(received));
+  p.mapped.emplace(std::move(ckpt));
+  std::error_code ec;
+  const fs::path dir = fs::is_directory(received, ec) ? received : received.parent_path();
+  FERRY_ASSIGN_OR_RETURN(p.aux, store::internal::CollectAuxFiles(dir.empty() ? fs::path(".") : dir));
+  return p;
+}
+
+Status CheckPlan(const fs::path& received, const ActivationPlan& plan) {
+  if (!IsTensorLayout(plan.want_layout)) {
+    return Status::InvalidArgument("activation of " + received.string() + ": ActivationPlan.want_layout " +
+                                   Q(plan.want_layout) + " is not 'hf' or 'fused'");
+  }
+  if (plan.served_kind == "adapter") {
+    if (!plan.base_dir) {
+      return Status::FailedPrecondition("adapter activation of " + received.string() +
+                                        ": ActivationPlan.base_dir (the local base model) is not set");
+    }
+    if (!plan.merged_version) {
+      return Status::InvalidArgument("adapter activation of " + received.string() +
+                                     ": ActivationPlan.merged_version (the publisher's merged id) is not set");
+    }
+    return Status::OK();
+  }
+  if (plan.served_kind != "full" && plan.served_kind != "merged" && plan.served_kind != "base") {
+    return Status::InvalidArgument("activation of " + received.string() + ": ActivationPlan.served_kind " +
+                                   Q(plan.served_kind) + " is not 'full', 'merged', 'base' or 'adapter'");
+  }
+  if (!IsTensorLayout(plan.served_layout)) {
+    return Status::InvalidArgument("activation of " + received.string() + ": ActivationPlan.served_layout " +
+                                   Q(plan.served_layout) + " cannot be laid out as " + Q(plan.want_layout) +
+                                   " (expected 'hf' or 'fused')");
+  }
+  if (plan.served_layout == "fused" && plan.want_layout == "hf") {
+    return Status::InvalidArgument("activation of " + received.string() +
+                                   ": served layout 'fused' cannot be laid out as 'hf' (fused tensors are not split)");
+  }
+  return Status::OK();
+}
+
+}  // namespace
+
+bool NeedsPreparation(const ActivationPlan& plan) {
+  return plan.served_kind == "adapter" || plan.served_layout != plan.want_layout;
+}
+
+Result<Prepared> PrepareActivation(const fs::path& received, const ActivationPlan& plan, const fs::path& out) {
+  FERRY_RETURN_IF_ERROR(CheckPlan(received, plan));
+  std::error_code ec;
+  if (fs::exists(fs::symlink_status(out, ec))) {
+    return Status::AlreadyExists(out.string() + ": activation output already exists");
+  }
+  Plan p;
+  if (plan.served_kind == "adapter") {
+    FERRY_ASSIGN_OR_RETURN(p, MergeAdapter(received, plan));
+  } else {
+    FERRY_ASSIGN_OR_RETURN(p, Relayout(received));
+  }
+  FERRY_ASSIGN_OR_RETURN(std::vector<OutputTensor> outputs, PlanLayout(p.tensors(), plan.want_layout == "fused"));
+  FERRY_ASSIGN_OR_RETURN(StagingDir staging, StagingDir::Create(out, /*replace_existing=*/false));
+  FERRY_RETURN_IF_ERROR(WriteTensors(p.tensors(), outputs, staging.path()));
+  FERRY_RETURN_IF_ERROR(WriteAux(p.aux, staging.path()));
+  FERRY_ASSIGN_OR_RETURN(store::VersionRecord written, store::HashPath(staging.path()));
+  if (p.expected_id && written.id != *p.expected_id) {
+    return Status::Internal("activation: " + staging.path().string() + " was written with manifest " +
+                            written.id.Hex() + " but its tensors have manifest " + p.expected_id->Hex());
+  }
+  FERRY_RETURN_IF_ERROR(staging.Commit());
+  Prepared prepared;
+  prepared.id = written.id;
+  prepared.proven = p.proven;
+  return prepared;
+}
+
+}  // namespace ferry::sync

@@ -1,0 +1,449 @@
+// Receiver-side activation (sync/activate.h) against the committed PEFT fixtures: an adapter
+// merged onto a local base hashes to the publisher's merged id (computed independently with
+// the snapshot builder and with the converter) and equals PEFT's merged/; hf -> fused equals
+// `ferry convert --layout fused`; bad plans and bad inputs fail with the specific error and
+// leave nothing at `out`.
+#include "sync/activate.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "convert/converter.h"
+#include "convert/peft_config.h"
+#include "core/checkpoint.h"
+#include "core/mapped_file.h"
+#include "core/safetensors.h"
+#include "sync/snapshot.h"
+#include "tests/temp_dir.h"
+
+namespace ferry::sync {
+namespace {
+
+namespace fs = std::filesystem;
+
+const fs::path kCases = fs::path(FERRY_FIXTURES_DIR) / "cases";
+const fs::path kCase = kCases / "llama_lora_all_linear_f32";
+
+class TempDir : public testing::ScopedTempDir {
+ public:
+  TempDir() : ScopedTempDir("ferry-activate-test-") {}
+};
+
+std::string ReadText(const fs::path& p) { return ReadSmallFile(p).value(); }
+
+// Every tensor of the checkpoint at `path`, copied into owned buffers.
+std::map<std::string, Tensor> OwnedCopies(const fs::path& path) {
+  auto ckpt = Checkpoint::Open(path);
+  EXPECT_TRUE(ckpt.ok()) << ckpt.status().ToString();
+  std::map<std::string, Tensor> out;
+  if (!ckpt.ok()) return out;
+  for (const auto& name : ckpt->names()) {
+    Tensor t = ckpt->Get(name).value();
+    Tensor copy = Tensor::Empty(t.dtype(), t.shape()).value();
+    if (t.nbytes() > 0) std::memcpy(copy.mutable_data(), t.data(), t.nbytes());
+    out.emplace(name, copy);
+  }
+  return out;
+}
+
+// The fixture base directory's auxiliary files: every file but the weights and the README.
+std::vector<std::pair<std::string, std::string>> DirAux(const fs::path& dir) {
+  std::vector<std::pair<std::string, std::string>> aux;
+  for (const auto& e : fs::directory_iterator(dir)) {
+    const std::string n = e.path().filename().string();
+    if (n.ends_with(".safetensors") || n == "README.md") continue;
+    aux.emplace_back(n, ReadText(e.path()));
+  }
+  return aux;
+}
+
+// BuildSnapshot of `case_dir`'s base + adapter (+ the base's aux files): the publisher's side.
+std::shared_ptr<const Snapshot> PublisherSnapshot(const fs::path& case_dir, SnapshotLayout layout, bool tied = false) {
+  SnapshotSource s;
+  s.tensors = OwnedCopies(case_dir / "base");
+  s.adapter_tensors = OwnedCopies(case_dir / "adapter");
+  auto cfg = LoadPeftConfig(case_dir / "adapter");
+  EXPECT_TRUE(cfg.ok()) << cfg.status().ToString();
+  if (!cfg.ok()) return nullptr;
+  s.adapter_config = *cfg;
+  s.aux_files = DirAux(case_dir / "base");
+  SnapshotOptions o;
+  o.layout = layout;
+  o.threads = 2;
+  o.tie_word_embeddings = tied;
+  auto snap = BuildSnapshot(s, o);
+  EXPECT_TRUE(snap.ok()) << snap.status().ToString();
+  return snap.ok() ? *snap : nullptr;
+}
+
+// What a receiver holds after receiving an adapter version: the adapter weights, its config
+// and an aux file the publisher stored with it.
+fs::path ReceivedAdapter(const fs::path& root, const fs::path& case_dir) {
+  const fs::path dir = root / "received";
+  fs::create_directories(dir);
+  fs::copy_file(case_dir / "adapter" / "adapter_model.safetensors", dir / "adapter_model.safetensors");
+  fs::copy_file(case_dir / "adapter" / "adapter_config.json", dir / "adapter_config.json");
+  fs::copy_file(case_dir / "base" / "tokenizer_config.json", dir / "tokenizer_config.json");
+  return dir;
+}
+
+// `ferry convert` of `case_dir` into root/name; returns the output directory.
+fs::path Converted(const fs::path& root, const fs::path& case_dir, Layout layout, const std::string& name) {
+  ConvertOptions co;
+  co.base = case_dir / "base";
+  co.adapter = case_dir / "adapter";
+  co.out = root / name;
+  co.layout = layout;
+  co.threads = 2;
+  auto r = Convert(co);
+  EXPECT_TRUE(r.ok()) << r.status().ToString();
+  return co.out;
+}
+
+store::Digest IdOf(const fs::path& dir) {
+  auto rec = store::HashPath(dir);
+  EXPECT_TRUE(rec.ok()) << rec.status().ToString();
+  return rec.ok() ? rec->id : store::Digest{};
+}
+
+ActivationPlan AdapterPlan(const store::Digest& merged, const fs::path& base_dir, const std::string& want) {
+  ActivationPlan p;
+  p.served_kind = "adapter";
+  p.served_layout = "lora";
+  p.merged_version = merged;
+  p.base_dir = base_dir;
+  p.want_layout = want;
+  p.threads = 2;
+  return p;
+}
+
+// The names in `dir` (hidden temporaries included).
+std::set<std::string> Entries(const fs::path& dir) {
+  std::set<std::string> out;
+  for (const auto& e : fs::directory_iterator(dir)) out.insert(e.path().filename().string());
+  return out;
+}
+
+std::vector<float> Values(const Tensor& t) {
+  std::vector<float> v(static_cast<size_t>(t.numel()));
+  EXPECT_TRUE(ReadAsF32(t, v).ok());
+  return v;
+}
+
+// Every tensor at `got` equals the one at `ref` within 1e-5 of the tensor's largest magnitude
+// (the snapshot tests' tolerance against PEFT), with identical names, dtypes and shapes.
+void ExpectMatches(const fs::path& got_path, const fs::path& ref) {
+  Checkpoint got = Checkpoint::Open(got_path).value();
+  Checkpoint want = Checkpoint::Open(ref).value();
+  ASSERT_EQ(got.names(), want.names());
+  for (const auto& name : want.names()) {
+    Tensor g = got.Get(name).value();
+    Tensor e = want.Get(name).value();
+    ASSERT_EQ(g.dtype(), e.dtype()) << name;
+    ASSERT_EQ(g.shape(), e.shape()) << name;
+    const std::vector<float> gv = Values(g), ev = Values(e);
+    float scale = 0;
+    for (float x : ev) scale = std::max(scale, std::fabs(x));
+    for (size_t i = 0; i < ev.size(); ++i) ASSERT_NEAR(gv[i], ev[i], 1e-5f * scale) << name << " element " << i;
+  }
+}
+
+TEST(ActivateTest, NeedsPreparationTruthTable) {
+  struct Row {
+    const char* kind;
+    const char* served;
+    const char* want;
+    bool needs;
+  };
+  const Row rows[] = {
+      {"full", "hf", "hf", false},     {"merged", "hf", "hf", false},      {"full", "fused", "fused", false},
+      {"full", "hf", "fused", true},   {"merged", "hf", "fused", true},    {"full", "fused", "hf", true},
+      {"adapter", "lora", "hf", true}, {"adapter", "lora", "fused", true}, {"adapter", "hf", "hf", true},
+  };
+  for (const Row& r : rows) {
+    ActivationPlan p;
+    p.served_kind = r.kind;
+    p.served_layout = r.served;
+    p.want_layout = r.want;
+    EXPECT_EQ(NeedsPreparation(p), r.needs) << r.kind << " " << r.served << " -> " << r.want;
+  }
+  EXPECT_FALSE(NeedsPreparation(ActivationPlan{})) << "the defaults (full, hf -> hf) need nothing";
+}
+
+TEST(ActivateTest, AdapterMergedOntoLocalBaseHashesToThePublishersMergedId) {
+  TempDir tmp;
+  auto ref = PublisherSnapshot(kCase, SnapshotLayout::kHf);
+  ASSERT_NE(ref, nullptr);
+  const fs::path received = ReceivedAdapter(tmp.path(), kCase);
+  const fs::path out = tmp.path() / "active";
+  auto prepared = PrepareActivation(received, AdapterPlan(ref->manifest_id(), kCase / "base", "hf"), out);
+  ASSERT_TRUE(prepared.ok()) << prepared.status().ToString();
+
+  EXPECT_EQ(IdOf(out), ref->manifest_id());
+  EXPECT_EQ(prepared->id, ref->manifest_id());
+  ASSERT_TRUE(prepared->proven.has_value());
+  EXPECT_EQ(*prepared->proven, ref->manifest_id());
+  // The converter's output of the same base and adapter has the same id.
+  EXPECT_EQ(IdOf(Converted(tmp.path(), kCase, Layout::kHf, "converted")), ref->manifest_id());
+  // The merged weights equal PEFT's merge_and_unload().
+  ExpectMatches(out, kCase / "merged");
+  // Aux files: the base's, with config.json as the converter rewrites it (not the adapter's).
+  EXPECT_EQ(ReadText(out / "config.json"), ReadText(tmp.path() / "converted" / "config.json"));
+  for (const char* n :
+       {"generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"}) {
+    EXPECT_EQ(ReadText(out / n), ReadText(kCase / "base" / n)) << n;
+  }
+  EXPECT_FALSE(fs::exists(out / "adapter_config.json"));
+  EXPECT_EQ(Entries(tmp.path()), (std::set<std::string>{"active", "converted", "received"}))
+      << "no temporary directory is left beside the output";
+}
+
+TEST(ActivateTest, AdapterIntoFusedLayoutProvesTheHfIdAndMatchesConvertFused) {
+  TempDir tmp;
+  auto hf = PublisherSnapshot(kCase, SnapshotLayout::kHf);
+  auto fused = PublisherSnapshot(kCase, SnapshotLayout::kFused);
+  ASSERT_NE(hf, nullptr);
+  ASSERT_NE(fused, nullptr);
+  ASSERT_NE(hf->manifest_id(), fused->manifest_id());
+  const fs::path received = ReceivedAdapter(tmp.path(), kCase);
+  const fs::path out = tmp.path() / "active";
+  auto prepared = PrepareActivation(received, AdapterPlan(hf->manifest_id(), kCase / "base", "fused"), out);
+  ASSERT_TRUE(prepared.ok()) << prepared.status().ToString();
+  ASSERT_TRUE(prepared->proven.has_value());
+  EXPECT_EQ(*prepared->proven, hf->manifest_id());
+  EXPECT_EQ(prepared->id, fused->manifest_id());
+  EXPECT_EQ(IdOf(out), fused->manifest_id());
+  EXPECT_EQ(IdOf(Converted(tmp.path(), kCase, Layout::kFused, "converted")), fused->manifest_id());
+  Checkpoint written = Checkpoint::Open(out).value();
+  EXPECT_TRUE(written.Contains("model.layers.0.self_attn.qkv_proj.weight"));
+  EXPECT_TRUE(written.Contains("model.layers.1.mlp.gate_up_proj.weight"));
+  EXPECT_FALSE(written.Contains("model.layers.0.self_attn.q_proj.weight"));
+}
+
+TEST(ActivateTest, TiedLmHeadAdapterMatchesTheConvertersUntiedOutput) {
+  const fs::path tied_case = kCases / "llama_tied_lmhead_lora_f32";
+  TempDir tmp;
+  const store::Digest converted = IdOf(Converted(tmp.path(), tied_case, Layout::kHf, "converted"));
+  auto ref = PublisherSnapshot(tied_case, SnapshotLayout::kHf, /*tied=*/true);
+  ASSERT_NE(ref, nullptr);
+  ASSERT_EQ(ref->manifest_id(), converted);
+  const fs::path received = ReceivedAdapter(tmp.path(), tied_case);
+  const fs::path out = tmp.path() / "active";
+  auto prepared = PrepareActivation(received, AdapterPlan(converted, tied_case / "base", "hf"), out);
+  ASSERT_TRUE(prepared.ok()) << prepared.status().ToString();
+  EXPECT_EQ(IdOf(out), converted);
+  EXPECT_NE(ReadText(out / "config.json").find("\"tie_word_embeddings\": false"), std::string::npos);
+}
+
+// A copy of the fixture base with one element of one weight changed.
+fs::path WrongBase(const fs::path& root) {
+  const fs::path dir = root / "wrong_base";
+  fs::create_directories(dir);
+  for (const auto& [name, contents] : DirAux(kCase / "base")) EXPECT_TRUE(WriteFileAtomic(dir / name, contents).ok());
+  std::map<std::string, Tensor> tensors = OwnedCopies(kCase / "base");
+  Tensor& t = tensors.at("model.layers.0.mlp.down_proj.weight");
+  t.mutable_data_as<float>()[0] += 0.25f;
+  std::vector<TensorSpec> specs;
+  for (const auto& [name, x] : tensors) specs.push_back({name, x.dtype(), x.shape()});
+  auto w = SafetensorsWriter::CreateFile(dir / "model.safetensors", specs);
+  EXPECT_TRUE(w.ok()) << w.status().ToString();
+  for (const auto& [name, x] : tensors) EXPECT_TRUE((*w)->Write(name, x).ok());
+  EXPECT_TRUE((*w)->Finish().ok());
+  return dir;
+}
+
+TEST(ActivateTest, WrongBaseIsCorruptionNamingBothIdsAndTheBaseAndLeavesNothing) {
+  TempDir tmp;
+  auto ref = PublisherSnapshot(kCase, SnapshotLayout::kHf);
+  ASSERT_NE(ref, nullptr);
+  const fs::path received = ReceivedAdapter(tmp.path(), kCase);
+  const fs::path wrong = WrongBase(tmp.path());
+  // What the wrong base merges to, computed independently.
+  SnapshotSource s;
+  s.tensors = OwnedCopies(wrong);
+  s.adapter_tensors = OwnedCopies(received);
+  s.adapter_config = LoadPeftConfig(received).value();
+  s.aux_files = DirAux(wrong);
+  auto local = BuildSnapshot(s, SnapshotOptions{});
+  ASSERT_TRUE(local.ok()) << local.status().ToString();
+  ASSERT_NE((*local)->manifest_id(), ref->manifest_id());
+
+  const fs::path out = tmp.path() / "active";
+  for (const char* want : {"hf", "fused"}) {
+    auto prepared = PrepareActivation(received, AdapterPlan(ref->manifest_id(), wrong, want), out);
+    ASSERT_FALSE(prepared.ok()) << want;
+    EXPECT_EQ(prepared.status().code(), StatusCode::kCorruption) << prepared.status().ToString();
+    const std::string msg = prepared.status().message();
+    EXPECT_NE(msg.find(ref->manifest_id().Hex()), std::string::npos) << msg;
+    EXPECT_NE(msg.find((*local)->manifest_id().Hex()), std::string::npos) << msg;
+    EXPECT_NE(msg.find(wrong.string()), std::string::npos) << msg;
+    EXPECT_EQ(Entries(tmp.path()), (std::set<std::string>{"received", "wrong_base"})) << want;
+  }
+}
+
+TEST(ActivateTest, AdapterWithoutAUsableBaseDirIsFailedPrecondition) {
+  TempDir tmp;
+  const fs::path received = ReceivedAdapter(tmp.path(), kCase);
+  const fs::path out = tmp.path() / "active";
+  const store::Digest some{1, 2};
+
+  ActivationPlan no_base = AdapterPlan(some, kCase / "base", "hf");
+  no_base.base_dir.reset();
+  auto r1 = PrepareActivation(received, no_base, out);
+  ASSERT_FALSE(r1.ok());
+  EXPECT_EQ(r1.status().code(), StatusCode::kFailedPrecondition) << r1.status().ToString();
+  EXPECT_NE(r1.status().message().find("base_dir"), std::string::npos) << r1.status().message();
+
+  const fs::path missing = tmp.path() / "no-such-base";
+  auto r2 = PrepareActivation(received, AdapterPlan(some, missing, "hf"), out);
+  ASSERT_FALSE(r2.ok());
+  EXPECT_EQ(r2.status().code(), StatusCode::kFailedPrecondition) << r2.status().ToString();
+  EXPECT_NE(r2.status().message().find(missing.string()), std::string::npos) << r2.status().message();
+
+  // A base directory without weights cannot be read either.
+  const fs::path empty = tmp.path() / "empty-base";
+  fs::create_directories(empty);
+  auto r3 = PrepareActivation(received, AdapterPlan(some, empty, "hf"), out);
+  ASSERT_FALSE(r3.ok());
+  EXPECT_EQ(r3.status().code(), StatusCode::kFailedPrecondition) << r3.status().ToString();
+  EXPECT_NE(r3.status().message().find(empty.string()), std::string::npos) << r3.status().message();
+
+  EXPECT_EQ(Entries(tmp.path()), (std::set<std::string>{"received", "empty-base"}));
+}
+
+TEST(ActivateTest, AdapterWithoutMergedVersionIsInvalidArgument) {
+  TempDir tmp;
+  const fs::path received = ReceivedAdapter(tmp.path(), kCase);
+  ActivationPlan p = AdapterPlan(store::Digest{}, kCase / "base", "hf");
+  p.merged_version.reset();
+  auto r = PrepareActivation(received, p, tmp.path() / "active");
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument) << r.status().ToString();
+  EXPECT_NE(r.status().message().find("merged_version"), std::string::npos) << r.status().message();
+  EXPECT_FALSE(fs::exists(tmp.path() / "active"));
+}
+
+TEST(ActivateTest, FusedToHfAndUnknownLayoutsAreInvalidArgument) {
+  TempDir tmp;
+  const fs::path received = Converted(tmp.path(), kCase, Layout::kFused, "received");
+  const fs::path out = tmp.path() / "active";
+  ActivationPlan p;
+  p.served_kind = "merged";
+  p.served_layout = "fused";
+  p.want_layout = "hf";
+  auto r = PrepareActivation(received, p, out);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument) << r.status().ToString();
+  EXPECT_NE(r.status().message().find("'fused'"), std::string::npos) << r.status().message();
+  EXPECT_NE(r.status().message().find("'hf'"), std::string::npos) << r.status().message();
+
+  p.served_layout = "hf";
+  p.want_layout = "lora";
+  r = PrepareActivation(received, p, out);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument) << r.status().ToString();
+  EXPECT_NE(r.status().message().find("want_layout 'lora'"), std::string::npos) << r.status().message();
+
+  p.served_layout = "lora";
+  p.want_layout = "fused";
+  r = PrepareActivation(received, p, out);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument) << r.status().ToString();
+  EXPECT_NE(r.status().message().find("served_layout 'lora'"), std::string::npos) << r.status().message();
+  EXPECT_EQ(Entries(tmp.path()), (std::set<std::string>{"received"}));
+}
+
+TEST(ActivateTest, ExistingOutIsAlreadyExistsAndUntouched) {
+  TempDir tmp;
+  auto ref = PublisherSnapshot(kCase, SnapshotLayout::kHf);
+  ASSERT_NE(ref, nullptr);
+  const fs::path received = ReceivedAdapter(tmp.path(), kCase);
+  const fs::path out = tmp.path() / "active";
+  fs::create_directories(out);
+  ASSERT_TRUE(WriteFileAtomic(out / "marker", "keep me").ok());
+  auto r = PrepareActivation(received, AdapterPlan(ref->manifest_id(), kCase / "base", "hf"), out);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), StatusCode::kAlreadyExists) << r.status().ToString();
+  EXPECT_NE(r.status().message().find(out.string()), std::string::npos) << r.status().message();
+  EXPECT_EQ(Entries(out), (std::set<std::string>{"marker"}));
+  EXPECT_EQ(ReadText(out / "marker"), "keep me");
+  EXPECT_EQ(Entries(tmp.path()), (std::set<std::string>{"active", "received"}));
+}
+
+TEST(ActivateTest, HfToFusedRestacksTheReceivedTensorsAsConvertFused) {
+  TempDir tmp;
+  const fs::path received = Converted(tmp.path(), kCase, Layout::kHf, "received");
+  const fs::path reference = Converted(tmp.path(), kCase, Layout::kFused, "reference");
+  const fs::path out = tmp.path() / "active";
+  ActivationPlan p;
+  p.served_kind = "merged";
+  p.served_layout = "hf";
+  p.want_layout = "fused";
+  auto prepared = PrepareActivation(received, p, out);
+  ASSERT_TRUE(prepared.ok()) << prepared.status().ToString();
+  EXPECT_FALSE(prepared->proven.has_value());
+
+  // A fused snapshot of the same tensors and aux files (verbatim: nothing is merged).
+  SnapshotSource s;
+  s.tensors = OwnedCopies(received);
+  s.aux_files = DirAux(received);
+  SnapshotOptions o;
+  o.layout = SnapshotLayout::kFused;
+  auto fused = BuildSnapshot(s, o);
+  ASSERT_TRUE(fused.ok()) << fused.status().ToString();
+  EXPECT_EQ(IdOf(out), (*fused)->manifest_id());
+  EXPECT_EQ(prepared->id, (*fused)->manifest_id());
+  EXPECT_EQ(IdOf(reference), (*fused)->manifest_id());
+
+  // qkv_proj is q, k, v one after the other.
+  Checkpoint in = Checkpoint::Open(received).value();
+  Checkpoint got = Checkpoint::Open(out).value();
+  Tensor qkv = got.Get("model.layers.1.self_attn.qkv_proj.weight").value();
+  std::string want;
+  for (const char* m : {"q_proj", "k_proj", "v_proj"}) {
+    Tensor t = in.Get(std::string("model.layers.1.self_attn.") + m + ".weight").value();
+    want.append(reinterpret_cast<const char*>(t.data()), t.nbytes());
+  }
+  EXPECT_EQ(qkv.shape(), (Shape{128, 64}));
+  ASSERT_EQ(qkv.nbytes(), want.size());
+  EXPECT_EQ(std::memcmp(qkv.data(), want.data(), want.size()), 0);
+  EXPECT_EQ(ReadText(out / "config.json"), ReadText(received / "config.json"));
+}
+
+TEST(ActivateTest, BadAdapterOrBadReceivedWeightsLeaveNothingAtOut) {
+  TempDir tmp;
+  auto ref = PublisherSnapshot(kCase, SnapshotLayout::kHf);
+  ASSERT_NE(ref, nullptr);
+  const fs::path received = ReceivedAdapter(tmp.path(), kCase);
+  ASSERT_TRUE(WriteFileAtomic(received / "adapter_config.json", "{ not json").ok());
+  const fs::path out = tmp.path() / "active";
+  auto r = PrepareActivation(received, AdapterPlan(ref->manifest_id(), kCase / "base", "hf"), out);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), StatusCode::kCorruption) << r.status().ToString();
+  EXPECT_NE(r.status().message().find("adapter_config.json"), std::string::npos) << r.status().message();
+
+  // A truncated received model file (layout mode).
+  const fs::path model_dir = tmp.path() / "model";
+  fs::create_directories(model_dir);
+  std::string bytes = ReadText(kCase / "base" / "model.safetensors");
+  bytes.resize(bytes.size() - 100);
+  ASSERT_TRUE(WriteFileAtomic(model_dir / "model.safetensors", bytes).ok());
+  ActivationPlan p;
+  p.served_layout = "hf";
+  p.want_layout = "fused";
+  r = PrepareActivation(model_dir, p, out);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), StatusCode::kCorruption) << r.status().ToString();
+  EXPECT_NE(r.status().message().find("model.safetensors"), std::string::npos) << r.status().message();
+  EXPECT_EQ(Entries(tmp.path()), (std::set<std::string>{"model", "received"}));
+}
+
+}  // namespace
+}  // namespace ferry::sync

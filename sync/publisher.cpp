@@ -22,6 +22,7 @@ namespace {
 
 constexpr size_t kMaxPublishedKept = 8;  // versions still served after a newer one is published
 constexpr size_t kMaxCachedItems = 4;    // tensors/aux files kept open for chunking
+constexpr size_t kMaxVerifiedKept = 1u << 16;  // object digests verified once, then trusted
 
 using Clock = std::chrono::steady_clock;
 
@@ -463,6 +464,19 @@ class Publisher::Impl {
     }
   }
 
+  // As Reply, with a payload frame that is sent as is (no copy).
+  void ReplyOwned(const zmq::message_t& rid, const Message& m, zmq::message_t payload) {
+    try {
+      zmq::message_t id;
+      id.copy(const_cast<zmq::message_t&>(rid));
+      router_.send(id, zmq::send_flags::sndmore | zmq::send_flags::dontwait);
+      router_.send(Frame(EncodeHeader(m)), zmq::send_flags::sndmore);
+      router_.send(payload, zmq::send_flags::dontwait);
+    } catch (const zmq::error_t&) {
+      // As in Reply: dropped; the receiver times out and fetches again.
+    }
+  }
+
   void ReplyError(const zmq::message_t& rid, const Status& st) {
     Message m;
     m.type = MsgType::kError;
@@ -546,18 +560,26 @@ class Publisher::Impl {
     return nullptr;
   }
 
-  Result<std::span<const std::byte>> Item(const Published& p, ItemKind kind, uint32_t index) {
+  // The cached item (valid until the cache changes: use it at once). Tensors are mapped
+  // store objects; each object is verified against its digest the first time it is loaded.
+  Result<const Tensor*> Item(const Published& p, ItemKind kind, uint32_t index) {
     const auto key = std::make_tuple(p.record.id, kind, index);
-    if (auto it = cache_.find(key); it != cache_.end()) return std::span<const std::byte>(it->second.first.bytes());
+    if (auto it = cache_.find(key); it != cache_.end()) return &it->second.first;
     if (cache_.size() >= kMaxCachedItems) cache_.clear();
     if (kind == ItemKind::kTensor) {
       if (index >= p.record.tensors.size()) {
         return Status::InvalidArgument("sync FETCH: tensor index " + std::to_string(index) + " out of range");
       }
-      FERRY_ASSIGN_OR_RETURN(Tensor t, store_->ReadTensor(p.record.tensors[index], /*verify=*/true));
+      const store::TensorRow& row = p.record.tensors[index];
+      const bool verify = verified_.count(row.digest) == 0;
+      FERRY_ASSIGN_OR_RETURN(Tensor t, store_->ReadTensor(row, verify));
+      if (verify) {
+        if (verified_.size() >= kMaxVerifiedKept) verified_.clear();
+        verified_.insert(row.digest);
+      }
       auto& slot = cache_[key];
       slot.first = std::move(t);
-      return std::span<const std::byte>(slot.first.bytes());
+      return &slot.first;
     }
     if (index >= p.record.aux.size()) {
       return Status::InvalidArgument("sync FETCH: aux index " + std::to_string(index) + " out of range");
@@ -568,7 +590,7 @@ class Publisher::Impl {
     FERRY_ASSIGN_OR_RETURN(slot.first, Tensor::Wrap(DType::kU8, {static_cast<int64_t>(slot.second.size())},
                                                     {reinterpret_cast<const std::byte*>(slot.second.data()),
                                                      slot.second.size()}, nullptr));
-    return std::span<const std::byte>(slot.first.bytes());
+    return &slot.first;
   }
 
   void HandleFetch(const zmq::message_t& rid, const Message& m) {
@@ -576,13 +598,15 @@ class Publisher::Impl {
     if (p == nullptr) {
       return ReplyError(rid, Status::NotFound("sync FETCH: version " + m.version.Hex() + " is not published here"));
     }
-    auto item = Item(*p, m.kind, m.index);
-    if (!item.ok()) return ReplyError(rid, item.status());
-    if (m.offset >= item->size()) {
+    auto found = Item(*p, m.kind, m.index);
+    if (!found.ok()) return ReplyError(rid, found.status());
+    const Tensor& tensor = **found;
+    const std::span<const std::byte> item = tensor.bytes();
+    if (m.offset >= item.size()) {
       return ReplyError(rid, Status::InvalidArgument("sync FETCH: offset " + std::to_string(m.offset) +
-                                                     " beyond the item's " + std::to_string(item->size()) + " bytes"));
+                                                     " beyond the item's " + std::to_string(item.size()) + " bytes"));
     }
-    const size_t n = std::min<uint64_t>(m.length, item->size() - m.offset);
+    const size_t n = std::min<uint64_t>(m.length, item.size() - m.offset);
     Message r;
     r.type = MsgType::kChunk;
     r.version = m.version;
@@ -591,13 +615,21 @@ class Publisher::Impl {
     r.offset = m.offset;
     r.sequence = sequence_.load();
     r.epoch = epoch_;
-    std::span<const std::byte> bytes = item->subspan(m.offset, n);
+    std::span<const std::byte> bytes = item.subspan(m.offset, n);
     std::vector<std::byte> flipped;
     if (corrupt_.load() > 0) {
       corrupt_.fetch_sub(1);
       flipped.assign(bytes.begin(), bytes.end());
       flipped[0] ^= std::byte{0x01};
       bytes = flipped;
+    } else if (m.kind == ItemKind::kTensor) {
+      // Zero-copy: ZeroMQ sends straight from the mapped store object. A heap copy of the
+      // Tensor keeps the mapping alive until ZeroMQ releases the message (the cache may
+      // drop its own reference sooner).
+      auto* keep = new Tensor(tensor);
+      zmq::message_t payload(const_cast<std::byte*>(bytes.data()), bytes.size(),
+                             [](void*, void* hint) { delete static_cast<Tensor*>(hint); }, keep);
+      return ReplyOwned(rid, r, std::move(payload));
     }
     Reply(rid, r, bytes);
   }
@@ -651,6 +683,7 @@ class Publisher::Impl {
   std::mutex call_mu_;
   std::vector<Published> published_;  // thread only
   std::map<std::tuple<store::Digest, ItemKind, uint32_t>, std::pair<Tensor, std::string>> cache_;  // thread only
+  std::set<store::Digest> verified_;  // store objects already checked against their digest; thread only
   std::map<int, std::string> fd_owner_;  // thread only: connection descriptor -> receiver id
   std::atomic<uint64_t> sequence_{0};
   std::atomic<int> corrupt_{0};

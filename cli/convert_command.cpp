@@ -14,6 +14,7 @@ struct ConvertFlags {
   std::string base, adapter, out, layout = "hf", dtype, max_shard_size;
   bool force = false;
   bool json = false;
+  bool no_fsync = false;
   int threads = 0;
 };
 
@@ -42,6 +43,7 @@ void RunConvert(const ConvertFlags& f) {
   }
   o.force = f.force;
   o.threads = f.threads;
+  o.sync = !f.no_fsync;
   std::optional<Progress> progress;
   uint64_t last = 0;
   o.progress = [&](uint64_t done, uint64_t total) {
@@ -90,6 +92,8 @@ void SetConvertCommand(CLI::App& app) {
   cmd->add_option("--max-shard-size", flags->max_shard_size, "Shard limit, e.g. 5GB or 500MiB (default: shard like the base)");
   cmd->add_option("--threads", flags->threads, "Merge threads (default: all cores)");
   cmd->add_flag("--force", flags->force, "Replace an existing output directory");
+  cmd->add_flag("--no-fsync", flags->no_fsync,
+                "Do not fsync the output (it still appears only when complete; a power failure may lose it)");
   cmd->add_flag("--json", flags->json, "Print a JSON summary on stdout");
   cmd->callback([flags] { RunConvert(*flags); });
 }

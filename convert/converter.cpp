@@ -181,6 +181,7 @@ class MergeWriter {
     FERRY_ASSIGN_OR_RETURN(std::vector<OutputTensor> outputs, PlanOutputs());
     std::vector<TensorSpec> specs;
     WriterOptions wopt;
+    wopt.sync = opt_.sync;
     uint64_t total = 0;
     for (const auto& t : outputs) {
       specs.push_back({t.name, t.dtype, t.shape});
@@ -478,6 +479,7 @@ Result<ConvertSummary> WriteLora(const ConvertOptions& opt, const PeftConfig& cf
   }
   WriterOptions wopt;
   wopt.basename = "adapter_model";
+  wopt.sync = opt.sync;
   FERRY_ASSIGN_OR_RETURN(auto writer, SafetensorsWriter::CreateInDirectory(dir, specs, wopt));
   std::set<std::string> leaves;
   for (const auto& [n, e] : mods) {

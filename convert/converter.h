@@ -50,6 +50,10 @@ struct ConvertOptions {
   uint64_t max_shard_bytes = 0;
   bool force = false;             // replace an existing `out`. Default: false.
   int threads = 0;                // merge threads. Default: 0 = all hardware threads.
+  // fsync the written files before the output directory is renamed into place. Without it
+  // the output still appears only when complete (a crash of the process never leaves a
+  // partial output), but a power failure may lose it. Default: true.
+  bool sync = true;
   // Called after each tensor with (bytes written so far, total bytes to write).
   std::function<void(uint64_t, uint64_t)> progress;
 };

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -69,11 +70,43 @@ TEST_F(ConvertCli, ErrorsExitOneNameTheFileAndLeaveNothing) {
   EXPECT_NE(shard.err.find("--max-shard-size"), std::string::npos) << shard.err;
 }
 
+std::string FileBytes(const fs::path& p) {
+  std::ifstream in(p, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), {});
+}
+
+// --no-fsync only skips durability: the same files, byte for byte, renamed into place whole.
+TEST_F(ConvertCli, NoFsyncWritesTheSameFiles) {
+  const fs::path c = kCases / "llama_lora_all_linear_f32";
+  for (const char* layout : {"hf", "lora"}) {
+    const fs::path synced = dir_ / (std::string(layout) + "_synced"), fast = dir_ / (std::string(layout) + "_fast");
+    auto a = RunFerry({"convert", "--base", (c / "base").string(), "--adapter", (c / "adapter").string(), "--out",
+                       synced.string(), "--layout", layout});
+    auto b = RunFerry({"convert", "--base", (c / "base").string(), "--adapter", (c / "adapter").string(), "--out",
+                       fast.string(), "--layout", layout, "--no-fsync"});
+    ASSERT_EQ(a.exit_code, 0) << a.err;
+    ASSERT_EQ(b.exit_code, 0) << b.err;
+    std::vector<std::string> names;
+    for (const auto& e : fs::directory_iterator(synced)) names.push_back(e.path().filename().string());
+    std::vector<std::string> fast_names;
+    for (const auto& e : fs::directory_iterator(fast)) fast_names.push_back(e.path().filename().string());
+    std::sort(names.begin(), names.end());
+    std::sort(fast_names.begin(), fast_names.end());
+    EXPECT_EQ(names, fast_names) << layout;
+    ASSERT_FALSE(names.empty());
+    for (const auto& n : names) EXPECT_EQ(FileBytes(synced / n), FileBytes(fast / n)) << layout << " " << n;
+    // Nothing staged is left beside the outputs.
+    for (const auto& e : fs::directory_iterator(dir_)) {
+      EXPECT_EQ(e.path().filename().string().find(".tmp"), std::string::npos) << e.path();
+    }
+  }
+}
+
 TEST_F(ConvertCli, HelpListsLayoutsAndFlags) {
   auto r = RunFerry({"convert", "--help"});
   EXPECT_EQ(r.exit_code, 0);
   for (const char* s : {"--base", "--adapter", "--out", "--layout", "--dtype", "--max-shard-size", "--force", "--json",
-                        "fused", "lora"}) {
+                        "--no-fsync", "fused", "lora"}) {
     EXPECT_NE(r.out.find(s), std::string::npos) << s;
   }
 }

@@ -8,13 +8,13 @@
 #include <utility>
 #include <vector>
 
+#include "convert/converter.h"
 #include "convert/peft_config.h"
 #include "core/checkpoint.h"
 #include "core/mapped_file.h"
 #include "core/safetensors.h"
 #include "core/staging_dir.h"
 #include "store/internal.h"
-#include "sync/snapshot.h"
 
 namespace ferry::sync {
 namespace {
@@ -128,93 +128,49 @@ Status WriteAux(const std::vector<std::pair<std::string, std::string>>& aux, con
   return Status::OK();
 }
 
-// config.json's tie_word_embeddings, read as the converter reads it (absent or null: false).
-Result<bool> TiedEmbeddings(const std::vector<std::pair<std::string, std::string>>& aux, const fs::path& base_dir) {
-  for (const auto& [name, contents] : aux) {
-    if (name != "config.json") continue;
-    const auto j = nlohmann::ordered_json::parse(contents, nullptr, false);
-    if (j.is_discarded() || !j.is_object()) {
-      return Status::Corruption((base_dir / "config.json").string() + ": not a JSON object");
-    }
-    auto it = j.find("tie_word_embeddings");
-    if (it == j.end() || it->is_null()) return false;
-    if (!it->is_boolean()) {
-      return Status::Corruption((base_dir / "config.json").string() +
-                                ": field 'tie_word_embeddings' must be true or false");
-    }
-    return it->get<bool>();
-  }
-  return false;
-}
-
-// What to write: the tensors (a checkpoint kept alive by `owner` when in memory), how to lay
-// them out, the aux files, and the id the result must have (when known before writing).
+// What to restack: the mapped tensors and the aux files beside them.
 struct Plan {
-  std::shared_ptr<const Snapshot> owner;
   std::optional<Checkpoint> mapped;
-  const Checkpoint& tensors() const { return owner ? owner->checkpoint() : *mapped; }
+  const Checkpoint& tensors() const { return *mapped; }
   std::vector<std::pair<std::string, std::string>> aux;
-  std::optional<store::Digest> expected_id;
-  std::optional<store::Digest> proven;
 };
 
-// Adapter mode: the merged hf snapshot of `received` onto plan.base_dir, checked against
-// plan.merged_version.
-Result<Plan> MergeAdapter(const fs::path& received, const ActivationPlan& plan) {
+// Adapter mode: merges `received` onto plan.base_dir into `hf_dir` with the converter
+// (`ferry convert --layout hf`: the snapshot builder's arithmetic, bit for bit, but streamed
+// tensor by tensor into the page cache instead of building the whole merged model in memory
+// first), then proves the result: the manifest id of the files written must be the
+// publisher's merged version. Returns that id. On any error nothing is left at `hf_dir`.
+Result<store::Digest> MergeAdapterInto(const fs::path& received, const ActivationPlan& plan, const fs::path& hf_dir) {
   const fs::path& base_dir = *plan.base_dir;
   std::error_code ec;
   if (!fs::is_directory(base_dir, ec)) {
     return Status::FailedPrecondition("adapter activation of " + received.string() + ": base directory " +
                                       base_dir.string() + " (ActivationPlan.base_dir) does not exist");
   }
-  auto base = Checkpoint::Open(base_dir);
-  if (!base.ok()) {
+  if (auto base = Checkpoint::Open(base_dir); !base.ok()) {
     return Status::FailedPrecondition("adapter activation of " + received.string() + ": cannot read the base " +
                                       base_dir.string() + ": " + base.status().message());
   }
-  auto base_aux = store::internal::CollectAuxFiles(base_dir);
-  if (!base_aux.ok()) {
-    return Status::FailedPrecondition("adapter activation of " + received.string() + ": cannot read the base " +
-                                      base_dir.string() + ": " + base_aux.status().message());
+  ConvertOptions co;
+  co.base = base_dir;
+  co.adapter = received;
+  co.out = hf_dir;
+  co.layout = Layout::kHf;
+  co.threads = plan.threads;
+  auto converted = Convert(co);
+  if (!converted.ok()) {
+    return converted.status().WithContext("adapter activation of " + received.string() + " onto " + base_dir.string());
   }
-  SnapshotSource source;
-  for (auto& file : *base_aux) {
-    // A merged model is not an adapter: an adapter_config.json left beside the base is not its.
-    if (file.first != "adapter_config.json") source.aux_files.push_back(std::move(file));
-  }
-  FERRY_ASSIGN_OR_RETURN(const bool tied, TiedEmbeddings(source.aux_files, base_dir));
-  FERRY_ASSIGN_OR_RETURN(PeftConfig config, LoadPeftConfig(received));
-  FERRY_ASSIGN_OR_RETURN(Checkpoint adapter, Checkpoint::Open(received));
-  for (const std::string& name : base->names()) {
-    FERRY_ASSIGN_OR_RETURN(Tensor t, base->Get(name));
-    source.tensors.emplace(name, std::move(t));
-  }
-  for (const std::string& name : adapter.names()) {
-    FERRY_ASSIGN_OR_RETURN(Tensor t, adapter.Get(name));
-    source.adapter_tensors.emplace(name, std::move(t));
-  }
-  source.adapter_config = std::move(config);
-  SnapshotOptions options;
-  options.layout = SnapshotLayout::kHf;
-  options.threads = plan.threads;
-  options.tie_word_embeddings = tied;
-  auto snap = BuildSnapshot(source, options);
-  if (!snap.ok()) {
-    return snap.status().WithContext("adapter activation of " + received.string() + " onto " + base_dir.string());
-  }
-  const store::Digest& got = (*snap)->manifest_id();
-  if (got != *plan.merged_version) {
+  auto written = store::HashPath(hf_dir);
+  if (!written.ok() || written->id != *plan.merged_version) {
+    fs::remove_all(hf_dir, ec);
+    if (!written.ok()) return written.status();
     return Status::Corruption("adapter activation: merging " + received.string() + " onto the base " +
-                              base_dir.string() + " gives manifest " + got.Hex() +
+                              base_dir.string() + " gives manifest " + written->id.Hex() +
                               " but the publisher's merged version is " + plan.merged_version->Hex() +
                               " (the local base or the adapter differs from the publisher's)");
   }
-  Plan p;
-  p.owner = *snap;
-  p.aux = p.owner->aux_files();
-  p.proven = got;
-  if (plan.want_layout == "hf") p.expected_id = got;
-  return p;
+  return written->id;
 }
 
 // Layout mode: the received tensors, mapped, with their aux files.
@@ -272,9 +228,26 @@ Result<Prepared> PrepareActivation(const fs::path& received, const ActivationPla
   if (fs::exists(fs::symlink_status(out, ec))) {
     return Status::AlreadyExists(out.string() + ": activation output already exists");
   }
+  Prepared prepared;
   Plan p;
+  fs::path merged_hf;  // adapter mode, fused: the proven hf merge, removed once restacked
+  struct RemoveOnExit {
+    fs::path* path;
+    ~RemoveOnExit() {
+      std::error_code e;
+      if (!path->empty()) fs::remove_all(*path, e);
+    }
+  } remove_merged{&merged_hf};
   if (plan.served_kind == "adapter") {
-    FERRY_ASSIGN_OR_RETURN(p, MergeAdapter(received, plan));
+    if (plan.want_layout == "hf") {
+      FERRY_ASSIGN_OR_RETURN(prepared.id, MergeAdapterInto(received, plan, out));
+      prepared.proven = prepared.id;
+      return prepared;
+    }
+    const fs::path hf_dir = TempNameFor(out).string() + ".hf";
+    FERRY_ASSIGN_OR_RETURN(prepared.proven, MergeAdapterInto(received, plan, hf_dir));
+    merged_hf = hf_dir;
+    FERRY_ASSIGN_OR_RETURN(p, Relayout(hf_dir));
   } else {
     FERRY_ASSIGN_OR_RETURN(p, Relayout(received));
   }
@@ -282,18 +255,9 @@ Result<Prepared> PrepareActivation(const fs::path& received, const ActivationPla
   FERRY_ASSIGN_OR_RETURN(StagingDir staging, StagingDir::Create(out, /*replace_existing=*/false));
   FERRY_RETURN_IF_ERROR(WriteTensors(p.tensors(), outputs, staging.path()));
   FERRY_RETURN_IF_ERROR(WriteAux(p.aux, staging.path()));
-  Prepared prepared;
-  if (p.expected_id) {
-    // The files hold exactly the snapshot's tensors (appended from the buffers its digests
-    // were computed over) and its aux files, so their id is the snapshot's manifest id:
-    // no second pass over everything just written.
-    prepared.id = *p.expected_id;
-  } else {
-    FERRY_ASSIGN_OR_RETURN(store::VersionRecord written, store::HashPath(staging.path()));
-    prepared.id = written.id;
-  }
+  FERRY_ASSIGN_OR_RETURN(store::VersionRecord written, store::HashPath(staging.path()));
+  prepared.id = written.id;
   FERRY_RETURN_IF_ERROR(staging.Commit());
-  prepared.proven = p.proven;
   return prepared;
 }
 

@@ -18,6 +18,7 @@
 #include "sync/protocol.h"
 #include "sync/publisher.h"
 #include "sync/receiver.h"
+#include "tests/sync/sync_test_util.h"
 #include "tests/temp_dir.h"
 
 namespace ferry::sync {
@@ -100,17 +101,7 @@ class FaultTest : public ::testing::Test {
     return o;
   }
 
-  // DIR/current points at `v` and its files hash to `v`; nothing temporary is left.
-  void ExpectActive(const fs::path& dir, const store::Digest& v) {
-    auto active = ActiveVersion(dir);
-    ASSERT_TRUE(active.ok()) << active.status().message();
-    ASSERT_TRUE(active->has_value());
-    EXPECT_EQ(**active, v);
-    auto rec = store::HashPath(dir / "current");
-    ASSERT_TRUE(rec.ok()) << rec.status().message();
-    EXPECT_EQ(rec->id, v);
-    EXPECT_TRUE(TempEntries(dir).empty());
-  }
+  void ExpectActive(const fs::path& dir, const store::Digest& v) { ExpectActiveVersion(dir, v); }
 
   testing::ScopedTempDir tmp_{"ferry-sync-fault-"};
   std::unique_ptr<store::Store> store_;

@@ -20,6 +20,7 @@
 #include "sync/protocol.h"
 #include "sync/publisher.h"
 #include "sync/receiver.h"
+#include "tests/sync/sync_test_util.h"
 
 namespace ferry::sync {
 namespace {
@@ -301,17 +302,9 @@ class SyncTest : public ::testing::Test {
 
   // The receiver directory's active files hash to `v` and current points at it.
   void ExpectActive(const fs::path& dir, const store::Digest& v) {
-    auto active = ActiveVersion(dir);
-    ASSERT_TRUE(active.ok()) << active.status().message();
-    ASSERT_TRUE(active->has_value());
-    EXPECT_EQ(**active, v);
-    auto rec = store::HashPath(dir / "current");
-    ASSERT_TRUE(rec.ok()) << rec.status().message();
-    EXPECT_EQ(rec->id, v);
-    EXPECT_EQ(rec->aux.size(), 1u);  // config.json came along
-    for (const auto& e : fs::directory_iterator(dir / "versions")) {
-      EXPECT_EQ(e.path().filename().string().find(".tmp-"), std::string::npos) << "left behind: " << e.path();
-    }
+    store::VersionRecord rec;
+    ExpectActiveVersion(dir, v, &rec);
+    EXPECT_EQ(rec.aux.size(), 1u);  // config.json came along
   }
 
   fs::path root_;
@@ -672,19 +665,7 @@ class ModesTest : public SyncTest {
     (layout == SnapshotLayout::kHf ? merged_ : merged_fused_) = rec->record.id;
   }
 
-  // DIR/current points at `v`, its files hash to `v`, nothing temporary is left.
-  void ExpectCurrent(const fs::path& dir, const store::Digest& v) {
-    auto active = ActiveVersion(dir);
-    ASSERT_TRUE(active.ok()) << active.status().message();
-    ASSERT_TRUE(active->has_value());
-    EXPECT_EQ(**active, v);
-    auto rec = store::HashPath(dir / "current");
-    ASSERT_TRUE(rec.ok()) << rec.status().message();
-    EXPECT_EQ(rec->id, v);
-    for (const auto& e : fs::directory_iterator(dir / "versions")) {
-      EXPECT_EQ(e.path().filename().string().find(".tmp-"), std::string::npos) << "left behind: " << e.path();
-    }
-  }
+  void ExpectCurrent(const fs::path& dir, const store::Digest& v) { ExpectActiveVersion(dir, v); }
 
   store::Digest base_, adapter_, merged_, merged_fused_;
 };

@@ -2,7 +2,7 @@
 //   publish  --db DB --bind EP [--run R] [--key PREFIX --allow FILE] [--mode merged|adapter|delta]
 //            [--watch DIR --base V|DIR [--layout hf|fused] [--poll-ms N]] [--json]
 //   receive  --connect EP --out DIR --id ID [--key PREFIX --server-key FILE] [--layout hf|fused]
-//            [--base DIR] [--once] [--timeout-ms N] [--json]
+//            [--base DIR] [--once] [--timeout-ms N] [--keep-versions N] [--json]
 //   status   --db DB [--run R] [--json]   receivers, their versions, lag, last seen, lost
 // EP is ipc://DIR (a private directory holding both sockets) or tcp://HOST:PORT (requests on
 // PORT, announcements on PORT+1; CURVE keys required).
@@ -275,6 +275,7 @@ struct ReceiveFlags {
   KeyFlags keys;
   bool once = false, json = false;
   int timeout_ms = 10000;
+  int keep_versions = 2;
 };
 
 void RunReceive(const ReceiveFlags& f) {
@@ -282,6 +283,7 @@ void RunReceive(const ReceiveFlags& f) {
   o.id = f.id;
   o.dir = f.out;
   o.timeout_ms = f.timeout_ms;
+  o.keep_versions = f.keep_versions;
   (void)ParseLayoutOrFail(f.layout);
   o.layout = f.layout;
   if (!f.base.empty()) o.base_dir = f.base;
@@ -299,17 +301,22 @@ void RunReceive(const ReceiveFlags& f) {
     Fail(s.status());
   }
   PrintSync(*s, f.id, f.json);
+  bool publisher_lost = false;  // warned once per outage, not on every poll
   while (!f.once && !WaitForStop(set, 0)) {
     auto n = (*r)->WaitForNewer(500);
     if (!n.ok()) {
-      if (n.status().code() == StatusCode::kNotFound) continue;  // nothing new yet
       if (n.status().code() == StatusCode::kIOError) {
         // The publisher is gone or unreachable: keep the active version and keep trying.
-        std::fprintf(stderr, "ferry: warning: %s\n", n.status().message().c_str());
+        if (!publisher_lost) std::fprintf(stderr, "ferry: warning: %s\n", n.status().message().c_str());
+        publisher_lost = true;
         continue;
       }
-      Fail(n.status());
+      if (n.status().code() != StatusCode::kNotFound) Fail(n.status());
+      if (publisher_lost) std::fprintf(stderr, "ferry: publisher %s is answering again\n", f.connect.c_str());
+      publisher_lost = false;  // kNotFound: the publisher is alive, nothing newer yet
+      continue;
     }
+    publisher_lost = false;
     PrintSync(*n, f.id, f.json);
   }
 }
@@ -429,6 +436,8 @@ void SetSyncCommand(CLI::App& app) {
   receive->add_option("--base", rf->base,
                       "Local base model directory (needed when the publisher serves --mode adapter)");
   receive->add_option("--timeout-ms", rf->timeout_ms, "Longest wait for a reply from the publisher (default: 10000)");
+  receive->add_option("--keep-versions", rf->keep_versions,
+                      "Versions kept in DIR/versions: the newest N activated (default: 2; 0 keeps all)");
   receive->add_flag("--once", rf->once, "Sync the latest version and exit (default: keep following)");
   receive->add_flag("--json", rf->json, "Print one JSON line per activated version");
   AddKeyFlags(receive, rf->keys, /*publisher=*/false);

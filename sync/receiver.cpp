@@ -11,6 +11,7 @@
 #include <deque>
 #include <map>
 #include <random>
+#include <set>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -124,6 +125,53 @@ void RemoveStaleTemporaries(const fs::path& dir) {
     }
     for (const auto& p : stale) fs::remove_all(p, ec);
   }
+}
+
+// Deletes what DIR no longer needs after an activation: every version directory except the
+// `keep` most recently activated versions (by the "activated_ns" their manifests record) and
+// the received directories they were prepared from, and the manifests of deleted versions.
+// The active version is always kept. Best effort: what cannot be deleted now is tried again
+// after the next activation. REQUIRES: the caller holds DIR/.lock.
+void PruneVersions(const fs::path& dir, int keep, const store::Digest& active) {
+  if (keep <= 0) return;
+  struct Activated {
+    int64_t at = 0;
+    std::string id, served;
+    fs::path manifest;
+  };
+  std::vector<Activated> all;
+  std::error_code ec;
+  for (fs::directory_iterator it(dir / "manifests", ec), end; !ec && it != end; it.increment(ec)) {
+    const fs::path& p = it->path();
+    if (p.extension() != ".json" || IsTempName(p.filename().string())) continue;
+    Activated a;
+    a.manifest = p;
+    a.id = p.stem().string();
+    auto text = ReadSmallFile(p);
+    if (text.ok()) {
+      const auto j = nlohmann::json::parse(*text, nullptr, /*allow_exceptions=*/false);
+      if (j.is_object()) {
+        if (auto t = j.find("activated_ns"); t != j.end() && t->is_number_integer()) a.at = t->get<int64_t>();
+        if (auto v = j.find("version"); v != j.end() && v->is_string()) a.served = v->get<std::string>();
+      }
+    }
+    all.push_back(std::move(a));
+  }
+  std::sort(all.begin(), all.end(), [](const Activated& x, const Activated& y) { return x.at > y.at; });
+  std::set<std::string> kept = {active.Hex()};
+  for (size_t i = 0; i < all.size() && i < static_cast<size_t>(keep); ++i) {
+    kept.insert(all[i].id);
+    if (!all[i].served.empty()) kept.insert(all[i].served);
+  }
+  for (const auto& a : all) {
+    if (kept.count(a.id) == 0) fs::remove(a.manifest, ec);
+  }
+  std::vector<fs::path> doomed;
+  for (fs::directory_iterator it(dir / "versions", ec), end; !ec && it != end; it.increment(ec)) {
+    const std::string name = it->path().filename().string();
+    if (!IsTempName(name) && kept.count(name) == 0) doomed.push_back(it->path());
+  }
+  for (const auto& p : doomed) fs::remove_all(p, ec);
 }
 
 }  // namespace
@@ -608,6 +656,7 @@ Result<std::unique_ptr<Receiver>> Receiver::Connect(ReceiverOptions o) {
   if (o.credit == 0 || o.credit > 1024) return Status::InvalidArgument("sync receiver: credit must be 1..1024");
   if (o.timeout_ms <= 0) return Status::InvalidArgument("sync receiver: timeout_ms must be positive");
   if (o.max_retries < 0) return Status::InvalidArgument("sync receiver: max_retries must be >= 0");
+  if (o.keep_versions < 0) return Status::InvalidArgument("sync receiver: keep_versions must be >= 0");
   if (o.layout != "hf" && o.layout != "fused") {
     return Status::InvalidArgument("sync receiver: layout \"" + o.layout + "\" must be hf or fused");
   }
@@ -732,12 +781,16 @@ Result<SyncResult> Receiver::SyncLatestOnce() {
       }
       nlohmann::json record = nlohmann::json::parse(json, nullptr, /*allow_exceptions=*/false);
       record["activated_as"] = activate.Hex();
+      record["activated_ns"] = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                   std::chrono::system_clock::now().time_since_epoch())
+                                   .count();
       record["activated_layout"] = options_.layout;
       if (proven) record["proven"] = proven->Hex();
       FERRY_RETURN_IF_ERROR(
           WriteFileAtomic(options_.dir / "manifests" / (activate.Hex() + ".json"), record.dump()));
       FERRY_RETURN_IF_ERROR(s.Activate(activate));
       st.active = activate;
+      PruneVersions(options_.dir, options_.keep_versions, activate);
       st.served = man.version;
       st.layout = options_.layout;
       st.proven = proven;

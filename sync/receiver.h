@@ -42,6 +42,12 @@ struct ReceiverOptions {
   int timeout_ms = 10000;              // longest wait for any reply. Default: 10 s
   int max_retries = 3;                 // refetches of one tensor whose digest is wrong. Default: 3
   int heartbeat_ivl_ms = 1000;         // ZMTP heartbeats (0: off). Default: 1000
+  // Versions kept in DIR/versions after each activation: the `keep_versions` most recently
+  // activated ones (with the received directories they were prepared from, and their
+  // manifests); older ones are deleted, so a receiver following a trainer for days does not
+  // fill its disk. 2 keeps the previous version for a generator still loading it. 0: keep
+  // everything. Default: 2
+  int keep_versions = 2;
   // The layout activated in DIR/current: "hf" or "fused" (an hf version is re-laid out by
   // sync/activate.h's PrepareActivation). Default: "hf"
   std::string layout = "hf";

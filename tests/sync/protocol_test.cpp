@@ -8,6 +8,10 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <set>
+#include <string>
+#include <vector>
+
 #include <zmq.hpp>
 
 #include "convert/peft_config.h"
@@ -380,6 +384,49 @@ TEST_F(SyncTest, LateJoinerGetsLatestAtOnce) {
   ASSERT_TRUE(again.ok());
   EXPECT_TRUE(again->already_active);
   EXPECT_EQ(again->bytes_received, 0u);
+}
+
+// A receiver following a trainer keeps the active and the previous version (keep_versions
+// = 2, the default) and deletes older ones with their manifests; 0 keeps everything.
+TEST_F(SyncTest, ReceiverKeepsOnlyTheNewestVersionsItActivated) {
+  const store::Digest v3 = ImportModel("m3", 3.0f);
+  StartPublisher();
+  auto follow = [&](const std::string& id, int keep) {
+    ReceiverOptions o = RecvOptions(id);
+    o.keep_versions = keep;
+    auto r = Receiver::Connect(o);
+    EXPECT_TRUE(r.ok()) << r.status().message();
+    return std::move(*r);
+  };
+  auto pruning = follow("pruning", 2);
+  auto keeping = follow("keeping", 0);
+  std::vector<store::Digest> published = {v1_, v2_, v3};
+  for (const auto& v : published) {
+    ASSERT_TRUE(publisher_->Publish(v).ok());
+    for (Receiver* r : {pruning.get(), keeping.get()}) {
+      auto s = r->SyncLatest();
+      ASSERT_TRUE(s.ok()) << s.status().message();
+      EXPECT_EQ(s->active, v);
+    }
+  }
+  auto listing = [](const fs::path& dir) {
+    std::set<std::string> names;
+    for (const auto& e : fs::directory_iterator(dir)) names.insert(e.path().filename().string());
+    return names;
+  };
+  const fs::path p = root_ / "recv-pruning", k = root_ / "recv-keeping";
+  ExpectActive(p, v3);
+  EXPECT_EQ(listing(p / "versions"), (std::set<std::string>{v2_.Hex(), v3.Hex()}));
+  EXPECT_EQ(listing(p / "manifests"), (std::set<std::string>{v2_.Hex() + ".json", v3.Hex() + ".json"}));
+  ExpectActive(k, v3);
+  EXPECT_EQ(listing(k / "versions"), (std::set<std::string>{v1_.Hex(), v2_.Hex(), v3.Hex()}));
+
+  ReceiverOptions bad = RecvOptions("bad");
+  bad.keep_versions = -1;
+  auto refused = Receiver::Connect(bad);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(refused.status().message().find("keep_versions"), std::string::npos);
 }
 
 TEST_F(SyncTest, CorruptedChunkIsDetectedAndRefetched) {

@@ -225,7 +225,14 @@ void WriterCopy(const fs::path& src, const fs::path& dst, bool sync) {
   for (const auto& n : order) specs.push_back({n, c->Info(n)->dtype, c->Info(n)->shape});
   fs::create_directory(dst);
   ferry::WriterOptions opts;
-  opts.max_shard_bytes = ShardLimit(c->total_bytes());
+  // The same files as the source (cp copies the same bytes): each tensor goes to the shard
+  // that mirrors the file it comes from.
+  const auto files = c->files();
+  for (const auto& n : order) {
+    const auto f = std::find(files.begin(), files.end(), c->FileOf(n));
+    opts.shard_of.push_back(static_cast<uint32_t>(f - files.begin()));
+  }
+  if (files.size() <= 1) opts.shard_of.clear();  // one file: CreateInDirectory writes model.safetensors
   opts.sync = sync;
   auto w = ferry::SafetensorsWriter::CreateInDirectory(dst, specs, opts);
   if (!w.ok()) Die(w.status().message());

@@ -247,6 +247,16 @@ constexpr size_t kWriteBuffer = 8u << 20;
 // of the same bytes in 1 MiB calls (2.4-4.7 s vs 0.8 s), so big pieces are split.
 constexpr size_t kMaxWriteCall = size_t{1} << 20;
 
+// Where the data section of the safetensors file open as `fd` starts (8 + its header length
+// prefix), or 0 when the first 8 bytes cannot be read.
+uint64_t SafetensorsDataStart(int fd) {
+  unsigned char b[8];
+  if (::pread(fd, b, sizeof b, 0) != static_cast<ssize_t>(sizeof b)) return 0;
+  uint64_t n = 0;
+  for (int i = 7; i >= 0; --i) n = (n << 8) | b[i];
+  return n <= kMaxSafetensorsHeaderBytes ? n + 8 : 0;
+}
+
 Status WriteAll(int fd, const std::byte* p, size_t n, const std::filesystem::path& path) {
   while (n > 0) {
     ssize_t w = ::write(fd, p, std::min<size_t>(n, kMaxWriteCall));
@@ -349,9 +359,17 @@ Status SafetensorsWriter::OpenShard(size_t i) {
   s.created = true;
   cur_shard_ = i;
   std::vector<TensorSpec> subset(specs_.begin() + static_cast<ptrdiff_t>(s.first), specs_.begin() + static_cast<ptrdiff_t>(s.last));
-  FERRY_ASSIGN_OR_RETURN(std::string header, SerializeSafetensorsHeader(subset, options_.metadata));
+  FERRY_ASSIGN_OR_RETURN(header_, SerializeSafetensorsHeader(subset, options_.metadata));
   buffered_ = 0;
-  return AppendRaw(header);
+  header_pending_ = true;
+  header_over_copy_ = false;
+  return Status::OK();
+}
+
+Status SafetensorsWriter::WriteHeader() {
+  if (!header_pending_) return Status::OK();
+  header_pending_ = false;
+  return AppendRaw(header_);
 }
 
 Status SafetensorsWriter::FlushBuffer() {
@@ -363,6 +381,7 @@ Status SafetensorsWriter::FlushBuffer() {
 }
 
 Status SafetensorsWriter::CloseShard() {
+  FERRY_RETURN_IF_ERROR(WriteHeader());  // a shard of empty tensors still has its header
   FERRY_RETURN_IF_ERROR(FlushPendingRange());
   FERRY_RETURN_IF_ERROR(FlushBuffer());
   const auto& path = shards_[cur_shard_].temp_path;
@@ -414,6 +433,30 @@ Status SafetensorsWriter::AppendFileRange(int src, uint64_t offset, uint64_t len
   if (cur_tensor_ >= specs_.size() || length > sizes_[cur_tensor_] - cur_offset_) {
     return Status::InvalidArgument("file range of " + std::to_string(length) + " bytes exceeds the current tensor");
   }
+  if (header_pending_ && offset % 8 == 0 && offset >= header_.size() && offset - 8 <= kMaxSafetensorsHeaderBytes &&
+      SafetensorsDataStart(src) == offset) {
+    // The shard's first data starts the data section of a safetensors source file: copy from
+    // byte 0 of both files (the source's header bytes included) and write the header,
+    // padded with spaces to exactly `offset` bytes, over the source's header afterwards.
+    // Copies that start at a file's first byte are measurably cheaper (Linux 6.18, ext4:
+    // 0.26 s instead of 0.31 s per GB; bench/README.md), and this is what `cp` does.
+    std::string body = header_.substr(8);
+    while (!body.empty() && body.back() == ' ') body.pop_back();
+    body.resize(offset - 8, ' ');
+    header_.assign(8, '\0');
+    const uint64_t n = body.size();
+    for (int i = 0; i < 8; ++i) header_[i] = static_cast<char>((n >> (8 * i)) & 0xff);
+    header_ += body;
+    header_pending_ = false;
+    header_over_copy_ = true;
+    pending_src_ = src;
+    pending_off_ = 0;
+    pending_len_ = offset + length;
+    bytes_written_ += offset + length;
+    cur_offset_ += length;
+    return Advance();
+  }
+  FERRY_RETURN_IF_ERROR(WriteHeader());
   FERRY_RETURN_IF_ERROR(FlushBuffer());
   // Ranges that continue the pending one (consecutive tensors of the same source file) are
   // coalesced, so a run of unchanged tensors costs one in-kernel copy, as cp's does.
@@ -464,6 +507,15 @@ Status SafetensorsWriter::FlushPendingRange() {
       left -= static_cast<uint64_t>(n);
     }
   }
+  if (header_over_copy_) {
+    header_over_copy_ = false;
+    for (size_t done = 0; done < header_.size();) {
+      const ssize_t n = ::pwrite(fd_, header_.data() + done, header_.size() - done, static_cast<off_t>(done));
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0) return ErrnoStatus(path.string() + ": writing the header", errno);
+      done += static_cast<size_t>(n);
+    }
+  }
   return Status::OK();
 }
 
@@ -497,6 +549,7 @@ Status SafetensorsWriter::Write(std::string_view name, const Tensor& t) {
 }
 
 Status SafetensorsWriter::AppendRaw(std::string_view data) {
+  FERRY_RETURN_IF_ERROR(WriteHeader());        // the header precedes the shard's data
   FERRY_RETURN_IF_ERROR(FlushPendingRange());  // keep the byte order
   // Small pieces go through the buffer; large ones are written straight from the source.
   if (data.size() >= kWriteBuffer / 2) {

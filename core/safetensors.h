@@ -163,6 +163,7 @@ class SafetensorsWriter {
   Status FlushBuffer();
   Status AppendRaw(std::string_view data);
   Status FlushPendingRange();
+  Status WriteHeader();
   Status Advance();
   void Abort();
 
@@ -179,6 +180,13 @@ class SafetensorsWriter {
   int pending_src_ = -1;  // a coalesced AppendFileRange not yet copied
   uint64_t pending_off_ = 0;
   uint64_t pending_len_ = 0;
+  // The current shard's header. Written before the shard's first byte of data, unless that
+  // data is a file range starting at its source's data section: then the copy starts at byte
+  // 0 of both files and the header, padded to the source's data offset, is written over the
+  // source's header bytes afterwards (header_over_copy_).
+  std::string header_;
+  bool header_pending_ = false;
+  bool header_over_copy_ = false;
   size_t buffered_ = 0;
   uint64_t bytes_written_ = 0;
   bool finished_ = false;

@@ -460,6 +460,94 @@ TEST(SafetensorsWriter, NoTensorsStillMakesAValidFile) {
   EXPECT_EQ(ck->size(), 0u);
 }
 
+// Copies a source file's tensors with AppendFileRange (in-kernel copies). When a shard's first
+// data is the start of a source's data section, the copy starts at byte 0 and the header is
+// padded to the source's data offset and written over the source's header; otherwise the
+// header is written first, at its natural size. Either way the output holds the declared
+// tensors, byte for byte, and parses.
+TEST(SafetensorsWriter, FileRangesCopyFromTheSourcesFirstByteAndPadTheHeader) {
+  TempDir tmp;
+  // The source: long names and metadata make its header longer than the output's.
+  std::vector<Named> src_tensors = {{"model.layers.0.a_very_long_tensor_name_to_grow_the_header.weight",
+                                     Pattern(DType::kF32, {4, 4}, 21)},  // 64 bytes: b starts 8-aligned
+                                    {"model.layers.0.another_long_tensor_name.bias", Pattern(DType::kBF16, {7}, 22)},
+                                    {"model.layers.1.third_long_tensor_name.weight", Pattern(DType::kF16, {4, 2}, 23)}};
+  WriterOptions so;
+  so.metadata = {{"format", "pt"}, {"padding", std::string(300, 'x')}};
+  {
+    auto w = SafetensorsWriter::CreateFile(tmp.path() / "src.safetensors", SpecsOf(src_tensors), so);
+    ASSERT_TRUE(w.ok()) << w.status().ToString();
+    ASSERT_TRUE(WriteAll(**w, src_tensors).ok());
+  }
+  auto src = SafetensorsFile::Open(tmp.path() / "src.safetensors");
+  ASSERT_TRUE(src.ok()) << src.status().ToString();
+  const uint64_t src_data = (*src)->data_offset();
+
+  // Output names are short, so its own header is shorter than the source's data offset.
+  std::vector<Named> out = {{"a", src_tensors[0].t}, {"b", src_tensors[1].t}, {"c", src_tensors[2].t}};
+  auto copy = [&](const fs::path& path, bool first_from_memory) {
+    auto w = SafetensorsWriter::CreateFile(path, SpecsOf(out));
+    ASSERT_TRUE(w.ok()) << w.status().ToString();
+    for (size_t i = 0; i < out.size(); ++i) {
+      if (i == 0 && first_from_memory) {
+        ASSERT_TRUE((*w)->Write(out[0].name, out[0].t).ok());
+        continue;
+      }
+      const auto r = (*src)->RangeOf((*src)->tensors()[i]);
+      ASSERT_TRUE((*w)->AppendFileRange(r.fd, r.offset, r.length).ok());
+    }
+    ASSERT_TRUE((*w)->Finish().ok());
+  };
+  copy(tmp.path() / "ranges.safetensors", false);
+  copy(tmp.path() / "mixed.safetensors", true);
+  // A shard whose first range starts inside the source's data (not at its start) is copied
+  // from that offset with the header written first.
+  {
+    std::vector<Named> tail = {{"b", src_tensors[1].t}, {"c", src_tensors[2].t}};
+    auto w = SafetensorsWriter::CreateFile(tmp.path() / "tail.safetensors", SpecsOf(tail));
+    ASSERT_TRUE(w.ok());
+    for (size_t i = 1; i < 3; ++i) {
+      const auto r = (*src)->RangeOf((*src)->tensors()[i]);
+      ASSERT_TRUE((*w)->AppendFileRange(r.fd, r.offset, r.length).ok());
+    }
+    ASSERT_TRUE((*w)->Finish().ok());
+    auto ck = Checkpoint::Open(tmp.path() / "tail.safetensors");
+    ASSERT_TRUE(ck.ok()) << ck.status().ToString();
+    ExpectSameTensors(*ck, tail);
+    auto natural_tail = SerializeSafetensorsHeader(SpecsOf(tail), {{"format", "pt"}});
+    ASSERT_TRUE(natural_tail.ok());
+    EXPECT_EQ(fs::file_size(tmp.path() / "tail.safetensors"), natural_tail->size() + 7 * 2 + 8 * 2);
+  }
+
+  auto natural = SerializeSafetensorsHeader(SpecsOf(out), {{"format", "pt"}});
+  ASSERT_TRUE(natural.ok());
+  ASSERT_LT(natural->size(), src_data);  // the padded path is taken below
+  for (const char* name : {"ranges.safetensors", "mixed.safetensors"}) {
+    const fs::path p = tmp.path() / name;
+    auto ck = Checkpoint::Open(p);
+    ASSERT_TRUE(ck.ok()) << ck.status().ToString();
+    ExpectSameTensors(*ck, out);
+    auto f = SafetensorsFile::Open(p);
+    ASSERT_TRUE(f.ok());
+    EXPECT_EQ((*f)->metadata().at("format"), "pt") << name;
+    const std::string bytes = ReadFile(p);
+    if (std::string(name) == "ranges.safetensors") {
+      // Header padded with spaces to end exactly where the source's data section begins.
+      EXPECT_EQ((*f)->data_offset(), src_data);
+      EXPECT_EQ(Le64At(bytes), src_data - 8);
+      EXPECT_EQ(bytes.substr(natural->size(), src_data - natural->size()),
+                std::string(src_data - natural->size(), ' '));
+      // The JSON is the natural header's, byte for byte, before the padding.
+      const std::string natural_json = natural->substr(8);
+      EXPECT_EQ(bytes.substr(8, natural_json.find_last_not_of(' ') + 1),
+                natural_json.substr(0, natural_json.find_last_not_of(' ') + 1));
+    } else {
+      EXPECT_EQ((*f)->data_offset(), natural->size()) << "header written first at its natural size";
+    }
+    EXPECT_EQ(bytes.size(), (*f)->data_offset() + 16 * 4 + 7 * 2 + 8 * 2) << name;
+  }
+}
+
 TEST(SafetensorsHeader, SerializedHeaderIsPaddedAndParses) {
   for (int count = 0; count < 12; ++count) {
     std::vector<TensorSpec> specs;

@@ -61,17 +61,7 @@ class FaultTest : public ::testing::Test {
   // bias and config.json, imported into the store.
   store::Digest ImportModel(const std::string& name, float scale, int floats = 6) {
     const fs::path dir = tmp_.path() / name;
-    fs::create_directories(dir);
-    std::vector<TensorSpec> specs = {{"a.weight", DType::kF32, {floats}}, {"b.bias", DType::kF32, {5}}};
-    auto w = SafetensorsWriter::CreateFile(dir / "model.safetensors", specs);
-    EXPECT_TRUE(w.ok());
-    std::vector<float> a(static_cast<size_t>(floats)), b(5);
-    for (int i = 0; i < floats; ++i) a[i] = scale * static_cast<float>(i + 1);
-    for (int i = 0; i < 5; ++i) b[i] = -scale * static_cast<float>(i);
-    EXPECT_TRUE((*w)->Append(std::as_bytes(std::span(a))).ok());
-    EXPECT_TRUE((*w)->Append(std::as_bytes(std::span(b))).ok());
-    EXPECT_TRUE((*w)->Finish().ok());
-    std::ofstream(dir / "config.json") << "{\"scale\": " << scale << "}\n";
+    WriteTinyModel(dir, scale, {floats});
     auto r = store_->Import(dir, {});
     EXPECT_TRUE(r.ok()) << r.status().message();
     return r.ok() ? r->record.id : store::Digest{};

@@ -272,20 +272,10 @@ class SyncTest : public ::testing::Test {
   // A tiny model (two F32 tensors + config.json) whose values depend on `scale`.
   store::Digest ImportModel(const std::string& name, float scale) {
     const fs::path dir = root_ / name;
-    fs::create_directories(dir);
-    std::vector<TensorSpec> specs = {{"a.weight", DType::kF32, {2, 3}}, {"b.bias", DType::kF32, {5}}};
-    auto w = SafetensorsWriter::CreateFile(dir / "model.safetensors", specs);
-    EXPECT_TRUE(w.ok());
-    std::vector<float> a(6), b(5);
-    for (int i = 0; i < 6; ++i) a[i] = scale * static_cast<float>(i + 1);
-    for (int i = 0; i < 5; ++i) b[i] = -scale * static_cast<float>(i);
-    EXPECT_TRUE((*w)->Append(std::as_bytes(std::span(a))).ok());
-    EXPECT_TRUE((*w)->Append(std::as_bytes(std::span(b))).ok());
-    EXPECT_TRUE((*w)->Finish().ok());
-    std::ofstream(dir / "config.json") << "{\"scale\": " << scale << "}\n";
+    WriteTinyModel(dir, scale, {2, 3});
     auto r = store_->Import(dir, {});
     EXPECT_TRUE(r.ok()) << r.status().message();
-    return r->record.id;
+    return r.ok() ? r->record.id : store::Digest{};
   }
 
   void StartPublisher(PublisherOptions o = {}) {

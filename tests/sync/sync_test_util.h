@@ -4,7 +4,12 @@
 #include <gtest/gtest.h>
 
 #include <filesystem>
+#include <fstream>
+#include <span>
 #include <string>
+#include <vector>
+
+#include "core/safetensors.h"
 
 #include "store/store.h"
 #include "sync/receiver.h"
@@ -29,6 +34,25 @@ inline void ExpectActiveVersion(const std::filesystem::path& dir, const store::D
     EXPECT_EQ(it->path().filename().string().find(".tmp-"), std::string::npos) << "left behind: " << it->path();
   }
   if (record != nullptr) *record = std::move(*rec);
+}
+
+// Writes a tiny model into `dir` (created): model.safetensors with "a.weight" (F32, shape
+// `a_shape`, values scale * (i + 1)) and "b.bias" (F32 [5], values -scale * i), plus a
+// config.json naming the scale. Different scales give different versions.
+inline void WriteTinyModel(const std::filesystem::path& dir, float scale, const Shape& a_shape) {
+  std::filesystem::create_directories(dir);
+  int64_t n = 1;
+  for (int64_t d : a_shape) n *= d;
+  std::vector<TensorSpec> specs = {{"a.weight", DType::kF32, a_shape}, {"b.bias", DType::kF32, {5}}};
+  auto w = SafetensorsWriter::CreateFile(dir / "model.safetensors", specs);
+  ASSERT_TRUE(w.ok()) << w.status().message();
+  std::vector<float> a(static_cast<size_t>(n)), b(5);
+  for (int64_t i = 0; i < n; ++i) a[static_cast<size_t>(i)] = scale * static_cast<float>(i + 1);
+  for (int i = 0; i < 5; ++i) b[static_cast<size_t>(i)] = -scale * static_cast<float>(i);
+  ASSERT_TRUE((*w)->Append(std::as_bytes(std::span(a))).ok());
+  ASSERT_TRUE((*w)->Append(std::as_bytes(std::span(b))).ok());
+  ASSERT_TRUE((*w)->Finish().ok());
+  std::ofstream(dir / "config.json") << "{\"scale\": " << scale << "}\n";
 }
 
 }  // namespace ferry::sync

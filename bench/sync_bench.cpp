@@ -23,7 +23,8 @@
 // figures are about the protocol and not this machine's disk); --recv-dir DIR to change.
 //
 // Usage: ferry_bench_sync [--work DIR] [--size-gb GB] [--reps N] [--recv-dir DIR]
-//                         [--chunk-kib N] [--credit N] [--skip-throughput] [--skip-modes]
+//                         [--chunk-kib N] [--credit N] [--transport ipc|tcp+curve] [--receivers N]
+//                         [--ferry-only] [--skip-throughput] [--skip-modes]
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <unistd.h>
@@ -61,6 +62,9 @@ namespace {
 
 uint32_t kChunkBytes = 1u << 20;  // --chunk-kib; default = ReceiverOptions default
 uint32_t kCredit = 8;             // --credit; default = ReceiverOptions default
+std::vector<std::string> kTransports = {"ipc", "tcp+curve"};  // --transport
+std::vector<int> kReceiverCounts = {1, 4};                     // --receivers
+bool kFerryOnly = false;                                       // --ferry-only
 
 [[noreturn]] void Die(const std::string& m) {
   std::fprintf(stderr, "ferry_bench_sync: %s\n", m.c_str());
@@ -319,28 +323,35 @@ void Throughput(const fs::path& work, double size_gb, int reps, const fs::path& 
   std::printf("%-10s %9s %11s %15s %12s %8s %14s %s\n", "transport", "receivers", "raw GiB/s", "raw+write GiB/s",
               "ferry GiB/s", "ratio", "vs raw+write", "target >= 0.70");
   bool all_ok = true;
-  for (const std::string name : {"ipc", "tcp+curve"}) {
+  for (const std::string& name : kTransports) {
     const Transport t = MakeTransport(name, work / "sock");
     auto pub = StartPublisher(st.get(), t, sync::PublishMode::kMerged);
     (void)Take(pub->Publish(v));
-    for (int n : {1, 4}) {
+    for (int n : kReceiverCounts) {
       std::vector<double> rw, rww, fy;
       const fs::path sink = recv_dir / "ferry-sync-bench-raw";
       for (int i = 0; i < reps; ++i) {
-        rw.push_back(RawRun(raw, t, n));
-        fs::create_directories(sink);
-        rww.push_back(RawRun(raw, t, n, sink));
-        fs::remove_all(sink);
+        if (!kFerryOnly) {
+          rw.push_back(RawRun(raw, t, n));
+          fs::create_directories(sink);
+          rww.push_back(RawRun(raw, t, n, sink));
+          fs::remove_all(sink);
+        }
         fy.push_back(FerryRun(*pub, t, recv_dir / "ferry-sync-bench", n, v, tensor_bytes / 2));
       }
-      const double r_tp = gib * n / Median(rw), rw_tp = gib * n / Median(rww), f_tp = gib * n / Median(fy);
+      const double f_tp = gib * n / Median(fy);
+      if (kFerryOnly) {
+        std::printf("%-10s %9d %11s %15s %12.2f\n", name.c_str(), n, "-", "-", f_tp);
+        continue;
+      }
+      const double r_tp = gib * n / Median(rw), rw_tp = gib * n / Median(rww);
       const bool ok = f_tp >= 0.70 * r_tp;
       all_ok &= ok;
       std::printf("%-10s %9d %11.2f %15.2f %12.2f %8.2f %14.2f %s\n", name.c_str(), n, r_tp, rw_tp, f_tp, f_tp / r_tp,
                   f_tp / rw_tp, ok ? "PASS" : "FAIL");
     }
   }
-  std::printf("throughput target: %s\n", all_ok ? "PASS" : "FAIL");
+  if (!kFerryOnly) std::printf("throughput target: %s\n", all_ok ? "PASS" : "FAIL");
 }
 
 // ---------------------------------------------------------------- adapter vs merged
@@ -451,13 +462,22 @@ int main(int argc, char** argv) {
       kChunkBytes = static_cast<uint32_t>(std::atoi(next().c_str())) << 10;
     } else if (a == "--credit") {
       kCredit = static_cast<uint32_t>(std::atoi(next().c_str()));
+    } else if (a == "--transport") {
+      kTransports = {next()};
+      if (kTransports[0] != "ipc" && kTransports[0] != "tcp+curve") Die("--transport: ipc or tcp+curve");
+    } else if (a == "--receivers") {
+      kReceiverCounts = {std::atoi(next().c_str())};
+      if (kReceiverCounts[0] < 1) Die("--receivers must be positive");
+    } else if (a == "--ferry-only") {
+      kFerryOnly = true;
     } else if (a == "--skip-throughput") {
       throughput = false;
     } else if (a == "--skip-modes") {
       modes = false;
     } else if (a == "-h" || a == "--help") {
       std::printf("Usage: ferry_bench_sync [--work DIR] [--size-gb GB] [--reps N] [--recv-dir DIR] "
-                  "[--chunk-kib N] [--credit N] [--skip-throughput] [--skip-modes]\n");
+                  "[--chunk-kib N] [--credit N] [--transport ipc|tcp+curve] [--receivers N] [--ferry-only] "
+                  "[--skip-throughput] [--skip-modes]\n");
       return 0;
     } else {
       Die("unknown argument " + a + " (see --help)");

@@ -236,9 +236,35 @@ Checkpoint Checkpoint::FromTensors(std::filesystem::path origin, std::map<std::s
   return c;
 }
 
+Checkpoint Checkpoint::FromProducer(std::filesystem::path origin, std::vector<TensorInfo> infos,
+                                    TensorProducer produce) {
+  Checkpoint c;
+  c.path_ = std::move(origin);
+  for (auto& info : infos) {
+    Result<uint64_t> n = CheckedByteSize(info.dtype, info.shape);
+    info.begin = 0;
+    info.end = n.ok() ? *n : 0;
+    std::string name = info.name;
+    c.entries_.insert_or_assign(std::move(name), Entry{kProduced, std::move(info)});
+  }
+  c.producer_ = std::make_shared<const TensorProducer>(std::move(produce));
+  c.Finalize();
+  return c;
+}
+
 Result<Tensor> Checkpoint::Get(const std::string& name) const {
   auto it = entries_.find(name);
   if (it == entries_.end()) return Status::NotFound(path_.string() + ": no tensor " + Quote(name));
+  if (it->second.file == kProduced) {
+    FERRY_ASSIGN_OR_RETURN(Tensor t, (*producer_)(name));
+    const TensorInfo& want = it->second.info;
+    if (t.dtype() != want.dtype || t.shape() != want.shape) {
+      return Status::Internal(path_.string() + ": tensor " + Quote(name) + " was made as " +
+                              std::string(DTypeName(t.dtype())) + " " + ShapeToString(t.shape()) + ", announced as " +
+                              std::string(DTypeName(want.dtype)) + " " + ShapeToString(want.shape));
+    }
+    return t;
+  }
   if (it->second.file < 0) return memory_.at(name);
   return files_[static_cast<size_t>(it->second.file)]->View(it->second.info);
 }

@@ -34,6 +34,15 @@ class Checkpoint {
   // A checkpoint over tensors already in memory (tests, the legacy loader).
   static Checkpoint FromTensors(std::filesystem::path origin, std::map<std::string, Tensor> tensors);
 
+  // Makes tensor `name` on demand. Must return exactly the dtype and shape announced for it.
+  using TensorProducer = std::function<Result<Tensor>(const std::string& name)>;
+  // A checkpoint whose tensors are computed when asked for: `infos` announce every tensor
+  // (name, dtype, shape; begin/end are ignored) and Get(name) calls `produce(name)`, afresh
+  // on every call, so a consumer that takes one tensor at a time (the store's import)
+  // holds one tensor at a time. Get fails with kInternal naming the tensor when the
+  // producer breaks its announcement; Release is a no-op. `produce` is shared by copies.
+  static Checkpoint FromProducer(std::filesystem::path origin, std::vector<TensorInfo> infos, TensorProducer produce);
+
   const std::filesystem::path& path() const { return path_; }
   CheckpointFormat format() const { return format_; }
   // Sorted tensor names.
@@ -41,7 +50,8 @@ class Checkpoint {
   size_t size() const { return names_.size(); }
   bool Contains(const std::string& name) const { return entries_.count(name) != 0; }
 
-  // A zero-copy view of `name`; kNotFound naming the checkpoint when absent.
+  // A zero-copy view of `name` (a computed tensor for FromProducer); kNotFound naming the
+  // checkpoint when absent.
   Result<Tensor> Get(const std::string& name) const;
   // dtype and shape without touching data. nullptr when absent.
   const TensorInfo* Info(const std::string& name) const;
@@ -60,8 +70,10 @@ class Checkpoint {
   std::map<std::string, std::string> metadata() const;
 
  private:
+  static constexpr int kInMemory = -1;
+  static constexpr int kProduced = -2;
   struct Entry {
-    int file = -1;           // index into files_, or -1 for in-memory
+    int file = kInMemory;    // index into files_, or kInMemory / kProduced
     TensorInfo info;
   };
   static Result<Checkpoint> OpenIndex(const std::filesystem::path& index_path);
@@ -75,6 +87,7 @@ class Checkpoint {
   std::vector<std::shared_ptr<SafetensorsFile>> files_;
   std::map<std::string, Entry> entries_;
   std::map<std::string, Tensor> memory_;
+  std::shared_ptr<const TensorProducer> producer_;
   std::vector<std::string> names_;
 };
 

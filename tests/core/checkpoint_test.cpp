@@ -285,5 +285,50 @@ TEST(Checkpoint, MissingPathAndEmptyDirectory) {
   EXPECT_NE(find.status().message().find(dir.path().string()), std::string::npos);
 }
 
+// A producer-backed checkpoint announces its tensors without making them, makes each one
+// afresh on every Get (nothing cached), and refuses a tensor that breaks its announcement.
+TEST(Checkpoint, FromProducerMakesTensorsOnDemand) {
+  std::map<std::string, int> calls;
+  auto produce = [&](const std::string& name) -> Result<Tensor> {
+    ++calls[name];
+    if (name == "liar") return Tensor::Empty(DType::kF16, {2});
+    FERRY_ASSIGN_OR_RETURN(Tensor t, Tensor::Empty(DType::kF32, {2, 3}));
+    for (int i = 0; i < 6; ++i) t.mutable_data_as<float>()[i] = static_cast<float>(calls[name] * 10 + i);
+    return t;
+  };
+  std::vector<TensorInfo> infos = {{"z", DType::kF32, {2, 3}, 0, 0}, {"a", DType::kF32, {2, 3}, 0, 0},
+                                   {"liar", DType::kF32, {2}, 0, 0}};
+  Checkpoint c = Checkpoint::FromProducer("<made>", infos, produce);
+  EXPECT_EQ(c.names(), (std::vector<std::string>{"a", "liar", "z"}));
+  EXPECT_EQ(c.total_bytes(), 24u + 24u + 8u);
+  ASSERT_NE(c.Info("a"), nullptr);
+  EXPECT_EQ(c.Info("a")->nbytes(), 24u);
+  EXPECT_TRUE(calls.empty());  // announcing makes nothing
+
+  Tensor first = c.Get("a").value();
+  Tensor second = c.Get("a").value();
+  EXPECT_EQ(calls["a"], 2);
+  EXPECT_NE(first.data(), second.data());
+  EXPECT_EQ(first.data_as<float>()[5], 15.0f);
+  EXPECT_EQ(second.data_as<float>()[5], 25.0f);
+  EXPECT_EQ(c.RangeOf("a").fd, -1);
+  c.Release("a");  // no-op
+
+  auto bad = c.Get("liar");
+  ASSERT_FALSE(bad.ok());
+  EXPECT_EQ(bad.status().code(), StatusCode::kInternal);
+  EXPECT_NE(bad.status().message().find("'liar'"), std::string::npos) << bad.status().ToString();
+  EXPECT_NE(bad.status().message().find("announced as F32 [2]"), std::string::npos) << bad.status().ToString();
+
+  auto missing = c.Get("nope");
+  ASSERT_FALSE(missing.ok());
+  EXPECT_EQ(missing.status().code(), StatusCode::kNotFound);
+  EXPECT_NE(missing.status().message().find("<made>"), std::string::npos);
+
+  Checkpoint copy = c;  // copies share the producer
+  (void)copy.Get("z").value();
+  EXPECT_EQ(calls["z"], 1);
+}
+
 }  // namespace
 }  // namespace ferry

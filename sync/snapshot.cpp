@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <optional>
 #include <span>
 #include <thread>
 
@@ -112,11 +113,12 @@ class Merger {
   Merger(const Checkpoint& base, const Checkpoint& adapter, const MergePlan& plan, int threads)
       : base_(base), adapter_(adapter), plan_(plan), threads_(threads) {}
 
-  // The output tensor `name` (base space: hf names) in a new buffer.
-  Result<Tensor> Make(const std::string& name) {
+  // The output tensor `name` (base space: hf names): changed tensors in a new buffer, an
+  // unchanged one copied when `copy_unchanged`, else the source tensor itself.
+  Result<Tensor> Make(const std::string& name, bool copy_unchanged) {
     const std::string source = plan_.SourceOf(name);
     FERRY_ASSIGN_OR_RETURN(Tensor base, base_.Get(source));
-    if (!plan_.Changes(name)) return CopyTensor(base);
+    if (!plan_.Changes(name)) return copy_unchanged ? CopyTensor(base) : Result<Tensor>(std::move(base));
     if (const LoraModule* m = plan_.FusableDelta(name, base.dtype(), base.shape())) {
       FERRY_ASSIGN_OR_RETURN(Tensor out, Tensor::Empty(base.dtype(), base.shape()));
       FERRY_ASSIGN_OR_RETURN(std::vector<float> a, ReadTensorAsF32(adapter_, m->a_key));
@@ -156,54 +158,55 @@ class Merger {
   int threads_;
 };
 
-// Stacks q/k/v into qkv_proj and gate/up into gate_up_proj (weights and biases) on axis 0,
-// where every member is present (as `ferry convert --layout fused`).
-Status FuseLayout(std::map<std::string, Tensor>& tensors) {
+// The fused layout: q/k/v stack into qkv_proj and gate/up into gate_up_proj (weights and
+// biases) on axis 0, where every member is present (as `ferry convert --layout fused`).
+// Rewrites `outputs` (name -> info) and returns fused name -> member names, in order.
+Result<std::map<std::string, std::vector<std::string>>> PlanFusedLayout(std::map<std::string, TensorInfo>& outputs) {
   static const std::vector<std::pair<std::vector<std::string>, std::string>> kGroups = {
       {{"q_proj", "k_proj", "v_proj"}, "qkv_proj"}, {{"gate_proj", "up_proj"}, "gate_up_proj"}};
+  std::map<std::string, std::vector<std::string>> fused_members;
   std::vector<std::string> names;
-  for (const auto& [name, t] : tensors) names.push_back(name);
+  for (const auto& [name, info] : outputs) names.push_back(name);
   for (const std::string& name : names) {
     for (const auto& [members, fused] : kGroups) {
       for (const char* param : {".weight", ".bias"}) {
         const std::string first = "." + members[0] + param;
         if (!EndsWith(name, first)) continue;
         const std::string prefix = name.substr(0, name.size() - first.size() + 1);
-        const Tensor& t0 = tensors.at(name);
-        std::vector<Tensor> parts;
+        const TensorInfo& t0 = outputs.at(name);
+        std::vector<std::string> parts;
         int64_t rows = 0;
         for (const auto& m : members) {
-          auto it = tensors.find(prefix + m + param);
-          if (it == tensors.end()) break;
-          const Shape& s = it->second.shape();
-          const Shape& s0 = t0.shape();
+          auto it = outputs.find(prefix + m + param);
+          if (it == outputs.end()) break;
+          const Shape& s = it->second.shape;
+          const Shape& s0 = t0.shape;
           if (s.empty() || s.size() != s0.size() || !std::equal(s.begin() + 1, s.end(), s0.begin() + 1) ||
-              it->second.dtype() != t0.dtype()) {
+              it->second.dtype != t0.dtype) {
             return Status::InvalidArgument("snapshot source: cannot fuse " + Q(it->first) + " " + ShapeToString(s) +
                                            " with " + Q(name) + " " + ShapeToString(s0));
           }
           rows += s[0];
-          parts.push_back(it->second);
+          parts.push_back(it->first);
         }
         if (parts.size() != members.size()) continue;
         const std::string fused_name = prefix + fused + param;
-        if (tensors.count(fused_name)) {
+        if (outputs.count(fused_name)) {
           return Status::InvalidArgument("snapshot source: has both " + Q(fused_name) + " and " + Q(name));
         }
-        Shape shape = t0.shape();
-        shape[0] = rows;
-        FERRY_ASSIGN_OR_RETURN(Tensor out, Tensor::Empty(t0.dtype(), shape));
-        size_t offset = 0;
-        for (const Tensor& p : parts) {
-          if (p.nbytes() > 0) std::memcpy(out.mutable_data() + offset, p.data(), p.nbytes());
-          offset += p.nbytes();
-        }
-        for (const auto& m : members) tensors.erase(prefix + m + param);
-        tensors.emplace(fused_name, std::move(out));
+        TensorInfo info = t0;
+        info.name = fused_name;
+        info.shape[0] = rows;
+        FERRY_ASSIGN_OR_RETURN(const uint64_t nbytes, CheckedByteSize(info.dtype, info.shape));
+        info.begin = 0;
+        info.end = nbytes;
+        for (const auto& part : parts) outputs.erase(part);
+        outputs.emplace(fused_name, std::move(info));
+        fused_members.emplace(fused_name, std::move(parts));
       }
     }
   }
-  return Status::OK();
+  return fused_members;
 }
 
 // config.json as `ferry convert` writes it beside merged weights.
@@ -241,50 +244,129 @@ int ThreadsOf(const SnapshotOptions& options) {
 
 }  // namespace
 
-std::string_view SnapshotLayoutName(SnapshotLayout layout) {
-  return layout == SnapshotLayout::kFused ? "fused" : "hf";
-}
+// Everything BuildSnapshot decides before it makes a tensor; LazySnapshot's producer makes
+// tensors from it on demand.
+struct SnapshotPlanState {
+  std::vector<std::pair<std::string, std::string>> aux;
+  bool merging = false;
+  SnapshotLayout layout = SnapshotLayout::kHf;
+  Checkpoint base;     // the normalised source tensors (views of the caller's)
+  Checkpoint adapter;  // adapter tensors (views)
+  std::optional<MergePlan> plan;
+  std::unique_ptr<Merger> merger;                            // refers to base, adapter, plan
+  std::map<std::string, TensorInfo> outputs;                 // output name -> dtype, shape
+  std::map<std::string, std::vector<std::string>> fused;     // fused name -> members, stacked
+  uint64_t bytes = 0;
 
-Result<std::shared_ptr<const Snapshot>> BuildSnapshot(const SnapshotSource& source, const SnapshotOptions& options) {
-  FERRY_ASSIGN_OR_RETURN(auto aux, SortedAux(source.aux_files));
+  Result<Tensor> MakeUnfused(const std::string& name, bool copy_unchanged) {
+    if (merger) return merger->Make(name, copy_unchanged);
+    FERRY_ASSIGN_OR_RETURN(Tensor t, base.Get(name));
+    return copy_unchanged ? CopyTensor(t) : Result<Tensor>(std::move(t));
+  }
+
+  // Output tensor `name`: merged, stacked and (with `copy_unchanged`) copied tensors in new
+  // buffers; without it an unchanged tensor is the source's own.
+  Result<Tensor> Make(const std::string& name, bool copy_unchanged) {
+    auto f = fused.find(name);
+    if (f == fused.end()) return MakeUnfused(name, copy_unchanged);
+    const TensorInfo& info = outputs.at(name);
+    FERRY_ASSIGN_OR_RETURN(Tensor out, Tensor::Empty(info.dtype, info.shape));
+    size_t offset = 0;
+    for (const std::string& member : f->second) {
+      FERRY_ASSIGN_OR_RETURN(Tensor part, MakeUnfused(member, /*copy_unchanged=*/false));
+      if (part.nbytes() > out.nbytes() - offset) {
+        return Status::Internal("snapshot: " + Q(member) + " does not fit in " + Q(name));
+      }
+      if (part.nbytes() > 0) std::memcpy(out.mutable_data() + offset, part.data(), part.nbytes());
+      offset += part.nbytes();
+    }
+    return out;
+  }
+};
+
+namespace {
+
+// Plans the snapshot of `source`: every check BuildSnapshot makes, no tensor made.
+Result<std::shared_ptr<SnapshotPlanState>> PlanSnapshot(const SnapshotSource& source, const SnapshotOptions& options) {
+  auto p = std::make_shared<SnapshotPlanState>();
+  FERRY_ASSIGN_OR_RETURN(p->aux, SortedAux(source.aux_files));
   FERRY_ASSIGN_OR_RETURN(Normalised in, Normalise(source));
-  std::map<std::string, Tensor> out;
-  const bool merging = source.adapter_config.has_value();
-  if (!merging) {
+  p->merging = source.adapter_config.has_value();
+  p->layout = options.layout;
+  auto add_output = [&](const std::string& name, const std::string& from) {
+    TensorInfo info = *p->base.Info(from);
+    info.name = name;
+    p->outputs.emplace(name, std::move(info));
+  };
+  if (!p->merging) {
     if (!in.adapter.empty()) {
       return Status::InvalidArgument("snapshot source: adapter tensor " + Q(in.adapter.begin()->first) +
                                      " given without an adapter config");
     }
-    FERRY_ASSIGN_OR_RETURN(out, CopyAll(in.base));
+    p->base = Checkpoint::FromTensors(std::string(kSourceOrigin), std::move(in.base));
+    for (const std::string& name : p->base.names()) add_output(name, name);
   } else {
     const PeftConfig& cfg = *source.adapter_config;
     FERRY_RETURN_IF_ERROR(cfg.CheckMergeable());
-    const Checkpoint base = Checkpoint::FromTensors(std::string(kSourceOrigin), std::move(in.base));
-    const Checkpoint adapter = Checkpoint::FromTensors(std::string(kAdapterOrigin), std::move(in.adapter));
-    auto planned = PlanMerge(cfg, adapter, base, options.tie_word_embeddings);
+    p->base = Checkpoint::FromTensors(std::string(kSourceOrigin), std::move(in.base));
+    p->adapter = Checkpoint::FromTensors(std::string(kAdapterOrigin), std::move(in.adapter));
+    auto planned = PlanMerge(cfg, p->adapter, p->base, options.tie_word_embeddings);
     if (!planned.ok()) return InMemoryContext(planned.status());
-    MergePlan plan = std::move(planned).value();
+    p->plan = std::move(planned).value();
+    const MergePlan& plan = *p->plan;
     if (!plan.quantized.empty()) {
       return Status::Unsupported("snapshot source: tensor " + Q(plan.quantized.begin()->first) +
                                  " is a 4-bit quantised weight; snapshot unquantised parameters");
     }
-    Merger merger(base, adapter, plan, ThreadsOf(options));
-    for (const std::string& name : base.names()) {
-      if (plan.quant_aux.count(name)) continue;
-      FERRY_ASSIGN_OR_RETURN(Tensor t, merger.Make(name));
-      out.emplace(name, std::move(t));
+    for (const std::string& name : p->base.names()) {
+      if (!plan.quant_aux.count(name)) add_output(name, plan.SourceOf(name));
     }
-    if (plan.untie) {
-      FERRY_ASSIGN_OR_RETURN(Tensor t, merger.Make(plan.lm_head_key));
-      out.emplace(plan.lm_head_key, std::move(t));
+    if (plan.untie) add_output(plan.lm_head_key, plan.SourceOf(plan.lm_head_key));
+    // Every tensor the plan changes can be written back in its dtype (checked before any
+    // tensor is made, so a streamed snapshot fails before it writes anything).
+    for (const auto& [name, info] : p->outputs) {
+      if (plan.Changes(name) && !CanWriteFromF32(info.dtype)) {
+        return Status::Unsupported("snapshot source: tensor " + Q(plan.SourceOf(name)) + " is " +
+                                   std::string(DTypeName(info.dtype)) +
+                                   " and cannot be merged (only F32, F16, BF16 and F64 weights can)");
+      }
     }
-    for (auto& [name, contents] : aux) {
+    p->merger = std::make_unique<Merger>(p->base, p->adapter, plan, ThreadsOf(options));
+    for (auto& [name, contents] : p->aux) {
       if (name == "config.json") {
         FERRY_ASSIGN_OR_RETURN(contents, RewriteModelConfig(contents, plan.untie));
       }
     }
   }
-  if (options.layout == SnapshotLayout::kFused) FERRY_RETURN_IF_ERROR(FuseLayout(out));
+  if (options.layout == SnapshotLayout::kFused) {
+    FERRY_ASSIGN_OR_RETURN(p->fused, PlanFusedLayout(p->outputs));
+  }
+  for (const auto& [name, info] : p->outputs) p->bytes += info.nbytes();
+  return p;
+}
+
+// RecordSnapshot's adjustments of the caller's import options.
+store::ImportOptions RecordOptions(bool merged, SnapshotLayout layout, const store::ImportOptions& options) {
+  store::ImportOptions opts = options;
+  if (merged && opts.kind == store::VersionKind::kFull) opts.kind = store::VersionKind::kMerged;
+  if (opts.source == store::VersionSource::kImport) opts.source = store::VersionSource::kDaemon;
+  opts.layout = std::string(SnapshotLayoutName(layout));
+  return opts;
+}
+
+}  // namespace
+
+std::string_view SnapshotLayoutName(SnapshotLayout layout) {
+  return layout == SnapshotLayout::kFused ? "fused" : "hf";
+}
+
+Result<std::shared_ptr<const Snapshot>> BuildSnapshot(const SnapshotSource& source, const SnapshotOptions& options) {
+  FERRY_ASSIGN_OR_RETURN(std::shared_ptr<SnapshotPlanState> p, PlanSnapshot(source, options));
+  std::map<std::string, Tensor> out;
+  for (const auto& [name, info] : p->outputs) {
+    FERRY_ASSIGN_OR_RETURN(Tensor t, p->Make(name, /*copy_unchanged=*/true));
+    out.emplace(name, std::move(t));
+  }
 
   auto snap = std::shared_ptr<Snapshot>(new Snapshot());
   std::vector<store::TensorRow> rows;
@@ -300,25 +382,45 @@ Result<std::shared_ptr<const Snapshot>> BuildSnapshot(const SnapshotSource& sour
     rows.push_back(std::move(row));
   }
   std::vector<store::AuxFile> aux_rows;
-  for (const auto& [name, contents] : aux) {
+  for (const auto& [name, contents] : p->aux) {
     aux_rows.push_back(store::AuxFile{name, store::internal::HashString(contents), contents.size()});
   }
   snap->manifest_id_ = store::internal::ManifestDigest(rows, aux_rows);
   snap->checkpoint_ = Checkpoint::FromTensors("<snapshot " + snap->manifest_id_.Hex() + ">", std::move(out));
-  snap->aux_files_ = std::move(aux);
+  snap->aux_files_ = std::move(p->aux);
   snap->layout_ = options.layout;
-  snap->merged_ = merging;
+  snap->merged_ = p->merging;
   return std::shared_ptr<const Snapshot>(std::move(snap));
+}
+
+Result<std::unique_ptr<const LazySnapshot>> LazySnapshot::Plan(const SnapshotSource& source,
+                                                               const SnapshotOptions& options) {
+  FERRY_ASSIGN_OR_RETURN(std::shared_ptr<SnapshotPlanState> p, PlanSnapshot(source, options));
+  std::vector<TensorInfo> infos;
+  for (const auto& [name, info] : p->outputs) infos.push_back(info);
+  auto lazy = std::unique_ptr<LazySnapshot>(new LazySnapshot());
+  lazy->state_ = p;
+  // The producer keeps the plan alive; a tensor it makes lives as long as its consumer keeps it.
+  lazy->checkpoint_ = Checkpoint::FromProducer("<lazy snapshot>", std::move(infos), [p](const std::string& name) {
+    return p->Make(name, /*copy_unchanged=*/false);
+  });
+  return std::unique_ptr<const LazySnapshot>(std::move(lazy));
+}
+
+const std::vector<std::pair<std::string, std::string>>& LazySnapshot::aux_files() const { return state_->aux; }
+SnapshotLayout LazySnapshot::layout() const { return state_->layout; }
+bool LazySnapshot::merged() const { return state_->merging; }
+uint64_t LazySnapshot::bytes() const { return state_->bytes; }
+
+Result<store::ImportResult> LazySnapshot::Record(store::Store& store, const store::ImportOptions& options) const {
+  return store.ImportCheckpoint(checkpoint_, state_->aux, RecordOptions(merged(), layout(), options));
 }
 
 Result<store::ImportResult> RecordSnapshot(store::Store& store, const Snapshot& snapshot,
                                            const store::ImportOptions& options) {
-  store::ImportOptions opts = options;
-  if (snapshot.merged() && opts.kind == store::VersionKind::kFull) opts.kind = store::VersionKind::kMerged;
-  if (opts.source == store::VersionSource::kImport) opts.source = store::VersionSource::kDaemon;
-  opts.layout = std::string(SnapshotLayoutName(snapshot.layout()));
   FERRY_ASSIGN_OR_RETURN(store::ImportResult result,
-                         store.ImportCheckpoint(snapshot.checkpoint(), snapshot.aux_files(), opts));
+                         store.ImportCheckpoint(snapshot.checkpoint(), snapshot.aux_files(),
+                                                RecordOptions(snapshot.merged(), snapshot.layout(), options)));
   if (result.record.id != snapshot.manifest_id()) {
     return Status::Internal("snapshot " + snapshot.manifest_id().Hex() + " was recorded as version " +
                             result.record.id.Hex() + ": the manifest digests disagree");

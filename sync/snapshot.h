@@ -121,6 +121,39 @@ Result<std::shared_ptr<const Snapshot>> BuildSnapshot(const SnapshotSource& sour
 Result<store::ImportResult> RecordSnapshot(store::Store& store, const Snapshot& snapshot,
                                            const store::ImportOptions& options);
 
+// A snapshot planned but not made, for models too big to hold merged in memory (the
+// `--watch` path): Plan makes every check BuildSnapshot makes and fixes every output
+// tensor's name, dtype and shape, but makes no tensor; checkpoint().Get(name) makes one on
+// demand (merged and stacked tensors into new buffers; an unchanged tensor is the source's
+// own, not a copy). Record streams it into a store one tensor at a time: peak memory is the
+// largest output tensor (with its fp32 working copy), not the model, and the version
+// recorded is exactly the one BuildSnapshot + RecordSnapshot record (same id).
+// REQUIRES: the source tensors stay alive and unchanged while the LazySnapshot is used.
+// Thread-compatible: one Get or Record at a time.
+struct SnapshotPlanState;
+class LazySnapshot {
+ public:
+  // BuildSnapshot's errors, before any tensor is made.
+  static Result<std::unique_ptr<const LazySnapshot>> Plan(const SnapshotSource& source, const SnapshotOptions& options);
+
+  // The output tensors (names sorted), made on each Get.
+  const Checkpoint& checkpoint() const { return checkpoint_; }
+  // As Snapshot::aux_files().
+  const std::vector<std::pair<std::string, std::string>>& aux_files() const;
+  SnapshotLayout layout() const;
+  bool merged() const;
+  uint64_t bytes() const;
+
+  // RecordSnapshot for the lazily made tensors (the same adjustments of `options`). A
+  // failure part-way commits nothing (objects already written stay for GarbageCollect).
+  Result<store::ImportResult> Record(store::Store& store, const store::ImportOptions& options) const;
+
+ private:
+  LazySnapshot() = default;
+  std::shared_ptr<SnapshotPlanState> state_;
+  Checkpoint checkpoint_;
+};
+
 // Adapter-only publication: what a receiver that keeps the base needs to rebuild the
 // publisher's merged weights and prove it did.
 struct AdapterSnapshot {

@@ -250,8 +250,10 @@ Status CheckpointWatcher::ImportAdapter(const fs::path& dir, WatchedCheckpoint& 
   so.layout = options_.layout;
   so.threads = options_.threads;
   so.tie_word_embeddings = tie_word_embeddings_;
-  // Merge first: an adapter that does not fit the base leaves nothing in the store.
-  FERRY_ASSIGN_OR_RETURN(std::shared_ptr<const Snapshot> snapshot, BuildSnapshot(source, so));
+  // Plan first: an adapter that does not fit the base leaves nothing in the store. The
+  // merged weights are then made and stored one tensor at a time (the model is never held
+  // merged in memory).
+  FERRY_ASSIGN_OR_RETURN(std::unique_ptr<const LazySnapshot> snapshot, LazySnapshot::Plan(source, so));
 
   store::ImportOptions ao;
   ao.run = options_.run;
@@ -267,7 +269,7 @@ Status CheckpointWatcher::ImportAdapter(const fs::path& dir, WatchedCheckpoint& 
   mo.step = out.step;
   mo.base_version = base_version_;
   mo.adapter_version = imported.record.id;
-  FERRY_ASSIGN_OR_RETURN(store::ImportResult merged, RecordSnapshot(*store_, *snapshot, mo));
+  FERRY_ASSIGN_OR_RETURN(store::ImportResult merged, snapshot->Record(*store_, mo));
   out.version = merged.record.id;
   return Status::OK();
 }

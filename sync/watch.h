@@ -8,9 +8,10 @@
 // directory is then parsed:
 //   adapter     adapter_config.json + adapter_model.safetensors (or .bin): imported as kind
 //               adapter (base_version = the base, step), merged onto the base with
-//               BuildSnapshot (the converter's arithmetic, in the watcher's layout) and the
-//               merged snapshot recorded with RecordSnapshot (kind merged, adapter_version,
-//               base_version, step). The merge is built BEFORE anything is imported, so an
+//               LazySnapshot (the converter's arithmetic, in the watcher's layout) and the
+//               merged weights recorded tensor by tensor (kind merged, adapter_version,
+//               base_version, step): memory holds one merged tensor at a time, never the
+//               model. The merge is planned and checked BEFORE anything is imported, so an
 //               adapter that does not fit the base leaves nothing behind.
 //   full model  config.json + model.safetensors (or model.safetensors.index.json + shards):
 //               imported as kind full (step).

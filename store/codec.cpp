@@ -247,6 +247,10 @@ bool IsAuxFileName(std::string_view n) {
          starts("chat_template.") || n == "adapter_config.json";
 }
 
+}  // namespace ferry::store::internal
+
+namespace ferry::store {
+
 Result<std::vector<std::pair<std::string, std::string>>> CollectAuxFiles(const std::filesystem::path& dir) {
   std::vector<std::pair<std::string, std::string>> out;
   std::error_code ec;
@@ -255,7 +259,7 @@ Result<std::vector<std::pair<std::string, std::string>>> CollectAuxFiles(const s
   for (; it != std::filesystem::directory_iterator(); it.increment(ec)) {
     if (ec) return Status::IOError(dir.string() + ": cannot list directory: " + ec.message());
     const std::string name = it->path().filename().string();
-    if (!IsAuxFileName(name)) continue;
+    if (!internal::IsAuxFileName(name)) continue;
     std::error_code sec;
     if (!it->is_regular_file(sec)) continue;
     FERRY_ASSIGN_OR_RETURN(std::string contents, ReadSmallFile(it->path(), size_t{256} << 20));
@@ -265,4 +269,4 @@ Result<std::vector<std::pair<std::string, std::string>>> CollectAuxFiles(const s
   return out;
 }
 
-}  // namespace ferry::store::internal
+}  // namespace ferry::store

@@ -288,14 +288,6 @@ std::string_view EventTypeName(Event::Type t) {
 
 namespace internal {
 
-TensorDigester::TensorDigester(DType dtype, const Shape& shape) {
-  std::string head("ferry.tensor.v1", 16);  // including the terminating NUL
-  PutTypeAndShape(head, dtype, shape);
-  hash_.Update(head.data(), head.size());
-}
-
-Digest TensorDigester::Finish() const { return FromHash(hash_.Digest()); }
-
 TensorStats::TensorStats(DType dtype) : dtype_(dtype) {
   switch (dtype) {
     case DType::kF32: case DType::kF64: case DType::kF16: case DType::kBF16:
@@ -376,29 +368,6 @@ Digest HashBytes(std::span<const std::byte> bytes) { return FromHash(kernels::Xx
 
 Digest HashString(std::string_view s) { return FromHash(kernels::Xxh3_128(s.data(), s.size())); }
 
-Digest ManifestDigest(const std::vector<TensorRow>& tensors, const std::vector<AuxFile>& aux) {
-  kernels::Xxh3_128Stream h;
-  std::string buf("ferry.manifest.v1", 18);  // including the terminating NUL
-  for (const TensorRow& t : tensors) {
-    buf.append(t.name);
-    buf.push_back('\0');
-    PutTypeAndShape(buf, t.dtype, t.shape);
-    buf.append(DigestKey(t.digest));
-    if (buf.size() > 60000) {
-      h.Update(buf.data(), buf.size());
-      buf.clear();
-    }
-  }
-  buf.append("ferry.aux.v1", 13);  // including the terminating NUL
-  for (const AuxFile& a : aux) {
-    buf.append(a.name);
-    buf.push_back('\0');
-    buf.append(DigestKey(a.digest));
-  }
-  h.Update(buf.data(), buf.size());
-  return FromHash(h.Digest());
-}
-
 std::string U64Be(uint64_t v) {
   std::string s;
   PutU64Be(s, v);
@@ -439,4 +408,38 @@ int64_t NowNs() {
 }
 
 }  // namespace internal
+
+TensorDigester::TensorDigester(DType dtype, const Shape& shape) {
+  std::string head("ferry.tensor.v1", 16);  // including the terminating NUL
+  PutTypeAndShape(head, dtype, shape);
+  hash_.Update(head.data(), head.size());
+}
+
+Digest TensorDigester::Finish() const { return FromHash(hash_.Digest()); }
+
+Digest AuxDigest(std::string_view contents) { return internal::HashString(contents); }
+
+Digest ManifestDigest(const std::vector<TensorRow>& tensors, const std::vector<AuxFile>& aux) {
+  kernels::Xxh3_128Stream h;
+  std::string buf("ferry.manifest.v1", 18);  // including the terminating NUL
+  for (const TensorRow& t : tensors) {
+    buf.append(t.name);
+    buf.push_back('\0');
+    PutTypeAndShape(buf, t.dtype, t.shape);
+    buf.append(internal::DigestKey(t.digest));
+    if (buf.size() > 60000) {
+      h.Update(buf.data(), buf.size());
+      buf.clear();
+    }
+  }
+  buf.append("ferry.aux.v1", 13);  // including the terminating NUL
+  for (const AuxFile& a : aux) {
+    buf.append(a.name);
+    buf.push_back('\0');
+    buf.append(internal::DigestKey(a.digest));
+  }
+  h.Update(buf.data(), buf.size());
+  return FromHash(h.Digest());
+}
+
 }  // namespace ferry::store

@@ -18,20 +18,11 @@
 
 namespace ferry::store::internal {
 
+using store::TensorDigester;
+
 // Tensors are hashed, copied and checked in pieces of this size (a multiple of every
 // element size) so that the statistics pass finds each piece still in cache.
 inline constexpr size_t kChunkBytes = size_t{1} << 20;
-
-// Streams the tensor digest of store.h over a tensor's bytes, fed in any number of pieces.
-class TensorDigester {
- public:
-  TensorDigester(DType dtype, const Shape& shape);
-  void Update(std::span<const std::byte> bytes) { hash_.Update(bytes.data(), bytes.size()); }
-  Digest Finish() const;
-
- private:
-  kernels::Xxh3_128Stream hash_;
-};
 
 // The statistics TensorRow records for floating-point tensors, accumulated piece by piece.
 // Pieces must end on element boundaries (kChunkBytes-sized pieces do).
@@ -62,8 +53,7 @@ Result<Digest> DigestFromKey(std::string_view key);
 // XXH3-128 of arbitrary bytes as a Digest.
 Digest HashBytes(std::span<const std::byte> bytes);
 Digest HashString(std::string_view s);
-// The manifest digest of store.h. `tensors` and `aux` must be sorted by name.
-Digest ManifestDigest(const std::vector<TensorRow>& tensors, const std::vector<AuxFile>& aux);
+using store::ManifestDigest;
 
 // Key encodings (see the column-family table in store.h).
 std::string U64Be(uint64_t v);
@@ -84,8 +74,7 @@ Result<Event> DecodeEvent(std::string_view json);
 // Run names become key prefixes: non-empty, at most 256 bytes, no NUL or control characters.
 Status ValidateRunName(const std::string& run);
 
-// The auxiliary files (store.h's list) found in `dir`, sorted by name, with contents.
-Result<std::vector<std::pair<std::string, std::string>>> CollectAuxFiles(const std::filesystem::path& dir);
+using store::CollectAuxFiles;
 // True when `name` is an auxiliary file name of store.h's list.
 bool IsAuxFileName(std::string_view name);
 

@@ -93,6 +93,7 @@
 
 #include "core/checkpoint.h"
 #include "core/status.h"
+#include "kernels/hash.h"
 
 namespace ferry::store {
 
@@ -109,6 +110,21 @@ struct Digest {
 Digest TensorDigest(const Tensor& t);
 // The same over bytes held elsewhere (e.g. a file range being copied).
 Digest TensorDigest(DType dtype, const Shape& shape, std::span<const std::byte> bytes);
+
+// The tensor digest streamed over a tensor's bytes fed in any number of pieces (a receiver
+// hashing chunks as they arrive): Finish() equals TensorDigest of the concatenation.
+class TensorDigester {
+ public:
+  TensorDigester(DType dtype, const Shape& shape);
+  void Update(std::span<const std::byte> bytes) { hash_.Update(bytes.data(), bytes.size()); }
+  Digest Finish() const;
+
+ private:
+  kernels::Xxh3_128Stream hash_;
+};
+
+// The digest of an auxiliary file's contents (AuxFile::digest).
+Digest AuxDigest(std::string_view contents);
 
 enum class VersionKind { kBase, kAdapter, kMerged, kFull };
 enum class VersionSource { kConvert, kImport, kDaemon, kSync };
@@ -245,6 +261,16 @@ class Store {
   // For read-only (secondary) stores: catch up with the writer's newest commits.
   virtual Status Refresh() = 0;
 };
+
+// The manifest digest defined above (a version's id) over its tensor rows and auxiliary
+// files, each list sorted by name. A receiver that verified every row's digest proves the
+// id of what it holds with this, without hashing the bytes again.
+Digest ManifestDigest(const std::vector<TensorRow>& tensors, const std::vector<AuxFile>& aux);
+
+// The auxiliary files of the list above found in `dir` (name, contents), sorted by name:
+// what Import records beside the weights of a model directory. kIOError naming the
+// directory when it cannot be listed; files over 256 MiB are an error naming the file.
+Result<std::vector<std::pair<std::string, std::string>>> CollectAuxFiles(const std::filesystem::path& dir);
 
 // Hashes the weights at `path` without storing them (what `ferry verify PATH` does): a
 // record with id, tensors and aux files filled in (run/sequence empty).

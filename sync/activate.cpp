@@ -14,7 +14,6 @@
 #include "core/mapped_file.h"
 #include "core/safetensors.h"
 #include "core/staging_dir.h"
-#include "store/internal.h"
 
 namespace ferry::sync {
 namespace {
@@ -180,7 +179,7 @@ Result<Plan> Relayout(const fs::path& received) {
   p.mapped.emplace(std::move(ckpt));
   std::error_code ec;
   const fs::path dir = fs::is_directory(received, ec) ? received : received.parent_path();
-  FERRY_ASSIGN_OR_RETURN(p.aux, store::internal::CollectAuxFiles(dir.empty() ? fs::path(".") : dir));
+  FERRY_ASSIGN_OR_RETURN(p.aux, store::CollectAuxFiles(dir.empty() ? fs::path(".") : dir));
   return p;
 }
 

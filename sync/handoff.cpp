@@ -5,7 +5,6 @@
 #include <utility>
 #include <vector>
 
-#include "store/internal.h"
 #include "sync/protocol.h"
 
 namespace ferry::sync {
@@ -27,9 +26,9 @@ Result<store::Digest> ComputeManifestId(const Snapshot& snapshot) {
   std::vector<store::AuxFile> aux;  // aux_files() is sorted by name
   aux.reserve(snapshot.aux_files().size());
   for (const auto& [name, contents] : snapshot.aux_files()) {
-    aux.push_back(store::AuxFile{name, store::internal::HashString(contents), contents.size()});
+    aux.push_back(store::AuxFile{name, store::AuxDigest(contents), contents.size()});
   }
-  return store::internal::ManifestDigest(rows, aux);
+  return store::ManifestDigest(rows, aux);
 }
 
 SnapshotChannel::SnapshotChannel(store::Store* store, std::string run) : store_(store), run_(std::move(run)) {}

@@ -19,7 +19,6 @@
 
 #include "core/mapped_file.h"
 #include "core/safetensors.h"
-#include "store/internal.h"
 #include "sync/activate.h"
 #include "sync/protocol.h"
 
@@ -395,7 +394,7 @@ class Session {
                          uint64_t offset, const fs::path& path, std::vector<std::byte>& piece) {
     const auto range = src.file->RangeOf(info);
     if (range.length != row.nbytes) return false;
-    store::internal::TensorDigester digester(row.dtype, row.shape);
+    store::TensorDigester digester(row.dtype, row.shape);
     piece.resize(kCopyPieceBytes);
     for (uint64_t done = 0; done < range.length;) {
       const size_t want = static_cast<size_t>(std::min<uint64_t>(piece.size(), range.length - done));
@@ -454,7 +453,7 @@ class Session {
         }
       }
       for (int attempt = 0;; ++attempt) {
-        store::internal::TensorDigester digester(row.dtype, row.shape);
+        store::TensorDigester digester(row.dtype, row.shape);
         if (row.nbytes > 0) {
           FERRY_ASSIGN_OR_RETURN(Outcome oc, Fetch(man, ItemKind::kTensor, i, row.nbytes,
                                                    [&](std::span<const std::byte> bytes, uint64_t offset) {
@@ -486,7 +485,7 @@ class Session {
                                                    }));
           if (oc == Outcome::kNewer) return oc;
         }
-        if (store::internal::HashString(aux) == file.digest) break;
+        if (store::AuxDigest(aux) == file.digest) break;
         if (attempt >= o_.max_retries || aux.empty()) {
           return Status::Corruption("sync: aux file " + file.name + " of version " + man.version.Hex() +
                                     " still fails its digest after " + std::to_string(attempt) + " refetches");
@@ -500,7 +499,7 @@ class Session {
     // manifest digest, and the safetensors header was laid out from the manifest, so the
     // manifest digest over those verified rows is the id of exactly these files (what
     // store::HashPath would compute, without reading everything a second time).
-    const store::Digest computed = store::internal::ManifestDigest(man.tensors, man.aux);
+    const store::Digest computed = store::ManifestDigest(man.tensors, man.aux);
     if (!(computed == man.version)) {
       return Status::Corruption("sync: received files of version " + man.version.Hex() + " hash to " +
                                 computed.Hex() + " (the manifest is inconsistent with its tensors)");

@@ -10,7 +10,6 @@
 
 #include "convert/merge_plan.h"
 #include "kernels/lora_merge.h"
-#include "store/internal.h"
 
 namespace ferry::sync {
 namespace {
@@ -383,9 +382,9 @@ Result<std::shared_ptr<const Snapshot>> BuildSnapshot(const SnapshotSource& sour
   }
   std::vector<store::AuxFile> aux_rows;
   for (const auto& [name, contents] : p->aux) {
-    aux_rows.push_back(store::AuxFile{name, store::internal::HashString(contents), contents.size()});
+    aux_rows.push_back(store::AuxFile{name, store::AuxDigest(contents), contents.size()});
   }
-  snap->manifest_id_ = store::internal::ManifestDigest(rows, aux_rows);
+  snap->manifest_id_ = store::ManifestDigest(rows, aux_rows);
   snap->checkpoint_ = Checkpoint::FromTensors("<snapshot " + snap->manifest_id_.Hex() + ">", std::move(out));
   snap->aux_files_ = std::move(p->aux);
   snap->layout_ = options.layout;

@@ -28,14 +28,17 @@ void RunImport(const ImportFlags& f) {
   }
   std::error_code ec;
   if (!std::filesystem::exists(f.path, ec)) Fail(f.path + ": no such file or directory");
+  const bool adapter = std::filesystem::is_directory(f.path, ec) &&
+                       std::filesystem::exists(std::filesystem::path(f.path) / "adapter_config.json", ec);
   if (f.kind.empty()) {
-    const bool adapter = std::filesystem::is_directory(f.path, ec) &&
-                         std::filesystem::exists(std::filesystem::path(f.path) / "adapter_config.json", ec);
     o.kind = adapter ? store::VersionKind::kAdapter : store::VersionKind::kFull;
   } else {
     auto kind = store::ParseKind(f.kind);
     if (!kind.ok()) Fail("--kind: " + kind.status().message());
     o.kind = *kind;
+    if (adapter && o.kind != store::VersionKind::kAdapter) {
+      Fail(f.path + " is a PEFT adapter (it holds adapter_config.json); --kind " + f.kind + " is refused");
+    }
   }
   o.step = f.step;
   o.metrics = ParseMetricsOrFail(f.metrics);
@@ -93,7 +96,8 @@ void SetStoreCommand(CLI::App& app) {
   CLI::App* cmd = store->add_subcommand("import", "Record a safetensors file, model directory or PEFT adapter as a version");
   cmd->footer(
       "Prints the version id (the manifest digest: the same weights and configs always get the same id).\n"
-      "A directory holding adapter_config.json is recorded as kind adapter unless --kind says otherwise.\n"
+      "A directory holding adapter_config.json is recorded as kind adapter; --kind base, merged or full on an\n"
+      "adapter (or --kind adapter on anything else) is refused.\n"
       "The store is created when --db does not exist yet. Exit code 1 on error.");
   cmd->add_option("PATH", f->path, "safetensors file, model directory (sharded or not) or PEFT adapter directory")
       ->required();

@@ -143,7 +143,16 @@ Result<ImportResult> RocksStore::Import(const std::filesystem::path& path, const
   FERRY_ASSIGN_OR_RETURN(Checkpoint ckpt, Checkpoint::Open(path));
   FERRY_ASSIGN_OR_RETURN(auto aux, AuxOf(path));
   ImportOptions opts = options;
-  if (opts.kind == VersionKind::kFull && LooksLikeAdapter(ckpt, aux)) opts.kind = VersionKind::kAdapter;
+  const bool adapter = LooksLikeAdapter(ckpt, aux);
+  if (opts.kind == VersionKind::kFull && adapter) opts.kind = VersionKind::kAdapter;
+  if (adapter && opts.kind != VersionKind::kAdapter) {
+    return Status::InvalidArgument(path.string() + " is a PEFT adapter (adapter_config.json or adapter_model.*) and "
+                                   "cannot be recorded as kind " + std::string(KindName(opts.kind)));
+  }
+  if (!adapter && opts.kind == VersionKind::kAdapter) {
+    return Status::InvalidArgument(path.string() + " is not a PEFT adapter (no adapter_config.json or adapter_model.*) "
+                                   "and cannot be recorded as kind adapter");
+  }
   return ImportCheckpoint(ckpt, aux, opts);
 }
 

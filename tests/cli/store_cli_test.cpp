@@ -260,6 +260,16 @@ TEST_F(StoreCli, HelpAndUsageErrors) {
   auto metric = RunFerry({"store", "import", (kCase / "base").string(), "--db", db_, "--metric", "reward"});
   EXPECT_EQ(metric.exit_code, 1);
   EXPECT_NE(metric.err.find("--metric 'reward' is not key=value"), std::string::npos) << metric.err;
+  for (const char* k : {"base", "merged", "full"}) {  // an adapter recorded as a model would be merged onto
+    auto wrong = RunFerry({"store", "import", (kCase / "adapter").string(), "--db", db_, "--kind", k});
+    EXPECT_EQ(wrong.exit_code, 1) << k;
+    EXPECT_NE(wrong.err.find((kCase / "adapter").string() + " is a PEFT adapter"), std::string::npos) << wrong.err;
+    EXPECT_NE(wrong.err.find(std::string("--kind ") + k), std::string::npos) << wrong.err;
+  }
+  auto not_adapter = RunFerry({"store", "import", (kCase / "base").string(), "--db", db_, "--kind", "adapter"});
+  EXPECT_EQ(not_adapter.exit_code, 1);
+  EXPECT_NE(not_adapter.err.find("is not a PEFT adapter"), std::string::npos) << not_adapter.err;
+  EXPECT_EQ(RunFerry({"versions", "list", "--db", db_}).out.find("adapter"), std::string::npos);  // nothing recorded
   auto base = RunFerry({"store", "import", (kCase / "adapter").string(), "--db", db_, "--base-version", "abcdef01"});
   EXPECT_EQ(base.exit_code, 1);
   EXPECT_NE(base.err.find("--base-version"), std::string::npos) << base.err;

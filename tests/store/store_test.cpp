@@ -424,6 +424,32 @@ TEST_F(StoreTest, AdapterDirectoriesBecomeAdapterVersions) {
   EXPECT_EQ(testing::ReadFileBytes(tmp_ / "adapter-out" / "adapter_config.json"), cfg);
 }
 
+// An adapter directory recorded as a model (or a model recorded as an adapter) would later
+// be merged onto, or merged, as the wrong thing: refused, naming the path, nothing stored.
+TEST_F(StoreTest, ImportRefusesAKindThatContradictsTheDirectory) {
+  testing::WriteModel(tmp_ / "adapter", {{"base_model.model.q_proj.lora_A.weight", Patterned(DType::kF32, {4, 32}, 9)}},
+                      {{"adapter_config.json", "{\"peft_type\": \"LORA\", \"r\": 4}"}}, "adapter_model.safetensors");
+  for (VersionKind k : {VersionKind::kBase, VersionKind::kMerged}) {
+    ImportOptions o;
+    o.kind = k;
+    auto r = store_->Import(tmp_ / "adapter", o);
+    ASSERT_FALSE(r.ok());
+    EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
+    EXPECT_NE(r.status().message().find((tmp_ / "adapter").string() + " is a PEFT adapter"), std::string::npos)
+        << r.status().ToString();
+    EXPECT_NE(r.status().message().find("kind " + std::string(KindName(k))), std::string::npos) << r.status().ToString();
+  }
+  ImportOptions o;
+  o.kind = VersionKind::kAdapter;
+  auto r = store_->Import(tmp_ / "base", o);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(r.status().message().find("is not a PEFT adapter"), std::string::npos) << r.status().ToString();
+  auto versions = store_->ListVersions(std::nullopt);
+  ASSERT_TRUE(versions.ok());
+  EXPECT_TRUE(versions->empty());
+}
+
 TEST_F(StoreTest, EventsAreListedPerVersionInOrder) {
   ImportResult v1 = MustImport(tmp_ / "base");
   ImportResult v2 = MustImport(FineTune("ft", {"model.norm.weight"}, 5));

@@ -139,7 +139,10 @@ struct DiffFlags {
   std::string db, a, b;
   bool json = false;
   bool all = false;
+  bool exit_code = false;
 };
+
+constexpr int kExitVersionsDiffer = 3;  // as `ferry diff`
 
 void RunDiff(const DiffFlags& f) {
   auto s = OpenStoreOrFail(f.db, false);
@@ -212,6 +215,7 @@ void RunDiff(const DiffFlags& f) {
     j["tensors"] = std::move(tensors);
     j["aux_changed"] = aux_changed;
     std::printf("%s\n", j.dump(2).c_str());
+    if (f.exit_code && a.id != b.id) throw CLI::RuntimeError(kExitVersionsDiffer);
     return;
   }
   std::printf("A: %s (run %s, seq %llu, %s)\n", a.id.Hex().c_str(), a.run.c_str(),
@@ -240,6 +244,7 @@ void RunDiff(const DiffFlags& f) {
   std::printf("\n%lld changed, %lld added, %lld removed, %lld unchanged%s\n", static_cast<long long>(changed),
               static_cast<long long>(added), static_cast<long long>(removed), static_cast<long long>(unchanged),
               a.id == b.id ? " (identical versions)" : "");
+  if (f.exit_code && a.id != b.id) throw CLI::RuntimeError(kExitVersionsDiffer);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -383,7 +388,8 @@ void SetVersionsCommand(CLI::App& app) {
   diff->add_option("--db", df->db, "Store directory")->required();
   diff->add_flag("--all", df->all, "Also list unchanged tensors");
   diff->add_flag("--json", df->json, "Print JSON");
-  diff->footer("Exit code 0 whether or not the versions differ; 1 on error.");
+  diff->add_flag("--exit-code", df->exit_code, "Exit 3 when the versions differ (tensors or auxiliary files), as ferry diff");
+  diff->footer("Exit code 0 whether or not the versions differ (3 when they differ with --exit-code); 1 on error.");
   diff->callback([df] { RunDiff(*df); });
 
   auto vf = std::make_shared<VerifyFlags>();

@@ -105,6 +105,13 @@ TEST_F(StoreCli, DiffComparesByDigest) {
   auto ad = Json({"versions", "diff", base_, adapter_, "--db", db_, "--json"});
   EXPECT_EQ(ad["counts"]["added"], 28);
   EXPECT_EQ(ad["counts"]["removed"], 21);
+  // --exit-code: 3 when the versions differ, 0 for a version against itself.
+  EXPECT_EQ(RunFerry({"versions", "diff", base_, merged_, "--db", db_}).exit_code, 0);
+  EXPECT_EQ(RunFerry({"versions", "diff", base_, merged_, "--db", db_, "--exit-code"}).exit_code, 3);
+  EXPECT_EQ(RunFerry({"versions", "diff", base_, merged_, "--db", db_, "--exit-code", "--json"}).exit_code, 3);
+  auto same = RunFerry({"versions", "diff", base_, base_, "--db", db_, "--exit-code"});
+  EXPECT_EQ(same.exit_code, 0) << same.err;
+  EXPECT_NE(same.out.find("(identical versions)"), std::string::npos) << same.out;
 }
 
 TEST_F(StoreCli, VerifyDirectoryAgainstTheStore) {

@@ -1,5 +1,6 @@
 #include "convert/converter.h"
 
+#include <fcntl.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -542,16 +543,30 @@ Result<ConvertSummary> WriteLora(const ConvertOptions& opt, const PeftConfig& cf
   return s;
 }
 
-Status CopyAuxFiles(const fs::path& from, const fs::path& to, const std::set<std::string>& skip) {
+// Copies the non-weight files of `from` (config, tokenizer, README...) except `skip` into
+// `to`, fsynced when `sync`; their names are appended to `copied`, sorted.
+Status CopyAuxFiles(const fs::path& from, const fs::path& to, const std::set<std::string>& skip, bool sync,
+                    std::vector<std::string>& copied) {
   std::error_code ec;
   if (!fs::is_directory(from, ec)) return Status::OK();
+  std::vector<std::string> names;
   for (const auto& e : fs::directory_iterator(from, ec)) {
     const std::string n = e.path().filename().string();
     if (!e.is_regular_file() || n.empty() || n[0] == '.' || IsWeightFile(n) || skip.count(n)) continue;
     fs::copy_file(e.path(), to / n, fs::copy_options::overwrite_existing, ec);
     if (ec) return Status::IOError((to / n).string() + ": " + ec.message());
+    if (sync) {
+      const int fd = ::open((to / n).c_str(), O_RDONLY | O_CLOEXEC);
+      const bool ok = fd >= 0 && ::fsync(fd) == 0;
+      const int err = errno;
+      if (fd >= 0) ::close(fd);
+      if (!ok) return Status::IOError((to / n).string() + ": fsync failed: " + std::strerror(err));
+    }
+    names.push_back(n);
   }
   if (ec) return Status::IOError(from.string() + ": " + ec.message());
+  std::sort(names.begin(), names.end());
+  copied.insert(copied.end(), names.begin(), names.end());
   return Status::OK();
 }
 
@@ -576,7 +591,7 @@ Status WriteModelConfig(ojson j, const MergePlan& plan, const ConvertOptions& op
       if (j.contains(k)) j[k] = TorchDTypeName(*dtype);
     }
   }
-  return WriteFileAtomic(dir / "config.json", j.dump(2) + "\n");
+  return WriteFileAtomic(dir / "config.json", j.dump(2) + "\n", opt.sync);
 }
 
 }  // namespace
@@ -641,12 +656,13 @@ Result<ConvertSummary> Convert(const ConvertOptions& opt) {
   const fs::path base_dir = fs::is_directory(opt.base) ? opt.base : opt.base.parent_path();
   if (opt.layout == Layout::kLora) {
     FERRY_ASSIGN_OR_RETURN(summary, WriteLora(opt, cfg, base, adapter, plan, staging.path()));
-    FERRY_RETURN_IF_ERROR(CopyAuxFiles(opt.adapter, staging.path(), {"adapter_config.json", "README.md"}));
+    FERRY_RETURN_IF_ERROR(
+        CopyAuxFiles(opt.adapter, staging.path(), {"adapter_config.json", "README.md"}, opt.sync, summary.files));
   } else {
     FERRY_ASSIGN_OR_RETURN(summary, MergeWriter(opt, base, adapter, plan).Run(staging.path()));
     FERRY_RETURN_IF_ERROR(WriteModelConfig(model_config, plan, opt, staging.path()));
-    FERRY_RETURN_IF_ERROR(CopyAuxFiles(base_dir, staging.path(), {"config.json"}));
     if (model_config.is_object()) summary.files.push_back("config.json");
+    FERRY_RETURN_IF_ERROR(CopyAuxFiles(base_dir, staging.path(), {"config.json"}, opt.sync, summary.files));
   }
   summary.layout = opt.layout;
   summary.out = opt.out;

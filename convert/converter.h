@@ -61,7 +61,7 @@ struct ConvertOptions {
 struct ConvertSummary {
   Layout layout = Layout::kHf;
   std::filesystem::path out;
-  std::vector<std::string> files;  // relative to out
+  std::vector<std::string> files;  // relative to out: weights, then config.json and the copied files (sorted)
   int64_t tensors_written = 0;
   int64_t tensors_changed = 0;     // merged, replaced or re-typed
   int64_t lora_modules = 0;

@@ -2,6 +2,8 @@
 // peft + transformers + bitsandbytes; see fixtures/README.md).
 #include "convert/converter.h"
 
+#include <set>
+
 #include <gtest/gtest.h>
 #include <unistd.h>
 
@@ -146,6 +148,18 @@ TEST_P(MergeCase, HfLayoutEqualsPeftMergeAndUnload) {
     if (fs::exists(c.base / f)) {
       EXPECT_TRUE(fs::exists(out / f)) << f;
     }
+  }
+  // The summary lists exactly the files in the output: weights first, then config.json and
+  // the copied files in name order.
+  std::set<std::string> on_disk;
+  for (const auto& e : fs::directory_iterator(out)) on_disk.insert(e.path().filename().string());
+  EXPECT_EQ(std::set<std::string>(s->files.begin(), s->files.end()), on_disk) << c.name;
+  EXPECT_EQ(s->files.size(), on_disk.size()) << c.name;  // each once
+  ASSERT_FALSE(s->files.empty());
+  EXPECT_TRUE(s->files.front().ends_with(".safetensors")) << s->files.front();
+  auto copied = std::find(s->files.begin(), s->files.end(), "config.json");
+  if (copied != s->files.end()) {
+    EXPECT_TRUE(std::is_sorted(copied + 1, s->files.end())) << c.name;
   }
   fs::remove_all(out.parent_path());
 }

@@ -142,15 +142,17 @@ void PrintSync(const sync::SyncResult& r, const std::string& id, bool json) {
     j["sequence"] = r.sequence;
     j["bytes_received"] = r.bytes_received;
     j["bytes_reused"] = r.bytes_reused;
+    j["bytes_resumed"] = r.bytes_resumed;
     j["refetches"] = r.refetches;
     j["skipped"] = r.skipped;
     j["already_active"] = r.already_active;
     std::printf("%s\n", j.dump().c_str());
   } else {
-    std::printf("%s %s (served %s, sequence %llu, %s received, %s reused)\n",
+    std::printf("%s %s (served %s, sequence %llu, %s received, %s reused%s)\n",
                 r.already_active ? "already active" : "activated", r.active.Hex().c_str(), ShortId(r.version).c_str(),
                 static_cast<unsigned long long>(r.sequence), HumanBytes(r.bytes_received).c_str(),
-                HumanBytes(r.bytes_reused).c_str());
+                HumanBytes(r.bytes_reused).c_str(),
+                r.bytes_resumed > 0 ? (", " + HumanBytes(r.bytes_resumed) + " resumed").c_str() : "");
   }
   std::fflush(stdout);
 }

@@ -1,6 +1,7 @@
 #include "sync/receiver.h"
 
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <sys/file.h>
 #include <unistd.h>
 
@@ -113,16 +114,49 @@ std::string RandomHex() {
 
 bool IsTempName(const std::string& name) { return name.find(".tmp-") != std::string::npos; }
 
+constexpr std::string_view kPartialSuffix = ".partial";
+
+// "<32 hex>.tmp-XXXXXX": a transfer's temporary directory (not a ".prepare.tmp-" one).
+// Returns the version hex, or "" for any other name.
+std::string TransferTempVersion(const std::string& name) {
+  if (name.size() != 32 + 11 || name.compare(32, 5, ".tmp-") != 0) return "";
+  const std::string hex = name.substr(0, 32);
+  return store::Digest::FromHex(hex).ok() ? hex : "";
+}
+
 // Removes what a killed receiver may have left: temporary version directories, manifest
-// temp files and symlink temp names. REQUIRES: the caller holds DIR/.lock.
+// temp files and symlink temp names. The newest transfer directory of each version that
+// holds model.safetensors is kept as versions/<id>.partial (its complete tensors are
+// verified and kept by the next Receive of that version instead of being fetched again).
+// REQUIRES: the caller holds DIR/.lock.
 void RemoveStaleTemporaries(const fs::path& dir) {
   for (const fs::path& sub : {dir / "versions", dir / "manifests", dir}) {
     std::error_code ec;
     std::vector<fs::path> stale;
+    std::map<std::string, std::pair<fs::file_time_type, fs::path>> newest;  // version hex -> partial
     for (fs::directory_iterator it(sub, ec), end; !ec && it != end; it.increment(ec)) {
-      if (IsTempName(it->path().filename().string())) stale.push_back(it->path());
+      const std::string name = it->path().filename().string();
+      if (!IsTempName(name)) continue;
+      const std::string hex = sub == dir / "versions" ? TransferTempVersion(name) : "";
+      std::error_code fec;
+      if (!hex.empty() && fs::is_regular_file(it->path() / "model.safetensors", fec)) {
+        const auto t = fs::last_write_time(it->path() / "model.safetensors", fec);
+        auto [n, inserted] = newest.try_emplace(hex, t, it->path());
+        if (inserted) continue;
+        if (!fec && t > n->second.first) {
+          stale.push_back(n->second.second);
+          n->second = {t, it->path()};
+          continue;
+        }
+      }
+      stale.push_back(it->path());
     }
     for (const auto& p : stale) fs::remove_all(p, ec);
+    for (const auto& [hex, partial] : newest) {
+      const fs::path to = sub / (hex + std::string(kPartialSuffix));
+      fs::remove_all(to, ec);
+      if (::rename(partial.second.c_str(), to.c_str()) != 0) fs::remove_all(partial.second, ec);
+    }
   }
 }
 
@@ -409,6 +443,67 @@ class Session {
     return digester.Finish() == row.digest;
   }
 
+  // Makes a killed receiver's partial transfer of `version` (versions/<id>.partial, see
+  // RemoveStaleTemporaries) the temporary directory `tmp` when its model.safetensors is laid
+  // out exactly as this transfer's (same header bytes, same size): a rename, nothing is
+  // copied; its other files are removed. Partial transfers of other versions are deleted.
+  // True when taken over.
+  static bool TakeOverPartial(const fs::path& versions, const store::Digest& version, const std::string& header,
+                              uint64_t total, const fs::path& tmp) {
+    const std::string mine = version.Hex() + std::string(kPartialSuffix);
+    std::error_code ec;
+    std::vector<fs::path> others;
+    bool found = false;
+    for (fs::directory_iterator it(versions, ec), end; !ec && it != end; it.increment(ec)) {
+      const std::string name = it->path().filename().string();
+      if (name == mine) {
+        found = true;
+      } else if (name.size() == 32 + kPartialSuffix.size() && name.ends_with(kPartialSuffix)) {
+        others.push_back(it->path());
+      }
+    }
+    for (const auto& p : others) fs::remove_all(p, ec);
+    if (!found) return false;
+    const fs::path partial = versions / mine;
+    bool usable = false;
+    {
+      FdGuard in(::open((partial / "model.safetensors").c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC));
+      struct stat st;
+      if (in.get() >= 0 && ::fstat(in.get(), &st) == 0 && S_ISREG(st.st_mode) &&
+          static_cast<uint64_t>(st.st_size) == total) {
+        std::string head(header.size(), '\0');
+        usable = ::pread(in.get(), head.data(), head.size(), 0) == static_cast<ssize_t>(head.size()) && head == header;
+      }
+    }
+    if (usable) {
+      for (fs::directory_iterator it(partial, ec), end; !ec && it != end; it.increment(ec)) {
+        if (it->path().filename() != "model.safetensors") fs::remove_all(it->path(), ec);
+      }
+      usable = !ec && ::rmdir(tmp.c_str()) == 0 && ::rename(partial.c_str(), tmp.c_str()) == 0;
+      if (!usable) fs::create_directory(tmp, ec);  // keep `tmp` for a fresh transfer
+    }
+    if (!usable) fs::remove_all(partial, ec);
+    return usable;
+  }
+
+  // True when the `row.nbytes` bytes at `offset` of `fd` (a partial transfer) already have
+  // the row's digest. A range with a hole in it (never written) is not read.
+  static bool HoldsTensor(int fd, const store::TensorRow& row, uint64_t offset, std::vector<std::byte>& piece) {
+    const off_t hole = ::lseek(fd, static_cast<off_t>(offset), SEEK_HOLE);
+    if (hole >= 0 && static_cast<uint64_t>(hole) < offset + row.nbytes) return false;
+    store::TensorDigester digester(row.dtype, row.shape);
+    piece.resize(kCopyPieceBytes);
+    for (uint64_t done = 0; done < row.nbytes;) {
+      const size_t want = static_cast<size_t>(std::min<uint64_t>(piece.size(), row.nbytes - done));
+      const ssize_t n = ::pread(fd, piece.data(), want, static_cast<off_t>(offset + done));
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0) return false;
+      digester.Update({piece.data(), static_cast<size_t>(n)});
+      done += static_cast<uint64_t>(n);
+    }
+    return digester.Finish() == row.digest;
+  }
+
   // Receives `man` into DIR/versions/<id> (verified). Returns kNewer when abandoned.
   Result<Outcome> Receive(const Manifest& man, const ReuseSource* reuse, SyncResult* result) {
     const fs::path versions = o_.dir / "versions";
@@ -421,21 +516,44 @@ class Session {
     }
     const fs::path tmp = tmpl;
     TempDirGuard guard(tmp);
+    Result<Outcome> r = ReceiveInto(man, reuse, result, tmp);
+    if (r.ok() && *r == Outcome::kDone) {
+      guard.Release();  // renamed into place
+    } else if (!r.ok()) {
+      // The publisher went away or failed: keep what arrived for the next attempt (the
+      // bytes are verified again before they are used).
+      const fs::path partial = versions / (man.version.Hex() + std::string(kPartialSuffix));
+      fs::remove_all(partial, ec);
+      if (fs::is_regular_file(tmp / "model.safetensors", ec) && ::rename(tmp.c_str(), partial.c_str()) == 0) {
+        guard.Release();
+      }
+    }
+    return r;  // kNewer: the guard deletes the abandoned transfer
+  }
+
+  // Receive's transfer into the temporary directory `tmp`, renamed into place when verified.
+  Result<Outcome> ReceiveInto(const Manifest& man, const ReuseSource* reuse, SyncResult* result, const fs::path& tmp) {
+    const fs::path versions = o_.dir / "versions";
+    const fs::path final_dir = versions / man.version.Hex();
 
     // Lay the safetensors file out in full, then write every chunk at its place.
     std::vector<TensorSpec> specs;
     for (const auto& t : man.tensors) specs.push_back({t.name, t.dtype, t.shape});
     FERRY_ASSIGN_OR_RETURN(std::string header, SerializeSafetensorsHeader(specs, {{"format", "pt"}}));
     const fs::path model = tmp / "model.safetensors";
-    FdGuard fd(::open(model.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644));
-    if (fd.get() < 0) return Status::IOError(model.string() + ": cannot create: " + std::strerror(errno));
     uint64_t total = header.size();
     for (const auto& t : man.tensors) total += t.nbytes;
-    FERRY_RETURN_IF_ERROR(
-        PwriteAll(fd.get(), {reinterpret_cast<const std::byte*>(header.data()), header.size()}, 0, model));
-    if (::ftruncate(fd.get(), static_cast<off_t>(total)) != 0) {
-      return Status::IOError(model.string() + ": cannot size to " + std::to_string(total) + " bytes: " +
-                             std::strerror(errno));
+    const bool resuming = TakeOverPartial(versions, man.version, header, total, tmp);
+    FdGuard fd(resuming ? ::open(model.c_str(), O_RDWR | O_CLOEXEC)
+                        : ::open(model.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0644));
+    if (fd.get() < 0) return Status::IOError(model.string() + ": cannot create: " + std::strerror(errno));
+    if (!resuming) {
+      FERRY_RETURN_IF_ERROR(
+          PwriteAll(fd.get(), {reinterpret_cast<const std::byte*>(header.data()), header.size()}, 0, model));
+      if (::ftruncate(fd.get(), static_cast<off_t>(total)) != 0) {
+        return Status::IOError(model.string() + ": cannot size to " + std::to_string(total) + " bytes: " +
+                               std::strerror(errno));
+      }
     }
     std::vector<std::byte> piece;
     uint64_t begin = header.size();
@@ -443,6 +561,10 @@ class Session {
       const auto& row = man.tensors[i];
       const uint64_t at = begin;
       begin += row.nbytes;
+      if (resuming && row.nbytes > 0 && HoldsTensor(fd.get(), row, at, piece)) {
+        result->bytes_resumed += row.nbytes;
+        continue;
+      }
       if (reuse != nullptr) {
         if (auto it = reuse->by_digest.find(row.digest); it != reuse->by_digest.end()) {
           FERRY_ASSIGN_OR_RETURN(bool same, CopyLocal(*reuse, *it->second, row, fd.get(), at, model, piece));
@@ -506,7 +628,6 @@ class Session {
     }
     FERRY_RETURN_IF_ERROR(FsyncDir(tmp));
     FERRY_RETURN_IF_ERROR(RenameIntoPlace(tmp, final_dir));
-    guard.Release();
     return Outcome::kDone;
   }
 

@@ -67,6 +67,8 @@ struct SyncResult {
   uint64_t epoch = 0;         // the publisher's epoch
   uint64_t bytes_received = 0;  // tensor and aux bytes fetched from the publisher
   uint64_t bytes_reused = 0;    // delta mode: tensor bytes copied from the active version
+  uint64_t bytes_resumed = 0;   // tensor bytes a killed receiver had already received of this
+                                // version (versions/<id>.partial), verified and kept
   int refetches = 0;          // tensors fetched again after a digest mismatch
   int skipped = 0;            // versions abandoned mid-transfer for a newer one
   bool already_active = false;  // nothing fetched: DIR/current already was this version
@@ -76,7 +78,9 @@ struct SyncResult {
 class Receiver {
  public:
   // Takes DIR/.lock, removes stale temporary directories left in DIR/versions by a killed
-  // receiver, and connects (subscribing to announcements first, clone pattern). Fails on
+  // receiver (keeping the newest partial transfer of each version as versions/<id>.partial:
+  // the next transfer of that version verifies its complete tensors and fetches only the
+  // rest), and connects (subscribing to announcements first, clone pattern). Fails on
   // bad options (kInvalidArgument naming the field), a tcp:// endpoint without CURVE, or
   // DIR locked by another receiver (kFailedPrecondition naming DIR).
   [[nodiscard]] static Result<std::unique_ptr<Receiver>> Connect(ReceiverOptions options);

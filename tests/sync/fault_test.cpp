@@ -329,5 +329,81 @@ TEST_F(FaultTest, ReceiverKilledMidTransferRestartsAndEndsOnTheLatestVerified) {
   EXPECT_EQ(rec->id.Hex(), fs::read_symlink(o.dir / "current").filename().string());
 }
 
+// A receiver killed mid-transfer leaves versions/<id>.partial; restarted, it verifies the
+// tensors that were complete and fetches only the rest (tensor granularity): 8 tensors of
+// 4 KiB in 1 KiB chunks, killed after 10 chunks = t0 and t1 complete, t2 half written.
+TEST_F(FaultTest, RestartedReceiverResumesFromTheCompleteTensorsOfThePartialTransfer) {
+  const fs::path model = tmp_.path() / "eight";
+  fs::create_directories(model);
+  std::vector<TensorSpec> specs;
+  for (int t = 0; t < 8; ++t) specs.push_back({"t" + std::to_string(t) + ".weight", DType::kF32, {1024}});
+  {
+    auto w = SafetensorsWriter::CreateFile(model / "model.safetensors", specs);
+    ASSERT_TRUE(w.ok()) << w.status().message();
+    for (int t = 0; t < 8; ++t) {
+      std::vector<float> v(1024);
+      for (int i = 0; i < 1024; ++i) v[static_cast<size_t>(i)] = static_cast<float>(t * 1000 + i);
+      ASSERT_TRUE((*w)->Append(std::as_bytes(std::span(v))).ok());
+    }
+    ASSERT_TRUE((*w)->Finish().ok());
+  }
+  std::ofstream(model / "config.json") << "{\"model_type\": \"llama\"}\n";
+  auto imported = store_->Import(model, {});
+  ASSERT_TRUE(imported.ok()) << imported.status().message();
+  const store::Digest v = imported->record.id;
+  uint64_t aux_bytes = 0;
+  for (const auto& a : imported->record.aux) aux_bytes += a.size;
+
+  ReceiverOptions o = RecvOptions("resume");
+  o.chunk_bytes = 1024;
+  o.credit = 1;
+  int pipe_fds[2];
+  ASSERT_EQ(::pipe(pipe_fds), 0);
+  const pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    ::close(pipe_fds[0]);
+    ReceiverOptions co = o;
+    int chunks = 0;
+    co.on_chunk_for_testing = [&](uint64_t) {
+      if (++chunks == 10) {
+        const char k = 'k';
+        (void)!::write(pipe_fds[1], &k, 1);
+        for (;;) ::pause();
+      }
+    };
+    auto r = Receiver::Connect(co);
+    if (r.ok()) (void)(*r)->SyncLatest();
+    const char e = 'e';
+    (void)!::write(pipe_fds[1], &e, 1);
+    ::_exit(1);
+  }
+  ::close(pipe_fds[1]);
+  StartPublisher();
+  ASSERT_TRUE(publisher_->Publish(v).ok());
+  pollfd pfd = {pipe_fds[0], POLLIN, 0};
+  char got = 0;
+  const bool reported = ::poll(&pfd, 1, 20000) == 1 && ::read(pipe_fds[0], &got, 1) == 1;
+  ::close(pipe_fds[0]);
+  ::kill(child, SIGKILL);
+  ::waitpid(child, nullptr, 0);
+  ASSERT_TRUE(reported && got == 'k') << "child receiver did not reach its tenth chunk (got '" << got << "')";
+
+  auto r = Receiver::Connect(o);
+  ASSERT_TRUE(r.ok()) << r.status().message();
+  EXPECT_TRUE(TempEntries(o.dir).empty());
+  EXPECT_TRUE(fs::is_directory(o.dir / "versions" / (v.Hex() + ".partial")));
+  auto res = (*r)->SyncLatest();
+  ASSERT_TRUE(res.ok()) << res.status().message();
+  EXPECT_EQ(res->version, v);
+  EXPECT_EQ(res->bytes_resumed, 2u * 4096u);
+  EXPECT_EQ(res->bytes_received, 6u * 4096u + aux_bytes);
+  ExpectActive(o.dir, v);
+  auto rec = store::HashPath(o.dir / "current");
+  ASSERT_TRUE(rec.ok()) << rec.status().message();
+  EXPECT_EQ(rec->id, v);
+  EXPECT_FALSE(fs::exists(o.dir / "versions" / (v.Hex() + ".partial")));
+}
+
 }  // namespace
 }  // namespace ferry::sync

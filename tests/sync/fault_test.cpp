@@ -93,6 +93,44 @@ class FaultTest : public ::testing::Test {
 
   void ExpectActive(const fs::path& dir, const store::Digest& v) { ExpectActiveVersion(dir, v); }
 
+  // Forks a receiver with options `o` that writes 'k' to the returned pipe after its
+  // `chunks`-th chunk and then waits to be killed ('e' if it ended otherwise). Fork before
+  // the publisher exists: the child only runs a receiver (its own ZeroMQ context).
+  static pid_t ForkReceiverStoppingAfter(const ReceiverOptions& o, int chunks, int* report_fd) {
+    int pipe_fds[2];
+    if (::pipe(pipe_fds) != 0) return -1;
+    const pid_t child = ::fork();
+    if (child == 0) {
+      ::close(pipe_fds[0]);
+      ReceiverOptions co = o;
+      int seen = 0;
+      co.on_chunk_for_testing = [&](uint64_t) {
+        if (++seen == chunks) {
+          const char k = 'k';
+          (void)!::write(pipe_fds[1], &k, 1);
+          for (;;) ::pause();
+        }
+      };
+      auto r = Receiver::Connect(co);
+      if (r.ok()) (void)(*r)->SyncLatest();
+      const char e = 'e';
+      (void)!::write(pipe_fds[1], &e, 1);
+      ::_exit(1);
+    }
+    ::close(pipe_fds[1]);
+    *report_fd = pipe_fds[0];
+    return child;
+  }
+
+  // The child's report ('k', 'e'), or 0 when none came within 20 s. Closes `fd`.
+  static char WaitForReport(int fd) {
+    pollfd pfd = {fd, POLLIN, 0};
+    char got = 0;
+    if (::poll(&pfd, 1, 20000) != 1 || ::read(fd, &got, 1) != 1) got = 0;
+    ::close(fd);
+    return got;
+  }
+
   testing::ScopedTempDir tmp_{"ferry-sync-fault-"};
   std::unique_ptr<store::Store> store_;
   std::unique_ptr<Publisher> publisher_;
@@ -266,38 +304,13 @@ TEST_F(FaultTest, ReceiverKilledMidTransferRestartsAndEndsOnTheLatestVerified) {
   ReceiverOptions o = RecvOptions("killed");
   o.chunk_bytes = 1024;
   o.credit = 1;
-  int pipe_fds[2];
-  ASSERT_EQ(::pipe(pipe_fds), 0);
-  // Fork before the publisher exists: the child only runs a receiver (its own ZeroMQ
-  // context), reports after a few chunks, then waits to be killed.
-  const pid_t child = ::fork();
+  int report = -1;
+  const pid_t child = ForkReceiverStoppingAfter(o, 5, &report);
   ASSERT_GE(child, 0);
-  if (child == 0) {
-    ::close(pipe_fds[0]);
-    ReceiverOptions co = o;
-    int chunks = 0;
-    co.on_chunk_for_testing = [&](uint64_t) {
-      if (++chunks == 5) {
-        const char k = 'k';
-        (void)!::write(pipe_fds[1], &k, 1);
-        for (;;) ::pause();
-      }
-    };
-    auto r = Receiver::Connect(co);
-    if (r.ok()) (void)(*r)->SyncLatest();
-    const char e = 'e';
-    (void)!::write(pipe_fds[1], &e, 1);
-    ::_exit(1);
-  }
-  ::close(pipe_fds[1]);
   StartPublisher();
   ASSERT_TRUE(publisher_->Publish(v1).ok());
-  pollfd pfd = {pipe_fds[0], POLLIN, 0};
-  char got = 0;
-  const int ready = ::poll(&pfd, 1, 20000);
-  const bool reported = ready == 1 && ::read(pipe_fds[0], &got, 1) == 1;
-  ::close(pipe_fds[0]);
-  if (!reported || got != 'k') {
+  const char got = WaitForReport(report);
+  if (got != 'k') {
     ::kill(child, SIGKILL);
     ::waitpid(child, nullptr, 0);
     FAIL() << "child receiver did not reach its fifth chunk (got '" << got << "')";
@@ -357,37 +370,15 @@ TEST_F(FaultTest, RestartedReceiverResumesFromTheCompleteTensorsOfThePartialTran
   ReceiverOptions o = RecvOptions("resume");
   o.chunk_bytes = 1024;
   o.credit = 1;
-  int pipe_fds[2];
-  ASSERT_EQ(::pipe(pipe_fds), 0);
-  const pid_t child = ::fork();
+  int report = -1;
+  const pid_t child = ForkReceiverStoppingAfter(o, 10, &report);
   ASSERT_GE(child, 0);
-  if (child == 0) {
-    ::close(pipe_fds[0]);
-    ReceiverOptions co = o;
-    int chunks = 0;
-    co.on_chunk_for_testing = [&](uint64_t) {
-      if (++chunks == 10) {
-        const char k = 'k';
-        (void)!::write(pipe_fds[1], &k, 1);
-        for (;;) ::pause();
-      }
-    };
-    auto r = Receiver::Connect(co);
-    if (r.ok()) (void)(*r)->SyncLatest();
-    const char e = 'e';
-    (void)!::write(pipe_fds[1], &e, 1);
-    ::_exit(1);
-  }
-  ::close(pipe_fds[1]);
   StartPublisher();
   ASSERT_TRUE(publisher_->Publish(v).ok());
-  pollfd pfd = {pipe_fds[0], POLLIN, 0};
-  char got = 0;
-  const bool reported = ::poll(&pfd, 1, 20000) == 1 && ::read(pipe_fds[0], &got, 1) == 1;
-  ::close(pipe_fds[0]);
+  const char got = WaitForReport(report);
   ::kill(child, SIGKILL);
   ::waitpid(child, nullptr, 0);
-  ASSERT_TRUE(reported && got == 'k') << "child receiver did not reach its tenth chunk (got '" << got << "')";
+  ASSERT_EQ(got, 'k') << "child receiver did not reach its tenth chunk";
 
   auto r = Receiver::Connect(o);
   ASSERT_TRUE(r.ok()) << r.status().message();

@@ -57,6 +57,14 @@ std::vector<float> Values(const Tensor& t) {
 
 std::string ReadText(const fs::path& p) { return ReadSmallFile(p).value(); }
 
+// A new store under `dir` that does not fsync its objects (tests).
+Result<std::unique_ptr<store::Store>> OpenTestStore(const fs::path& dir) {
+  store::StoreOptions so;
+  so.create_if_missing = true;
+  so.sync_objects = false;
+  return store::Store::Open(dir / "db", so);
+}
+
 // The fixture's base + adapter as a snapshot source with owned buffers.
 SnapshotSource FixtureSource() {
   SnapshotSource s;
@@ -349,10 +357,7 @@ TEST(SnapshotTest, IdEqualsTheStoreIdOfTheConvertersOutputAndOfAWrittenCopy) {
 
 TEST(SnapshotTest, RecordSnapshotStoresTheVersionUnderTheManifestId) {
   TempDir tmp;
-  store::StoreOptions so;
-  so.create_if_missing = true;
-  so.sync_objects = false;
-  auto st = store::Store::Open(tmp.path() / "db", so);
+  auto st = OpenTestStore(tmp.path());
   ASSERT_TRUE(st.ok()) << st.status().ToString();
   SnapshotSource src = FixtureSource();
   src.aux_files = BaseAux();
@@ -503,10 +508,7 @@ TEST(LazySnapshotTest, SameIdAsBuildSnapshotAndMakesOnlyWhatChanges) {
       EXPECT_EQ(store::TensorDigest(t), snap->digests().at(name)) << name;
     }
     TempDir tmp;
-    store::StoreOptions so;
-    so.create_if_missing = true;
-    so.sync_objects = false;
-    auto st = store::Store::Open(tmp.path() / "db", so);
+    auto st = OpenTestStore(tmp.path());
     ASSERT_TRUE(st.ok()) << st.status().ToString();
     auto rec = (*lazy)->Record(**st, {});
     ASSERT_TRUE(rec.ok()) << rec.status().ToString();
@@ -586,10 +588,7 @@ TEST(LazySnapshotTest, RecordHoldsOneMergedTensorAtATime) {
     src.adapter_tensors.emplace("base_model.model." + m + ".lora_B.weight", b);
   }
   TempDir tmp;
-  store::StoreOptions so;
-  so.create_if_missing = true;
-  so.sync_objects = false;
-  auto st = store::Store::Open(tmp.path() / "db", so).value();
+  auto st = OpenTestStore(tmp.path()).value();
   SnapshotOptions o;
   o.threads = 2;
 
@@ -612,9 +611,10 @@ TEST(LazySnapshotTest, RecordHoldsOneMergedTensorAtATime) {
   EXPECT_EQ((*snap)->manifest_id(), rec->record.id);
 }
 
-// Every mergeable fixture: the snapshot (built from owned copies of the base and adapter)
-// has exactly the store id of `ferry convert`'s output for the same base and adapter, in
-// both layouts. The converter's output is an independent execution of the same plan.
+// Every mergeable fixture: the snapshot (built from owned copies of the base and adapter),
+// and the same snapshot recorded lazily, have exactly the store id of `ferry convert`'s
+// output for the same base and adapter, in both layouts. The converter's output is an
+// independent execution of the same plan.
 class SnapshotVsConverterTest : public ::testing::TestWithParam<std::tuple<std::string, SnapshotLayout>> {};
 
 std::vector<std::pair<std::string, std::string>> AuxBeside(const fs::path& dir) {
@@ -661,46 +661,18 @@ TEST_P(SnapshotVsConverterTest, IdEqualsConvertedOutput) {
     EXPECT_EQ((*snap)->digests().at(row.name), row.digest) << row.name;
   }
   EXPECT_EQ((*snap)->manifest_id(), converted->id);
-}
 
-// The streamed path (LazySnapshot::Record, what --watch uses) records exactly the
-// converter's output too, tensor by tensor.
-TEST_P(SnapshotVsConverterTest, LazyRecordEqualsConvertedOutput) {
-  const auto& [name, layout] = GetParam();
-  const fs::path dir = fs::path(FERRY_FIXTURES_DIR) / "cases" / name;
-  SnapshotSource src;
-  src.tensors = OwnedCopies(dir / "base");
-  src.adapter_tensors = OwnedCopies(dir / "adapter");
-  src.adapter_config = LoadPeftConfig(dir / "adapter").value();
-  src.aux_files = AuxBeside(dir / "base");
-  SnapshotOptions o;
-  o.layout = layout;
-  o.threads = 2;
-  o.tie_word_embeddings = ReadText(dir / "base" / "config.json").find("\"tie_word_embeddings\": true") != std::string::npos;
+  // The streamed path (LazySnapshot::Record, what --watch uses) records exactly that too.
   auto lazy = LazySnapshot::Plan(src, o);
   ASSERT_TRUE(lazy.ok()) << lazy.status().ToString();
-  TempDir tmp;
-  store::StoreOptions so;
-  so.create_if_missing = true;
-  so.sync_objects = false;
-  auto st = store::Store::Open(tmp.path() / "db", so);
+  auto st = OpenTestStore(tmp.path());
   ASSERT_TRUE(st.ok()) << st.status().ToString();
   auto rec = (*lazy)->Record(**st, {});
   ASSERT_TRUE(rec.ok()) << rec.status().ToString();
+  EXPECT_EQ(rec->record.id, converted->id);
   EXPECT_EQ(rec->record.kind, store::VersionKind::kMerged);
   EXPECT_EQ(rec->record.layout, layout == SnapshotLayout::kFused ? "fused" : "hf");
   EXPECT_EQ(rec->record.total_bytes, (*lazy)->bytes());
-
-  ConvertOptions co;
-  co.base = dir / "base";
-  co.adapter = dir / "adapter";
-  co.out = tmp.path() / "converted";
-  co.layout = layout == SnapshotLayout::kFused ? Layout::kFused : Layout::kHf;
-  co.threads = 2;
-  ASSERT_TRUE(Convert(co).ok());
-  auto converted = store::HashPath(co.out);
-  ASSERT_TRUE(converted.ok()) << converted.status().ToString();
-  EXPECT_EQ(rec->record.id, converted->id);
 }
 
 INSTANTIATE_TEST_SUITE_P(

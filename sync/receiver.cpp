@@ -422,25 +422,36 @@ class Session {
     return Outcome::kDone;
   }
 
+  // Reads the `row.nbytes` bytes of `in` at `in_offset` in pieces, hashing them and handing
+  // each piece and its offset within the tensor to `sink` (a Status). True when the bytes
+  // have the row's digest, false when they differ or cannot be read; sink errors pass through.
+  template <typename Sink>
+  static Result<bool> ReadAndHash(int in, uint64_t in_offset, const store::TensorRow& row, std::vector<std::byte>& piece,
+                                  Sink&& sink) {
+    store::TensorDigester digester(row.dtype, row.shape);
+    piece.resize(kCopyPieceBytes);
+    for (uint64_t done = 0; done < row.nbytes;) {
+      const size_t want = static_cast<size_t>(std::min<uint64_t>(piece.size(), row.nbytes - done));
+      const ssize_t n = ::pread(in, piece.data(), want, static_cast<off_t>(in_offset + done));
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0) return false;
+      const std::span<const std::byte> bytes(piece.data(), static_cast<size_t>(n));
+      digester.Update(bytes);
+      FERRY_RETURN_IF_ERROR(sink(bytes, done));
+      done += static_cast<uint64_t>(n);
+    }
+    return digester.Finish() == row.digest;
+  }
+
   // Copies tensor `row` from the reuse source into `fd` at `offset`, hashing as it goes.
   // True when the copied bytes have the row's digest (false: fetch it instead).
   Result<bool> CopyLocal(const ReuseSource& src, const TensorInfo& info, const store::TensorRow& row, int fd,
                          uint64_t offset, const fs::path& path, std::vector<std::byte>& piece) {
     const auto range = src.file->RangeOf(info);
     if (range.length != row.nbytes) return false;
-    store::TensorDigester digester(row.dtype, row.shape);
-    piece.resize(kCopyPieceBytes);
-    for (uint64_t done = 0; done < range.length;) {
-      const size_t want = static_cast<size_t>(std::min<uint64_t>(piece.size(), range.length - done));
-      const ssize_t n = ::pread(range.fd, piece.data(), want, static_cast<off_t>(range.offset + done));
-      if (n < 0 && errno == EINTR) continue;
-      if (n <= 0) return false;  // unreadable local copy: fetch instead
-      const std::span<const std::byte> bytes(piece.data(), static_cast<size_t>(n));
-      digester.Update(bytes);
-      FERRY_RETURN_IF_ERROR(PwriteAll(fd, bytes, offset + done, path));
-      done += static_cast<uint64_t>(n);
-    }
-    return digester.Finish() == row.digest;
+    return ReadAndHash(range.fd, range.offset, row, piece, [&](std::span<const std::byte> bytes, uint64_t done) {
+      return PwriteAll(fd, bytes, offset + done, path);
+    });
   }
 
   // Makes a killed receiver's partial transfer of `version` (versions/<id>.partial, see
@@ -491,17 +502,8 @@ class Session {
   static bool HoldsTensor(int fd, const store::TensorRow& row, uint64_t offset, std::vector<std::byte>& piece) {
     const off_t hole = ::lseek(fd, static_cast<off_t>(offset), SEEK_HOLE);
     if (hole >= 0 && static_cast<uint64_t>(hole) < offset + row.nbytes) return false;
-    store::TensorDigester digester(row.dtype, row.shape);
-    piece.resize(kCopyPieceBytes);
-    for (uint64_t done = 0; done < row.nbytes;) {
-      const size_t want = static_cast<size_t>(std::min<uint64_t>(piece.size(), row.nbytes - done));
-      const ssize_t n = ::pread(fd, piece.data(), want, static_cast<off_t>(offset + done));
-      if (n < 0 && errno == EINTR) continue;
-      if (n <= 0) return false;
-      digester.Update({piece.data(), static_cast<size_t>(n)});
-      done += static_cast<uint64_t>(n);
-    }
-    return digester.Finish() == row.digest;
+    Result<bool> same = ReadAndHash(fd, offset, row, piece, [](std::span<const std::byte>, uint64_t) { return Status::OK(); });
+    return same.ok() && *same;
   }
 
   // Receives `man` into DIR/versions/<id> (verified). Returns kNewer when abandoned.

@@ -373,11 +373,12 @@ class Session {
     }
   }
 
-  // Fetches one item of `size` bytes with at most `credit` FETCHes in flight, handing each
-  // chunk, in order, to `sink(bytes, offset)`.
+  // Fetches bytes [start, size) of one item of `size` bytes with at most `credit` FETCHes in
+  // flight, handing each chunk, in order, to `sink(bytes, offset within the item)`.
   template <typename Sink>
-  Result<Outcome> Fetch(const Manifest& man, ItemKind kind, uint32_t index, uint64_t size, Sink&& sink) {
-    uint64_t next = 0, received = 0;
+  Result<Outcome> Fetch(const Manifest& man, ItemKind kind, uint32_t index, uint64_t start, uint64_t size,
+                        Sink&& sink) {
+    uint64_t next = start, received = start;
     uint32_t in_flight = 0;
     auto deadline = Deadline();
     while (received < size) {
@@ -429,9 +430,18 @@ class Session {
   static Result<bool> ReadAndHash(int in, uint64_t in_offset, const store::TensorRow& row, std::vector<std::byte>& piece,
                                   Sink&& sink) {
     store::TensorDigester digester(row.dtype, row.shape);
+    FERRY_ASSIGN_OR_RETURN(bool read, HashRange(in, in_offset, row.nbytes, digester, piece, sink));
+    return read && digester.Finish() == row.digest;
+  }
+
+  // Feeds the `length` bytes of `in` at `in_offset` to `digester` in pieces, handing each
+  // piece and its offset within the range to `sink`. False when they cannot all be read.
+  template <typename Sink>
+  static Result<bool> HashRange(int in, uint64_t in_offset, uint64_t length, store::TensorDigester& digester,
+                                std::vector<std::byte>& piece, Sink&& sink) {
     piece.resize(kCopyPieceBytes);
-    for (uint64_t done = 0; done < row.nbytes;) {
-      const size_t want = static_cast<size_t>(std::min<uint64_t>(piece.size(), row.nbytes - done));
+    for (uint64_t done = 0; done < length;) {
+      const size_t want = static_cast<size_t>(std::min<uint64_t>(piece.size(), length - done));
       const ssize_t n = ::pread(in, piece.data(), want, static_cast<off_t>(in_offset + done));
       if (n < 0 && errno == EINTR) continue;
       if (n <= 0) return false;
@@ -440,7 +450,7 @@ class Session {
       FERRY_RETURN_IF_ERROR(sink(bytes, done));
       done += static_cast<uint64_t>(n);
     }
-    return digester.Finish() == row.digest;
+    return true;
   }
 
   // Copies tensor `row` from the reuse source into `fd` at `offset`, hashing as it goes.
@@ -497,13 +507,27 @@ class Session {
     return usable;
   }
 
-  // True when the `row.nbytes` bytes at `offset` of `fd` (a partial transfer) already have
-  // the row's digest. A range with a hole in it (never written) is not read.
-  static bool HoldsTensor(int fd, const store::TensorRow& row, uint64_t offset, std::vector<std::byte>& piece) {
+  // What a partial transfer `fd` holds of the tensor `row` at `offset`: all of it (its
+  // range has no hole and its bytes have the row's digest: returns row.nbytes), or the
+  // whole chunks a killed receiver had written before the first hole (SEEK_HOLE) in the
+  // range, unverified: the caller hashes them ahead of the bytes it fetches, so a damaged
+  // prefix only fails the tensor's digest and costs a refetch of the whole tensor. Chunks
+  // arrive in order and each is written whole at its place, so every byte before the
+  // first hole was written; the hole's offset is rounded up to the file system's block, so
+  // it is rounded down to a chunk boundary here, which is exact when chunks are at least a
+  // block (smaller chunks: only complete tensors are kept). 0 without holes support.
+  static uint64_t HeldPrefix(int fd, const store::TensorRow& row, uint64_t offset, uint64_t chunk_bytes,
+                             std::vector<std::byte>& piece) {
     const off_t hole = ::lseek(fd, static_cast<off_t>(offset), SEEK_HOLE);
-    if (hole >= 0 && static_cast<uint64_t>(hole) < offset + row.nbytes) return false;
-    Result<bool> same = ReadAndHash(fd, offset, row, piece, [](std::span<const std::byte>, uint64_t) { return Status::OK(); });
-    return same.ok() && *same;
+    if (hole < 0 || static_cast<uint64_t>(hole) >= offset + row.nbytes) {
+      Result<bool> same =
+          ReadAndHash(fd, offset, row, piece, [](std::span<const std::byte>, uint64_t) { return Status::OK(); });
+      return same.ok() && *same ? row.nbytes : 0;
+    }
+    struct stat st;
+    if (::fstat(fd, &st) != 0 || st.st_blksize <= 0 || chunk_bytes < static_cast<uint64_t>(st.st_blksize)) return 0;
+    const uint64_t written = static_cast<uint64_t>(hole) - offset;
+    return written - written % chunk_bytes;
   }
 
   // Receives `man` into DIR/versions/<id> (verified). Returns kNewer when abandoned.
@@ -563,9 +587,13 @@ class Session {
       const auto& row = man.tensors[i];
       const uint64_t at = begin;
       begin += row.nbytes;
-      if (resuming && row.nbytes > 0 && HoldsTensor(fd.get(), row, at, piece)) {
-        result->bytes_resumed += row.nbytes;
-        continue;
+      uint64_t held = 0;  // bytes of this tensor a killed transfer left (see HeldPrefix)
+      if (resuming && row.nbytes > 0) {
+        held = HeldPrefix(fd.get(), row, at, o_.chunk_bytes, piece);
+        if (held == row.nbytes) {
+          result->bytes_resumed += row.nbytes;
+          continue;
+        }
       }
       if (reuse != nullptr) {
         if (auto it = reuse->by_digest.find(row.digest); it != reuse->by_digest.end()) {
@@ -578,15 +606,30 @@ class Session {
       }
       for (int attempt = 0;; ++attempt) {
         store::TensorDigester digester(row.dtype, row.shape);
+        // First attempt of a resumed tensor: hash the prefix already on disk, fetch the rest.
+        uint64_t start = 0;
+        if (attempt == 0 && held > 0) {
+          FERRY_ASSIGN_OR_RETURN(bool read, HashRange(fd.get(), at, held, digester, piece,
+                                                      [](std::span<const std::byte>, uint64_t) { return Status::OK(); }));
+          if (!read) {  // unreadable: fetch the whole tensor, as if nothing were held
+            held = 0;
+            --attempt;
+            continue;
+          }
+          start = held;
+        }
         if (row.nbytes > 0) {
-          FERRY_ASSIGN_OR_RETURN(Outcome oc, Fetch(man, ItemKind::kTensor, i, row.nbytes,
+          FERRY_ASSIGN_OR_RETURN(Outcome oc, Fetch(man, ItemKind::kTensor, i, start, row.nbytes,
                                                    [&](std::span<const std::byte> bytes, uint64_t offset) {
                                                      digester.Update(bytes);
                                                      return PwriteAll(fd.get(), bytes, at + offset, model);
                                                    }));
           if (oc == Outcome::kNewer) return oc;
         }
-        if (digester.Finish() == row.digest) break;
+        if (digester.Finish() == row.digest) {
+          result->bytes_resumed += start;
+          break;
+        }
         if (attempt >= o_.max_retries || row.nbytes == 0) {
           return Status::Corruption("sync: tensor " + row.name + " of version " + man.version.Hex() +
                                     " still fails its digest after " + std::to_string(attempt) + " refetches");
@@ -602,7 +645,7 @@ class Session {
       for (int attempt = 0;; ++attempt) {
         aux.assign(file.size, '\0');
         if (!aux.empty()) {
-          FERRY_ASSIGN_OR_RETURN(Outcome oc, Fetch(man, ItemKind::kAux, i, aux.size(),
+          FERRY_ASSIGN_OR_RETURN(Outcome oc, Fetch(man, ItemKind::kAux, i, 0, aux.size(),
                                                    [&](std::span<const std::byte> bytes, uint64_t offset) {
                                                      std::memcpy(aux.data() + offset, bytes.data(), bytes.size());
                                                      return Status::OK();

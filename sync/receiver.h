@@ -68,7 +68,8 @@ struct SyncResult {
   uint64_t bytes_received = 0;  // tensor and aux bytes fetched from the publisher
   uint64_t bytes_reused = 0;    // delta mode: tensor bytes copied from the active version
   uint64_t bytes_resumed = 0;   // tensor bytes a killed receiver had already received of this
-                                // version (versions/<id>.partial), verified and kept
+                                // version (versions/<id>.partial: whole tensors, and the whole
+                                // chunks of a tensor cut short), verified and kept
   int refetches = 0;          // tensors fetched again after a digest mismatch
   int skipped = 0;            // versions abandoned mid-transfer for a newer one
   bool already_active = false;  // nothing fetched: DIR/current already was this version

@@ -2,15 +2,18 @@
 // restarted under a live receiver, publishers dying mid-transfer and while idle, receivers
 // going away (publisher side liveness), a receiver SIGKILLed mid-transfer and restarted on
 // the same directory, and the one-receiver-per-directory lock.
+#include <fcntl.h>
 #include <gtest/gtest.h>
 #include <poll.h>
 #include <signal.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <chrono>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <thread>
 
 #include "core/safetensors.h"
@@ -342,58 +345,145 @@ TEST_F(FaultTest, ReceiverKilledMidTransferRestartsAndEndsOnTheLatestVerified) {
   EXPECT_EQ(rec->id.Hex(), fs::read_symlink(o.dir / "current").filename().string());
 }
 
-// A receiver killed mid-transfer leaves versions/<id>.partial; restarted, it verifies the
-// tensors that were complete and fetches only the rest (tensor granularity): 8 tensors of
-// 4 KiB in 1 KiB chunks, killed after 10 chunks = t0 and t1 complete, t2 half written.
-TEST_F(FaultTest, RestartedReceiverResumesFromTheCompleteTensorsOfThePartialTransfer) {
-  const fs::path model = tmp_.path() / "eight";
+// A model of `tensors` F32 tensors of `elems` elements each (tensor t holds t*1000+i),
+// imported into `store`; its id, and the bytes of its aux files in `aux_bytes`.
+store::Digest ImportTensors(store::Store& store, const fs::path& model, int tensors, int elems, uint64_t* aux_bytes) {
   fs::create_directories(model);
   std::vector<TensorSpec> specs;
-  for (int t = 0; t < 8; ++t) specs.push_back({"t" + std::to_string(t) + ".weight", DType::kF32, {1024}});
+  for (int t = 0; t < tensors; ++t) specs.push_back({"t" + std::to_string(t) + ".weight", DType::kF32, {elems}});
   {
     auto w = SafetensorsWriter::CreateFile(model / "model.safetensors", specs);
-    ASSERT_TRUE(w.ok()) << w.status().message();
-    for (int t = 0; t < 8; ++t) {
-      std::vector<float> v(1024);
-      for (int i = 0; i < 1024; ++i) v[static_cast<size_t>(i)] = static_cast<float>(t * 1000 + i);
-      ASSERT_TRUE((*w)->Append(std::as_bytes(std::span(v))).ok());
+    EXPECT_TRUE(w.ok()) << w.status().message();
+    if (!w.ok()) return {};
+    for (int t = 0; t < tensors; ++t) {
+      std::vector<float> v(static_cast<size_t>(elems));
+      for (int i = 0; i < elems; ++i) v[static_cast<size_t>(i)] = static_cast<float>(t * 1000 + i);
+      EXPECT_TRUE((*w)->Append(std::as_bytes(std::span(v))).ok());
     }
-    ASSERT_TRUE((*w)->Finish().ok());
+    EXPECT_TRUE((*w)->Finish().ok());
   }
   std::ofstream(model / "config.json") << "{\"model_type\": \"llama\"}\n";
-  auto imported = store_->Import(model, {});
-  ASSERT_TRUE(imported.ok()) << imported.status().message();
-  const store::Digest v = imported->record.id;
-  uint64_t aux_bytes = 0;
-  for (const auto& a : imported->record.aux) aux_bytes += a.size;
+  auto imported = store.Import(model, {});
+  EXPECT_TRUE(imported.ok()) << imported.status().message();
+  if (!imported.ok()) return {};
+  *aux_bytes = 0;
+  for (const auto& a : imported->record.aux) *aux_bytes += a.size;
+  return imported->record.id;
+}
 
+// Whether the file system under `dir` reports never-written ranges as holes (SEEK_HOLE)
+// with blocks of at most `block` bytes: what chunk-granular resuming relies on.
+bool ReportsHoles(const fs::path& dir, uint64_t block) {
+  const fs::path probe = dir / "hole-probe";
+  const int fd = ::open(probe.c_str(), O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) return false;
+  const char b[1] = {1};
+  struct stat st;
+  const bool ok = ::ftruncate(fd, 1 << 20) == 0 && ::pwrite(fd, b, 1, 0) == 1 && ::fstat(fd, &st) == 0 &&
+                  static_cast<uint64_t>(st.st_blksize) <= block && ::lseek(fd, 0, SEEK_HOLE) < (1 << 20);
+  ::close(fd);
+  fs::remove(probe);
+  return ok;
+}
+
+class ResumeTest : public FaultTest {
+ protected:
+  // Imports `tensors` x `elems` F32, publishes it, and lets a forked receiver with `o` stop
+  // after `chunks` chunks and be killed. Returns the version (all-zero on failure).
+  store::Digest KillAfter(const ReceiverOptions& o, int tensors, int elems, int chunks, uint64_t* aux_bytes) {
+    const store::Digest v = ImportTensors(*store_, tmp_.path() / "model", tensors, elems, aux_bytes);
+    int report = -1;
+    const pid_t child = ForkReceiverStoppingAfter(o, chunks, &report);
+    EXPECT_GE(child, 0);
+    if (child < 0) return {};
+    StartPublisher();
+    EXPECT_TRUE(publisher_->Publish(v).ok());
+    const char got = WaitForReport(report);
+    ::kill(child, SIGKILL);
+    ::waitpid(child, nullptr, 0);
+    EXPECT_EQ(got, 'k') << "child receiver did not reach chunk " << chunks;
+    return got == 'k' ? v : store::Digest{};
+  }
+
+  // Restarts a receiver with `o` (which keeps the killed one's transfer as
+  // versions/<id>.partial; `damage` may then alter it), syncs, and checks it activated `v`
+  // with exactly the given byte counts, verified by re-hashing what DIR/current holds.
+  void ExpectResumed(const ReceiverOptions& o, const store::Digest& v, uint64_t resumed, uint64_t received,
+                     int refetches, const std::function<void(const fs::path&)>& damage = {}) {
+    auto r = Receiver::Connect(o);
+    ASSERT_TRUE(r.ok()) << r.status().message();
+    EXPECT_TRUE(TempEntries(o.dir).empty());
+    const fs::path partial = o.dir / "versions" / (v.Hex() + ".partial");
+    ASSERT_TRUE(fs::is_directory(partial));
+    if (damage) damage(partial / "model.safetensors");
+    auto res = (*r)->SyncLatest();
+    ASSERT_TRUE(res.ok()) << res.status().message();
+    EXPECT_EQ(res->version, v);
+    EXPECT_EQ(res->bytes_resumed, resumed);
+    EXPECT_EQ(res->bytes_received, received);
+    EXPECT_EQ(res->refetches, refetches);
+    ExpectActive(o.dir, v);
+    auto rec = store::HashPath(o.dir / "current");
+    ASSERT_TRUE(rec.ok()) << rec.status().message();
+    EXPECT_EQ(rec->id, v);
+    EXPECT_FALSE(fs::exists(o.dir / "versions" / (v.Hex() + ".partial")));
+  }
+};
+
+// A receiver killed mid-transfer leaves versions/<id>.partial; restarted, it verifies the
+// tensors that were complete and fetches only the rest. With chunks smaller than a file
+// system block only whole tensors are kept: 8 tensors of 4 KiB in 1 KiB chunks, killed
+// after 10 chunks = t0 and t1 complete, t2 half written and fetched again whole.
+TEST_F(ResumeTest, ChunksBelowABlockResumeFromTheCompleteTensors) {
   ReceiverOptions o = RecvOptions("resume");
   o.chunk_bytes = 1024;
   o.credit = 1;
-  int report = -1;
-  const pid_t child = ForkReceiverStoppingAfter(o, 10, &report);
-  ASSERT_GE(child, 0);
-  StartPublisher();
-  ASSERT_TRUE(publisher_->Publish(v).ok());
-  const char got = WaitForReport(report);
-  ::kill(child, SIGKILL);
-  ::waitpid(child, nullptr, 0);
-  ASSERT_EQ(got, 'k') << "child receiver did not reach its tenth chunk";
+  uint64_t aux = 0;
+  const store::Digest v = KillAfter(o, 8, 1024, 10, &aux);
+  ASSERT_FALSE(v == store::Digest{});
+  ExpectResumed(o, v, 2u * 4096u, 6u * 4096u + aux, 0);
+}
 
-  auto r = Receiver::Connect(o);
-  ASSERT_TRUE(r.ok()) << r.status().message();
-  EXPECT_TRUE(TempEntries(o.dir).empty());
-  EXPECT_TRUE(fs::is_directory(o.dir / "versions" / (v.Hex() + ".partial")));
-  auto res = (*r)->SyncLatest();
-  ASSERT_TRUE(res.ok()) << res.status().message();
-  EXPECT_EQ(res->version, v);
-  EXPECT_EQ(res->bytes_resumed, 2u * 4096u);
-  EXPECT_EQ(res->bytes_received, 6u * 4096u + aux_bytes);
-  ExpectActive(o.dir, v);
-  auto rec = store::HashPath(o.dir / "current");
-  ASSERT_TRUE(rec.ok()) << rec.status().message();
-  EXPECT_EQ(rec->id, v);
-  EXPECT_FALSE(fs::exists(o.dir / "versions" / (v.Hex() + ".partial")));
+// With chunks of at least a block, a half-received tensor resumes at its first missing
+// chunk: 4 tensors of 16 KiB in 4 KiB chunks, killed after 6 chunks = t0 complete and the
+// first 8 KiB of t1 kept; only t1's last 8 KiB, t2 and t3 are fetched.
+TEST_F(ResumeTest, AHalfReceivedTensorResumesAtItsFirstMissingChunk) {
+  ReceiverOptions o = RecvOptions("chunks");
+  o.chunk_bytes = 4096;
+  o.credit = 1;
+  fs::create_directories(o.dir);
+  if (!ReportsHoles(o.dir, o.chunk_bytes)) GTEST_SKIP() << o.dir << ": the file system reports no holes (SEEK_HOLE)";
+  uint64_t aux = 0;
+  const store::Digest v = KillAfter(o, 4, 4096, 6, &aux);
+  ASSERT_FALSE(v == store::Digest{});
+  ExpectResumed(o, v, 16384u + 8192u, 8192u + 2u * 16384u + aux, 0);
+}
+
+// A kept prefix is verified with the bytes fetched after it: damaged on disk after the
+// kill, it fails the tensor's digest and the whole tensor is fetched again.
+TEST_F(ResumeTest, ADamagedKeptPrefixCostsARefetchOfItsTensor) {
+  ReceiverOptions o = RecvOptions("damaged");
+  o.chunk_bytes = 4096;
+  o.credit = 1;
+  fs::create_directories(o.dir);
+  if (!ReportsHoles(o.dir, o.chunk_bytes)) GTEST_SKIP() << o.dir << ": the file system reports no holes (SEEK_HOLE)";
+  uint64_t aux = 0;
+  const store::Digest v = KillAfter(o, 4, 4096, 6, &aux);
+  ASSERT_FALSE(v == store::Digest{});
+  // t0 kept; t1: its last 8 KiB fetched, the digest fails, all 16 KiB fetched; t2, t3.
+  // Flip one byte of t1's first chunk: the data starts after the 8-byte length and header.
+  ExpectResumed(o, v, 16384u, 8192u + 16384u + 2u * 16384u + aux, 1, [](const fs::path& file) {
+    const int fd = ::open(file.c_str(), O_RDWR | O_CLOEXEC);
+    ASSERT_GE(fd, 0) << file;
+    uint64_t header = 0;
+    ASSERT_EQ(::pread(fd, &header, 8, 0), 8);
+    const off_t at = static_cast<off_t>(8 + header + 16384 + 100);
+    char b = 0;
+    ASSERT_EQ(::pread(fd, &b, 1, at), 1);
+    b = static_cast<char>(b ^ 0x01);
+    ASSERT_EQ(::pwrite(fd, &b, 1, at), 1);
+    ::close(fd);
+  });
 }
 
 }  // namespace

@@ -6,6 +6,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "core/json_limits.h"
+
 namespace ferry::sync {
 namespace {
 
@@ -227,6 +229,9 @@ std::string EncodeManifest(const Manifest& m) {
 
 Result<Manifest> DecodeManifest(std::string_view text) {
   auto bad = [](const std::string& what) { return Status::Corruption("sync MANIFEST: " + what); };
+  if (JsonNestsDeeperThan(text, kMaxManifestDepth)) {
+    return bad("JSON nests deeper than " + std::to_string(kMaxManifestDepth) + " levels");
+  }
   nlohmann::json j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
   if (j.is_discarded() || !j.is_object()) return bad("payload is not a JSON object");
   auto get_digest = [&](const nlohmann::json& o, const std::string& field) -> Result<store::Digest> {

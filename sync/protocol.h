@@ -63,7 +63,10 @@
 //
 // Limits (both sides): ZMQ_MAXMSGSIZE = kMaxFrameBytes on every socket; a FETCH length is
 // at most kMaxChunkBytes; a manifest holds at most kMaxTensors tensors and kMaxAuxFiles
-// aux files, names at most kMaxNameBytes; receiver ids match [A-Za-z0-9._-]{1,64}.
+// aux files, names at most kMaxNameBytes, JSON nesting at most kMaxManifestDepth; receiver
+// ids match [A-Za-z0-9._-]{1,64}; a publisher tracks at most kMaxReceivers receiver ids
+// (a lost one is forgotten to make room; a new id past that is answered with ERROR) and
+// records an ACK only for a version its store holds.
 // Every frame is parsed defensively: a malformed one yields kCorruption naming the field,
 // never a crash; the publisher answers it with ERROR (or drops it when unroutable).
 // ---------------------------------------------------------------------------------------
@@ -90,6 +93,8 @@ inline constexpr size_t kMaxAuxFiles = 256;
 inline constexpr size_t kMaxNameBytes = 512;
 inline constexpr size_t kMaxReceiverIdBytes = 64;
 inline constexpr uint64_t kMaxAuxBytes = 64u << 20;
+inline constexpr int kMaxManifestDepth = 8;  // {"tensors": [{"shape": [..]}]} is 4
+inline constexpr size_t kMaxReceivers = 1024;
 
 enum class MsgType : uint8_t {
   kHello = 1,

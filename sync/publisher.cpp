@@ -313,7 +313,8 @@ class Publisher::Impl {
     for (const auto& e : lost) {
       (void)store_->AddEvent(e);  // history only; serving does not depend on it
       std::lock_guard lock(info_mu_);
-      peers_[e.receiver].info.alive = false;  // after the event, so a caller seeing !alive finds it
+      // After the event, so a caller seeing !alive finds it.
+      if (auto it = peers_.find(e.receiver); it != peers_.end()) it->second.info.alive = false;
     }
   }
 
@@ -503,13 +504,13 @@ class Publisher::Impl {
     const int fd = parts[1].get(ZMQ_SRCFD);
     switch (msg->type) {
       case MsgType::kHello:
-        Touch(msg->payload, fd);
+        if (!Touch(msg->payload, fd)) return RefuseNewReceiver(rid, msg->payload);
         return HandleHello(rid);
       case MsgType::kFetch:
-        Touch(SenderId(rid, fd), fd);
+        if (const std::string id = SenderId(rid, fd); !Touch(id, fd)) return RefuseNewReceiver(rid, id);
         return HandleFetch(rid, *msg);
       case MsgType::kAck:
-        Touch(msg->payload, fd);
+        if (!Touch(msg->payload, fd)) return RefuseNewReceiver(rid, msg->payload);
         return HandleAck(rid, *msg);
       default: return ReplyError(rid, Status::Corruption("sync request: a receiver may not send this message type"));
     }
@@ -525,10 +526,23 @@ class Publisher::Impl {
     return it == fd_owner_.end() ? std::string() : it->second;
   }
 
-  void Touch(const std::string& id, int fd) {
-    if (id.empty()) return;
+  // Records a message from receiver `id` over connection `fd`. False when `id` is new and
+  // kMaxReceivers ids are tracked already, none of them lost (one lost id is forgotten to
+  // make room: its history is in the store's events).
+  bool Touch(const std::string& id, int fd) {
+    if (id.empty()) return true;
     std::lock_guard lock(info_mu_);
-    auto& peer = peers_[id];
+    auto found = peers_.find(id);
+    if (found == peers_.end()) {
+      if (peers_.size() >= kMaxReceivers) {
+        auto lost = std::find_if(peers_.begin(), peers_.end(),
+                                 [](const auto& kv) { return !kv.second.info.alive && kv.second.fds.empty(); });
+        if (lost == peers_.end()) return false;
+        peers_.erase(lost);
+      }
+      found = peers_.emplace(id, Peer{}).first;
+    }
+    auto& peer = found->second;
     peer.info.id = id;
     peer.info.last_seen_ns = NowNs();
     peer.info.alive = true;
@@ -541,6 +555,12 @@ class Publisher::Impl {
       }
       peer.fds.insert(fd);
     }
+    return true;
+  }
+
+  void RefuseNewReceiver(const zmq::message_t& rid, const std::string& id) {
+    ReplyError(rid, Status::FailedPrecondition("sync: receiver " + id + " refused: this publisher tracks " +
+                                               std::to_string(kMaxReceivers) + " receivers, none of them lost"));
   }
 
   void HandleHello(const zmq::message_t& rid) {
@@ -636,6 +656,12 @@ class Publisher::Impl {
 
   void HandleAck(const zmq::message_t& rid, const Message& m) {
     const Published* p = Find(m.version);
+    // Only versions this store holds are recorded (a version published before a restart
+    // of this publisher is; a made-up one is not).
+    if (p == nullptr && !store_->GetVersion(m.version.Hex()).ok()) {
+      return ReplyError(rid, Status::NotFound("sync ACK from " + m.payload + ": version " + m.version.Hex() +
+                                              " is not in this publisher's store"));
+    }
     store::Event e;
     e.type = store::Event::Type::kAcknowledged;
     e.receiver = m.payload;
@@ -662,9 +688,10 @@ class Publisher::Impl {
     if (!st.ok()) return ReplyError(rid, st);
     {
       std::lock_guard lock(info_mu_);
-      auto& info = peers_[m.payload].info;
-      info.acknowledged = e.version;
-      info.acknowledged_sequence = p ? p->sequence : 0;
+      if (auto it = peers_.find(m.payload); it != peers_.end()) {  // tracked by Touch
+        it->second.info.acknowledged = e.version;
+        it->second.info.acknowledged_sequence = p ? p->sequence : 0;
+      }
     }
     Message r;
     r.type = MsgType::kAcked;

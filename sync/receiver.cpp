@@ -10,6 +10,7 @@
 #include <chrono>
 #include <cstring>
 #include <deque>
+#include <limits>
 #include <map>
 #include <random>
 #include <set>
@@ -568,7 +569,13 @@ class Session {
     FERRY_ASSIGN_OR_RETURN(std::string header, SerializeSafetensorsHeader(specs, {{"format", "pt"}}));
     const fs::path model = tmp / "model.safetensors";
     uint64_t total = header.size();
-    for (const auto& t : man.tensors) total += t.nbytes;
+    for (const auto& t : man.tensors) {
+      if (t.nbytes > static_cast<uint64_t>(std::numeric_limits<off_t>::max()) - total) {
+        return Status::Corruption("sync MANIFEST of version " + man.version.Hex() + ": tensor " + t.name +
+                                  " makes the file larger than a file offset can address");
+      }
+      total += t.nbytes;
+    }
     const bool resuming = TakeOverPartial(versions, man.version, header, total, tmp);
     FdGuard fd(resuming ? ::open(model.c_str(), O_RDWR | O_CLOEXEC)
                         : ::open(model.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0644));

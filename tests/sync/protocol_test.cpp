@@ -5,11 +5,14 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <chrono>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <set>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <zmq.hpp>
@@ -209,6 +212,9 @@ TEST(ProtocolTest, ManifestValidation) {
          "field merged_version missing");
   expect(parse_with(R"("epoch":7,"kind":"adapter","layout":"lora","mode":"merged",)", good_tensor, ""),
          "field kind is \"adapter\" outside adapter mode");
+  // A nesting bomb is refused before the JSON parser builds it.
+  expect(DecodeManifest(R"({"x":)" + std::string(100000, '[') + std::string(100000, ']') + "}"),
+         "nests deeper than 8 levels");
 }
 
 TEST(KeysTest, GeneratedKeysRoundTripAndSecretIsPrivate) {
@@ -601,6 +607,93 @@ TEST_F(SyncTest, MalformedFramesAreAnsweredWithErrorsAndPublisherSurvives) {
   auto man = DecodeManifest(text);
   ASSERT_TRUE(man.ok());
   EXPECT_EQ(man->version, v1_);
+}
+
+// An ACK names a version: one this publisher's store does not hold is answered with
+// ERROR and recorded nowhere (a peer cannot fill the audit log with made-up versions).
+TEST_F(SyncTest, AckOfAVersionOutsideTheStoreIsRefusedAndNotRecorded) {
+  StartPublisher();
+  ASSERT_TRUE(publisher_->Publish(v1_).ok());
+  zmq::context_t ctx;
+  zmq::socket_t s(ctx, zmq::socket_type::dealer);
+  s.set(zmq::sockopt::linger, 0);
+  s.connect(endpoints_.requests);
+  Message ack;
+  ack.type = MsgType::kAck;
+  ack.version = *store::Digest::FromHex(std::string(32, 'd'));
+  ack.computed = ack.version;
+  std::string text;
+  auto m = RawRequest(s, {EncodeHeader(ack), "liar"}, &text);
+  ASSERT_TRUE(m.ok()) << m.status().message();
+  ASSERT_EQ(m->type, MsgType::kError);
+  EXPECT_EQ(m->code, static_cast<uint32_t>(StatusCode::kNotFound)) << text;
+  EXPECT_NE(text.find("version dddddddddddddddddddddddddddddddd is not in this publisher's store"), std::string::npos)
+      << text;
+  // The same peer acknowledging a version the store holds (v2: in the store, not published
+  // by this publisher) is recorded.
+  ack.version = v2_;
+  ack.computed = v2_;
+  m = RawRequest(s, {EncodeHeader(ack), "liar"}, &text);
+  ASSERT_TRUE(m.ok()) << m.status().message();
+  EXPECT_EQ(m->type, MsgType::kAcked) << text;
+  auto events = store_->ListEvents(std::nullopt);
+  ASSERT_TRUE(events.ok()) << events.status().message();
+  int acks = 0;
+  for (const auto& e : *events) {
+    if (e.type != store::Event::Type::kAcknowledged) continue;
+    ++acks;
+    EXPECT_EQ(e.receiver, "liar");
+    EXPECT_EQ(e.version, v2_);
+  }
+  EXPECT_EQ(acks, 1);
+}
+
+// The publisher tracks at most kMaxReceivers receiver ids: one more, while all are alive,
+// is refused with ERROR; once they are lost (connection closed, heartbeat timeout) a lost
+// one is forgotten and the new id is served.
+TEST_F(SyncTest, PublisherTracksBoundedReceiversAndForgetsLostOnesForNewOnes) {
+  PublisherOptions po;
+  po.heartbeat_ivl_ms = 50;
+  po.heartbeat_timeout_ms = 200;
+  StartPublisher(po);
+  ASSERT_TRUE(publisher_->Publish(v1_).ok());
+  zmq::context_t ctx;
+  Message hello;
+  hello.type = MsgType::kHello;
+  std::string text;
+  {
+    zmq::socket_t s(ctx, zmq::socket_type::dealer);
+    s.set(zmq::sockopt::linger, 0);
+    s.connect(endpoints_.requests);
+    for (size_t i = 0; i < kMaxReceivers; ++i) {
+      auto m = RawRequest(s, {EncodeHeader(hello), "r" + std::to_string(i)}, &text);
+      ASSERT_TRUE(m.ok()) << m.status().message();
+      ASSERT_EQ(m->type, MsgType::kManifest) << "receiver " << i << ": " << text;
+    }
+    auto m = RawRequest(s, {EncodeHeader(hello), "one-too-many"}, &text);
+    ASSERT_TRUE(m.ok()) << m.status().message();
+    ASSERT_EQ(m->type, MsgType::kError);
+    EXPECT_EQ(m->code, static_cast<uint32_t>(StatusCode::kFailedPrecondition)) << text;
+    EXPECT_NE(text.find("receiver one-too-many refused: this publisher tracks 1024 receivers"), std::string::npos)
+        << text;
+    EXPECT_EQ(publisher_->Receivers().size(), kMaxReceivers);
+  }  // closed: all 1024 ids lose their connection
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  for (;;) {
+    const auto rs = publisher_->Receivers();
+    if (std::none_of(rs.begin(), rs.end(), [](const ReceiverInfo& r) { return r.alive; })) break;
+    ASSERT_LT(std::chrono::steady_clock::now(), deadline) << "receivers not declared lost";
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  zmq::socket_t s(ctx, zmq::socket_type::dealer);
+  s.set(zmq::sockopt::linger, 0);
+  s.connect(endpoints_.requests);
+  auto m = RawRequest(s, {EncodeHeader(hello), "newcomer"}, &text);
+  ASSERT_TRUE(m.ok()) << m.status().message();
+  EXPECT_EQ(m->type, MsgType::kManifest) << text;
+  const auto rs = publisher_->Receivers();
+  EXPECT_EQ(rs.size(), kMaxReceivers);
+  EXPECT_TRUE(std::any_of(rs.begin(), rs.end(), [](const ReceiverInfo& r) { return r.id == "newcomer" && r.alive; }));
 }
 
 // ---- publication modes: delta, adapter, fused layout ------------------------------------

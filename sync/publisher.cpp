@@ -220,6 +220,7 @@ class Publisher::Impl {
   struct Peer {
     ReceiverInfo info;
     std::set<int> fds;                 // open connections it sent messages over
+    std::string key;                   // CURVE public key (Z85) the id is bound to; "" without CURVE
     Clock::time_point last_sign;       // last message or connection close
   };
 
@@ -445,8 +446,11 @@ class Publisher::Impl {
     if (parts.size() < 6) return;  // not a ZAP request; REP requires a reply only to well-formed ones
     bool ok = parts[5].to_string() == "CURVE" && parts.size() >= 7 && parts[6].size() == 32 &&
               allowed_.count(parts[6].to_string()) > 0;
+    // User-Id: the client's key in Z85, readable from every message of the connection.
+    char z85[41] = {};
+    if (ok && zmq_z85_encode(z85, static_cast<const uint8_t*>(parts[6].data()), 32) == nullptr) ok = false;
     const std::array<std::string, 6> reply = {"1.0", parts[1].to_string(), ok ? "200" : "400",
-                                              ok ? "OK" : "public key not in the allow-list", "", ""};
+                                              ok ? "OK" : "public key not in the allow-list", ok ? z85 : "", ""};
     for (size_t i = 0; i < reply.size(); ++i) {
       zap_.send(Frame(reply[i]), i + 1 < reply.size() ? zmq::send_flags::sndmore : zmq::send_flags::none);
     }
@@ -502,16 +506,20 @@ class Publisher::Impl {
     auto msg = Decode(Bytes(parts[1]), parts.size() == 3 ? &payload : nullptr);
     if (!msg.ok()) return ReplyError(rid, msg.status());
     const int fd = parts[1].get(ZMQ_SRCFD);
+    // Over CURVE, the client's public key (Z85) the ZAP handler put in the User-Id.
+    const char* user = zmq_msg_gets(parts[1].handle(), "User-Id");
+    const std::string key = options_.curve && user != nullptr ? user : "";
+    Status known;
     switch (msg->type) {
       case MsgType::kHello:
-        if (!Touch(msg->payload, fd)) return RefuseNewReceiver(rid, msg->payload);
+        if (known = Touch(msg->payload, fd, key); !known.ok()) return ReplyError(rid, known);
         return HandleHello(rid);
       case MsgType::kFetch:
-        if (const std::string id = SenderId(rid, fd); !Touch(id, fd)) return RefuseNewReceiver(rid, id);
+        if (known = Touch(SenderId(rid, fd), fd, key); !known.ok()) return ReplyError(rid, known);
         return HandleFetch(rid, *msg);
       case MsgType::kAck:
-        if (!Touch(msg->payload, fd)) return RefuseNewReceiver(rid, msg->payload);
-        return HandleAck(rid, *msg);
+        if (known = Touch(msg->payload, fd, key); !known.ok()) return ReplyError(rid, known);
+        return HandleAck(rid, *msg, key);
       default: return ReplyError(rid, Status::Corruption("sync request: a receiver may not send this message type"));
     }
   }
@@ -526,21 +534,31 @@ class Publisher::Impl {
     return it == fd_owner_.end() ? std::string() : it->second;
   }
 
-  // Records a message from receiver `id` over connection `fd`. False when `id` is new and
+  // Records a message from receiver `id` over connection `fd`, authenticated with the CURVE
+  // public key `key` ("" without CURVE). kFailedPrecondition when `id` is new and
   // kMaxReceivers ids are tracked already, none of them lost (one lost id is forgotten to
-  // make room: its history is in the store's events).
-  bool Touch(const std::string& id, int fd) {
-    if (id.empty()) return true;
+  // make room: its history is in the store's events), or when `id` is bound to another key:
+  // an id belongs to the first key it came with, so one listed receiver cannot act (fetch,
+  // acknowledge) as another.
+  Status Touch(const std::string& id, int fd, const std::string& key) {
+    if (id.empty()) return Status::OK();
     std::lock_guard lock(info_mu_);
     auto found = peers_.find(id);
     if (found == peers_.end()) {
       if (peers_.size() >= kMaxReceivers) {
         auto lost = std::find_if(peers_.begin(), peers_.end(),
                                  [](const auto& kv) { return !kv.second.info.alive && kv.second.fds.empty(); });
-        if (lost == peers_.end()) return false;
+        if (lost == peers_.end()) {
+          return Status::FailedPrecondition("sync: receiver " + id + " refused: this publisher tracks " +
+                                            std::to_string(kMaxReceivers) + " receivers, none of them lost");
+        }
         peers_.erase(lost);
       }
       found = peers_.emplace(id, Peer{}).first;
+      found->second.key = key;
+    } else if (found->second.key != key) {
+      return Status::FailedPrecondition("sync: receiver id " + id + " is bound to another " +
+                                        (key.empty() ? std::string("(CURVE) client") : "public key than " + key));
     }
     auto& peer = found->second;
     peer.info.id = id;
@@ -555,12 +573,7 @@ class Publisher::Impl {
       }
       peer.fds.insert(fd);
     }
-    return true;
-  }
-
-  void RefuseNewReceiver(const zmq::message_t& rid, const std::string& id) {
-    ReplyError(rid, Status::FailedPrecondition("sync: receiver " + id + " refused: this publisher tracks " +
-                                               std::to_string(kMaxReceivers) + " receivers, none of them lost"));
+    return Status::OK();
   }
 
   void HandleHello(const zmq::message_t& rid) {
@@ -654,7 +667,7 @@ class Publisher::Impl {
     Reply(rid, r, bytes);
   }
 
-  void HandleAck(const zmq::message_t& rid, const Message& m) {
+  void HandleAck(const zmq::message_t& rid, const Message& m, const std::string& key) {
     const Published* p = Find(m.version);
     // Only versions this store holds are recorded (a version published before a restart
     // of this publisher is; a made-up one is not).
@@ -684,6 +697,7 @@ class Publisher::Impl {
         e.detail = adapter + " merged by the receiver; merged manifest digest verified";
       }
     }
+    if (!key.empty()) e.detail += " (CURVE key " + key + ")";
     Status st = store_->AddEvent(e);
     if (!st.ok()) return ReplyError(rid, st);
     {

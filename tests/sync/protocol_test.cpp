@@ -609,6 +609,53 @@ TEST_F(SyncTest, MalformedFramesAreAnsweredWithErrorsAndPublisherSurvives) {
   EXPECT_EQ(man->version, v1_);
 }
 
+// Over CURVE a receiver id belongs to the first public key it came with: another listed
+// key claiming it gets nothing, and the acknowledgement event names the key.
+TEST_F(SyncTest, CurveReceiverIdIsBoundToItsKeyAndTheAckNamesIt) {
+  auto server = GenerateKeyPair();
+  auto first = GenerateKeyPair();
+  auto second = GenerateKeyPair();
+  ASSERT_TRUE(server.ok() && first.ok() && second.ok());
+  PublisherOptions po;
+  po.endpoints = {"tcp://127.0.0.1:*", "tcp://127.0.0.1:*"};
+  po.curve = CurveOptions{server->public_key, server->secret_key, "", {first->public_key, second->public_key}};
+  StartPublisher(po);
+  ASSERT_TRUE(publisher_->Publish(v1_).ok());
+  const Endpoints bound = publisher_->bound_endpoints();
+
+  auto o = RecvOptions("gen0");
+  o.endpoints = bound;
+  o.curve = CurveOptions{first->public_key, first->secret_key, server->public_key, {}};
+  auto r = Receiver::Connect(o);
+  ASSERT_TRUE(r.ok()) << r.status().message();
+  auto s = (*r)->SyncLatest();
+  ASSERT_TRUE(s.ok()) << s.status().message();
+  auto events = store_->ListEvents(v1_);
+  ASSERT_TRUE(events.ok()) << events.status().message();
+  int acks = 0;
+  for (const auto& e : *events) {
+    if (e.type != store::Event::Type::kAcknowledged) continue;
+    ++acks;
+    EXPECT_EQ(e.receiver, "gen0");
+    EXPECT_NE(e.detail.find("(CURVE key " + first->public_key + ")"), std::string::npos) << e.detail;
+  }
+  EXPECT_EQ(acks, 1);
+
+  auto impostor = RecvOptions("gen0");
+  impostor.dir = root_ / "recv-impostor";
+  impostor.endpoints = bound;
+  impostor.curve = CurveOptions{second->public_key, second->secret_key, server->public_key, {}};
+  auto ir = Receiver::Connect(impostor);
+  ASSERT_TRUE(ir.ok()) << ir.status().message();
+  auto is = (*ir)->SyncLatest();
+  ASSERT_FALSE(is.ok());
+  EXPECT_EQ(is.status().code(), StatusCode::kFailedPrecondition) << is.status().message();
+  EXPECT_NE(is.status().message().find("receiver id gen0 is bound to another public key than " + second->public_key),
+            std::string::npos)
+      << is.status().message();
+  EXPECT_FALSE(fs::exists(fs::symlink_status(impostor.dir / "current")));
+}
+
 // An ACK names a version: one this publisher's store does not hold is answered with
 // ERROR and recorded nowhere (a peer cannot fill the audit log with made-up versions).
 TEST_F(SyncTest, AckOfAVersionOutsideTheStoreIsRefusedAndNotRecorded) {

@@ -95,6 +95,8 @@ inline constexpr size_t kMaxReceiverIdBytes = 64;
 inline constexpr uint64_t kMaxAuxBytes = 64u << 20;
 inline constexpr int kMaxManifestDepth = 8;  // {"tensors": [{"shape": [..]}]} is 4
 inline constexpr size_t kMaxReceivers = 1024;
+inline constexpr uint32_t kMaxCredit = 1024;         // FETCHes a receiver may keep outstanding
+inline constexpr int kSendHwm = kMaxCredit + 64;     // publisher's reply queue per peer
 
 enum class MsgType : uint8_t {
   kHello = 1,

@@ -39,6 +39,9 @@ zmq::message_t Frame(std::string_view s) { return zmq::message_t(s.data(), s.siz
 void SetCommonOptions(zmq::socket_t& s, const PublisherOptions& o) {
   s.set(zmq::sockopt::maxmsgsize, kMaxFrameBytes);
   s.set(zmq::sockopt::linger, 0);
+  // Per peer: a receiver keeps at most its credit of FETCHes outstanding; replies beyond
+  // this are dropped (ROUTER_MANDATORY + dontwait), never queued without bound.
+  s.set(zmq::sockopt::sndhwm, kSendHwm);
   if (o.heartbeat_ivl_ms > 0) {
     s.set(zmq::sockopt::heartbeat_ivl, o.heartbeat_ivl_ms);
     s.set(zmq::sockopt::heartbeat_timeout, o.heartbeat_timeout_ms);
@@ -68,6 +71,18 @@ std::string_view PublishModeName(PublishMode mode) {
     case PublishMode::kDelta: return "delta";
   }
   return "unknown";
+}
+
+Result<std::optional<store::Digest>> NewestPublishable(store::Store& store, const std::string& run, PublishMode mode) {
+  FERRY_ASSIGN_OR_RETURN(std::vector<store::VersionRecord> versions, store.ListVersions(run));
+  for (auto it = versions.rbegin(); it != versions.rend(); ++it) {
+    if (mode != PublishMode::kAdapter) {
+      if (it->kind == store::VersionKind::kMerged || it->kind == store::VersionKind::kFull) return std::optional<store::Digest>(it->id);
+      continue;
+    }
+    if (it->kind == store::VersionKind::kMerged && it->adapter_version) return std::optional<store::Digest>(*it->adapter_version);
+  }
+  return std::optional<store::Digest>();
 }
 
 Result<PublishMode> ParsePublishMode(std::string_view name) {
@@ -213,7 +228,7 @@ class Publisher::Impl {
     store::VersionRecord record;
     uint64_t sequence = 0;
     std::optional<store::Digest> merged_version;  // adapter mode
-    std::string manifest_json;
+    std::shared_ptr<const std::string> manifest_json;  // shared by every queued MANIFEST reply
   };
 
   // A receiver as the publisher thread tracks it (guarded by info_mu_).
@@ -267,10 +282,15 @@ class Publisher::Impl {
   }
 
   void Follow() {
+    // The run's latest record first (cheap): only a change there can change what to publish.
     auto latest = store_->Latest(*options_.follow_run);
-    if (!latest.ok() || !latest->has_value()) return;
-    if (!published_.empty() && published_.back().record.id == **latest) return;
-    (void)DoPublish(**latest);
+    if (!latest.ok() || !latest->has_value() || **latest == follow_latest_) return;
+    follow_latest_ = **latest;
+    auto newest = NewestPublishable(*store_, *options_.follow_run, options_.mode);
+    if (!newest.ok() || !newest->has_value() || **newest == follow_tried_) return;
+    if (!published_.empty() && published_.back().record.id == **newest) return;
+    follow_tried_ = **newest;  // once: a version that fails to publish fails again
+    (void)DoPublish(**newest);
   }
 
   // Periodic work: the ANNOUNCE beacon and the receiver liveness check.
@@ -408,7 +428,7 @@ class Publisher::Impl {
     man.epoch = epoch_;
     man.mode = std::string(PublishModeName(options_.mode));
     man.merged_version = p.merged_version;
-    p.manifest_json = EncodeManifest(man);
+    p.manifest_json = std::make_shared<const std::string>(EncodeManifest(man));
     p.record = std::move(rec);
     p.sequence = seq;
     published_.push_back(std::move(p));
@@ -583,7 +603,17 @@ class Publisher::Impl {
     r.type = MsgType::kManifest;
     r.sequence = p.sequence;
     r.epoch = epoch_;
-    Reply(rid, r, {reinterpret_cast<const std::byte*>(p.manifest_json.data()), p.manifest_json.size()});
+    ReplyOwned(rid, r, Shared(p.manifest_json));
+  }
+
+  // A message that sends `text` without copying it, keeping it alive until ZeroMQ is done:
+  // replies queued for a peer (up to kSendHwm) share the publisher's buffers, so a peer
+  // that asks and never reads costs references, not copies.
+  static zmq::message_t Shared(std::shared_ptr<const std::string> text) {
+    auto* keep = new std::shared_ptr<const std::string>(std::move(text));
+    return zmq::message_t(const_cast<char*>((*keep)->data()), (*keep)->size(),
+                          [](void*, void* hint) { delete static_cast<std::shared_ptr<const std::string>*>(hint); },
+                          keep);
   }
 
   const Published* Find(const store::Digest& v) const {
@@ -597,7 +627,7 @@ class Publisher::Impl {
   // store objects; each object is verified against its digest the first time it is loaded.
   Result<const Tensor*> Item(const Published& p, ItemKind kind, uint32_t index) {
     const auto key = std::make_tuple(p.record.id, kind, index);
-    if (auto it = cache_.find(key); it != cache_.end()) return &it->second.first;
+    if (auto it = cache_.find(key); it != cache_.end()) return &it->second;
     if (cache_.size() >= kMaxCachedItems) cache_.clear();
     if (kind == ItemKind::kTensor) {
       if (index >= p.record.tensors.size()) {
@@ -611,19 +641,21 @@ class Publisher::Impl {
         verified_.insert(row.digest);
       }
       auto& slot = cache_[key];
-      slot.first = std::move(t);
-      return &slot.first;
+      slot = std::move(t);
+      return &slot;
     }
     if (index >= p.record.aux.size()) {
       return Status::InvalidArgument("sync FETCH: aux index " + std::to_string(index) + " out of range");
     }
-    FERRY_ASSIGN_OR_RETURN(std::string text, store_->ReadAux(p.record.aux[index]));
+    FERRY_ASSIGN_OR_RETURN(std::string read, store_->ReadAux(p.record.aux[index]));
+    auto text = std::make_shared<const std::string>(std::move(read));
+    // The tensor owns the text: a copy of it keeps the bytes alive (see HandleFetch).
+    FERRY_ASSIGN_OR_RETURN(Tensor t, Tensor::Wrap(DType::kU8, {static_cast<int64_t>(text->size())},
+                                                  {reinterpret_cast<const std::byte*>(text->data()), text->size()},
+                                                  text));
     auto& slot = cache_[key];
-    slot.second = std::move(text);
-    FERRY_ASSIGN_OR_RETURN(slot.first, Tensor::Wrap(DType::kU8, {static_cast<int64_t>(slot.second.size())},
-                                                    {reinterpret_cast<const std::byte*>(slot.second.data()),
-                                                     slot.second.size()}, nullptr));
-    return &slot.first;
+    slot = std::move(t);
+    return &slot;
   }
 
   void HandleFetch(const zmq::message_t& rid, const Message& m) {
@@ -655,10 +687,10 @@ class Publisher::Impl {
       flipped.assign(bytes.begin(), bytes.end());
       flipped[0] ^= std::byte{0x01};
       bytes = flipped;
-    } else if (m.kind == ItemKind::kTensor) {
-      // Zero-copy: ZeroMQ sends straight from the mapped store object. A heap copy of the
-      // Tensor keeps the mapping alive until ZeroMQ releases the message (the cache may
-      // drop its own reference sooner).
+    } else {
+      // Zero-copy: ZeroMQ sends straight from the mapped store object (a tensor) or the
+      // shared text (an aux file). A heap copy of the Tensor keeps the mapping or text alive
+      // until ZeroMQ releases the message (the cache may drop its own reference sooner).
       auto* keep = new Tensor(tensor);
       zmq::message_t payload(const_cast<std::byte*>(bytes.data()), bytes.size(),
                              [](void*, void* hint) { delete static_cast<Tensor*>(hint); }, keep);
@@ -723,9 +755,11 @@ class Publisher::Impl {
   std::thread thread_;
   std::mutex call_mu_;
   std::vector<Published> published_;  // thread only
-  std::map<std::tuple<store::Digest, ItemKind, uint32_t>, std::pair<Tensor, std::string>> cache_;  // thread only
+  std::map<std::tuple<store::Digest, ItemKind, uint32_t>, Tensor> cache_;  // thread only
   std::set<store::Digest> verified_;  // store objects already checked against their digest; thread only
   std::map<int, std::string> fd_owner_;  // thread only: connection descriptor -> receiver id
+  store::Digest follow_latest_;          // thread only: the run's latest record Follow() saw
+  store::Digest follow_tried_;           // thread only: the newest version Follow() tried
   std::atomic<uint64_t> sequence_{0};
   std::atomic<int> corrupt_{0};
   mutable std::mutex info_mu_;

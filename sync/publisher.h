@@ -55,11 +55,18 @@ std::string_view PublishModeName(PublishMode mode);
 // Parses "merged" | "adapter" | "delta"; kInvalidArgument naming the value otherwise.
 [[nodiscard]] Result<PublishMode> ParsePublishMode(std::string_view name);
 
+// The newest version of `run` that `mode` can publish: a merged or full version, or in
+// adapter mode an adapter whose merged version is recorded. Empty when there is none.
+[[nodiscard]] Result<std::optional<store::Digest>> NewestPublishable(store::Store& store, const std::string& run,
+                                                                     PublishMode mode);
+
 struct PublisherOptions {
   Endpoints endpoints;                 // both bound by the publisher
   std::optional<CurveOptions> curve;   // Default: none (then tcp:// is refused)
-  // When set, the publisher polls store->Latest(run) and publishes each new latest
-  // version itself. Default: none (versions are published with Publish()).
+  // When set, the publisher polls NewestPublishable(store, run, mode) and publishes each
+  // new one itself (for a process that records versions into the same Store object, e.g.
+  // the daemon; a version it cannot publish is tried once). Default: none (versions are
+  // published with Publish()).
   std::optional<std::string> follow_run;
   int follow_interval_ms = 500;        // Default: 500
   // ZMTP heartbeat interval (0: no ZMTP heartbeats). Also the period of the ANNOUNCE

@@ -562,7 +562,9 @@ std::string AuditToJson(const AuditReport& r) {
                          {"message", a.message}});
   }
   j["anomalies"] = std::move(anomalies);
-  return j.dump(2);
+  // A report, not a record: text that is not UTF-8 (a --run filter given by the user, say)
+  // is shown with U+FFFD rather than failing the whole report.
+  return j.dump(2, ' ', /*ensure_ascii=*/false, Json::error_handler_t::replace);
 }
 
 std::string AuditToText(const AuditReport& r) {

@@ -125,6 +125,7 @@ Result<AuditReport> RunAudit(Store& store, const AuditOptions& options);
 Result<double> VersionDeltaNorm(Store& store, const VersionRecord& a, const VersionRecord& b);
 
 // The report as JSON (keys: run, timeline, receivers, gaps, never_acknowledged, anomalies).
+// Never throws: bytes that are not UTF-8 (a run filter as the user typed it) become U+FFFD.
 std::string AuditToJson(const AuditReport& report);
 // The report as plain text for a terminal.
 std::string AuditToText(const AuditReport& report);

@@ -68,6 +68,55 @@ class Reader {
   std::string what_;
 };
 
+// The length of the well-formed UTF-8 sequence starting at s[i] (1..4), or 0 when s[i]
+// does not start one (RFC 3629, table 3-7 of the Unicode standard).
+size_t Utf8SequenceLength(std::string_view s, size_t i) {
+  const auto byte = [&](size_t k) { return static_cast<unsigned char>(s[k]); };
+  const unsigned char b0 = byte(i);
+  if (b0 < 0x80) return 1;
+  size_t len = 0;
+  unsigned char lo = 0x80, hi = 0xBF;  // the range of the second byte
+  if (b0 >= 0xC2 && b0 <= 0xDF) {
+    len = 2;
+  } else if (b0 == 0xE0) {
+    len = 3;
+    lo = 0xA0;  // no overlong 3-byte forms
+  } else if ((b0 >= 0xE1 && b0 <= 0xEC) || b0 == 0xEE || b0 == 0xEF) {
+    len = 3;
+  } else if (b0 == 0xED) {
+    len = 3;
+    hi = 0x9F;  // no surrogates
+  } else if (b0 == 0xF0) {
+    len = 4;
+    lo = 0x90;  // no overlong 4-byte forms
+  } else if (b0 >= 0xF1 && b0 <= 0xF3) {
+    len = 4;
+  } else if (b0 == 0xF4) {
+    len = 4;
+    hi = 0x8F;  // nothing above U+10FFFF
+  } else {
+    return 0;  // 0x80..0xC1 (continuation or overlong 2-byte lead), 0xF5..0xFF
+  }
+  if (s.size() - i < len) return 0;
+  if (byte(i + 1) < lo || byte(i + 1) > hi) return 0;
+  for (size_t k = 2; k < len; ++k) {
+    if (byte(i + k) < 0x80 || byte(i + k) > 0xBF) return 0;
+  }
+  return len;
+}
+
+bool IsControl(unsigned char c) { return c < 0x20 || c == 0x7F; }
+
+// j.dump(), or kInternal naming `what` when j holds text that is not UTF-8 (the callers
+// validate first, so this is a missed check, not bad input to report).
+Result<std::string> Dump(const json& j, const char* what) {
+  try {
+    return j.dump();
+  } catch (const json::exception& e) {
+    return Status::Internal(std::string(what) + " cannot be encoded as JSON: " + e.what());
+  }
+}
+
 Result<json> ParseObject(std::string_view text, const std::string& what) {
   json j = json::parse(text.begin(), text.end(), nullptr, /*allow_exceptions=*/false);
   if (!j.is_object()) return Status::Corruption(what + ": not a JSON object");
@@ -85,7 +134,7 @@ Result<E> ParseEnum(const std::string& s, std::initializer_list<E> values, std::
 
 }  // namespace
 
-std::string EncodeVersion(const VersionRecord& r) {
+Result<std::string> EncodeVersion(const VersionRecord& r) {
   json j;
   j["id"] = r.id.Hex();
   j["run"] = r.run;
@@ -107,7 +156,7 @@ std::string EncodeVersion(const VersionRecord& r) {
   j["aux"] = aux;
   j["tensor_count"] = r.tensors.size();
   j["total_bytes"] = r.total_bytes;
-  return j.dump();
+  return Dump(j, "version record");
 }
 
 Result<VersionRecord> DecodeVersion(std::string_view text) {
@@ -166,7 +215,7 @@ Result<VersionRecord> DecodeVersion(std::string_view text) {
   return r;
 }
 
-std::string EncodeTensorRow(const TensorRow& row) {
+Result<std::string> EncodeTensorRow(const TensorRow& row) {
   json j;
   j["name"] = row.name;
   j["dtype"] = std::string(DTypeName(row.dtype));
@@ -176,7 +225,7 @@ std::string EncodeTensorRow(const TensorRow& row) {
   j["l2_norm"] = std::isfinite(row.l2_norm) ? json(row.l2_norm) : json(nullptr);
   j["nonfinite"] = row.nonfinite;
   j["all_zero"] = row.all_zero;
-  return j.dump();
+  return Dump(j, "tensor row");
 }
 
 Result<TensorRow> DecodeTensorRow(std::string_view text) {
@@ -208,7 +257,7 @@ std::string EncodeEvent(const Event& e) {
   j["version"] = e.version.Hex();
   j["computed"] = DigestOrNull(e.computed);
   j["detail"] = e.detail;
-  return j.dump();
+  return j.dump(-1, ' ', /*ensure_ascii=*/false, json::error_handler_t::replace);
 }
 
 Result<Event> DecodeEvent(std::string_view text) {
@@ -230,10 +279,64 @@ Result<Event> DecodeEvent(std::string_view text) {
 
 Status ValidateRunName(const std::string& run) {
   if (run.empty()) return Status::InvalidArgument("run name is empty");
-  if (run.size() > 256) return Status::InvalidArgument("run name '" + run.substr(0, 32) + "...' is longer than 256 bytes");
+  if (run.size() > 256) {
+    return Status::InvalidArgument("run name '" + EscapeForMessage(run.substr(0, 32)) +
+                                   "...' is longer than 256 bytes");
+  }
+  if (FirstInvalidUtf8(run) != std::string_view::npos) {
+    return Status::InvalidArgument("run name '" + EscapeForMessage(run) + "' is not valid UTF-8");
+  }
   for (char c : run) {
-    if (static_cast<unsigned char>(c) < 0x20 || c == 0x7f) {
-      return Status::InvalidArgument("run name '" + run + "' contains a control character");
+    if (IsControl(static_cast<unsigned char>(c))) {
+      return Status::InvalidArgument("run name '" + EscapeForMessage(run) + "' contains a control character");
+    }
+  }
+  return Status::OK();
+}
+
+size_t FirstInvalidUtf8(std::string_view s) {
+  for (size_t i = 0; i < s.size();) {
+    const size_t len = Utf8SequenceLength(s, i);
+    if (len == 0) return i;
+    i += len;
+  }
+  return std::string_view::npos;
+}
+
+std::string EscapeForMessage(std::string_view s) {
+  static constexpr char kHex[] = "0123456789abcdef";
+  std::string out;
+  out.reserve(s.size());
+  for (size_t i = 0; i < s.size();) {
+    const auto c = static_cast<unsigned char>(s[i]);
+    const size_t len = Utf8SequenceLength(s, i);
+    if (c == '\\') {
+      out += "\\\\";
+    } else if (len == 0 || IsControl(c)) {
+      out += "\\x";
+      out += kHex[c >> 4];
+      out += kHex[c & 0xF];
+    } else {
+      out.append(s.substr(i, len));
+      i += len;
+      continue;
+    }
+    ++i;
+  }
+  return out;
+}
+
+Status ValidateAuxFileName(std::string_view name) {
+  const auto quoted = [&] { return "auxiliary file name '" + EscapeForMessage(name) + "'"; };
+  if (name.empty() || name.find('/') != std::string_view::npos || name == "." || name == "..") {
+    return Status::InvalidArgument(quoted() + " is not a plain file name");
+  }
+  if (FirstInvalidUtf8(name) != std::string_view::npos) {
+    return Status::InvalidArgument(quoted() + " is not valid UTF-8");
+  }
+  for (char c : name) {
+    if (IsControl(static_cast<unsigned char>(c))) {
+      return Status::InvalidArgument(quoted() + " contains a control character");
     }
   }
   return Status::OK();
@@ -262,6 +365,11 @@ Result<std::vector<std::pair<std::string, std::string>>> CollectAuxFiles(const s
     if (!internal::IsAuxFileName(name)) continue;
     std::error_code sec;
     if (!it->is_regular_file(sec)) continue;
+    // The name goes into the version record (JSON) and the version id: a name that cannot be
+    // recorded exactly refuses the whole directory rather than being dropped or mangled.
+    if (Status s = internal::ValidateAuxFileName(name); !s.ok()) {
+      return Status::InvalidArgument(dir.string() + ": " + s.message());
+    }
     FERRY_ASSIGN_OR_RETURN(std::string contents, ReadSmallFile(it->path(), size_t{256} << 20));
     out.emplace_back(name, std::move(contents));
   }

@@ -51,6 +51,18 @@ Result<VersionRecord> HashCheckpoint(const Checkpoint& ckpt,
                                      const std::vector<std::pair<std::string, std::string>>& aux_files,
                                      const std::function<void(uint64_t, uint64_t)>& progress,
                                      const TensorVisitor& on_tensor) {
+  // Names are checked before any byte is hashed or stored: they are recorded (JSON) and
+  // hashed into the version id, so one that cannot be recorded exactly refuses the version.
+  std::set<std::string> seen;
+  for (const auto& [name, contents] : aux_files) {
+    FERRY_RETURN_IF_ERROR(ValidateAuxFileName(name));
+    if (!seen.insert(name).second) return Status::InvalidArgument("auxiliary file '" + name + "' is given twice");
+  }
+  for (const std::string& name : ckpt.names()) {
+    if (FirstInvalidUtf8(name) != std::string_view::npos) {
+      return Status::InvalidArgument("tensor name '" + EscapeForMessage(name) + "' is not valid UTF-8");
+    }
+  }
   VersionRecord rec;
   const uint64_t total = ckpt.total_bytes();
   std::mutex progress_mu;
@@ -112,12 +124,7 @@ Result<VersionRecord> HashCheckpoint(const Checkpoint& ckpt,
       rec.tensors.push_back(std::move(row));
     }
   }
-  std::set<std::string> seen;
   for (const auto& [name, contents] : aux_files) {
-    if (name.empty() || name.find('/') != std::string::npos || name == "." || name == "..") {
-      return Status::InvalidArgument("auxiliary file name '" + name + "' is not a plain file name");
-    }
-    if (!seen.insert(name).second) return Status::InvalidArgument("auxiliary file '" + name + "' is given twice");
     rec.aux.push_back(AuxFile{name, HashString(contents), contents.size()});
   }
   std::sort(rec.aux.begin(), rec.aux.end(), [](const AuxFile& a, const AuxFile& b) { return a.name < b.name; });
@@ -161,6 +168,22 @@ Result<ImportResult> RocksStore::ImportCheckpoint(const Checkpoint& ckpt,
                                                   const ImportOptions& options) {
   FERRY_RETURN_IF_ERROR(RequireWritable("import"));
   if (Status s = ValidateRunName(options.run); !s.ok()) return Status::InvalidArgument(Where(s.message()));
+  // Every other text the version record holds must be UTF-8 too (the record is JSON).
+  if (FirstInvalidUtf8(options.layout) != std::string_view::npos) {
+    return Status::InvalidArgument(Where("layout '" + EscapeForMessage(options.layout) + "' is not valid UTF-8"));
+  }
+  for (const auto& [name, value] : options.metrics) {
+    if (FirstInvalidUtf8(name) != std::string_view::npos) {
+      return Status::InvalidArgument(Where("metric name '" + EscapeForMessage(name) + "' is not valid UTF-8"));
+    }
+  }
+  if (options.kind == VersionKind::kAdapter) {
+    const std::string config = AdapterConfigOf(aux_files);
+    if (size_t at = FirstInvalidUtf8(config); at != std::string_view::npos) {
+      return Status::Corruption(
+          Where("auxiliary file 'adapter_config.json' is not valid UTF-8 (byte " + std::to_string(at) + ")"));
+    }
+  }
   if (options.parent) {
     FERRY_ASSIGN_OR_RETURN(bool has, HasVersion(*options.parent));
     if (!has) return Status::NotFound(Where("parent version " + options.parent->Hex() + " not found"));
@@ -210,9 +233,11 @@ Result<ImportResult> RocksStore::ImportCheckpoint(const Checkpoint& ckpt,
 
   rocksdb::WriteBatch batch;
   const std::string id_key = DigestKey(rec.id);
-  batch.Put(cfs_[kVersions], id_key, EncodeVersion(rec));
+  FERRY_ASSIGN_OR_RETURN(std::string encoded, EncodeVersion(rec));
+  batch.Put(cfs_[kVersions], id_key, encoded);
   for (const TensorRow& row : rec.tensors) {
-    batch.Put(cfs_[kTensors], TensorKey(rec.id, row.name), EncodeTensorRow(row));
+    FERRY_ASSIGN_OR_RETURN(encoded, EncodeTensorRow(row));
+    batch.Put(cfs_[kTensors], TensorKey(rec.id, row.name), encoded);
     batch.Put(cfs_[kObjects], DigestKey(row.digest), U64Le(row.nbytes));
   }
   batch.Put(cfs_[kRuns], RunKey(rec.run, rec.sequence), id_key);

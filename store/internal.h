@@ -64,15 +64,33 @@ std::string TensorKey(const Digest& version, const std::string& name);
 std::string EventKey(int64_t time_ns, uint64_t counter);
 
 // JSON codecs. The version record is stored without its tensors (they live in "tensors").
-std::string EncodeVersion(const VersionRecord& r);
+// Callers validate the text fields first (ImportCheckpoint does); text that is still not
+// UTF-8 is kInternal naming the record, never an exception. Events are history, not hashed:
+// EncodeEvent replaces bytes that are not UTF-8 with U+FFFD and never fails.
+Result<std::string> EncodeVersion(const VersionRecord& r);
 Result<VersionRecord> DecodeVersion(std::string_view json);
-std::string EncodeTensorRow(const TensorRow& row);
+Result<std::string> EncodeTensorRow(const TensorRow& row);
 Result<TensorRow> DecodeTensorRow(std::string_view json);
 std::string EncodeEvent(const Event& e);
 Result<Event> DecodeEvent(std::string_view json);
 
-// Run names become key prefixes: non-empty, at most 256 bytes, no NUL or control characters.
+// Run names become key prefixes: non-empty, at most 256 bytes, well-formed UTF-8 (they are
+// stored in JSON records), no NUL or control characters.
 Status ValidateRunName(const std::string& run);
+
+// Text that goes into a JSON record must be well-formed UTF-8 (nlohmann::json::dump throws
+// otherwise). Returns the offset of the first byte of `s` that does not start a well-formed
+// sequence (RFC 3629: no overlong forms, no surrogates U+D800..U+DFFF, nothing above
+// U+10FFFF, no truncated sequence), or std::string_view::npos when `s` is well-formed.
+size_t FirstInvalidUtf8(std::string_view s);
+// `s` for an error message, always printable: ASCII other than control characters and
+// well-formed multi-byte UTF-8 as they are, '\\' doubled, every other byte (< 0x20, 0x7F,
+// bytes outside a well-formed sequence) as \xHH. "vocab.\xff" for the bytes 'vocab.' 0xFF.
+std::string EscapeForMessage(std::string_view s);
+// Auxiliary file names are recorded in version records and hashed into the version id:
+// kInvalidArgument ("auxiliary file name '<escaped>' ...") unless `name` is a plain file name
+// (not empty, ".", "..", no '/'), well-formed UTF-8, without control characters (< 0x20, 0x7F).
+Status ValidateAuxFileName(std::string_view name);
 
 using store::CollectAuxFiles;
 // True when `name` is an auxiliary file name of store.h's list.

@@ -79,6 +79,13 @@
 //     nothing alive (the audit shows a collected parent as such). Removed
 //     versions lose their records, tensor rows and run entries; events stay.
 //   - Events are committed with sync = true; time_ns 0 means "now".
+//   - Text recorded in JSON must be UTF-8. Import/ImportCheckpoint/HashPath refuse, before
+//     anything is stored, with kInvalidArgument: an auxiliary file name that is not a plain
+//     file name, not well-formed UTF-8 or holds a control character (see CollectAuxFiles);
+//     a tensor name, run name, layout or metric name that is not UTF-8 (run names: no
+//     control characters either); HashPath checks the file and tensor names. An adapter's
+//     adapter_config.json that is not UTF-8 is kCorruption. Event text (receiver, detail)
+//     that is not UTF-8 is stored with U+FFFD instead.
 // ---------------------------------------------------------------------------------------
 #pragma once
 
@@ -270,6 +277,11 @@ Digest ManifestDigest(const std::vector<TensorRow>& tensors, const std::vector<A
 // The auxiliary files of the list above found in `dir` (name, contents), sorted by name:
 // what Import records beside the weights of a model directory. kIOError naming the
 // directory when it cannot be listed; files over 256 MiB are an error naming the file.
+// A regular file whose name matches the list but is not well-formed UTF-8 or holds a
+// control character (< 0x20, 0x7F) is kInvalidArgument naming the directory and the name
+// escaped ("DIR: auxiliary file name 'vocab.\xff' is not valid UTF-8", "... contains a
+// control character"): such a name cannot be recorded exactly, so the directory is refused
+// rather than recorded without it. Files whose names do not match the list are ignored.
 Result<std::vector<std::pair<std::string, std::string>>> CollectAuxFiles(const std::filesystem::path& dir);
 
 // Hashes the weights at `path` without storing them (what `ferry verify PATH` does): a

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cctype>
 #include <charconv>
+#include <exception>
 #include <nlohmann/json.hpp>
 #include <system_error>
 
@@ -227,7 +228,14 @@ WatchedCheckpoint CheckpointWatcher::Handle(const fs::path& dir) {
   out.step = TrailingStep(dir.filename().string());
   std::error_code ec;
   out.adapter = fs::exists(dir / "adapter_config.json", ec);
-  Status s = out.adapter ? ImportAdapter(dir, out) : ImportFull(dir, out);
+  Status s;
+  // One checkpoint's failure, even an exception from below (a bug there, or memory), ends
+  // in that checkpoint's error: the watcher and the publisher driving it go on.
+  try {
+    s = out.adapter ? ImportAdapter(dir, out) : ImportFull(dir, out);
+  } catch (const std::exception& e) {
+    s = Status::Internal(std::string("unexpected exception: ") + e.what());
+  }
   if (!s.ok()) {
     out.error = s.WithContext("checkpoint " + dir.string());
     out.version.reset();

@@ -15,9 +15,13 @@
 //               adapter that does not fit the base leaves nothing behind.
 //   full model  config.json + model.safetensors (or model.safetensors.index.json + shards):
 //               imported as kind full (step).
-// A settled directory that fails to parse or merge is reported once, as a per-checkpoint
-// error naming the directory (and the file or tensor at fault), and never retried. Each
-// directory is handled at most once per watcher.
+// A settled directory that fails to parse, merge or record is reported once, as a
+// per-checkpoint error naming the directory (and the file or tensor at fault), and never
+// retried; the next directories are handled as usual. That includes a directory the store
+// refuses (an auxiliary-looking file such as vocab.* whose name is not UTF-8 or holds a
+// control character: kInvalidArgument) and an exception thrown while handling it (kInternal,
+// "checkpoint DIR: unexpected exception: ..."). Each directory is handled at most once per
+// watcher.
 //
 // Order: directories are handled in the natural order of their names (digit runs compare
 // as numbers: checkpoint-100 before checkpoint-1000). The step is the trailing number of the

@@ -1,8 +1,10 @@
 // CheckpointWatcher (sync/watch.h) against the committed PEFT fixture: an adapter directory
 // appearing in the watched directory becomes a merged version equal to PEFT's merged/, a
 // directory is handled only once it settled, a broken one is reported once and skipped,
-// directories are handled in natural order, full models are imported as full, and only the
-// newest directory already present at start is handled.
+// directories are handled in natural order, full models are imported as full, only the
+// newest directory already present at start is handled, and a checkpoint the store refuses
+// (an aux file name that is not UTF-8) or whose handling throws is skipped with its error
+// while the next one is still imported and published.
 #include "sync/watch.h"
 
 #include <gtest/gtest.h>
@@ -11,9 +13,11 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <stdexcept>
 
 #include "convert/peft_config.h"
 #include "core/mapped_file.h"
+#include "sync/publisher.h"
 #include "tests/temp_dir.h"
 
 namespace ferry::sync {
@@ -310,6 +314,141 @@ TEST_F(WatchTest, OnlyTheNewestCheckpointPresentAtStartIsHandled) {
   auto versions = store_->ListVersions(std::nullopt);
   ASSERT_TRUE(versions.ok());
   for (const auto& v : *versions) EXPECT_NE(v.step, 60) << v.id.Hex();  // the full model was skipped
+}
+
+// A store that forwards to `inner` but throws from Import of a directory named `throw_on`
+// (standing in for any exception from below the watcher: a library bug, bad_alloc).
+class ThrowingStore final : public store::Store {
+ public:
+  ThrowingStore(store::Store* inner, std::string throw_on) : inner_(inner), throw_on_(std::move(throw_on)) {}
+  Result<store::ImportResult> Import(const fs::path& path, const store::ImportOptions& options) override {
+    if (path.filename() == throw_on_) throw std::runtime_error("boom in " + path.filename().string());
+    return inner_->Import(path, options);
+  }
+  Result<store::ImportResult> ImportCheckpoint(const Checkpoint& ckpt,
+                                               const std::vector<std::pair<std::string, std::string>>& aux_files,
+                                               const store::ImportOptions& options) override {
+    return inner_->ImportCheckpoint(ckpt, aux_files, options);
+  }
+  Result<store::VersionRecord> GetVersion(std::string_view id) override { return inner_->GetVersion(id); }
+  Result<std::vector<store::VersionRecord>> ListVersions(std::optional<std::string> run) override {
+    return inner_->ListVersions(std::move(run));
+  }
+  Result<std::vector<std::string>> ListRuns() override { return inner_->ListRuns(); }
+  Result<std::optional<store::Digest>> Latest(const std::string& run) override { return inner_->Latest(run); }
+  Result<Tensor> ReadTensor(const store::TensorRow& row, bool verify) override {
+    return inner_->ReadTensor(row, verify);
+  }
+  Result<std::string> ReadAux(const store::AuxFile& aux) override { return inner_->ReadAux(aux); }
+  Result<std::vector<store::VerifyReport>> Verify(std::optional<store::Digest> v) override { return inner_->Verify(v); }
+  Status Export(const store::Digest& v, const fs::path& out, bool force) override {
+    return inner_->Export(v, out, force);
+  }
+  Status AddEvent(const store::Event& e) override { return inner_->AddEvent(e); }
+  Result<std::vector<store::Event>> ListEvents(std::optional<store::Digest> v) override {
+    return inner_->ListEvents(v);
+  }
+  Result<int64_t> GarbageCollect(int64_t keep) override { return inner_->GarbageCollect(keep); }
+  Status Refresh() override { return inner_->Refresh(); }
+
+ private:
+  store::Store* inner_;
+  std::string throw_on_;
+};
+
+// Writes an extra file named `name` into a checkpoint directory.
+void AddFile(const fs::path& dir, const std::string& name) { std::ofstream(dir / name, std::ios::binary) << "x"; }
+
+TEST_F(WatchTest, CheckpointWithAnUnrecordableAuxNameIsSkippedAndTheNextIsPublished) {
+  // What `ferry sync publish --watch` does: the watcher and a publisher share the store
+  // through a SerializedStore; a checkpoint with an error is a warning, the rest published.
+  SerializedStore shared(store_.get());
+  auto ep = PrivateIpcEndpoints(tmp_.path() / "sock");
+  ASSERT_TRUE(ep.ok()) << ep.status().ToString();
+  PublisherOptions po;
+  po.endpoints = *ep;
+  auto publisher = Publisher::Start(&shared, po);
+  ASSERT_TRUE(publisher.ok()) << publisher.status().ToString();
+  WatchOptions o;
+  o.dir = watched();
+  o.base = (kCase / "base").string();
+  o.run = "rl";
+  o.threads = 2;
+  auto w = CheckpointWatcher::Create(&shared, o);
+  ASSERT_TRUE(w.ok()) << w.status().ToString();
+  auto count = [&] {  // through the mutex: the publisher's thread uses the store too
+    auto v = shared.ListVersions(std::nullopt);
+    EXPECT_TRUE(v.ok()) << v.status().ToString();
+    return v.ok() ? v->size() : 0;
+  };
+  const size_t versions_before = count();  // the base
+
+  Drop("merged", "checkpoint-10");  // a full model with vocab.<0xFF>
+  AddFile(watched() / "checkpoint-10", "vocab.\xff");
+  Drop("adapter", "checkpoint-20");  // an adapter with a control character in an aux-list name
+  AddFile(watched() / "checkpoint-20", "chat_template.\x01.jinja");
+  Drop("adapter", "checkpoint-30");  // a good one
+  EXPECT_TRUE(PollOk(**w).empty());
+  auto got = (*w)->Poll();
+  ASSERT_TRUE(got.ok()) << got.status().ToString();
+  ASSERT_EQ(got->size(), 3u);
+
+  std::vector<std::string> warnings;
+  std::vector<uint64_t> sequences;
+  for (const WatchedCheckpoint& c : *got) {
+    if (!c.error.ok()) {
+      warnings.push_back(c.error.message());
+      continue;
+    }
+    auto seq = (*publisher)->Publish(*c.version);
+    ASSERT_TRUE(seq.ok()) << seq.status().ToString();
+    sequences.push_back(*seq);
+  }
+  const fs::path d10 = watched() / "checkpoint-10", d20 = watched() / "checkpoint-20";
+  EXPECT_EQ((*got)[0].error.code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ((*got)[1].error.code(), StatusCode::kInvalidArgument);
+  ASSERT_EQ(warnings.size(), 2u);
+  EXPECT_EQ(warnings[0], "checkpoint " + d10.string() + ": " + d10.string() +
+                             ": auxiliary file name 'vocab.\\xff' is not valid UTF-8");
+  EXPECT_EQ(warnings[1], "checkpoint " + d20.string() + ": " + d20.string() +
+                             ": auxiliary file name 'chat_template.\\x01.jinja' contains a control character");
+  for (int k : {0, 1}) {
+    EXPECT_FALSE((*got)[k].version.has_value());
+    EXPECT_FALSE((*got)[k].adapter_version.has_value());  // the adapter was refused before anything was recorded
+  }
+  ASSERT_TRUE((*got)[2].error.ok()) << (*got)[2].error.ToString();
+  EXPECT_EQ((*got)[2].dir.filename(), "checkpoint-30");
+  EXPECT_EQ((*got)[2].version, ExpectedMergedId());
+  EXPECT_EQ(sequences, std::vector<uint64_t>{1});
+  EXPECT_EQ((*publisher)->latest_sequence(), 1u);
+  EXPECT_EQ(count(), versions_before + 2);  // adapter + merged of checkpoint-30 only
+  EXPECT_TRUE(PollOk(**w).empty());         // the refused ones are not retried
+}
+
+TEST_F(WatchTest, ExceptionWhileHandlingACheckpointIsItsErrorAndTheWatcherGoesOn) {
+  ThrowingStore throwing(store_.get(), "checkpoint-5");
+  WatchOptions o;
+  o.dir = watched();
+  o.base = (kCase / "base").string();
+  o.run = "rl";
+  o.threads = 2;
+  auto w = CheckpointWatcher::Create(&throwing, o);
+  ASSERT_TRUE(w.ok()) << w.status().ToString();
+  const size_t versions_before = VersionCount();
+  Drop("merged", "checkpoint-5");
+  Drop("adapter", "checkpoint-6");
+  EXPECT_TRUE(PollOk(**w).empty());
+  std::vector<WatchedCheckpoint> got;
+  ASSERT_NO_THROW(got = PollOk(**w));
+  ASSERT_EQ(got.size(), 2u);
+  EXPECT_EQ(got[0].error.code(), StatusCode::kInternal) << got[0].error.ToString();
+  EXPECT_EQ(got[0].error.message(),
+            "checkpoint " + (watched() / "checkpoint-5").string() + ": unexpected exception: boom in checkpoint-5");
+  EXPECT_FALSE(got[0].version.has_value());
+  ASSERT_TRUE(got[1].error.ok()) << got[1].error.ToString();
+  EXPECT_EQ(got[1].version, ExpectedMergedId());
+  EXPECT_EQ(VersionCount(), versions_before + 2);
+  EXPECT_TRUE(PollOk(**w).empty());
 }
 
 }  // namespace

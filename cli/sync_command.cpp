@@ -3,6 +3,9 @@
 //            [--watch DIR --base V|DIR [--layout hf|fused] [--poll-ms N]] [--json]
 //   receive  --connect EP --out DIR --id ID [--key PREFIX --server-key FILE] [--layout hf|fused]
 //            [--base DIR] [--once] [--timeout-ms N] [--keep-versions N] [--json]
+//            Without --once it waits out a publisher that is not up, silent or unreachable
+//            (kUnavailable, warned once per outage) and one with nothing (newer) published
+//            (kNotFound), and exits 1 on any other error (a local write failing, say).
 //   status   --db DB [--run R] [--json]   receivers, their versions, lag, last seen, lost
 // EP is ipc://DIR (a private directory holding both sockets) or tcp://HOST:PORT (requests on
 // PORT, announcements on PORT+1; CURVE keys required).
@@ -157,22 +160,6 @@ void PrintSync(const sync::SyncResult& r, const std::string& id, bool json) {
   std::fflush(stdout);
 }
 
-// The newest version of `run` that `mode` can publish (merged/full, or in adapter mode an
-// adapter whose merged version is stored), if any.
-std::optional<store::Digest> NewestPublishable(store::Store& s, const std::string& run, sync::PublishMode mode) {
-  auto versions = s.ListVersions(run);
-  if (!versions.ok()) Fail(versions.status());
-  for (auto it = versions->rbegin(); it != versions->rend(); ++it) {
-    if (mode != sync::PublishMode::kAdapter) {
-      if (it->kind == store::VersionKind::kMerged || it->kind == store::VersionKind::kFull) return it->id;
-      continue;
-    }
-    if (it->kind != store::VersionKind::kMerged || !it->adapter_version) continue;
-    return *it->adapter_version;
-  }
-  return std::nullopt;
-}
-
 struct PublishFlags {
   std::string db, run = "default", bind, mode = "merged", watch, base, layout = "hf";
   KeyFlags keys;
@@ -234,7 +221,6 @@ void RunPublish(const PublishFlags& f) {
   o.curve = CurveOrFail(f.keys, true);
   CheckEndpointsOrFail("--bind", f.bind, o.endpoints, o.curve.has_value());
   o.mode = *mode;
-  if (!watching) o.follow_run = f.run;  // the publisher follows the run's latest itself
 
   auto owned = OpenStoreOrFail(f.db, /*writable=*/true, /*create=*/watching);
   sync::SerializedStore store(owned.get());
@@ -256,13 +242,25 @@ void RunPublish(const PublishFlags& f) {
   std::fprintf(stderr, "ferry: publishing run %s (%s mode) on %s (announcements on %s)%s%s\n", f.run.c_str(),
                std::string(sync::PublishModeName(*mode)).c_str(), bound.requests.c_str(), bound.updates.c_str(),
                watching ? ", watching " : "", watching ? f.watch.c_str() : "");
+  auto newest = sync::NewestPublishable(store, f.run, *mode);
+  if (!newest.ok()) Fail(newest.status());
   if (!watching) {
+    // This process holds the store (one writer), so nothing new can be recorded while it
+    // serves: it serves the newest publishable version; new versions come through --watch.
+    if (!newest->has_value()) {
+      Fail("run " + f.run + " of " + f.db + " has no version to publish in " + f.mode +
+           " mode (needs a merged or full version; adapter mode: an adapter whose merged version is recorded)");
+    }
+    auto seq = (*p)->Publish(**newest);
+    if (!seq.ok()) Fail(seq.status());
+    std::fprintf(stderr, "ferry: serving %s (sequence %llu)\n", newest->value().Hex().c_str(),
+                 static_cast<unsigned long long>(*seq));
     int sig = 0;
     sigwait(&set, &sig);
     return;
   }
-  if (auto newest = NewestPublishable(store, f.run, *mode)) {
-    auto seq = (*p)->Publish(*newest);
+  if (newest->has_value()) {
+    auto seq = (*p)->Publish(**newest);
     if (!seq.ok()) std::fprintf(stderr, "ferry: warning: %s\n", seq.status().message().c_str());
   }
   do {
@@ -280,6 +278,18 @@ struct ReceiveFlags {
   int keep_versions = 2;
 };
 
+// Errors `receive` waits out when following: the publisher not answering or unreachable
+// (kUnavailable) and nothing (newer) published yet (kNotFound). Anything else (a local
+// write, fsync or rename failing, a version that stays corrupt, a precondition) ends it.
+bool IsTransient(const Status& s) { return s.code() == StatusCode::kUnavailable || s.code() == StatusCode::kNotFound; }
+
+[[noreturn]] void FailReceive(const Status& s, const ReceiveFlags& f) {
+  if (f.base.empty() && s.message().find("base_dir") != std::string::npos) {
+    Fail(s.WithContext("the publisher serves adapters: give --base DIR (the local base model)"));
+  }
+  Fail(s);
+}
+
 void RunReceive(const ReceiveFlags& f) {
   sync::ReceiverOptions o;
   o.id = f.id;
@@ -295,29 +305,37 @@ void RunReceive(const ReceiveFlags& f) {
   const sigset_t set = BlockStopSignals();
   auto r = sync::Receiver::Connect(o);
   if (!r.ok()) Fail(r.status());
-  auto s = (*r)->SyncLatest();
-  if (!s.ok()) {
-    if (f.base.empty() && s.status().message().find("base_dir") != std::string::npos) {
-      Fail(s.status().WithContext("the publisher serves adapters: give --base DIR (the local base model)"));
-    }
-    Fail(s.status());
-  }
-  PrintSync(*s, f.id, f.json);
   bool publisher_lost = false;  // warned once per outage, not on every poll
+  // A failed sync while following: kUnavailable is warned once per outage, kNotFound waited
+  // out quietly; anything else ends `receive`.
+  auto on_error = [&](const Status& st) {
+    if (!IsTransient(st)) FailReceive(st, f);
+    if (st.code() == StatusCode::kUnavailable) {
+      if (!publisher_lost) std::fprintf(stderr, "ferry: warning: %s\n", st.message().c_str());
+      publisher_lost = true;
+      return;
+    }
+    if (publisher_lost) std::fprintf(stderr, "ferry: publisher %s is answering again\n", f.connect.c_str());
+    publisher_lost = false;  // kNotFound: the publisher is alive, nothing (newer) yet
+  };
+  auto s = (*r)->SyncLatest();
+  if (s.ok()) {
+    PrintSync(*s, f.id, f.json);
+  } else {
+    if (f.once) FailReceive(s.status(), f);
+    on_error(s.status());
+    if (s.status().code() == StatusCode::kNotFound) {
+      std::fprintf(stderr, "ferry: waiting for a version to be published: %s\n", s.status().message().c_str());
+    }
+  }
+  // WaitForNewer also syncs the first version announced when none is active yet.
   while (!f.once && !WaitForStop(set, 0)) {
     auto n = (*r)->WaitForNewer(500);
     if (!n.ok()) {
-      if (n.status().code() == StatusCode::kIOError) {
-        // The publisher is gone or unreachable: keep the active version and keep trying.
-        if (!publisher_lost) std::fprintf(stderr, "ferry: warning: %s\n", n.status().message().c_str());
-        publisher_lost = true;
-        continue;
-      }
-      if (n.status().code() != StatusCode::kNotFound) Fail(n.status());
-      if (publisher_lost) std::fprintf(stderr, "ferry: publisher %s is answering again\n", f.connect.c_str());
-      publisher_lost = false;  // kNotFound: the publisher is alive, nothing newer yet
+      on_error(n.status());
       continue;
     }
+    if (publisher_lost) std::fprintf(stderr, "ferry: publisher %s is answering again\n", f.connect.c_str());
     publisher_lost = false;
     PrintSync(*n, f.id, f.json);
   }
@@ -416,7 +434,7 @@ void SetSyncCommand(CLI::App& app) {
                       "(only tensors the receiver lacks) (default: merged)");
   publish->add_option("--watch", pf->watch,
                       "Trainer output directory: each new checkpoint subdirectory (PEFT adapter or full model) is "
-                      "imported, merged onto --base when an adapter, and published (default: follow the run's latest)");
+                      "imported, merged onto --base when an adapter, and published (default: serve the run's newest publishable version)");
   publish->add_option("--base", pf->base,
                       "With --watch: the base version id, or a base model directory (imported when new)");
   publish->add_option("--layout", pf->layout,

@@ -13,6 +13,7 @@
 
 namespace ferry {
 
+// The values travel in sync ERROR frames (sync/protocol.h): append new codes, never renumber.
 enum class StatusCode {
   kOk = 0,
   kInvalidArgument,     // the caller passed something unusable (flags, names)
@@ -23,6 +24,7 @@ enum class StatusCode {
   kAlreadyExists,       // an output exists and overwriting was not asked for
   kFailedPrecondition,  // the state does not allow the operation
   kInternal,            // a bug in Ferry
+  kUnavailable,         // a peer did not answer in time or is unreachable: transient, retry later
 };
 
 // Returns a stable lowercase name for `code` ("invalid_argument", ...).
@@ -43,6 +45,7 @@ class [[nodiscard]] Status {
   static Status AlreadyExists(std::string msg) { return {StatusCode::kAlreadyExists, std::move(msg)}; }
   static Status FailedPrecondition(std::string msg) { return {StatusCode::kFailedPrecondition, std::move(msg)}; }
   static Status Internal(std::string msg) { return {StatusCode::kInternal, std::move(msg)}; }
+  static Status Unavailable(std::string msg) { return {StatusCode::kUnavailable, std::move(msg)}; }
 
   bool ok() const { return code_ == StatusCode::kOk; }
   StatusCode code() const { return code_; }

@@ -287,8 +287,8 @@ class Session {
     for (;;) {
       const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
       if (left <= 0) {
-        return Status::IOError("sync receiver " + o_.id + ": no reply from " + o_.endpoints.requests + " within " +
-                               std::to_string(o_.timeout_ms) + " ms");
+        return Status::Unavailable("sync receiver " + o_.id + ": no reply from " + o_.endpoints.requests +
+                                   " within " + std::to_string(o_.timeout_ms) + " ms");
       }
       zmq::pollitem_t items[] = {{dealer_.handle(), 0, ZMQ_POLLIN, 0}, {sub_.handle(), 0, ZMQ_POLLIN, 0}};
       try {
@@ -345,8 +345,9 @@ class Session {
   }
 
   Status PublisherError(const Message& m) const {
-    const uint32_t c = (m.code > 0 && m.code <= static_cast<uint32_t>(StatusCode::kInternal)) ? m.code
-                                                                               : static_cast<uint32_t>(StatusCode::kInternal);
+    const uint32_t c = (m.code > 0 && m.code <= static_cast<uint32_t>(StatusCode::kUnavailable))
+                           ? m.code
+                           : static_cast<uint32_t>(StatusCode::kInternal);
     return Status(static_cast<StatusCode>(c), "publisher " + o_.endpoints.requests + ": " + m.payload);
   }
 
@@ -937,6 +938,11 @@ Result<SyncResult> Receiver::SyncLatestOnce() {
         if (!prepared.ok()) {
           std::error_code ec;
           fs::remove_all(tmp, ec);
+          // Something missing locally (a tensor the adapter targets is not in the base) is
+          // not the publisher lacking a version: kNotFound from SyncLatest means only that.
+          if (prepared.status().code() == StatusCode::kNotFound) {
+            return Status::FailedPrecondition(prepared.status().message());
+          }
           return prepared.status();
         }
         if (plan.served_kind == "adapter" && !(prepared->proven == plan.merged_version)) {
@@ -977,15 +983,18 @@ Result<SyncResult> Receiver::SyncLatestOnce() {
     FERRY_RETURN_IF_ERROR(s.Ack(man.version, result.computed, st.proven));
     return result;
   }
-  return Status::IOError("sync receiver " + options_.id + ": versions kept changing mid-transfer (64 skips)");
+  return Status::Unavailable("sync receiver " + options_.id + ": versions kept changing mid-transfer (64 skips)");
 }
 
 Result<SyncResult> Receiver::WaitForNewer(int timeout_ms) {
   const auto deadline = Clock::now() + std::chrono::milliseconds(timeout_ms);
   const auto silence = std::chrono::milliseconds(options_.timeout_ms);
+  // A publisher already silent for `silence` (an outage a caller is riding out) gets the whole
+  // call to speak up again, so that retrying in a loop waits instead of spinning.
+  const bool silent_before = Clock::now() >= state_->link.last_heard + silence;
   for (;;) {
     const auto now = Clock::now();
-    const auto wake = std::min(deadline, state_->link.last_heard + silence);
+    const auto wake = silent_before ? deadline : std::min(deadline, state_->link.last_heard + silence);
     const auto wait = std::max<int64_t>(0, std::chrono::duration_cast<std::chrono::milliseconds>(wake - now).count());
     zmq::pollitem_t item = {sockets_->sub.handle(), 0, ZMQ_POLLIN, 0};
     try {
@@ -1014,10 +1023,10 @@ Result<SyncResult> Receiver::WaitForNewer(int timeout_ms) {
       return Status::IOError("sync receiver " + options_.id + ": " + options_.endpoints.updates + ": " + e.what());
     }
     const auto after = Clock::now();
-    if (after >= state_->link.last_heard + silence) {
-      return Status::IOError("sync receiver " + options_.id + ": nothing heard from the publisher at " +
-                             options_.endpoints.requests + " (announcements on " + options_.endpoints.updates +
-                             ") for " + std::to_string(options_.timeout_ms) + " ms: publisher gone");
+    if (after >= state_->link.last_heard + silence && (!silent_before || after >= deadline)) {
+      return Status::Unavailable("sync receiver " + options_.id + ": nothing heard from the publisher at " +
+                                 options_.endpoints.requests + " (announcements on " + options_.endpoints.updates +
+                                 ") for " + std::to_string(options_.timeout_ms) + " ms: publisher gone");
     }
     if (after >= deadline) {
       return Status::NotFound("sync receiver " + options_.id + ": no newer version announced within " +

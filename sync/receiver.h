@@ -94,16 +94,25 @@ class Receiver {
   // version holds), verifies every tensor, aux file and the manifest digest, renames,
   // prepares it when sync/activate.h says so (adapter mode, fused layout), switches
   // DIR/current, acknowledges. Skips to a newer version (or a restarted publisher's)
-  // announced mid-transfer. kIOError naming the endpoint when the publisher does not
-  // answer within timeout_ms; kCorruption naming the tensor (aux file) when it stays
-  // corrupt after max_retries refetches; PrepareActivation's errors. On any error nothing
-  // new is activated and the temporary directories are removed.
+  // announced mid-transfer. kUnavailable naming the endpoint when the publisher does not
+  // answer within timeout_ms (or publishes faster than a version can be fetched, 64 times
+  // in a row); the publisher's own errors with its code (kNotFound: nothing published
+  // yet, or the version is no longer served); kIOError naming the file when a local read,
+  // write, fsync or rename fails; kCorruption naming the tensor (aux file) when it stays
+  // corrupt after max_retries refetches; PrepareActivation's errors (its kNotFound, e.g. a
+  // tensor the adapter targets missing from the local base, as kFailedPrecondition: a
+  // kNotFound from here always means the publisher lacks something). kUnavailable and
+  // kNotFound are worth retrying later; the others are not. On any error nothing new is
+  // activated and the temporary directories are removed.
   [[nodiscard]] Result<SyncResult> SyncLatest();
 
   // Waits up to `timeout_ms` for an announcement newer than the active version (or any of
-  // another publisher epoch: a restarted publisher), then SyncLatest(). kNotFound when none
-  // arrives in time; kIOError naming the endpoints when nothing at all (not even the
-  // publisher's beacon) was heard for options.timeout_ms: the publisher is gone.
+  // another publisher epoch: a restarted publisher), then SyncLatest() (with SyncLatest's
+  // errors). Works before anything is active: the first announced version is then synced.
+  // kNotFound when none arrives in time; kUnavailable naming the endpoints when nothing at
+  // all (not even the publisher's beacon) was heard for options.timeout_ms: the publisher is
+  // gone. When the publisher was already silent that long on entry, kUnavailable comes only
+  // after `timeout_ms` more of silence, so a caller may simply call again in a loop.
   [[nodiscard]] Result<SyncResult> WaitForNewer(int timeout_ms);
 
   // The sequence of the active version (0: none yet).

@@ -1,5 +1,7 @@
 // End-to-end tests of `ferry keys generate` and `ferry sync publish|receive|status`,
-// including `publish --watch` over the committed PEFT fixture.
+// including `publish --watch` over the committed PEFT fixture, a following receiver started
+// before the publisher or before the first publication, a local write failure ending
+// `receive`, and `status` reporting a receiver the publisher declared lost.
 #include <fcntl.h>
 #include <gtest/gtest.h>
 #include <signal.h>
@@ -9,12 +11,16 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <span>
 #include <sstream>
+#include <string>
 #include <thread>
+#include <vector>
 
 #include "core/safetensors.h"
 #include "store/store.h"
@@ -45,9 +51,11 @@ class SyncCliTest : public ::testing::Test {
     root_ = tmpl;
   }
   void TearDown() override {
-    if (pid_ > 0) {
-      ::kill(pid_, SIGKILL);
-      ::waitpid(pid_, nullptr, 0);
+    for (pid_t* p : {&pid_, &recv_pid_}) {
+      if (*p > 0) {
+        ::kill(*p, SIGKILL);
+        ::waitpid(*p, nullptr, 0);
+      }
     }
     std::error_code ec;
     fs::remove_all(root_, ec);
@@ -69,22 +77,132 @@ class SyncCliTest : public ::testing::Test {
     return r->record.id;
   }
 
-  // Starts `ferry ARGS` in the background, stdout and stderr going to pub.out / pub.err.
-  void SpawnPublisher(const std::vector<std::string>& args) {
-    std::vector<std::string> all = {FERRY_CLI_PATH};
+  // Starts `program ARGS` in the background, stdout and stderr going to NAME.out / NAME.err
+  // under the test directory; returns its pid (-1 after a test failure).
+  pid_t Spawn(const std::string& program, const std::vector<std::string>& args, const std::string& name) {
+    std::vector<std::string> all = {program};
     all.insert(all.end(), args.begin(), args.end());
     std::vector<char*> argv;
     for (auto& a : all) argv.push_back(a.data());
     argv.push_back(nullptr);
-    const std::string out = (root_ / "pub.out").string(), err = (root_ / "pub.err").string();
+    const std::string out = (root_ / (name + ".out")).string(), err = (root_ / (name + ".err")).string();
     posix_spawn_file_actions_t actions;
     posix_spawn_file_actions_init(&actions);
     posix_spawn_file_actions_addopen(&actions, STDIN_FILENO, "/dev/null", O_RDONLY, 0);
     posix_spawn_file_actions_addopen(&actions, STDOUT_FILENO, out.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
     posix_spawn_file_actions_addopen(&actions, STDERR_FILENO, err.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-    const int rc = ::posix_spawn(&pid_, FERRY_CLI_PATH, &actions, nullptr, argv.data(), environ);
+    pid_t pid = -1;
+    const int rc = ::posix_spawn(&pid, program.c_str(), &actions, nullptr, argv.data(), environ);
     posix_spawn_file_actions_destroy(&actions);
-    ASSERT_EQ(rc, 0);
+    if (rc != 0) {
+      ADD_FAILURE() << "posix_spawn " << program << ": " << std::strerror(rc);
+      return -1;
+    }
+    return pid;
+  }
+
+  // Starts `ferry ARGS` in the background, stdout and stderr going to pub.out / pub.err.
+  void SpawnPublisher(const std::vector<std::string>& args) {
+    pid_ = Spawn(FERRY_CLI_PATH, args, "pub");
+    ASSERT_GT(pid_, 0);
+  }
+
+  // Starts `ferry sync receive ARGS` in the background (recv.out / recv.err). With
+  // `file_blocks` > 0 it runs under `ulimit -f file_blocks` (1 KiB blocks) with SIGXFSZ
+  // ignored, so writing past that size fails with EFBIG.
+  void SpawnReceiver(const std::vector<std::string>& args, int file_blocks = 0) {
+    std::vector<std::string> all = {"sync", "receive"};
+    all.insert(all.end(), args.begin(), args.end());
+    if (file_blocks <= 0) {
+      recv_pid_ = Spawn(FERRY_CLI_PATH, all, "recv");
+    } else {
+      std::vector<std::string> sh = {
+          "-c", "trap '' XFSZ; ulimit -f " + std::to_string(file_blocks) + "; exec \"$0\" \"$@\"", FERRY_CLI_PATH};
+      sh.insert(sh.end(), all.begin(), all.end());
+      recv_pid_ = Spawn("/bin/bash", sh, "recv");
+    }
+    ASSERT_GT(recv_pid_, 0);
+  }
+
+  // Polls the receiver's `file` ("recv.out" / "recv.err") until it holds `needle`, the
+  // receiver exits, or 60 s pass; returns the file's contents.
+  std::string WaitForReceiver(const std::string& file, const std::string& needle) {
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+    std::string text;
+    while (recv_pid_ > 0 && std::chrono::steady_clock::now() < deadline) {
+      text = Slurp(root_ / file);
+      if (text.find(needle) != std::string::npos) return text;
+      int status = 0;
+      if (::waitpid(recv_pid_, &status, WNOHANG) == recv_pid_) {
+        recv_pid_ = -1;
+        ADD_FAILURE() << "receiver exited (status " << status << ") before '" << needle << "' in " << file
+                      << "; stderr: " << Slurp(root_ / "recv.err");
+        return text;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+    ADD_FAILURE() << "no '" << needle << "' in " << file << " within 60 s; stderr: " << Slurp(root_ / "recv.err");
+    return text;
+  }
+
+  // Waits up to `limit` for the receiver to exit; its exit code, -1 when killed by a signal,
+  // or nullopt (and the receiver is killed) when it was still running.
+  std::optional<int> WaitForReceiverExit(std::chrono::seconds limit) {
+    const auto deadline = std::chrono::steady_clock::now() + limit;
+    while (std::chrono::steady_clock::now() < deadline) {
+      int status = 0;
+      if (::waitpid(recv_pid_, &status, WNOHANG) == recv_pid_) {
+        recv_pid_ = -1;
+        return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+    ::kill(recv_pid_, SIGKILL);
+    ::waitpid(recv_pid_, nullptr, 0);
+    recv_pid_ = -1;
+    return std::nullopt;
+  }
+
+  // Stops the receiver with SIGTERM and returns its exit code.
+  int StopReceiver() {
+    ::kill(recv_pid_, SIGTERM);
+    int status = 0;
+    ::waitpid(recv_pid_, &status, 0);
+    recv_pid_ = -1;
+    return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  }
+
+  // Puts a checkpoint into the watched directory `watched` as NAME atomically: a full model
+  // (the fixture base's config.json and one F32 tensor of `floats` elements, scaled by
+  // `scale`) or, when `floats` is 0, the fixture's PEFT adapter.
+  void DropCheckpoint(const fs::path& watched, const std::string& name, int floats, float scale = 1.0f) {
+    const fs::path staging = root_ / ("staging-" + name);
+    if (floats == 0) {
+      fs::copy(kCase / "adapter", staging, fs::copy_options::recursive);
+    } else {
+      fs::create_directories(staging);
+      fs::copy_file(kCase / "base" / "config.json", staging / "config.json");
+      auto w = SafetensorsWriter::CreateFile(staging / "model.safetensors", {{"w", DType::kF32, {floats}}});
+      ASSERT_TRUE(w.ok()) << w.status().message();
+      std::vector<float> v(static_cast<size_t>(floats));
+      for (int i = 0; i < floats; ++i) v[static_cast<size_t>(i)] = scale * static_cast<float>(i);
+      ASSERT_TRUE((*w)->Append(std::as_bytes(std::span(v))).ok());
+      ASSERT_TRUE((*w)->Finish().ok());
+    }
+    fs::rename(staging, watched / name);
+  }
+
+  // The "version" of the JSON line of `out` that names checkpoint `name` (publish --json).
+  static std::string PublishedVersion(const std::string& out, const std::string& name) {
+    std::istringstream lines(out);
+    for (std::string line; std::getline(lines, line);) {
+      const auto j = nlohmann::json::parse(line, nullptr, false);
+      if (j.is_object() && j.contains("dir") && j["dir"].get<std::string>().ends_with("/" + name)) {
+        return j["published"].get<std::string>();
+      }
+    }
+    ADD_FAILURE() << "no published line for " << name << " in " << out;
+    return "";
   }
 
   // Polls the publisher's `file` ("pub.out" / "pub.err") until it holds `needle`, the
@@ -116,7 +234,8 @@ class SyncCliTest : public ::testing::Test {
   }
 
   fs::path root_;
-  pid_t pid_ = -1;
+  pid_t pid_ = -1;       // the publisher
+  pid_t recv_pid_ = -1;  // a receiver started with SpawnReceiver
 };
 
 TEST_F(SyncCliTest, KeysGenerateWritesPrivateSecretAndPrintsPublicKey) {
@@ -294,6 +413,147 @@ TEST_F(SyncCliTest, WatchPublishesEachNewAdapterCheckpointMerged) {
   auto all = (*s)->ListVersions("rl");
   ASSERT_TRUE(all.ok());
   EXPECT_EQ(all->size(), 5u);  // base + 2 x (adapter, merged); nothing from the broken checkpoint
+}
+
+// A following receiver started while the publisher has nothing to serve (--watch over an
+// empty directory) waits instead of exiting, and activates the first version published.
+TEST_F(SyncCliTest, ReceiveStartedBeforeTheFirstPublicationWaitsAndActivatesIt) {
+  const fs::path watched = root_ / "trainer";
+  fs::create_directories(watched);
+  const std::string ep = "ipc://" + (root_ / "sock").string();
+  SpawnPublisher({"sync", "publish", "--db", (root_ / "db").string(), "--bind", ep, "--watch", watched.string(),
+                  "--base", (kCase / "base").string(), "--poll-ms", "100", "--json"});
+  WaitForOutput("pub.err", "publishing run default");
+  ASSERT_FALSE(HasFailure());
+  SpawnReceiver({"--json", "--connect", ep, "--out", (root_ / "gen").string(), "--id", "gen-1", "--timeout-ms",
+                 "20000"});
+  const std::string waiting = WaitForReceiver("recv.err", "ferry: waiting for a version to be published");
+  ASSERT_FALSE(HasFailure());
+  EXPECT_NE(waiting.find("nothing published yet"), std::string::npos) << waiting;
+
+  DropCheckpoint(watched, "checkpoint-10", /*floats=*/0);
+  const std::string merged = PublishedVersion(WaitForOutput("pub.out", "checkpoint-10"), "checkpoint-10");
+  ASSERT_FALSE(HasFailure());
+  WaitForReceiver("recv.out", "\"version\":\"" + merged + "\"");
+  ASSERT_FALSE(HasFailure());
+  auto hashed = store::HashPath(root_ / "gen" / "current");
+  ASSERT_TRUE(hashed.ok()) << hashed.status().ToString();
+  EXPECT_EQ(hashed->id.Hex(), merged);
+  EXPECT_EQ(StopReceiver(), 0);
+  EXPECT_EQ(StopPublisher(), 0);
+}
+
+// A following receiver started before its publisher warns once that nothing answers, keeps
+// waiting, and activates the publisher's version once it comes up.
+TEST_F(SyncCliTest, ReceiveStartedBeforeThePublisherWaitsForIt) {
+  const store::Digest v = MakeStore();
+  const std::string ep = "ipc://" + (root_ / "sock").string();
+  SpawnReceiver({"--json", "--connect", ep, "--out", (root_ / "gen").string(), "--id", "gen-1", "--timeout-ms",
+                 "500"});
+  WaitForReceiver("recv.err", "no reply from");
+  ASSERT_FALSE(HasFailure());
+  SpawnPublisher({"sync", "publish", "--db", (root_ / "db").string(), "--bind", ep});
+  WaitForReceiver("recv.out", "\"version\":\"" + v.Hex() + "\"");
+  ASSERT_FALSE(HasFailure());
+  EXPECT_EQ(fs::read_symlink(root_ / "gen" / "current"), fs::path("versions") / v.Hex());
+  EXPECT_EQ(StopReceiver(), 0);
+  EXPECT_EQ(StopPublisher(), 0);
+  const std::string err = Slurp(root_ / "recv.err");
+  const size_t first = err.find("no reply from");
+  EXPECT_EQ(err.find("no reply from", first + 1), std::string::npos) << "warned more than once per outage:\n" << err;
+}
+
+// --once still fails fast (exit 1) when there is nothing to sync or nobody answers.
+TEST_F(SyncCliTest, ReceiveOnceFailsFastWithoutAVersion) {
+  const std::string ep = "ipc://" + (root_ / "sock").string();
+  auto silent = RunFerry({"sync", "receive", "--once", "--connect", ep, "--out", (root_ / "gen").string(), "--id",
+                          "gen-1", "--timeout-ms", "300"});
+  EXPECT_EQ(silent.exit_code, 1);
+  EXPECT_NE(silent.err.find("ferry: error: sync receiver gen-1: no reply from"), std::string::npos) << silent.err;
+
+  const fs::path watched = root_ / "trainer";
+  fs::create_directories(watched);
+  SpawnPublisher({"sync", "publish", "--db", (root_ / "db").string(), "--bind", ep, "--watch", watched.string(),
+                  "--base", (kCase / "base").string(), "--poll-ms", "100"});
+  WaitForOutput("pub.err", "publishing run default");
+  ASSERT_FALSE(HasFailure());
+  auto empty = RunFerry({"sync", "receive", "--once", "--connect", ep, "--out", (root_ / "gen").string(), "--id",
+                         "gen-1", "--timeout-ms", "20000"});
+  EXPECT_EQ(empty.exit_code, 1);
+  EXPECT_NE(empty.err.find("nothing published yet"), std::string::npos) << empty.err;
+  EXPECT_FALSE(fs::exists(fs::symlink_status(root_ / "gen" / "current")));
+}
+
+// A local write failure (the receiver may write files of at most 64 KiB; the second version
+// is larger) ends a following receiver with exit code 1 and a message naming the file and
+// the OS error, instead of being retried forever as if the publisher were gone. What was
+// active stays active.
+TEST_F(SyncCliTest, ReceiveExitsNonZeroOnALocalWriteFailure) {
+  const fs::path watched = root_ / "trainer";
+  fs::create_directories(watched);
+  const std::string ep = "ipc://" + (root_ / "sock").string();
+  SpawnPublisher({"sync", "publish", "--db", (root_ / "db").string(), "--bind", ep, "--watch", watched.string(),
+                  "--base", (kCase / "base").string(), "--poll-ms", "100", "--json"});
+  WaitForOutput("pub.err", "publishing run default");
+  ASSERT_FALSE(HasFailure());
+  DropCheckpoint(watched, "checkpoint-1", /*floats=*/64);  // 256 bytes of weights
+  const std::string small = PublishedVersion(WaitForOutput("pub.out", "checkpoint-1"), "checkpoint-1");
+  ASSERT_FALSE(HasFailure());
+  SpawnReceiver({"--json", "--connect", ep, "--out", (root_ / "gen").string(), "--id", "gen-1", "--timeout-ms",
+                 "20000"},
+                /*file_blocks=*/64);
+  WaitForReceiver("recv.out", "\"version\":\"" + small + "\"");
+  ASSERT_FALSE(HasFailure());
+
+  DropCheckpoint(watched, "checkpoint-2", /*floats=*/0);  // merged onto the base: ~360 KiB
+  WaitForOutput("pub.out", "checkpoint-2");
+  ASSERT_FALSE(HasFailure());
+  const std::optional<int> code = WaitForReceiverExit(std::chrono::seconds(60));
+  const std::string err = Slurp(root_ / "recv.err");
+  ASSERT_TRUE(code.has_value()) << "receiver still running 60 s after the write failure; stderr:\n" << err;
+  EXPECT_EQ(*code, 1) << err;
+  EXPECT_NE(err.find("ferry: error: " + (root_ / "gen" / "versions").string()), std::string::npos) << err;
+  EXPECT_NE(err.find("model.safetensors"), std::string::npos) << err;
+  EXPECT_NE(err.find(std::strerror(EFBIG)), std::string::npos) << err;
+  EXPECT_EQ(err.find("warning"), std::string::npos) << err;
+  EXPECT_EQ(fs::read_symlink(root_ / "gen" / "current"), fs::path("versions") / small);
+  EXPECT_EQ(StopPublisher(), 0);
+}
+
+// A receiver killed while the publisher runs is declared lost after the publisher's
+// heartbeat timeout (5 s by default; not a flag), and `sync status --json` (a reader beside
+// the running publisher) says so.
+TEST_F(SyncCliTest, StatusReportsAReceiverThePublisherDeclaredLost) {
+  const store::Digest v = MakeStore();
+  const std::string ep = "ipc://" + (root_ / "sock").string();
+  SpawnPublisher({"sync", "publish", "--db", (root_ / "db").string(), "--bind", ep});
+  WaitForOutput("pub.err", "publishing run default");
+  ASSERT_FALSE(HasFailure());
+  SpawnReceiver({"--json", "--connect", ep, "--out", (root_ / "gen").string(), "--id", "gen-1", "--timeout-ms",
+                 "20000"});
+  WaitForReceiver("recv.out", "\"version\":\"" + v.Hex() + "\"");
+  ASSERT_FALSE(HasFailure());
+  ::kill(recv_pid_, SIGKILL);
+  ::waitpid(recv_pid_, nullptr, 0);
+  recv_pid_ = -1;
+
+  nlohmann::json rows;
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+  while (std::chrono::steady_clock::now() < deadline) {
+    auto st = RunFerry({"sync", "status", "--db", (root_ / "db").string(), "--json"});
+    ASSERT_EQ(st.exit_code, 0) << st.err;
+    rows = nlohmann::json::parse(st.out, nullptr, false);
+    ASSERT_TRUE(rows.is_array() && rows.size() == 1u) << st.out;
+    if (rows[0]["lost"] == true) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(250));
+  }
+  ASSERT_TRUE(rows.is_array() && rows.size() == 1u) << rows.dump();
+  EXPECT_EQ(rows[0]["receiver"], "gen-1");
+  EXPECT_EQ(rows[0]["lost"], true) << rows.dump(2);
+  EXPECT_EQ(rows[0]["version"], v.Hex());
+  EXPECT_NE(rows[0].value("lost_detail", "").find("receiver gen-1 lost: no traffic for"), std::string::npos)
+      << rows.dump(2);
+  EXPECT_EQ(StopPublisher(), 0);
 }
 
 }  // namespace

@@ -107,5 +107,17 @@ TEST(Status, ContextAndMacros) {
   EXPECT_EQ(from_ok.status().code(), StatusCode::kInternal);
 }
 
+TEST(Status, UnavailableHasItsOwnCodeAndName) {
+  Status s = Status::Unavailable("no reply from ipc:///tmp/s/requests within 10 ms");
+  EXPECT_FALSE(s.ok());
+  EXPECT_EQ(s.code(), StatusCode::kUnavailable);
+  EXPECT_NE(s.code(), StatusCode::kIOError);
+  EXPECT_EQ(StatusCodeName(StatusCode::kUnavailable), "unavailable");
+  EXPECT_EQ(s.WithContext("sync").ToString(), "unavailable: sync: no reply from ipc:///tmp/s/requests within 10 ms");
+  // Appended: the codes before it keep the values they have on the wire (sync ERROR frames).
+  EXPECT_EQ(static_cast<int>(StatusCode::kInternal), 8);
+  EXPECT_EQ(static_cast<int>(StatusCode::kUnavailable), 9);
+}
+
 }  // namespace
 }  // namespace ferry

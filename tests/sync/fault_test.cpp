@@ -1,7 +1,8 @@
 // Fault tests of the sync protocol (sync/publisher.h, sync/receiver.h): a publisher
-// restarted under a live receiver, publishers dying mid-transfer and while idle, receivers
-// going away (publisher side liveness), a receiver SIGKILLed mid-transfer and restarted on
-// the same directory, and the one-receiver-per-directory lock.
+// restarted under a live receiver, publishers dying mid-transfer and while idle (kUnavailable,
+// while a local write failure stays kIOError), a receiver connected before the first
+// publication, receivers going away (publisher side liveness), a receiver SIGKILLed
+// mid-transfer and restarted on the same directory, and the one-receiver-per-directory lock.
 #include <fcntl.h>
 #include <gtest/gtest.h>
 #include <poll.h>
@@ -11,6 +12,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -170,7 +172,7 @@ TEST_F(FaultTest, RestartedPublisherIsFollowedByTheSameReceiver) {
   ExpectActive(tmp_.path() / "recv-gen", v2);
 }
 
-TEST_F(FaultTest, PublisherDyingMidTransferIsAnIOErrorWithinTheTimeout) {
+TEST_F(FaultTest, PublisherDyingMidTransferIsUnavailableWithinTheTimeout) {
   const store::Digest v1 = ImportModel("big", 1.0f, 16384);  // 64 KiB: 64 chunks of 1 KiB
   StartPublisher();
   ASSERT_TRUE(publisher_->Publish(v1).ok());
@@ -188,7 +190,7 @@ TEST_F(FaultTest, PublisherDyingMidTransferIsAnIOErrorWithinTheTimeout) {
   auto s = (*r)->SyncLatest();
   const int64_t elapsed = MsSince(start);
   ASSERT_FALSE(s.ok());
-  EXPECT_EQ(s.status().code(), StatusCode::kIOError);
+  EXPECT_EQ(s.status().code(), StatusCode::kUnavailable) << s.status().message();
   EXPECT_NE(s.status().message().find("no reply from " + endpoints_.requests), std::string::npos)
       << s.status().message();
   EXPECT_EQ(chunks, 3);
@@ -197,7 +199,7 @@ TEST_F(FaultTest, PublisherDyingMidTransferIsAnIOErrorWithinTheTimeout) {
   EXPECT_TRUE(TempEntries(o.dir).empty());
 }
 
-TEST_F(FaultTest, PublisherDyingWhileIdleIsAnIOErrorWithinTheTimeout) {
+TEST_F(FaultTest, PublisherDyingWhileIdleIsUnavailableWithinTheTimeout) {
   const store::Digest v1 = ImportModel("m1", 1.0f);
   StartPublisher(FastHeartbeats());
   ASSERT_TRUE(publisher_->Publish(v1).ok());
@@ -216,11 +218,58 @@ TEST_F(FaultTest, PublisherDyingWhileIdleIsAnIOErrorWithinTheTimeout) {
   auto s = (*r)->WaitForNewer(60000);
   const int64_t elapsed = MsSince(start);
   ASSERT_FALSE(s.ok());
-  EXPECT_EQ(s.status().code(), StatusCode::kIOError);
+  EXPECT_EQ(s.status().code(), StatusCode::kUnavailable) << s.status().message();
   EXPECT_NE(s.status().message().find(endpoints_.requests), std::string::npos) << s.status().message();
   EXPECT_NE(s.status().message().find("publisher gone"), std::string::npos) << s.status().message();
   EXPECT_LT(elapsed, 1000 + 4000) << "dead publisher not detected within timeout_ms + slack";
   ExpectActive(o.dir, v1);  // what was active stays active
+
+  // Still gone: a caller retrying in a loop is made to wait its timeout, not spin.
+  const auto again_start = Clock::now();
+  auto again = (*r)->WaitForNewer(400);
+  ASSERT_FALSE(again.ok());
+  EXPECT_EQ(again.status().code(), StatusCode::kUnavailable) << again.status().message();
+  EXPECT_GE(MsSince(again_start), 350) << "WaitForNewer returned at once during an outage";
+}
+
+// A local failure (here DIR/versions replaced by a file, so no transfer directory can be
+// made) is kIOError naming the path, never kUnavailable: callers must not wait it out.
+TEST_F(FaultTest, LocalWriteFailureIsAnIOErrorNotUnavailable) {
+  const store::Digest v1 = ImportModel("m1", 1.0f);
+  StartPublisher(FastHeartbeats());
+  ASSERT_TRUE(publisher_->Publish(v1).ok());
+  auto o = RecvOptions("diskfull");
+  auto r = Receiver::Connect(o);
+  ASSERT_TRUE(r.ok()) << r.status().message();
+  fs::remove_all(o.dir / "versions");
+  std::ofstream(o.dir / "versions") << "not a directory";
+  auto s = (*r)->SyncLatest();
+  ASSERT_FALSE(s.ok());
+  EXPECT_EQ(s.status().code(), StatusCode::kIOError) << s.status().message();
+  EXPECT_NE(s.status().message().find((o.dir / "versions").string()), std::string::npos) << s.status().message();
+  EXPECT_NE(s.status().message().find(std::strerror(ENOTDIR)), std::string::npos) << s.status().message();
+  EXPECT_FALSE(fs::exists(fs::symlink_status(o.dir / "current")));
+}
+
+// A receiver connected before anything is published: SyncLatest is kNotFound (the publisher
+// answers), and WaitForNewer then activates the first version once it is published.
+TEST_F(FaultTest, FirstVersionPublishedAfterTheReceiverConnectedIsActivatedByWaitForNewer) {
+  const store::Digest v1 = ImportModel("m1", 1.0f);
+  StartPublisher(FastHeartbeats());
+  auto r = Receiver::Connect(RecvOptions("early"));
+  ASSERT_TRUE(r.ok()) << r.status().message();
+  auto none = (*r)->SyncLatest();
+  ASSERT_FALSE(none.ok());
+  EXPECT_EQ(none.status().code(), StatusCode::kNotFound) << none.status().message();
+  EXPECT_NE(none.status().message().find("nothing published yet"), std::string::npos) << none.status().message();
+  auto quiet = (*r)->WaitForNewer(300);  // beacons only: alive, nothing to sync
+  ASSERT_FALSE(quiet.ok());
+  EXPECT_EQ(quiet.status().code(), StatusCode::kNotFound) << quiet.status().message();
+  ASSERT_TRUE(publisher_->Publish(v1).ok());
+  auto s = (*r)->WaitForNewer(15000);
+  ASSERT_TRUE(s.ok()) << s.status().message();
+  EXPECT_EQ(s->version, v1);
+  ExpectActive(tmp_.path() / "recv-early", v1);
 }
 
 TEST_F(FaultTest, PublisherDeclaresAGoneReceiverDeadOnceAndRecordsIt) {

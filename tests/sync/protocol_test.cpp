@@ -526,7 +526,7 @@ TEST_F(SyncTest, CurveAllowListAdmitsListedReceiverOnly) {
   ASSERT_TRUE(sr.ok());
   auto ss = (*sr)->SyncLatest();
   ASSERT_FALSE(ss.ok());
-  EXPECT_EQ(ss.status().code(), StatusCode::kIOError);
+  EXPECT_EQ(ss.status().code(), StatusCode::kUnavailable) << ss.status().message();
   EXPECT_NE(ss.status().message().find("no reply from " + bound.requests), std::string::npos) << ss.status().message();
   EXPECT_FALSE(fs::exists(fs::symlink_status(root_ / "recv-stranger" / "current")));
   // Without CURVE at all: the handshake never completes either.
@@ -544,7 +544,7 @@ Result<Message> RawRequest(zmq::socket_t& s, const std::vector<std::string>& fra
   }
   zmq::pollitem_t item = {s.handle(), 0, ZMQ_POLLIN, 0};
   zmq::poll(&item, 1, std::chrono::milliseconds(5000));
-  if (!(item.revents & ZMQ_POLLIN)) return Status::IOError("no reply within 5 s");
+  if (!(item.revents & ZMQ_POLLIN)) return Status::Unavailable("no reply within 5 s");
   std::vector<zmq::message_t> parts;
   do {
     parts.emplace_back();
@@ -1012,6 +1012,27 @@ TEST_F(ModesTest, AdapterModeWithoutABaseActivatesNothing) {
   for (const auto& e : fs::directory_iterator(o.dir / "versions")) {
     EXPECT_EQ(e.path().filename().string().find(".tmp-"), std::string::npos) << "left behind: " << e.path();
   }
+}
+
+// A local base the adapter does not fit (another model's base: it lacks the targeted
+// tensors) is a precondition failure naming the base, never kNotFound, which a following
+// receiver would take for "nothing published yet" and wait out forever.
+TEST_F(ModesTest, AdapterModeOntoABaseLackingTheTargetsIsAPreconditionFailure) {
+  ImportFixture(/*record_merged=*/true);
+  PublisherOptions po;
+  po.mode = PublishMode::kAdapter;
+  StartPublisher(po);
+  ASSERT_TRUE(publisher_->Publish(adapter_).ok());
+  auto o = RecvOptions("wrongbase");
+  o.base_dir = fs::path(FERRY_FIXTURES_DIR) / "cases" / "gpt2_conv1d_f32" / "base";
+  auto r = Receiver::Connect(o);
+  ASSERT_TRUE(r.ok()) << r.status().message();
+  auto s = (*r)->SyncLatest();
+  ASSERT_FALSE(s.ok());
+  EXPECT_EQ(s.status().code(), StatusCode::kFailedPrecondition) << s.status().message();
+  EXPECT_NE(s.status().message().find(o.base_dir->string()), std::string::npos) << s.status().message();
+  EXPECT_NE(s.status().message().find("has no tensor"), std::string::npos) << s.status().message();
+  EXPECT_FALSE(fs::exists(fs::symlink_status(o.dir / "current")));
 }
 
 TEST_F(ModesTest, FusedLayoutReceiverActivatesTheFusedRelayout) {

@@ -103,7 +103,7 @@ void PrintJson(const DiffArgs& args, const Checkpoint& a, const Checkpoint& b, c
   nlohmann::ordered_json tensors = nlohmann::ordered_json::array();
   for (const auto& d : r.tensors) tensors.push_back(TensorJson(d));
   j["tensors"] = std::move(tensors);
-  std::printf("%s\n", j.dump(2).c_str());
+  std::printf("%s\n", JsonText(j, 2).c_str());
 }
 
 // The "detail" column: what changed, or where the largest difference is.

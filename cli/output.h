@@ -37,4 +37,11 @@ class Progress {
   std::chrono::steady_clock::time_point last_draw_;
 };
 
+// JSON text for stdout (nlohmann::json or ordered_json, `indent` as dump's): bytes that are
+// not UTF-8, such as a path the OS allows, become U+FFFD instead of an exception.
+template <typename J>
+std::string JsonText(const J& j, int indent = -1) {
+  return j.dump(indent, ' ', false, J::error_handler_t::replace);
+}
+
 }  // namespace ferry::cli

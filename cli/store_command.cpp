@@ -76,7 +76,7 @@ void RunImport(const ImportFlags& f) {
     j["bytes_written"] = r->bytes_written;
     j["objects_written"] = r->objects_written;
     j["already_present"] = r->already_present;
-    std::printf("%s\n", j.dump(2).c_str());
+    std::printf("%s\n", JsonText(j, 2).c_str());
     return;
   }
   std::printf("%s\n", v.id.Hex().c_str());

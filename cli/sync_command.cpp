@@ -149,7 +149,7 @@ void PrintSync(const sync::SyncResult& r, const std::string& id, bool json) {
     j["refetches"] = r.refetches;
     j["skipped"] = r.skipped;
     j["already_active"] = r.already_active;
-    std::printf("%s\n", j.dump().c_str());
+    std::printf("%s\n", JsonText(j).c_str());
   } else {
     std::printf("%s %s (served %s, sequence %llu, %s received, %s reused%s)\n",
                 r.already_active ? "already active" : "activated", r.active.Hex().c_str(), ShortId(r.version).c_str(),
@@ -194,7 +194,7 @@ void PublishWatched(sync::Publisher& p, const sync::WatchedCheckpoint& c, sync::
     j["version"] = c.version->Hex();
     j["adapter"] = c.adapter_version ? Json(c.adapter_version->Hex()) : Json(nullptr);
     j["sequence"] = *seq;
-    std::printf("%s\n", j.dump().c_str());
+    std::printf("%s\n", JsonText(j).c_str());
   } else {
     std::printf("published %s (checkpoint %s, step %s, %s %s, sequence %llu)\n", publish.Hex().c_str(), c.dir.c_str(),
                 step.c_str(), c.adapter ? "merged" : "full", c.version->Hex().c_str(),
@@ -397,7 +397,7 @@ void RunStatus(const StatusFlags& f) {
     out.push_back(j);
   }
   if (f.json) {
-    std::printf("%s\n", out.dump(2).c_str());
+    std::printf("%s\n", JsonText(out, 2).c_str());
     return;
   }
   std::printf("%-24s %-12s %-8s %-5s %-20s %-20s %s\n", "RECEIVER", "VERSION", "VERIFIED", "LAG", "ACKED", "LAST SEEN",

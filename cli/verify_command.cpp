@@ -100,7 +100,7 @@ void RunVerifyPath(const VerifyPathFlags& f) {
       j["missing"] = c.missing;
       j["extra"] = c.extra;
       j["aux_differ"] = c.aux_differ;
-      std::printf("%s\n", j.dump(2).c_str());
+      std::printf("%s\n", JsonText(j, 2).c_str());
     } else if (ok) {
       std::printf("%s matches version %s: all %lld tensors%s\n", f.path.c_str(), Describe(*target).c_str(),
                   static_cast<long long>(c.matched),
@@ -151,7 +151,7 @@ void RunVerifyPath(const VerifyPathFlags& f) {
     j["aux_differ"] = !exact && same_tensors ? Json(same_cmp.aux_differ) : Json::array();
     j["closest"] = !exact && !same_tensors && closest ? Json(closest->id.Hex()) : Json();
     j["closest_matching_tensors"] = closest_matched;
-    std::printf("%s\n", j.dump(2).c_str());
+    std::printf("%s\n", JsonText(j, 2).c_str());
   }
   if (exact) {
     if (!f.json) std::printf("%s is version %s\n", f.path.c_str(), Describe(*exact).c_str());

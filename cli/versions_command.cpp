@@ -60,7 +60,7 @@ void RunList(const ListFlags& f) {
   if (f.json) {
     Json j = Json::array();
     for (const auto* v : shown) j.push_back(VersionJson(*v, false));
-    std::printf("%s\n", j.dump(2).c_str());
+    std::printf("%s\n", JsonText(j, 2).c_str());
     return;
   }
   if (shown.empty()) {
@@ -93,7 +93,7 @@ void RunShow(const ShowFlags& f) {
     Json ev = Json::array();
     for (const auto& e : *events) ev.push_back(EventJson(e));
     j["events"] = std::move(ev);
-    std::printf("%s\n", j.dump(2).c_str());
+    std::printf("%s\n", JsonText(j, 2).c_str());
     return;
   }
   std::printf("version   %s\n", v.id.Hex().c_str());
@@ -214,7 +214,7 @@ void RunDiff(const DiffFlags& f) {
     }
     j["tensors"] = std::move(tensors);
     j["aux_changed"] = aux_changed;
-    std::printf("%s\n", j.dump(2).c_str());
+    std::printf("%s\n", JsonText(j, 2).c_str());
     if (f.exit_code && a.id != b.id) throw CLI::RuntimeError(kExitVersionsDiffer);
     return;
   }
@@ -274,7 +274,7 @@ void RunVerify(const VerifyFlags& f) {
     for (const auto& r : *reports) {
       j.push_back({{"version", r.version.Hex()}, {"ok", r.ok()}, {"missing", r.missing}, {"corrupted", r.corrupted}});
     }
-    std::printf("%s\n", j.dump(2).c_str());
+    std::printf("%s\n", JsonText(j, 2).c_str());
   } else {
     for (const auto& r : *reports) {
       std::printf("%s  %s\n", ShortId(r.version).c_str(),
@@ -323,7 +323,7 @@ void RunMaterialize(const MaterializeFlags& f) {
     j["tensors_identical"] = r->tensors_identical;
     j["tensors_within_tolerance"] = r->tensors_within_tolerance;
     j["max_abs_diff"] = r->max_abs_diff;
-    std::printf("%s\n", j.dump(2).c_str());
+    std::printf("%s\n", JsonText(j, 2).c_str());
     return;
   }
   std::printf("wrote %s: %s version %s%s (layout %s)\n", f.out.c_str(), std::string(store::KindName(v.kind)).c_str(),
@@ -352,7 +352,7 @@ void RunGc(const GcFlags& f) {
   auto removed = s->GarbageCollect(f.keep);
   if (!removed.ok()) Fail(removed.status());
   if (f.json) {
-    std::printf("%s\n", Json({{"removed_versions", *removed}, {"keep", f.keep}}).dump(2).c_str());
+    std::printf("%s\n", JsonText(Json({{"removed_versions", *removed}, {"keep", f.keep}}), 2).c_str());
     return;
   }
   std::printf("removed %lld versions (kept the newest %lld of each run and what they reference)\n",

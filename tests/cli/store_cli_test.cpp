@@ -114,6 +114,19 @@ TEST_F(StoreCli, DiffComparesByDigest) {
   EXPECT_NE(same.out.find("(identical versions)"), std::string::npos) << same.out;
 }
 
+// A path the OS allows but that is not UTF-8 is printed in --json with U+FFFD, not an
+// abort (nlohmann's dump throws on invalid UTF-8 by default).
+TEST_F(StoreCli, VerifyJsonOfANonUtf8PathReplacesTheBadByte) {
+  ImportAll();
+  const fs::path odd = dir_ / "model-\xff";
+  fs::create_directories(odd);
+  fs::copy_file(kCase / "merged" / "model.safetensors", odd / "model.safetensors");
+  auto r = RunFerry({"verify", odd.string(), "--db", db_, "--json"});
+  EXPECT_LT(r.exit_code, 2) << r.err;  // a verdict (match or not), no crash
+  EXPECT_NE(r.out.find("model-\xef\xbf\xbd"), std::string::npos) << r.out;
+  EXPECT_EQ(r.err.find("terminate"), std::string::npos) << r.err;
+}
+
 TEST_F(StoreCli, VerifyDirectoryAgainstTheStore) {
   ImportAll();
   auto same = RunFerry({"verify", (kCase / "merged").string(), "--db", db_});

@@ -454,6 +454,16 @@ class ResumeTest : public FaultTest {
     return got == 'k' ? v : store::Digest{};
   }
 
+  // Options for `id` fetching 4 KiB chunks (a block: chunk-granular resuming applies) one
+  // at a time, its directory created so its file system can be probed.
+  ReceiverOptions BlockChunks(const std::string& id) {
+    ReceiverOptions o = RecvOptions(id);
+    o.chunk_bytes = 4096;
+    o.credit = 1;
+    fs::create_directories(o.dir);
+    return o;
+  }
+
   // Restarts a receiver with `o` (which keeps the killed one's transfer as
   // versions/<id>.partial; `damage` may then alter it), syncs, and checks it activated `v`
   // with exactly the given byte counts, verified by re-hashing what DIR/current holds.
@@ -497,10 +507,7 @@ TEST_F(ResumeTest, ChunksBelowABlockResumeFromTheCompleteTensors) {
 // chunk: 4 tensors of 16 KiB in 4 KiB chunks, killed after 6 chunks = t0 complete and the
 // first 8 KiB of t1 kept; only t1's last 8 KiB, t2 and t3 are fetched.
 TEST_F(ResumeTest, AHalfReceivedTensorResumesAtItsFirstMissingChunk) {
-  ReceiverOptions o = RecvOptions("chunks");
-  o.chunk_bytes = 4096;
-  o.credit = 1;
-  fs::create_directories(o.dir);
+  const ReceiverOptions o = BlockChunks("chunks");
   if (!ReportsHoles(o.dir, o.chunk_bytes)) GTEST_SKIP() << o.dir << ": the file system reports no holes (SEEK_HOLE)";
   uint64_t aux = 0;
   const store::Digest v = KillAfter(o, 4, 4096, 6, &aux);
@@ -511,10 +518,7 @@ TEST_F(ResumeTest, AHalfReceivedTensorResumesAtItsFirstMissingChunk) {
 // A kept prefix is verified with the bytes fetched after it: damaged on disk after the
 // kill, it fails the tensor's digest and the whole tensor is fetched again.
 TEST_F(ResumeTest, ADamagedKeptPrefixCostsARefetchOfItsTensor) {
-  ReceiverOptions o = RecvOptions("damaged");
-  o.chunk_bytes = 4096;
-  o.credit = 1;
-  fs::create_directories(o.dir);
+  const ReceiverOptions o = BlockChunks("damaged");
   if (!ReportsHoles(o.dir, o.chunk_bytes)) GTEST_SKIP() << o.dir << ": the file system reports no holes (SEEK_HOLE)";
   uint64_t aux = 0;
   const store::Digest v = KillAfter(o, 4, 4096, 6, &aux);

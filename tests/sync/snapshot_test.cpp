@@ -15,6 +15,7 @@
 
 #include <gtest/gtest.h>
 
+#include "tests/sync/sync_test_util.h"
 #include "tests/temp_dir.h"
 
 #include "convert/converter.h"
@@ -552,15 +553,6 @@ TEST(LazySnapshotTest, PlanFailsBeforeAnythingIsMade) {
   EXPECT_NE(bad.status().message().find(w), std::string::npos) << bad.status().ToString();
 }
 
-// This process's anonymous resident memory (/proc/self/status RssAnon), in bytes.
-uint64_t RssAnonBytes() {
-  std::ifstream in("/proc/self/status");
-  std::string line;
-  while (std::getline(in, line)) {
-    if (line.rfind("RssAnon:", 0) == 0) return std::stoull(line.substr(8)) * 1024;
-  }
-  return 0;
-}
 
 // Recording a lazy snapshot holds one merged tensor at a time; building it in memory holds
 // them all. Four 40 MiB BF16 projections with a LoRA each (above glibc's largest mmap

@@ -16,6 +16,17 @@
 
 namespace ferry::sync {
 
+// This process's anonymous resident memory (/proc/self/status RssAnon), in bytes; 0 where
+// the kernel does not report it (Linux < 4.5).
+inline uint64_t RssAnonBytes() {
+  std::ifstream in("/proc/self/status");
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind("RssAnon:", 0) == 0) return std::stoull(line.substr(8)) * 1024;
+  }
+  return 0;
+}
+
 // Checks that DIR/current points at versions/<v>, that the files it holds hash to `v`
 // (store::HashPath, independent of the receiver's own bookkeeping) and that no temporary
 // version directory (".tmp-") is left in DIR/versions. `record`, when given, receives the

@@ -10,6 +10,10 @@ PACKAGES=(
   libxxhash-dev librocksdb-dev libzmq3-dev cppzmq-dev libsodium-dev
   libgtest-dev libgmock-dev libbenchmark-dev
   libtorch-dev                        # legacy adapter_model.bin reader, GRPO daemon
+  libopenblas0-openmp                 # BLAS for LibTorch (the default reference BLAS is ~15x slower)
+  libtomlplusplus-dev                 # ferryd's TOML configuration
+  libonig-dev libicu-dev              # tokenizer.json pre-tokenizer regexes (as HF tokenizers) and NFC
+  clang-format                        # scripts/format.sh --check
 )
 
 missing=()

@@ -31,7 +31,7 @@ Result<at::Tensor> ToTorch(const Tensor& t, const at::Device& device);
 // alive. REQUIRES: nobody writes `t` while the view is used.
 Result<Tensor> ToCore(const at::Tensor& t);
 
-// Runs `fn` (returning T or Result<T>) and turns a c10::Error or std::exception thrown
+// Runs `fn` (returning T, Result<T> or Status) and turns a c10::Error or std::exception thrown
 // inside LibTorch into kInternal with `what` in front of its first line.
 Status TorchError(std::string_view what, const std::exception& e);
 
@@ -43,6 +43,10 @@ struct AsResult {
 template <typename T>
 struct AsResult<Result<T>> {
   using type = Result<T>;
+};
+template <>
+struct AsResult<Status> {
+  using type = Status;
 };
 }  // namespace internal
 

@@ -6,6 +6,7 @@
 #include <set>
 
 #include "convert/bnb4.h"
+#include "daemon/runtime/activation_checkpoint.h"
 #include "daemon/runtime/torch_util.h"
 
 namespace ferry::runtime {
@@ -425,6 +426,9 @@ Result<at::Tensor> CausalLM::Hidden(const ForwardArgs& a) const {
   if (a.lora && (fused_ || a.lora->layers.size() != layers_.size())) {
     return Status::InvalidArgument("forward: the LoRA binding does not fit this model");
   }
+  if (a.checkpoint_layers && a.cache) {
+    return Status::InvalidArgument("forward: activation checkpointing is for training forwards, not KV-cache decoding");
+  }
   int64_t start = 0;
   if (a.cache) {
     if (a.cache->batch() != B) {
@@ -477,7 +481,24 @@ Result<at::Tensor> CausalLM::Hidden(const ForwardArgs& a) const {
 
     at::Tensor x = at::embedding(embed_, ids_d);
     for (size_t i = 0; i < layers_.size(); ++i) {
-      x = LayerForward(*layers_[i], static_cast<int>(i), x, c);
+      const Layer& layer = *layers_[i];
+      const int index = static_cast<int>(i);
+      if (!a.checkpoint_layers) {
+        x = LayerForward(layer, index, x, c);
+        continue;
+      }
+      std::vector<at::Tensor> params;
+      if (c.lora) {
+        for (const LoraModule* m : c.lora->layers[i]) {
+          if (m) {
+            params.push_back(m->a);
+            params.push_back(m->b);
+          }
+        }
+      }
+      // The context's tensors are captured by value: the backward pass may run after Hidden returns.
+      x = Checkpointed([this, &layer, index, c](const at::Tensor& in) { return LayerForward(layer, index, in, c); }, x,
+                       params);
     }
     return RmsNorm(x, norm_, config_.rms_norm_eps);
   });

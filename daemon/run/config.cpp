@@ -67,7 +67,7 @@ constexpr std::string_view kTrlUnimplemented[] = {
     "max_tool_calling_iterations", "log_completions", "log_multimodal", "num_completions_to_print",
     "log_unique_prompts", "log_completions_hub_repo", "use_transformers_continuous_batching",
     "transformers_continuous_batching_config", "use_transformers_paged", "lr_scheduler_kwargs",
-    "optim", "data_seed", "run_name", "report_to", "use_cpu"};
+    "optim", "data_seed", "report_to"};
 
 size_t EditDistance(std::string_view a, std::string_view b) {
   std::vector<size_t> prev(b.size() + 1), cur(b.size() + 1);
@@ -589,6 +589,10 @@ Result<RunConfig> ParseRunConfig(std::string_view text, const std::filesystem::p
       FERRY_RETURN_IF_ERROR(it->second(p, v));
     } else if (auto nt = neutral.find(key); nt != neutral.end()) {
       FERRY_RETURN_IF_ERROR(rd.Neutral(v, nt->second->neutral, nt->second->why));
+    } else if (key == "use_cpu") {
+      return rd.Unsupported("ferryd chooses its device with device = \"cpu\", \"cuda\" or \"cuda:N\"; remove it");
+    } else if (key == "run_name") {
+      return rd.Unsupported("ferryd names its run in the store with [store] run = \"...\"; remove it");
     } else if (In(kTrlUnimplemented, key)) {
       return rd.Unsupported("a TRL GRPOConfig / TrainingArguments key ferryd does not implement; remove it");
     } else if (key == "r" || key == "lora_alpha" || key == "target_modules" || key == "lora_dropout" ||

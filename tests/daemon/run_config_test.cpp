@@ -223,6 +223,8 @@ TEST(RunConfigTest, UnknownKeysAreErrorsNamingKeyAndFile) {
                  StatusCode::kInvalidArgument, "rewards[1].field", "is not a key of type \"regex\"");
   // A GRPOConfig field ferryd does not implement is named as such.
   ExpectKeyError(Cfg("vllm_mode = \"colocate\""), StatusCode::kUnsupported, "vllm_mode", "ferryd does not implement");
+  ExpectKeyError(Cfg("use_cpu = true"), StatusCode::kUnsupported, "use_cpu", "device = \"cpu\"");
+  ExpectKeyError(Cfg("run_name = \"a\""), StatusCode::kUnsupported, "run_name", "[store] run");
 }
 
 TEST(RunConfigTest, BadTypesNameTheKey) {

@@ -30,10 +30,12 @@ constexpr std::string_view kLossTypes[] = {"grpo", "bnpo", "dr_grpo", "dapo"};
 constexpr std::string_view kTrlOnlyLossTypes[] = {"cispo", "sapo", "luspo", "vespo"};
 constexpr std::string_view kSchedulers[] = {"linear", "cosine", "constant", "constant_with_warmup"};
 // transformers' SchedulerType values ferryd does not implement.
+// clang-format off
 constexpr std::string_view kOtherSchedulers[] = {"cosine_with_restarts",      "polynomial",
                                                  "inverse_sqrt",              "reduce_lr_on_plateau",
                                                  "cosine_with_min_lr",        "cosine_warmup_with_min_lr",
                                                  "warmup_stable_decay",       "greedy"};
+// clang-format on
 constexpr std::string_view kIsModes[] = {"token_truncate", "token_mask", "sequence_truncate", "sequence_mask"};
 
 template <size_t N>
@@ -55,6 +57,7 @@ std::string Quoted(const std::string_view (&names)[N]) {
 
 // GRPOConfig fields (trl 1.16.0) ferryd neither implements nor accepts at a neutral value:
 // named as such instead of "unknown key".
+// clang-format off
 constexpr std::string_view kTrlUnimplemented[] = {
     "model_init_kwargs", "trust_remote_code", "router_aux_loss_coef", "num_generations_eval",
     "ds3_gather_for_generation", "pad_to_multiple_of", "generation_kwargs", "chat_template_kwargs",
@@ -68,6 +71,7 @@ constexpr std::string_view kTrlUnimplemented[] = {
     "log_unique_prompts", "log_completions_hub_repo", "use_transformers_continuous_batching",
     "transformers_continuous_batching_config", "use_transformers_paged", "lr_scheduler_kwargs",
     "optim", "data_seed", "report_to"};
+// clang-format on
 
 size_t EditDistance(std::string_view a, std::string_view b) {
   std::vector<size_t> prev(b.size() + 1), cur(b.size() + 1);
@@ -114,7 +118,7 @@ Result<std::filesystem::path> ResolvePath(Reader& rd, const toml::node& v, const
 struct Parse {
   RunConfig& c;
   Reader& rd;
-  std::filesystem::path base;  // the config file's directory
+  std::filesystem::path base;              // the config file's directory
   std::set<std::string, std::less<>> set;  // top-level keys present
   std::optional<std::vector<double>> reward_weights;
   std::optional<double> clip_cap;  // vllm_importance_sampling_cap
@@ -186,14 +190,18 @@ Status ParseStore(Parse& p, const toml::node& v) {
 // "logging_steps" / "save_steps": a whole number >= 1 or a ratio in (0, 1).
 Status ParseSteps(Parse& p, const toml::node& v, double& out) {
   FERRY_ASSIGN_OR_RETURN(double x, p.rd.Float(v, {.min = 0, .min_open = true, .max = 1e12}));
-  if (x > 1 && x != std::floor(x)) return p.rd.Error("must be a whole number when above 1 (got " + Reader::Num(x) + ")");
+  if (x > 1 && x != std::floor(x))
+    return p.rd.Error("must be a whole number when above 1 (got " + Reader::Num(x) + ")");
   out = x;
   return Status::OK();
 }
 
 const std::map<std::string, Handler, std::less<>>& TopHandlers() {
   static const auto* handlers = new std::map<std::string, Handler, std::less<>>{
-      {"model_name_or_path", [](Parse& p, const toml::node& v) { return Into(ResolvePath(p.rd, v, p.base), p.c.model_name_or_path); }},
+      {"model_name_or_path",
+       [](Parse& p, const toml::node& v) {
+         return Into(ResolvePath(p.rd, v, p.base), p.c.model_name_or_path);
+       }},
       {"dataset", [](Parse& p, const toml::node& v) { return Into(ResolvePath(p.rd, v, p.base), p.c.dataset); }},
       {"output_dir",
        [](Parse& p, const toml::node& v) {
@@ -216,7 +224,10 @@ const std::map<std::string, Handler, std::less<>>& TopHandlers() {
          return Status::OK();
        }},
       // TrainingArguments.
-      {"learning_rate", [](Parse& p, const toml::node& v) { return Into(p.rd.Float(v, {.min = 0, .max = 1e6}), p.c.learning_rate); }},
+      {"learning_rate",
+       [](Parse& p, const toml::node& v) {
+         return Into(p.rd.Float(v, {.min = 0, .max = 1e6}), p.c.learning_rate);
+       }},
       {"lr_scheduler_type",
        [](Parse& p, const toml::node& v) -> Status {
          FERRY_ASSIGN_OR_RETURN(std::string s, p.rd.String(v));
@@ -224,11 +235,16 @@ const std::map<std::string, Handler, std::less<>>& TopHandlers() {
            return p.rd.Unsupported("\"" + s + "\" is a transformers scheduler ferryd does not implement (it has " +
                                    Quoted(kSchedulers) + ")");
          }
-         if (!In(kSchedulers, s)) return p.rd.Error("must be " + Quoted(kSchedulers) + " (got " + Reader::Show(s) + ")");
+         if (!In(kSchedulers, s)) {
+           return p.rd.Error("must be " + Quoted(kSchedulers) + " (got " + Reader::Show(s) + ")");
+         }
          p.c.lr_scheduler_type = s;
          return Status::OK();
        }},
-      {"warmup_ratio", [](Parse& p, const toml::node& v) { return Into(p.rd.Float(v, {.min = 0, .max = 1}), p.c.warmup_ratio); }},
+      {"warmup_ratio",
+       [](Parse& p, const toml::node& v) {
+         return Into(p.rd.Float(v, {.min = 0, .max = 1}), p.c.warmup_ratio);
+       }},
       {"warmup_steps",
        [](Parse& p, const toml::node& v) -> Status {
          FERRY_ASSIGN_OR_RETURN(double x, p.rd.Float(v, {.min = 0, .max = 1e12}));
@@ -238,12 +254,30 @@ const std::map<std::string, Handler, std::less<>>& TopHandlers() {
          p.c.warmup_steps = x;
          return Status::OK();
        }},
-      {"weight_decay", [](Parse& p, const toml::node& v) { return Into(p.rd.Float(v, {.min = 0, .max = 1e6}), p.c.weight_decay); }},
-      {"adam_beta1", [](Parse& p, const toml::node& v) { return Into(p.rd.Float(v, {.min = 0, .max = 1, .max_open = true}), p.c.adam_beta1); }},
-      {"adam_beta2", [](Parse& p, const toml::node& v) { return Into(p.rd.Float(v, {.min = 0, .max = 1, .max_open = true}), p.c.adam_beta2); }},
-      {"adam_epsilon", [](Parse& p, const toml::node& v) { return Into(p.rd.Float(v, {.min = 0, .min_open = true, .max = 1}), p.c.adam_epsilon); }},
-      {"max_grad_norm", [](Parse& p, const toml::node& v) { return Into(p.rd.Float(v, {.min = 0, .max = 1e12}), p.c.max_grad_norm); }},
-      {"num_train_epochs", [](Parse& p, const toml::node& v) { return Into(p.rd.Float(v, {.min = 0, .min_open = true, .max = 1e9}), p.c.num_train_epochs); }},
+      {"weight_decay",
+       [](Parse& p, const toml::node& v) {
+         return Into(p.rd.Float(v, {.min = 0, .max = 1e6}), p.c.weight_decay);
+       }},
+      {"adam_beta1",
+       [](Parse& p, const toml::node& v) {
+         return Into(p.rd.Float(v, {.min = 0, .max = 1, .max_open = true}), p.c.adam_beta1);
+       }},
+      {"adam_beta2",
+       [](Parse& p, const toml::node& v) {
+         return Into(p.rd.Float(v, {.min = 0, .max = 1, .max_open = true}), p.c.adam_beta2);
+       }},
+      {"adam_epsilon",
+       [](Parse& p, const toml::node& v) {
+         return Into(p.rd.Float(v, {.min = 0, .min_open = true, .max = 1}), p.c.adam_epsilon);
+       }},
+      {"max_grad_norm",
+       [](Parse& p, const toml::node& v) {
+         return Into(p.rd.Float(v, {.min = 0, .max = 1e12}), p.c.max_grad_norm);
+       }},
+      {"num_train_epochs",
+       [](Parse& p, const toml::node& v) {
+         return Into(p.rd.Float(v, {.min = 0, .min_open = true, .max = 1e9}), p.c.num_train_epochs);
+       }},
       {"max_steps",
        [](Parse& p, const toml::node& v) -> Status {
          FERRY_ASSIGN_OR_RETURN(int64_t x, p.rd.Int(v, -1, int64_t{1} << 40));
@@ -259,21 +293,39 @@ const std::map<std::string, Handler, std::less<>>& TopHandlers() {
          p.c.save_total_limit = x;
          return Status::OK();
        }},
-      {"seed", [](Parse& p, const toml::node& v) { return Into(p.rd.Int(v, 0, std::numeric_limits<int64_t>::max()), p.c.seed); }},
+      {"seed",
+       [](Parse& p, const toml::node& v) {
+         return Into(p.rd.Int(v, 0, std::numeric_limits<int64_t>::max()), p.c.seed);
+       }},
       {"shuffle_dataset", [](Parse& p, const toml::node& v) { return Into(p.rd.Bool(v), p.c.shuffle_dataset); }},
-      {"per_device_train_batch_size", [](Parse& p, const toml::node& v) { return Into(p.rd.Int(v, 1, kMaxBatchSize), p.c.per_device_train_batch_size); }},
-      {"gradient_accumulation_steps", [](Parse& p, const toml::node& v) { return Into(p.rd.Int(v, 1, kMaxBatchSize), p.c.gradient_accumulation_steps); }},
+      {"per_device_train_batch_size",
+       [](Parse& p, const toml::node& v) {
+         return Into(p.rd.Int(v, 1, kMaxBatchSize), p.c.per_device_train_batch_size);
+       }},
+      {"gradient_accumulation_steps",
+       [](Parse& p, const toml::node& v) {
+         return Into(p.rd.Int(v, 1, kMaxBatchSize), p.c.gradient_accumulation_steps);
+       }},
       {"bf16", [](Parse& p, const toml::node& v) { return Into(p.rd.Bool(v), p.c.bf16); }},
-      {"gradient_checkpointing", [](Parse& p, const toml::node& v) { return Into(p.rd.Bool(v), p.c.gradient_checkpointing); }},
+      {"gradient_checkpointing",
+       [](Parse& p, const toml::node& v) {
+         return Into(p.rd.Bool(v), p.c.gradient_checkpointing);
+       }},
       // GRPOConfig.
-      {"num_generations", [](Parse& p, const toml::node& v) { return Into(p.rd.Int(v, 1, kMaxNumGenerations), p.c.num_generations); }},
+      {"num_generations",
+       [](Parse& p, const toml::node& v) {
+         return Into(p.rd.Int(v, 1, kMaxNumGenerations), p.c.num_generations);
+       }},
       {"max_prompt_length",
        [](Parse& p, const toml::node& v) -> Status {
          FERRY_ASSIGN_OR_RETURN(int64_t x, p.rd.Int(v, 1, kMaxSequenceTokens));
          p.c.max_prompt_length = x;
          return Status::OK();
        }},
-      {"max_completion_length", [](Parse& p, const toml::node& v) { return Into(p.rd.Int(v, 1, kMaxSequenceTokens), p.c.max_completion_length); }},
+      {"max_completion_length",
+       [](Parse& p, const toml::node& v) {
+         return Into(p.rd.Int(v, 1, kMaxSequenceTokens), p.c.max_completion_length);
+       }},
       {"generation_batch_size",
        [](Parse& p, const toml::node& v) -> Status {
          FERRY_ASSIGN_OR_RETURN(int64_t x, p.rd.Int(v, 1, kMaxGenerationBatchSize));
@@ -286,11 +338,20 @@ const std::map<std::string, Handler, std::less<>>& TopHandlers() {
          p.steps_per_generation = x;
          return Status::OK();
        }},
-      {"temperature", [](Parse& p, const toml::node& v) { return Into(p.rd.Float(v, {.min = 0, .min_open = true, .max = 1e4}), p.c.temperature); }},
-      {"top_p", [](Parse& p, const toml::node& v) { return Into(p.rd.Float(v, {.min = 0, .min_open = true, .max = 1}), p.c.top_p); }},
+      {"temperature",
+       [](Parse& p, const toml::node& v) {
+         return Into(p.rd.Float(v, {.min = 0, .min_open = true, .max = 1e4}), p.c.temperature);
+       }},
+      {"top_p",
+       [](Parse& p, const toml::node& v) {
+         return Into(p.rd.Float(v, {.min = 0, .min_open = true, .max = 1}), p.c.top_p);
+       }},
       {"top_k", [](Parse& p, const toml::node& v) { return Into(p.rd.Int(v, 0, int64_t{1} << 31), p.c.top_k); }},
       {"beta", [](Parse& p, const toml::node& v) { return Into(p.rd.Float(v, {.min = 0, .max = 1e6}), p.c.beta); }},
-      {"num_iterations", [](Parse& p, const toml::node& v) { return Into(p.rd.Int(v, 1, 1 << 16), p.c.num_iterations); }},
+      {"num_iterations",
+       [](Parse& p, const toml::node& v) {
+         return Into(p.rd.Int(v, 1, 1 << 16), p.c.num_iterations);
+       }},
       {"epsilon", [](Parse& p, const toml::node& v) { return Into(p.rd.Float(v, {.min = 0, .max = 1}), p.c.epsilon); }},
       {"epsilon_high",
        [](Parse& p, const toml::node& v) -> Status {
@@ -307,7 +368,9 @@ const std::map<std::string, Handler, std::less<>>& TopHandlers() {
       {"importance_sampling_level",
        [](Parse& p, const toml::node& v) -> Status {
          FERRY_ASSIGN_OR_RETURN(std::string s, p.rd.String(v));
-         if (s != "token" && s != "sequence") return p.rd.Error("must be \"token\" or \"sequence\" (got " + Reader::Show(s) + ")");
+         if (s != "token" && s != "sequence") {
+           return p.rd.Error("must be \"token\" or \"sequence\" (got " + Reader::Show(s) + ")");
+         }
          p.c.importance_sampling_level = s;
          return Status::OK();
        }},
@@ -323,7 +386,9 @@ const std::map<std::string, Handler, std::less<>>& TopHandlers() {
            p.c.scale_rewards = v.as_boolean()->get() ? "group" : "none";
            return Status::OK();
          }
-         if (!v.is_string()) return p.rd.Error("must be \"group\", \"batch\", \"none\", true or false (got " + Reader::TypeName(v) + ")");
+         if (!v.is_string()) {
+           return p.rd.Error("must be \"group\", \"batch\", \"none\", true or false (got " + Reader::TypeName(v) + ")");
+         }
          const std::string s = v.as_string()->get();
          if (s != "group" && s != "batch" && s != "none") {
            return p.rd.Error("must be \"group\", \"batch\", \"none\", true or false (got " + Reader::Show(s) + ")");
@@ -335,14 +400,21 @@ const std::map<std::string, Handler, std::less<>>& TopHandlers() {
        [](Parse& p, const toml::node& v) -> Status {
          FERRY_ASSIGN_OR_RETURN(std::string s, p.rd.String(v));
          if (In(kTrlOnlyLossTypes, s)) {
-           return p.rd.Unsupported("\"" + s + "\" is a TRL loss ferryd does not implement (it has " + Quoted(kLossTypes) + ")");
+           return p.rd.Unsupported("\"" + s + "\" is a TRL loss ferryd does not implement (it has " +
+                                   Quoted(kLossTypes) + ")");
          }
          if (!In(kLossTypes, s)) return p.rd.Error("must be " + Quoted(kLossTypes) + " (got " + Reader::Show(s) + ")");
          p.c.loss_type = s;
          return Status::OK();
        }},
-      {"mask_truncated_completions", [](Parse& p, const toml::node& v) { return Into(p.rd.Bool(v), p.c.mask_truncated_completions); }},
-      {"vllm_importance_sampling_correction", [](Parse& p, const toml::node& v) { return Into(p.rd.Bool(v), p.c.vllm_importance_sampling_correction); }},
+      {"mask_truncated_completions",
+       [](Parse& p, const toml::node& v) {
+         return Into(p.rd.Bool(v), p.c.mask_truncated_completions);
+       }},
+      {"vllm_importance_sampling_correction",
+       [](Parse& p, const toml::node& v) {
+         return Into(p.rd.Bool(v), p.c.vllm_importance_sampling_correction);
+       }},
       {"vllm_importance_sampling_mode",
        [](Parse& p, const toml::node& v) -> Status {
          FERRY_ASSIGN_OR_RETURN(std::string s, p.rd.String(v));
@@ -369,7 +441,10 @@ const std::map<std::string, Handler, std::less<>>& TopHandlers() {
          p.clip_cap = x;
          return Status::OK();
        }},
-      {"use_bias_correction_kl", [](Parse& p, const toml::node& v) { return Into(p.rd.Bool(v), p.c.use_bias_correction_kl); }},
+      {"use_bias_correction_kl",
+       [](Parse& p, const toml::node& v) {
+         return Into(p.rd.Bool(v), p.c.use_bias_correction_kl);
+       }},
   };
   return *handlers;
 }
@@ -457,7 +532,8 @@ Status Resolve(Parse& p) {
   const auto& cmax = c.vllm_importance_sampling_clip_max;
   if (cmin && cmax && *cmin >= *cmax) {
     Reader::Scope s(rd, "vllm_importance_sampling_clip_min");
-    return rd.Error(Reader::Num(*cmin) + " must be less than vllm_importance_sampling_clip_max (" + Reader::Num(*cmax) + ")");
+    return rd.Error(Reader::Num(*cmin) + " must be less than vllm_importance_sampling_clip_max (" + Reader::Num(*cmax) +
+                    ")");
   }
   if (c.vllm_importance_sampling_correction && !cmin && !cmax &&
       (c.vllm_importance_sampling_mode == "token_truncate" || c.vllm_importance_sampling_mode == "sequence_truncate")) {
@@ -535,21 +611,30 @@ Status Resolve(Parse& p) {
 
 std::string_view ChatTemplateName(ChatTemplate t) {
   switch (t) {
-    case ChatTemplate::kAuto: return "auto";
-    case ChatTemplate::kNone: return "none";
-    case ChatTemplate::kChatML: return "chatml";
-    case ChatTemplate::kLlama3: return "llama3";
+    case ChatTemplate::kAuto:
+      return "auto";
+    case ChatTemplate::kNone:
+      return "none";
+    case ChatTemplate::kChatML:
+      return "chatml";
+    case ChatTemplate::kLlama3:
+      return "llama3";
   }
   return "?";
 }
 
 std::string_view RewardTypeName(RewardType t) {
   switch (t) {
-    case RewardType::kAnswerMatch: return "answer_match";
-    case RewardType::kDigitMatch: return "digit_match";
-    case RewardType::kRegex: return "regex";
-    case RewardType::kLength: return "length";
-    case RewardType::kCommand: return "command";
+    case RewardType::kAnswerMatch:
+      return "answer_match";
+    case RewardType::kDigitMatch:
+      return "digit_match";
+    case RewardType::kRegex:
+      return "regex";
+    case RewardType::kLength:
+      return "length";
+    case RewardType::kCommand:
+      return "command";
   }
   return "?";
 }
@@ -569,8 +654,8 @@ Result<RunConfig> ParseRunConfig(std::string_view text, const std::filesystem::p
     root = toml::parse(text, src);
   } catch (const toml::parse_error& e) {
     return Status::Corruption(src + ":" + std::to_string(e.source().begin.line) + ":" +
-                              std::to_string(e.source().begin.column) + ": TOML syntax error: " +
-                              std::string(e.description()));
+                              std::to_string(e.source().begin.column) +
+                              ": TOML syntax error: " + std::string(e.description()));
   } catch (const std::exception& e) {
     return Status::Corruption(src + ": TOML error: " + e.what());
   }
@@ -612,7 +697,8 @@ Result<RunConfig> ParseRunConfig(std::string_view text, const std::filesystem::p
 Result<RunConfig> LoadRunConfig(const std::filesystem::path& path) {
   std::error_code ec;
   if (!std::filesystem::exists(path, ec)) return Status::NotFound(path.string() + ": no such config file");
-  if (!std::filesystem::is_regular_file(path, ec)) return Status::InvalidArgument(path.string() + ": not a regular file");
+  if (!std::filesystem::is_regular_file(path, ec))
+    return Status::InvalidArgument(path.string() + ": not a regular file");
   FERRY_ASSIGN_OR_RETURN(std::string text, ReadSmallFile(path, kMaxConfigFileBytes));
   FERRY_ASSIGN_OR_RETURN(RunConfig c, ParseRunConfig(text, path));
   const std::string src = path.string();

@@ -60,10 +60,10 @@ namespace ferry::run {
 
 // Limits on hostile input; larger values are refused with kInvalidArgument naming the key.
 inline constexpr size_t kMaxConfigFileBytes = 1u << 20;
-inline constexpr int64_t kMaxBatchSize = 1 << 20;             // per_device_train_batch_size, ...
+inline constexpr int64_t kMaxBatchSize = 1 << 20;  // per_device_train_batch_size, ...
 inline constexpr int64_t kMaxNumGenerations = 1 << 16;
-inline constexpr int64_t kMaxSequenceTokens = 1 << 20;        // max_completion_length, max_prompt_length
-inline constexpr int64_t kMaxGenerationBatchSize = 1 << 30;   // completions per generation
+inline constexpr int64_t kMaxSequenceTokens = 1 << 20;       // max_completion_length, max_prompt_length
+inline constexpr int64_t kMaxGenerationBatchSize = 1 << 30;  // completions per generation
 inline constexpr int64_t kMaxThreads = 4096;
 inline constexpr size_t kMaxRewards = 64;
 inline constexpr size_t kMaxRegexLength = 4096;
@@ -93,9 +93,9 @@ std::string_view RewardTypeName(RewardType t);
 
 // One [[rewards]] table. Keys that do not belong to `type` are refused.
 struct RewardSpec {
-  std::string name;           // unique; used in metric names (rewards/<name>/mean). Default: the type name
+  std::string name;  // unique; used in metric names (rewards/<name>/mean). Default: the type name
   RewardType type = RewardType::kAnswerMatch;
-  double weight = 1.0;        // resolved from `weight` or reward_weights. Default: 1.0
+  double weight = 1.0;  // resolved from `weight` or reward_weights. Default: 1.0
 
   // answer_match, digit_match: the dataset field holding the reference answer (a string or a
   // number) and how the completion's answer is found: the last match of `pattern` (RE2),
@@ -130,12 +130,12 @@ struct RewardSpec {
 
 // PEFT LoraConfig keys ([lora] table).
 struct LoraSettings {
-  int r = 8;                    // [1, 65536]. Default: 8 (peft lora/config.py)
-  double lora_alpha = 8;        // > 0. Default: 8
-  double lora_dropout = 0.0;    // [0, 1). Default: 0.0
-  ModuleSelector target_modules;   // list, regex string or "all-linear". Default: ["q_proj", "v_proj"]
-  ModuleSelector exclude_modules;  // Default: none
-  bool use_rslora = false;         // Default: false
+  int r = 8;                                     // [1, 65536]. Default: 8 (peft lora/config.py)
+  double lora_alpha = 8;                         // > 0. Default: 8
+  double lora_dropout = 0.0;                     // [0, 1). Default: 0.0
+  ModuleSelector target_modules;                 // list, regex string or "all-linear". Default: ["q_proj", "v_proj"]
+  ModuleSelector exclude_modules;                // Default: none
+  bool use_rslora = false;                       // Default: false
   std::vector<RankPatternEntry> rank_pattern;    // file order. Default: none
   std::vector<AlphaPatternEntry> alpha_pattern;  // file order. Default: none
   std::vector<int64_t> layers_to_transform;      // Default: none (every layer)
@@ -155,61 +155,62 @@ struct RunConfig {
   std::filesystem::path source;  // the config file (absolute)
 
   // --- Ferry: what to train on, where, with what.
-  std::filesystem::path model_name_or_path;  // required; a model directory
-  std::filesystem::path dataset;             // required; a JSONL file
-  std::filesystem::path output_dir;          // Default: "trainer_output"
-  int64_t threads = 0;                       // LibTorch intra-op threads; 0: hardware threads. Default: 0
-  std::string device = "cpu";                // "cpu", "cuda" or "cuda:N". Default: "cpu"
+  std::filesystem::path model_name_or_path;          // required; a model directory
+  std::filesystem::path dataset;                     // required; a JSONL file
+  std::filesystem::path output_dir;                  // Default: "trainer_output"
+  int64_t threads = 0;                               // LibTorch intra-op threads; 0: hardware threads. Default: 0
+  std::string device = "cpu";                        // "cpu", "cuda" or "cuda:N". Default: "cpu"
   ChatTemplate chat_template = ChatTemplate::kAuto;  // Default: "auto"
   StoreSettings store;
 
   // --- TrainingArguments (as GRPOConfig overrides them).
-  double learning_rate = 1e-6;                // Default: 1e-6 (GRPOConfig)
-  std::string lr_scheduler_type = "linear";   // linear | cosine | constant | constant_with_warmup
-  double warmup_ratio = 0.0;                  // [0, 1]. Default: 0.0 (transformers 4.x name)
-  double warmup_steps = 0;                    // >= 0; below 1: a ratio of the total steps. Default: 0
-  double weight_decay = 0.0;                  // Default: 0.0
-  double adam_beta1 = 0.9;                    // Default: 0.9
-  double adam_beta2 = 0.999;                  // Default: 0.999
-  double adam_epsilon = 1e-8;                 // Default: 1e-8
-  double max_grad_norm = 1.0;                 // 0: no clipping. Default: 1.0
-  double num_train_epochs = 3.0;              // Default: 3.0
-  int64_t max_steps = -1;                     // -1: from num_train_epochs. Default: -1
-  double logging_steps = 10;                  // >= 1 (whole) or a ratio in (0, 1). Default: 10 (TRL)
-  double save_steps = 500;                    // as logging_steps. Default: 500
-  std::optional<int64_t> save_total_limit;    // Default: none (keep every checkpoint)
-  int64_t seed = 42;                          // Default: 42
-  bool shuffle_dataset = true;                // Default: true
-  int64_t per_device_train_batch_size = 8;    // completions per micro-step. Default: 8
-  int64_t gradient_accumulation_steps = 1;    // Default: 1
-  bool bf16 = true;                           // Default: true (TRL: "true if fp16 is not set")
-  bool gradient_checkpointing = true;         // Default: true (TRL)
+  double learning_rate = 1e-6;               // Default: 1e-6 (GRPOConfig)
+  std::string lr_scheduler_type = "linear";  // linear | cosine | constant | constant_with_warmup
+  double warmup_ratio = 0.0;                 // [0, 1]. Default: 0.0 (transformers 4.x name)
+  double warmup_steps = 0;                   // >= 0; below 1: a ratio of the total steps. Default: 0
+  double weight_decay = 0.0;                 // Default: 0.0
+  double adam_beta1 = 0.9;                   // Default: 0.9
+  double adam_beta2 = 0.999;                 // Default: 0.999
+  double adam_epsilon = 1e-8;                // Default: 1e-8
+  double max_grad_norm = 1.0;                // 0: no clipping. Default: 1.0
+  double num_train_epochs = 3.0;             // Default: 3.0
+  int64_t max_steps = -1;                    // -1: from num_train_epochs. Default: -1
+  double logging_steps = 10;                 // >= 1 (whole) or a ratio in (0, 1). Default: 10 (TRL)
+  double save_steps = 500;                   // as logging_steps. Default: 500
+  std::optional<int64_t> save_total_limit;   // Default: none (keep every checkpoint)
+  int64_t seed = 42;                         // Default: 42
+  bool shuffle_dataset = true;               // Default: true
+  int64_t per_device_train_batch_size = 8;   // completions per micro-step. Default: 8
+  int64_t gradient_accumulation_steps = 1;   // Default: 1
+  bool bf16 = true;                          // Default: true (TRL: "true if fp16 is not set")
+  bool gradient_checkpointing = true;        // Default: true (TRL)
 
   // --- GRPOConfig.
-  int64_t num_generations = 8;                 // >= 2. Default: 8
-  std::optional<int64_t> max_prompt_length;    // Ferry: keep the last N prompt tokens. Default: none
-  int64_t max_completion_length = 512;         // Default: 512
-  int64_t generation_batch_size = 0;           // resolved (see the top of this file)
-  int64_t steps_per_generation = 0;            // resolved
-  double temperature = 1.0;                    // > 0. Default: 1.0
-  double top_p = 1.0;                          // (0, 1]. Default: 1.0
-  int64_t top_k = 0;                           // 0: off. Default: 0
-  double beta = 0.0;                           // KL coefficient. Default: 0.0
-  int64_t num_iterations = 1;                  // Default: 1
-  double epsilon = 0.2;                        // [0, 1]. Default: 0.2
-  double epsilon_high = 0.2;                   // resolved; Default: epsilon
-  std::optional<double> delta;                 // two-sided clipping bound. Default: none
+  int64_t num_generations = 8;                      // >= 2. Default: 8
+  std::optional<int64_t> max_prompt_length;         // Ferry: keep the last N prompt tokens. Default: none
+  int64_t max_completion_length = 512;              // Default: 512
+  int64_t generation_batch_size = 0;                // resolved (see the top of this file)
+  int64_t steps_per_generation = 0;                 // resolved
+  double temperature = 1.0;                         // > 0. Default: 1.0
+  double top_p = 1.0;                               // (0, 1]. Default: 1.0
+  int64_t top_k = 0;                                // 0: off. Default: 0
+  double beta = 0.0;                                // KL coefficient. Default: 0.0
+  int64_t num_iterations = 1;                       // Default: 1
+  double epsilon = 0.2;                             // [0, 1]. Default: 0.2
+  double epsilon_high = 0.2;                        // resolved; Default: epsilon
+  std::optional<double> delta;                      // two-sided clipping bound. Default: none
   std::string importance_sampling_level = "token";  // token | sequence
-  std::string scale_rewards = "group";         // group | batch | none
-  std::string loss_type = "dapo";              // grpo | bnpo | dr_grpo | dapo
-  bool mask_truncated_completions = false;     // Default: false
+  std::string scale_rewards = "group";              // group | batch | none
+  std::string loss_type = "dapo";                   // grpo | bnpo | dr_grpo | dapo
+  bool mask_truncated_completions = false;          // Default: false
   // TRL's vLLM importance-sampling correction; in Ferry it corrects the mismatch between
   // ferryd's co-located generator and its trainer.
-  bool vllm_importance_sampling_correction = true;                   // Default: true
-  std::string vllm_importance_sampling_mode = "sequence_mask";       // token_truncate | token_mask | sequence_truncate | sequence_mask
-  std::optional<double> vllm_importance_sampling_clip_max = 3.0;     // Default: 3.0; inf: none
-  std::optional<double> vllm_importance_sampling_clip_min;           // Default: none
-  bool use_bias_correction_kl = true;          // Default: true (trl 1.16)
+  bool vllm_importance_sampling_correction = true;  // Default: true
+  std::string vllm_importance_sampling_mode =
+      "sequence_mask";  // token_truncate | token_mask | sequence_truncate | sequence_mask
+  std::optional<double> vllm_importance_sampling_clip_max = 3.0;  // Default: 3.0; inf: none
+  std::optional<double> vllm_importance_sampling_clip_min;        // Default: none
+  bool use_bias_correction_kl = true;                             // Default: true (trl 1.16)
 
   // --- PEFT and rewards.
   LoraSettings lora;

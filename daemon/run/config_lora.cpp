@@ -30,7 +30,8 @@ Result<ModuleSelector> ParseSelector(Reader& rd, const toml::node& v, bool allow
     sel.pattern = s;
     return sel;
   }
-  if (!v.is_array()) return rd.Error("must be a list of module names or a regex string (got " + Reader::TypeName(v) + ")");
+  if (!v.is_array())
+    return rd.Error("must be a list of module names or a regex string (got " + Reader::TypeName(v) + ")");
   FERRY_ASSIGN_OR_RETURN(sel.names, rd.StringList(v, kMaxConfigListEntries, 1024));
   if (sel.names.empty()) return rd.Error("must not be an empty list");
   for (size_t i = 0; i < sel.names.size(); ++i) {
@@ -95,8 +96,9 @@ Status ParseLora(Reader& rd, const toml::node& v, LoraSettings& out) {
         FERRY_RETURN_IF_ERROR(CheckPatternKey(rd, pk));
         Reader::Scope item(rd, "lora." + key + "." + pk);
         if (pv->is_table()) {
-          return rd.Error("must be a number, not a table: quote pattern keys that contain dots "
-                          "(\"model.layers.0.self_attn.q_proj\" = 16)");
+          return rd.Error(
+              "must be a number, not a table: quote pattern keys that contain dots "
+              "(\"model.layers.0.self_attn.q_proj\" = 16)");
         }
         if (key == "rank_pattern") {
           FERRY_ASSIGN_OR_RETURN(int64_t r, rd.Int(*pv, 1, kMaxLoraRank));
@@ -153,12 +155,13 @@ Status ParseLora(Reader& rd, const toml::node& v, LoraSettings& out) {
                key == "target_parameters" || key == "alora_invocation_tokens") {
       return rd.Unsupported("a PEFT feature ferryd does not implement (it trains LoRA factors only); remove it");
     } else {
-      return rd.Error("unknown key in [lora] (PEFT LoraConfig names: r, lora_alpha, lora_dropout, target_modules, "
-                      "exclude_modules, use_rslora, rank_pattern, alpha_pattern, layers_to_transform, "
-                      "layers_pattern, bias)");
+      return rd.Error(
+          "unknown key in [lora] (PEFT LoraConfig names: r, lora_alpha, lora_dropout, target_modules, "
+          "exclude_modules, use_rslora, rank_pattern, alpha_pattern, layers_to_transform, "
+          "layers_pattern, bias)");
     }
   }
-  // PEFT's LoraConfig.__post_init__ rules (lora/config.py l.1040-1049).
+  // PEFT's LoraConfig.__post_init__ rules.
   if (out.target_modules.form == ModuleSelector::Form::kRegex && (have_layers || have_pattern)) {
     Reader::Scope scope(rd, have_layers ? "lora.layers_to_transform" : "lora.layers_pattern");
     return rd.Error("cannot be used when target_modules is a regex string (PEFT's rule)");

@@ -32,7 +32,8 @@ std::string RangeText(const Reader::Range& r) {
   const bool has_min = r.min > -std::numeric_limits<double>::max();
   const bool has_max = !r.allow_inf && r.max < std::numeric_limits<double>::max();
   if (has_min && has_max) {
-    return std::string(r.min_open ? "(" : "[") + Reader::Num(r.min) + ", " + Reader::Num(r.max) + (r.max_open ? ")" : "]");
+    return std::string(r.min_open ? "(" : "[") + Reader::Num(r.min) + ", " + Reader::Num(r.max) +
+           (r.max_open ? ")" : "]");
   }
   if (has_min) return std::string(r.min_open ? "> " : ">= ") + Reader::Num(r.min);
   if (has_max) return std::string(r.max_open ? "< " : "<= ") + Reader::Num(r.max);
@@ -94,16 +95,26 @@ void Reader::Warn(const std::string& what) {
 
 std::string Reader::TypeName(const toml::node& v) {
   switch (v.type()) {
-    case toml::node_type::table: return "a table";
-    case toml::node_type::array: return "an array";
-    case toml::node_type::string: return "a string";
-    case toml::node_type::integer: return "an integer";
-    case toml::node_type::floating_point: return "a float";
-    case toml::node_type::boolean: return "a boolean";
-    case toml::node_type::date: return "a date";
-    case toml::node_type::time: return "a time";
-    case toml::node_type::date_time: return "a date-time";
-    default: return "nothing";
+    case toml::node_type::table:
+      return "a table";
+    case toml::node_type::array:
+      return "an array";
+    case toml::node_type::string:
+      return "a string";
+    case toml::node_type::integer:
+      return "an integer";
+    case toml::node_type::floating_point:
+      return "a float";
+    case toml::node_type::boolean:
+      return "a boolean";
+    case toml::node_type::date:
+      return "a date";
+    case toml::node_type::time:
+      return "a time";
+    case toml::node_type::date_time:
+      return "a date-time";
+    default:
+      return "nothing";
   }
 }
 
@@ -164,7 +175,8 @@ Result<int64_t> Reader::Int(const toml::node& v, int64_t min, int64_t max) const
   if (!v.is_integer()) return Error("must be an integer (got " + TypeName(v) + ")");
   const int64_t x = v.as_integer()->get();
   if (x < min || x > max) {
-    return Error("must be in [" + std::to_string(min) + ", " + std::to_string(max) + "] (got " + std::to_string(x) + ")");
+    return Error("must be in [" + std::to_string(min) + ", " + std::to_string(max) + "] (got " + std::to_string(x) +
+                 ")");
   }
   return x;
 }
@@ -177,7 +189,8 @@ Result<bool> Reader::Bool(const toml::node& v) const {
 Result<std::string> Reader::String(const toml::node& v, size_t max_len) const {
   if (!v.is_string()) return Error("must be a string (got " + TypeName(v) + ")");
   const std::string& s = v.as_string()->get();
-  if (s.size() > max_len) return Error("has " + std::to_string(s.size()) + " bytes; at most " + std::to_string(max_len));
+  if (s.size() > max_len)
+    return Error("has " + std::to_string(s.size()) + " bytes; at most " + std::to_string(max_len));
   if (s.find('\0') != std::string::npos) return Error("must not contain NUL");
   return s;
 }
@@ -185,7 +198,8 @@ Result<std::string> Reader::String(const toml::node& v, size_t max_len) const {
 Result<std::vector<double>> Reader::FloatList(const toml::node& v, const Range& range, size_t max_entries) const {
   if (!v.is_array()) return Error("must be an array of numbers (got " + TypeName(v) + ")");
   const toml::array& a = *v.as_array();
-  if (a.size() > max_entries) return Error("has " + std::to_string(a.size()) + " entries; at most " + std::to_string(max_entries));
+  if (a.size() > max_entries)
+    return Error("has " + std::to_string(a.size()) + " entries; at most " + std::to_string(max_entries));
   std::vector<double> out;
   for (size_t i = 0; i < a.size(); ++i) {
     Reader element(source_, nullptr);
@@ -199,12 +213,15 @@ Result<std::vector<double>> Reader::FloatList(const toml::node& v, const Range& 
 Result<std::vector<std::string>> Reader::StringList(const toml::node& v, size_t max_entries, size_t max_len) const {
   if (!v.is_array()) return Error("must be an array of strings (got " + TypeName(v) + ")");
   const toml::array& a = *v.as_array();
-  if (a.size() > max_entries) return Error("has " + std::to_string(a.size()) + " entries; at most " + std::to_string(max_entries));
+  if (a.size() > max_entries)
+    return Error("has " + std::to_string(a.size()) + " entries; at most " + std::to_string(max_entries));
   std::vector<std::string> out;
   for (size_t i = 0; i < a.size(); ++i) {
     if (!a[i].is_string()) return Error("[" + std::to_string(i) + "] must be a string (got " + TypeName(a[i]) + ")");
     const std::string& s = a[i].as_string()->get();
-    if (s.size() > max_len) return Error("[" + std::to_string(i) + "] has " + std::to_string(s.size()) + " bytes; at most " + std::to_string(max_len));
+    if (s.size() > max_len)
+      return Error("[" + std::to_string(i) + "] has " + std::to_string(s.size()) + " bytes; at most " +
+                   std::to_string(max_len));
     if (s.find('\0') != std::string::npos) return Error("[" + std::to_string(i) + "] must not contain NUL");
     out.push_back(s);
   }

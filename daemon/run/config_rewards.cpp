@@ -24,11 +24,16 @@ Result<RewardType> ParseType(Reader& rd, const toml::node& v) {
 // The keys each type accepts besides name, type and weight.
 std::set<std::string_view> KeysOf(RewardType t) {
   switch (t) {
-    case RewardType::kAnswerMatch: return {"field", "pattern", "group", "normalize"};
-    case RewardType::kDigitMatch: return {"field", "pattern", "group", "align"};
-    case RewardType::kRegex: return {"pattern", "match"};
-    case RewardType::kLength: return {"target"};
-    case RewardType::kCommand: return {"command", "timeout_seconds", "batch_size", "stderr_file"};
+    case RewardType::kAnswerMatch:
+      return {"field", "pattern", "group", "normalize"};
+    case RewardType::kDigitMatch:
+      return {"field", "pattern", "group", "align"};
+    case RewardType::kRegex:
+      return {"pattern", "match"};
+    case RewardType::kLength:
+      return {"target"};
+    case RewardType::kCommand:
+      return {"command", "timeout_seconds", "batch_size", "stderr_file"};
   }
   return {};
 }
@@ -83,8 +88,8 @@ Result<RewardSpec> ParseReward(Reader& rd, const toml::node& v, size_t index, co
       continue;
     }
     if (!allowed.count(key)) {
-      return rd.Error("is not a key of type \"" + std::string(RewardTypeName(spec.type)) + "\" (its keys: name, type, weight, " +
-                      KeyList(allowed) + ")");
+      return rd.Error("is not a key of type \"" + std::string(RewardTypeName(spec.type)) +
+                      "\" (its keys: name, type, weight, " + KeyList(allowed) + ")");
     }
     if (key == "field") {
       FERRY_ASSIGN_OR_RETURN(spec.field, rd.String(val, 256));
@@ -116,7 +121,8 @@ Result<RewardSpec> ParseReward(Reader& rd, const toml::node& v, size_t index, co
       FERRY_ASSIGN_OR_RETURN(spec.target, rd.Int(val, 1, kMaxSequenceTokens));
     } else if (key == "command") {
       if (val.is_string()) {
-        return rd.Error("must be an array of strings, the program and its arguments (no shell): [\"python3\", \"reward.py\"]");
+        return rd.Error(
+            "must be an array of strings, the program and its arguments (no shell): [\"python3\", \"reward.py\"]");
       }
       FERRY_ASSIGN_OR_RETURN(spec.command, rd.StringList(val, kMaxCommandArgs));
       if (spec.command.empty() || spec.command[0].empty()) return rd.Error("must name a program");
@@ -131,7 +137,8 @@ Result<RewardSpec> ParseReward(Reader& rd, const toml::node& v, size_t index, co
     } else if (key == "stderr_file") {
       FERRY_ASSIGN_OR_RETURN(std::string f, rd.String(val));
       if (f.empty()) return rd.Error("must not be empty (leave it out for ferryd's stderr)");
-      if (f[0] == '~') return rd.Error("'~' is not expanded: write an absolute path or one relative to the config file");
+      if (f[0] == '~')
+        return rd.Error("'~' is not expanded: write an absolute path or one relative to the config file");
       std::filesystem::path p(f);
       spec.stderr_file = (p.is_relative() ? base / p : p).lexically_normal();
     }

@@ -28,15 +28,22 @@ std::string Hex128(const kernels::Hash128& h) {
 
 std::string JsonTypeName(const Json& j) {
   switch (j.type()) {
-    case Json::value_t::null: return "null";
-    case Json::value_t::object: return "an object";
-    case Json::value_t::array: return "an array";
-    case Json::value_t::string: return "a string";
-    case Json::value_t::boolean: return "a boolean";
+    case Json::value_t::null:
+      return "null";
+    case Json::value_t::object:
+      return "an object";
+    case Json::value_t::array:
+      return "an array";
+    case Json::value_t::string:
+      return "a string";
+    case Json::value_t::boolean:
+      return "a boolean";
     case Json::value_t::number_integer:
     case Json::value_t::number_unsigned:
-    case Json::value_t::number_float: return "a number";
-    default: return "something else";
+    case Json::value_t::number_float:
+      return "a number";
+    default:
+      return "something else";
   }
 }
 
@@ -55,8 +62,9 @@ class LineParser {
 
   Result<std::vector<ChatMessage>> Messages(const Json& list, const std::string& field) const {
     if (!options_.allow_messages) {
-      return Bad(field, "a list of chat messages, but chat_template is \"none\": set chat_template (\"auto\", "
-                        "\"chatml\" or \"llama3\") or give plain-text prompts");
+      return Bad(field,
+                 "a list of chat messages, but chat_template is \"none\": set chat_template (\"auto\", "
+                 "\"chatml\" or \"llama3\") or give plain-text prompts");
     }
     if (list.empty()) return Bad(field, "must not be an empty list of messages");
     std::vector<ChatMessage> out;
@@ -64,7 +72,8 @@ class LineParser {
     for (size_t i = 0; i < list.size(); ++i) {
       const std::string at = field + "[" + std::to_string(i) + "]";
       const Json& m = list[i];
-      if (!m.is_object()) return Bad(at, "must be a message {\"role\": ..., \"content\": ...} (got " + JsonTypeName(m) + ")");
+      if (!m.is_object())
+        return Bad(at, "must be a message {\"role\": ..., \"content\": ...} (got " + JsonTypeName(m) + ")");
       auto role = m.find("role");
       if (role == m.end()) return Bad(at + ".role", "missing");
       if (!role->is_string()) return Bad(at + ".role", "must be a string (got " + JsonTypeName(*role) + ")");
@@ -75,14 +84,16 @@ class LineParser {
       auto content = m.find("content");
       if (content == m.end()) return Bad(at + ".content", "missing");
       if (!content->is_string()) {
-        return Bad(at + ".content", "must be a string (got " + JsonTypeName(*content) + "; multimodal content is not supported)");
+        return Bad(at + ".content",
+                   "must be a string (got " + JsonTypeName(*content) + "; multimodal content is not supported)");
       }
       out.push_back({r, content->get<std::string>()});
     }
     const std::string& last = out.back().role;
     if (last == "assistant") {
-      return Bad(field, "ends with an assistant message: ferryd generates the assistant turn, so a prompt must end "
-                        "with a user message (put a reference answer in a field of its own)");
+      return Bad(field,
+                 "ends with an assistant message: ferryd generates the assistant turn, so a prompt must end "
+                 "with a user message (put a reference answer in a field of its own)");
     }
     if (last != "user") return Bad(field, "must end with a user message (it ends with a " + last + " message)");
     return out;
@@ -108,7 +119,8 @@ class LineParser {
         return Bad("prompt", "must be a string or a list of messages (got " + JsonTypeName(*prompt) + ")");
       }
     } else {
-      if (!messages->is_array()) return Bad("messages", "must be a list of messages (got " + JsonTypeName(*messages) + ")");
+      if (!messages->is_array())
+        return Bad("messages", "must be a list of messages (got " + JsonTypeName(*messages) + ")");
       FERRY_ASSIGN_OR_RETURN(ex.messages, Messages(*messages, "messages"));
     }
     for (auto it = obj.begin(); it != obj.end(); ++it) {
@@ -174,8 +186,9 @@ struct Xoshiro256StarStar {
 }  // namespace
 
 const std::string* Example::Field(std::string_view name) const {
-  auto it = std::lower_bound(fields.begin(), fields.end(), name,
-                             [](const std::pair<std::string, std::string>& f, std::string_view n) { return f.first < n; });
+  auto it =
+      std::lower_bound(fields.begin(), fields.end(), name,
+                       [](const std::pair<std::string, std::string>& f, std::string_view n) { return f.first < n; });
   if (it == fields.end() || it->first != name) return nullptr;
   return &it->second;
 }
@@ -248,7 +261,8 @@ Result<std::shared_ptr<const Dataset>> Dataset::Parse(std::string_view text, std
 Result<std::shared_ptr<const Dataset>> Dataset::Load(const std::filesystem::path& path, const DatasetOptions& options) {
   std::error_code ec;
   if (!std::filesystem::exists(path, ec)) return Status::NotFound(path.string() + ": no such dataset file");
-  if (!std::filesystem::is_regular_file(path, ec)) return Status::InvalidArgument(path.string() + ": not a regular file");
+  if (!std::filesystem::is_regular_file(path, ec))
+    return Status::InvalidArgument(path.string() + ": not a regular file");
   FERRY_ASSIGN_OR_RETURN(std::shared_ptr<MappedFile> file, MappedFile::Open(path));
   if (file->size() > options.max_file_bytes) {
     return Status::Unsupported(path.string() + ": " + std::to_string(file->size()) + " bytes; a dataset has at most " +

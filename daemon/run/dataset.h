@@ -57,11 +57,11 @@ struct ChatMessage {
 };
 
 struct Example {
-  size_t index = 0;    // 0-based, in file order
-  uint64_t line = 0;   // 1-based line of the file
-  std::string prompt;  // the plain-text prompt; empty when conversational
+  size_t index = 0;                   // 0-based, in file order
+  uint64_t line = 0;                  // 1-based line of the file
+  std::string prompt;                 // the plain-text prompt; empty when conversational
   std::vector<ChatMessage> messages;  // the conversational prompt (ends with a user message)
-  std::string json;    // the line's JSON object, as written in the file
+  std::string json;                   // the line's JSON object, as written in the file
   // Top-level string and number fields as text (a string as is, a number as JSON writes
   // it: 42, -3.5, 1e+20), sorted by name.
   std::vector<std::pair<std::string, std::string>> fields;

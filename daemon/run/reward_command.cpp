@@ -189,7 +189,8 @@ Status RewardCommand::Spawn() {
     if (err_fd < 0) {
       const int e = errno;
       close_all();
-      return Status::IOError(label_ + ": cannot open stderr_file " + spec_.stderr_file.string() + ": " + std::strerror(e));
+      return Status::IOError(label_ + ": cannot open stderr_file " + spec_.stderr_file.string() + ": " +
+                             std::strerror(e));
     }
   }
   posix_spawn_file_actions_t fa;
@@ -294,15 +295,16 @@ Result<std::vector<double>> RewardCommand::Score(const std::vector<RewardInput>&
     char buf[4096];
     const ssize_t n = ::read(out_fd_, buf, sizeof(buf));
     if (n > 0) {
-      return Fail(Status::Corruption(label_ + ": wrote more lines than completions: " +
-                                     Snippet(std::string_view(buf, static_cast<size_t>(n)))));
+      return Fail(Status::Corruption(
+          label_ + ": wrote more lines than completions: " + Snippet(std::string_view(buf, static_cast<size_t>(n)))));
     }
     if (n == 0) {
       const std::string why = Reap(stop_grace_seconds_);
       return Fail(Status::Unavailable(label_ + ": " + why + " between steps"));
     }
   }
-  const size_t batch = spec_.batch_size > 0 ? static_cast<size_t>(spec_.batch_size) : std::max<size_t>(inputs.size(), 1);
+  const size_t batch =
+      spec_.batch_size > 0 ? static_cast<size_t>(spec_.batch_size) : std::max<size_t>(inputs.size(), 1);
   std::vector<double> rewards;
   rewards.reserve(inputs.size());
   for (size_t begin = 0; begin < inputs.size(); begin += batch) {
@@ -313,7 +315,8 @@ Result<std::vector<double>> RewardCommand::Score(const std::vector<RewardInput>&
   return rewards;
 }
 
-Result<std::vector<double>> RewardCommand::ScoreBatch(const std::vector<RewardInput>& inputs, size_t begin, size_t end) {
+Result<std::vector<double>> RewardCommand::ScoreBatch(const std::vector<RewardInput>& inputs, size_t begin,
+                                                      size_t end) {
   const size_t count = end - begin;
   std::string request;
   for (size_t i = begin; i < end; ++i) request += RequestLine(inputs[i], i, i + 1 == end);
@@ -329,9 +332,9 @@ Result<std::vector<double>> RewardCommand::ScoreBatch(const std::vector<RewardIn
   while (rewards.size() < count) {
     const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
     if (left <= 0) {
-      return Fail(Status::Unavailable(label_ + ": no reply within timeout_seconds = " +
-                                      Seconds(spec_.timeout_seconds) + " (" + received() +
-                                      "; reply line " + std::to_string(begin + rewards.size() + 1) + " missing)"));
+      return Fail(Status::Unavailable(label_ + ": no reply within timeout_seconds = " + Seconds(spec_.timeout_seconds) +
+                                      " (" + received() + "; reply line " + std::to_string(begin + rewards.size() + 1) +
+                                      " missing)"));
     }
     pollfd fds[2] = {{out_fd_, POLLIN, 0}, {in_fd_, POLLOUT, 0}};
     const nfds_t nfds = (written < request.size() && !write_closed) ? 2 : 1;

@@ -149,8 +149,8 @@ std::vector<std::string_view> CodePoints(std::string_view s) {
 // One reward function of the scorer.
 struct RewardScorer::Function {
   RewardSpec spec;
-  std::unique_ptr<RE2> re;                  // answer_match, digit_match, regex
-  std::unique_ptr<RewardCommand> command;   // command
+  std::unique_ptr<RE2> re;                 // answer_match, digit_match, regex
+  std::unique_ptr<RewardCommand> command;  // command
 
   Result<double> Builtin(const RewardInput& in) const {
     switch (spec.type) {
@@ -176,7 +176,8 @@ struct RewardScorer::Function {
         const double off = std::fabs(static_cast<double>(in.completion_tokens) - target) / target;
         return 1.0 - std::min(1.0, off);
       }
-      case RewardType::kCommand: break;
+      case RewardType::kCommand:
+        break;
     }
     return Status::Internal("reward '" + spec.name + "' is not a built-in");
   }
@@ -205,7 +206,8 @@ struct RewardScorer::Function {
 
 RewardScorer::~RewardScorer() = default;
 
-Result<std::unique_ptr<RewardScorer>> RewardScorer::Create(const RunConfig& config, const RewardScorerOptions& options) {
+Result<std::unique_ptr<RewardScorer>> RewardScorer::Create(const RunConfig& config,
+                                                           const RewardScorerOptions& options) {
   return Create(config.rewards, options);
 }
 

@@ -66,11 +66,11 @@ namespace ferry::run {
 
 // One completion to score.
 struct RewardInput {
-  std::string prompt;            // the prompt as the model saw it
-  std::string completion;        // the completion's text
-  int64_t completion_tokens = 0; // its length in tokens
+  std::string prompt;                // the prompt as the model saw it
+  std::string completion;            // the completion's text
+  int64_t completion_tokens = 0;     // its length in tokens
   const Example* example = nullptr;  // its prompt's dataset example. REQUIRES: non-null
-  int64_t prompt_index = 0;      // which prompt of the step it answers
+  int64_t prompt_index = 0;          // which prompt of the step it answers
 };
 
 // Rewards of N completions by F functions.

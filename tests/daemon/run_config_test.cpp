@@ -53,59 +53,59 @@ void ExpectKeyError(const std::string& text, StatusCode code, const std::string&
 TEST(RunConfigTest, DefaultsAreTrls) {
   const RunConfig c = MustParse(Cfg());
   // --- GRPOConfig (grpo_config.py)
-  EXPECT_EQ(c.learning_rate, 1e-6);            // l.423 (overrides TrainingArguments' 5e-5)
-  EXPECT_EQ(c.num_generations, 8);             // l.480
-  EXPECT_EQ(c.max_completion_length, 512);     // l.494
-  EXPECT_TRUE(c.shuffle_dataset);              // l.507
-  EXPECT_EQ(c.temperature, 1.0);               // l.532
-  EXPECT_EQ(c.top_p, 1.0);                     // l.536
-  EXPECT_EQ(c.top_k, 0);                       // l.543
-  EXPECT_EQ(c.beta, 0.0);                      // l.681
-  EXPECT_EQ(c.num_iterations, 1);              // l.689
-  EXPECT_EQ(c.epsilon, 0.2);                   // l.693
-  EXPECT_FALSE(c.delta.has_value());           // l.697 (None)
-  EXPECT_EQ(c.epsilon_high, 0.2);              // l.705 (None = epsilon)
-  EXPECT_EQ(c.importance_sampling_level, "token");  // l.760
-  EXPECT_EQ(c.scale_rewards, "group");         // l.789
-  EXPECT_EQ(c.loss_type, "dapo");              // l.801
-  EXPECT_FALSE(c.mask_truncated_completions);  // l.836
-  EXPECT_TRUE(c.vllm_importance_sampling_correction);                // l.925
-  EXPECT_EQ(c.vllm_importance_sampling_mode, "sequence_mask");       // l.934
+  EXPECT_EQ(c.learning_rate, 1e-6);                             // l.423 (overrides TrainingArguments' 5e-5)
+  EXPECT_EQ(c.num_generations, 8);                              // l.480
+  EXPECT_EQ(c.max_completion_length, 512);                      // l.494
+  EXPECT_TRUE(c.shuffle_dataset);                               // l.507
+  EXPECT_EQ(c.temperature, 1.0);                                // l.532
+  EXPECT_EQ(c.top_p, 1.0);                                      // l.536
+  EXPECT_EQ(c.top_k, 0);                                        // l.543
+  EXPECT_EQ(c.beta, 0.0);                                       // l.681
+  EXPECT_EQ(c.num_iterations, 1);                               // l.689
+  EXPECT_EQ(c.epsilon, 0.2);                                    // l.693
+  EXPECT_FALSE(c.delta.has_value());                            // l.697 (None)
+  EXPECT_EQ(c.epsilon_high, 0.2);                               // l.705 (None = epsilon)
+  EXPECT_EQ(c.importance_sampling_level, "token");              // l.760
+  EXPECT_EQ(c.scale_rewards, "group");                          // l.789
+  EXPECT_EQ(c.loss_type, "dapo");                               // l.801
+  EXPECT_FALSE(c.mask_truncated_completions);                   // l.836
+  EXPECT_TRUE(c.vllm_importance_sampling_correction);           // l.925
+  EXPECT_EQ(c.vllm_importance_sampling_mode, "sequence_mask");  // l.934
   EXPECT_EQ(c.vllm_importance_sampling_clip_max, std::optional<double>(3.0));  // l.947
-  EXPECT_FALSE(c.vllm_importance_sampling_clip_min.has_value());     // l.955 (None)
-  EXPECT_TRUE(c.use_bias_correction_kl);       // l.972 (True since 1.16)
+  EXPECT_FALSE(c.vllm_importance_sampling_clip_min.has_value());               // l.955 (None)
+  EXPECT_TRUE(c.use_bias_correction_kl);                                       // l.972 (True since 1.16)
   EXPECT_FALSE(c.max_prompt_length.has_value());  // not a GRPOConfig field in 1.16 (Ferry's, off)
   // l.521 / l.528 (None / None), resolved in __post_init__ l.1098: steps_per_generation =
   // gradient_accumulation_steps, generation_batch_size = per_device_train_batch_size * that.
   EXPECT_EQ(c.steps_per_generation, 1);
   EXPECT_EQ(c.generation_batch_size, 8);
   // --- base_config.py (TRL's overrides of TrainingArguments)
-  EXPECT_EQ(c.logging_steps, 10);           // l.55
-  EXPECT_TRUE(c.gradient_checkpointing);    // l.62
-  EXPECT_TRUE(c.bf16);                      // l.68, resolved at l.108: not fp16
+  EXPECT_EQ(c.logging_steps, 10);         // l.55
+  EXPECT_TRUE(c.gradient_checkpointing);  // l.62
+  EXPECT_TRUE(c.bf16);                    // l.68, resolved at l.108: not fp16
   // --- TrainingArguments (training_args.py)
   EXPECT_EQ(c.output_dir, std::filesystem::path("/cfg/trainer_output"));  // l.771, "trainer_output" at l.1518
-  EXPECT_EQ(c.per_device_train_batch_size, 8);  // l.777
-  EXPECT_EQ(c.num_train_epochs, 3.0);           // l.778
-  EXPECT_EQ(c.max_steps, -1);                   // l.779
-  EXPECT_EQ(c.lr_scheduler_type, "linear");     // l.788
-  EXPECT_EQ(c.warmup_steps, 0);                 // l.798
-  EXPECT_EQ(c.warmup_ratio, 0.0);               // transformers 4.x; removed in 5 (warmup_steps < 1 is a ratio)
-  EXPECT_EQ(c.weight_decay, 0.0);               // l.822
-  EXPECT_EQ(c.adam_beta1, 0.9);                 // l.828
-  EXPECT_EQ(c.adam_beta2, 0.999);               // l.834
-  EXPECT_EQ(c.adam_epsilon, 1e-8);              // l.840
-  EXPECT_EQ(c.gradient_accumulation_steps, 1);  // l.849
-  EXPECT_EQ(c.max_grad_norm, 1.0);              // l.866
-  EXPECT_EQ(c.save_steps, 500);                 // l.1183
-  EXPECT_FALSE(c.save_total_limit.has_value()); // l.1201 (None)
-  EXPECT_EQ(c.seed, 42);                        // l.1293
+  EXPECT_EQ(c.per_device_train_batch_size, 8);                            // l.777
+  EXPECT_EQ(c.num_train_epochs, 3.0);                                     // l.778
+  EXPECT_EQ(c.max_steps, -1);                                             // l.779
+  EXPECT_EQ(c.lr_scheduler_type, "linear");                               // l.788
+  EXPECT_EQ(c.warmup_steps, 0);                                           // l.798
+  EXPECT_EQ(c.warmup_ratio, 0.0);                // transformers 4.x; removed in 5 (warmup_steps < 1 is a ratio)
+  EXPECT_EQ(c.weight_decay, 0.0);                // l.822
+  EXPECT_EQ(c.adam_beta1, 0.9);                  // l.828
+  EXPECT_EQ(c.adam_beta2, 0.999);                // l.834
+  EXPECT_EQ(c.adam_epsilon, 1e-8);               // l.840
+  EXPECT_EQ(c.gradient_accumulation_steps, 1);   // l.849
+  EXPECT_EQ(c.max_grad_norm, 1.0);               // l.866
+  EXPECT_EQ(c.save_steps, 500);                  // l.1183
+  EXPECT_FALSE(c.save_total_limit.has_value());  // l.1201 (None)
+  EXPECT_EQ(c.seed, 42);                         // l.1293
   // --- PEFT LoraConfig (lora/config.py)
-  EXPECT_EQ(c.lora.r, 8);                // l.632
-  EXPECT_EQ(c.lora.lora_alpha, 8);       // l.652
-  EXPECT_EQ(c.lora.lora_dropout, 0.0);   // l.653
-  EXPECT_EQ(c.lora.bias, "none");        // l.658
-  EXPECT_FALSE(c.lora.use_rslora);       // l.661
+  EXPECT_EQ(c.lora.r, 8);                           // l.632
+  EXPECT_EQ(c.lora.lora_alpha, 8);                  // l.652
+  EXPECT_EQ(c.lora.lora_dropout, 0.0);              // l.653
+  EXPECT_EQ(c.lora.bias, "none");                   // l.658
+  EXPECT_FALSE(c.lora.use_rslora);                  // l.661
   EXPECT_TRUE(c.lora.exclude_modules.empty());      // l.648
   EXPECT_TRUE(c.lora.layers_to_transform.empty());  // l.722
   EXPECT_TRUE(c.lora.layers_pattern.empty());       // l.729
@@ -346,23 +346,25 @@ TEST(RunConfigTest, ImportanceSamplingBounds) {
   ExpectKeyError(Cfg("vllm_importance_sampling_clip_min = 3.0"), StatusCode::kInvalidArgument,
                  "vllm_importance_sampling_clip_min", "must be less than vllm_importance_sampling_clip_max (3)");
   ExpectKeyError(Cfg("vllm_importance_sampling_clip_max = inf\nvllm_importance_sampling_mode = \"token_truncate\""),
-                 StatusCode::kInvalidArgument, "vllm_importance_sampling_mode", "needs vllm_importance_sampling_clip_min");
+                 StatusCode::kInvalidArgument, "vllm_importance_sampling_mode",
+                 "needs vllm_importance_sampling_clip_min");
   // Masking without bounds is allowed, as in TRL; and with the correction off nothing is checked.
   MustParse(Cfg("vllm_importance_sampling_clip_max = inf\nvllm_importance_sampling_mode = \"token_mask\""));
-  MustParse(Cfg("vllm_importance_sampling_clip_max = inf\nvllm_importance_sampling_mode = \"sequence_truncate\"\n"
-                "vllm_importance_sampling_correction = false"));
+  MustParse(
+      Cfg("vllm_importance_sampling_clip_max = inf\nvllm_importance_sampling_mode = \"sequence_truncate\"\n"
+          "vllm_importance_sampling_correction = false"));
   // The deprecated cap is read as clip_max, with a warning; both set is an error.
   const RunConfig c = MustParse(Cfg("vllm_importance_sampling_cap = 2.5"));
   EXPECT_EQ(c.vllm_importance_sampling_clip_max, std::optional<double>(2.5));
   ASSERT_FALSE(c.warnings.empty());
-  EXPECT_NE(c.warnings[0].find("key 'vllm_importance_sampling_cap': is deprecated"), std::string::npos) << c.warnings[0];
+  EXPECT_NE(c.warnings[0].find("key 'vllm_importance_sampling_cap': is deprecated"), std::string::npos)
+      << c.warnings[0];
   ExpectKeyError(Cfg("vllm_importance_sampling_cap = 2.5\nvllm_importance_sampling_clip_max = 2.0"),
                  StatusCode::kInvalidArgument, "vllm_importance_sampling_cap", "deprecated name");
 }
 
 TEST(RunConfigTest, WarmupEncodings) {
-  ExpectKeyError(Cfg("warmup_ratio = 0.1\nwarmup_steps = 5"), StatusCode::kInvalidArgument, "warmup_ratio",
-                 "both set");
+  ExpectKeyError(Cfg("warmup_ratio = 0.1\nwarmup_steps = 5"), StatusCode::kInvalidArgument, "warmup_ratio", "both set");
   EXPECT_EQ(WarmupSteps(MustParse(Cfg("warmup_steps = 5")), 100), 5);
   EXPECT_EQ(WarmupSteps(MustParse(Cfg("warmup_steps = 0.1")), 95), 10);  // ceil(9.5)
   EXPECT_EQ(WarmupSteps(MustParse(Cfg("warmup_ratio = 0.25")), 10), 3);  // ceil(2.5)
@@ -396,8 +398,8 @@ TEST(RunConfigTest, TotalStepsEqualTrls) {
 
 TEST(RunConfigTest, TotalStepsNeedMaxStepsBelowOneGeneration) {
   const RunConfig c = MustParse(Cfg("per_device_train_batch_size = 8\nnum_generations = 2"));  // 4 prompts
-  ExpectError(TotalSteps(c, 3).status(), StatusCode::kInvalidArgument, "/cfg/run.toml: key 'max_steps': ",
-              "3 prompts, fewer than one generation (4");
+  ExpectError(TotalSteps(c, 3).status(), StatusCode::kInvalidArgument,
+              "/cfg/run.toml: key 'max_steps': ", "3 prompts, fewer than one generation (4");
   EXPECT_EQ(*TotalSteps(c, 4), 3);  // 1 generation per epoch, 3 epochs
 }
 
@@ -434,10 +436,12 @@ TEST(RunConfigTest, WarnsAsTrlDoes) {
   RunConfig c = MustParse(Cfg("bf16 = false\nimportance_sampling_level = \"sequence\""));
   ASSERT_EQ(c.warnings.size(), 1u);
   EXPECT_NE(c.warnings[0].find("key 'importance_sampling_level'"), std::string::npos) << c.warnings[0];
-  EXPECT_TRUE(MustParse(Cfg("bf16 = false\nimportance_sampling_level = \"sequence\"\nloss_type = \"grpo\"")).warnings.empty());
+  EXPECT_TRUE(
+      MustParse(Cfg("bf16 = false\nimportance_sampling_level = \"sequence\"\nloss_type = \"grpo\"")).warnings.empty());
   c = MustParse(Cfg("bf16 = false\ndelta = 1.1"));
   ASSERT_EQ(c.warnings.size(), 1u);
-  EXPECT_NE(c.warnings[0].find("key 'delta': 1.1 is not above 1 + epsilon_high (1.2)"), std::string::npos) << c.warnings[0];
+  EXPECT_NE(c.warnings[0].find("key 'delta': 1.1 is not above 1 + epsilon_high (1.2)"), std::string::npos)
+      << c.warnings[0];
   c = MustParse(Cfg("bf16 = false\nuse_bias_correction_kl = false"));
   ASSERT_EQ(c.warnings.size(), 1u);
   EXPECT_NE(c.warnings[0].find("key 'use_bias_correction_kl': has no effect with beta = 0"), std::string::npos);
@@ -453,17 +457,18 @@ TEST(RunConfigTest, SyntaxErrorsNameLineAndColumn) {
   EXPECT_EQ(s.message().rfind("/cfg/run.toml:2:", 0), 0u) << s.message();
   EXPECT_NE(s.message().find("TOML syntax error"), std::string::npos);
   EXPECT_EQ(ParseError(Cfg("seed = 1\nseed = 2")).code(), StatusCode::kCorruption);  // a repeated key
-  EXPECT_EQ(ParseError(std::string("\xff = 1\n")).code(), StatusCode::kCorruption);   // not UTF-8
+  EXPECT_EQ(ParseError(std::string("\xff = 1\n")).code(), StatusCode::kCorruption);  // not UTF-8
 }
 
 // ---------------------------------------------------------------------------------------
 // Rewards.
 
 TEST(RunConfigTest, RewardTablesAndWeights) {
-  const RunConfig c = MustParse(std::string(kTop) +
-                                "[[rewards]]\nname = \"digits\"\ntype = \"digit_match\"\nfield = \"answer\"\nweight = 2.0\n"
-                                "[[rewards]]\ntype = \"answer_match\"\nfield = \"answer\"\npattern = \"#### (\\\\S+)\"\n"
-                                "[[rewards]]\ntype = \"regex\"\npattern = \"^\\\\d+$\"\nmatch = \"search\"\n");
+  const RunConfig c =
+      MustParse(std::string(kTop) +
+                "[[rewards]]\nname = \"digits\"\ntype = \"digit_match\"\nfield = \"answer\"\nweight = 2.0\n"
+                "[[rewards]]\ntype = \"answer_match\"\nfield = \"answer\"\npattern = \"#### (\\\\S+)\"\n"
+                "[[rewards]]\ntype = \"regex\"\npattern = \"^\\\\d+$\"\nmatch = \"search\"\n");
   ASSERT_EQ(c.rewards.size(), 3u);
   EXPECT_EQ(c.rewards[0].name, "digits");
   EXPECT_EQ(c.rewards[0].type, RewardType::kDigitMatch);
@@ -604,17 +609,61 @@ TEST(RunConfigTest, LoraRulesArePefts) {
 
 TEST(RunConfigTest, ToJsonHasEveryKey) {
   const Json j = Json::parse(MustParse(Cfg()).ToJson());
-  for (const char* key :
-       {"model_name_or_path", "dataset", "output_dir", "threads", "device", "chat_template", "store", "learning_rate",
-        "lr_scheduler_type", "warmup_ratio", "warmup_steps", "weight_decay", "adam_beta1", "adam_beta2",
-        "adam_epsilon", "max_grad_norm", "num_train_epochs", "max_steps", "logging_steps", "save_steps",
-        "save_total_limit", "seed", "shuffle_dataset", "per_device_train_batch_size", "gradient_accumulation_steps",
-        "bf16", "gradient_checkpointing", "num_generations", "max_prompt_length", "max_completion_length",
-        "generation_batch_size", "steps_per_generation", "temperature", "top_p", "top_k", "beta", "num_iterations",
-        "epsilon", "epsilon_high", "delta", "importance_sampling_level", "scale_rewards", "loss_type",
-        "mask_truncated_completions", "vllm_importance_sampling_correction", "vllm_importance_sampling_mode",
-        "vllm_importance_sampling_clip_max", "vllm_importance_sampling_clip_min", "use_bias_correction_kl",
-        "reward_weights", "min_p", "repetition_penalty", "use_vllm", "lora", "rewards"}) {
+  for (const char* key : {"model_name_or_path",
+                          "dataset",
+                          "output_dir",
+                          "threads",
+                          "device",
+                          "chat_template",
+                          "store",
+                          "learning_rate",
+                          "lr_scheduler_type",
+                          "warmup_ratio",
+                          "warmup_steps",
+                          "weight_decay",
+                          "adam_beta1",
+                          "adam_beta2",
+                          "adam_epsilon",
+                          "max_grad_norm",
+                          "num_train_epochs",
+                          "max_steps",
+                          "logging_steps",
+                          "save_steps",
+                          "save_total_limit",
+                          "seed",
+                          "shuffle_dataset",
+                          "per_device_train_batch_size",
+                          "gradient_accumulation_steps",
+                          "bf16",
+                          "gradient_checkpointing",
+                          "num_generations",
+                          "max_prompt_length",
+                          "max_completion_length",
+                          "generation_batch_size",
+                          "steps_per_generation",
+                          "temperature",
+                          "top_p",
+                          "top_k",
+                          "beta",
+                          "num_iterations",
+                          "epsilon",
+                          "epsilon_high",
+                          "delta",
+                          "importance_sampling_level",
+                          "scale_rewards",
+                          "loss_type",
+                          "mask_truncated_completions",
+                          "vllm_importance_sampling_correction",
+                          "vllm_importance_sampling_mode",
+                          "vllm_importance_sampling_clip_max",
+                          "vllm_importance_sampling_clip_min",
+                          "use_bias_correction_kl",
+                          "reward_weights",
+                          "min_p",
+                          "repetition_penalty",
+                          "use_vllm",
+                          "lora",
+                          "rewards"}) {
     EXPECT_TRUE(j.contains(key)) << key;
   }
   EXPECT_EQ(j["model_name_or_path"], "/cfg/model");
@@ -629,8 +678,9 @@ TEST(RunConfigTest, FingerprintIsStableAndSeesEveryChange) {
   EXPECT_EQ(fp.find_first_not_of("0123456789abcdef"), std::string::npos);
   EXPECT_EQ(MustParse(Cfg()).Fingerprint(), fp);
   // Defaults written out, in another order, give the same resolved config.
-  EXPECT_EQ(MustParse(Cfg("seed = 42\nlearning_rate = 1e-6\nepsilon_high = 0.2\nsteps_per_generation = 1")).Fingerprint(),
-            fp);
+  EXPECT_EQ(
+      MustParse(Cfg("seed = 42\nlearning_rate = 1e-6\nepsilon_high = 0.2\nsteps_per_generation = 1")).Fingerprint(),
+      fp);
   for (const char* change : {"seed = 43", "learning_rate = 2e-6", "top_k = 5", "output_dir = \"x\"",
                              "max_prompt_length = 64", "bf16 = false"}) {
     EXPECT_NE(MustParse(Cfg(change)).Fingerprint(), fp) << change;

@@ -38,7 +38,8 @@ void ExpectLineError(const std::string& text, int line, const std::string& field
 
 std::shared_ptr<const Dataset> Numbers(size_t n) {
   std::string text;
-  for (size_t i = 0; i < n; ++i) text += "{\"prompt\": \"p" + std::to_string(i) + "\", \"i\": " + std::to_string(i) + "}\n";
+  for (size_t i = 0; i < n; ++i)
+    text += "{\"prompt\": \"p" + std::to_string(i) + "\", \"i\": " + std::to_string(i) + "}\n";
   return MustParse(text);
 }
 
@@ -47,7 +48,8 @@ TEST(DatasetTest, ReadsThePromptForms) {
       "{\"prompt\": \"2+2=\", \"answer\": \"4\", \"n\": 4, \"x\": 1.5, \"flag\": true, \"list\": [1]}\n"
       "\n"
       "   \t\n"
-      "{\"prompt\": [{\"role\": \"system\", \"content\": \"Be brief.\"}, {\"role\": \"user\", \"content\": \"Hi\"}]}\r\n"
+      "{\"prompt\": [{\"role\": \"system\", \"content\": \"Be brief.\"}, {\"role\": \"user\", \"content\": "
+      "\"Hi\"}]}\r\n"
       "{\"messages\": [{\"role\": \"user\", \"content\": \"a\"}, {\"role\": \"assistant\", \"content\": \"b\"}, "
       "{\"role\": \"user\", \"content\": \"c\", \"name\": \"ignored\"}], \"answer\": -12}");
   ASSERT_EQ(ds->size(), 3u);
@@ -97,10 +99,11 @@ TEST(DatasetTest, BadLinesNameFileLineAndField) {
   ExpectLineError("{\"messages\": \"hi\"}\n", 1, "messages", "must be a list of messages");
   ExpectLineError("{\"prompt\": [\"hi\"]}\n", 1, "prompt[0]", "must be a message");
   ExpectLineError("{\"prompt\": [{\"content\": \"x\"}]}\n", 1, "prompt[0].role", "missing");
-  ExpectLineError("{\"prompt\": [{\"role\": \"user\", \"content\": \"x\"}, {\"role\": \"tool\", \"content\": \"y\"}]}\n",
-                  1, "prompt[1].role", "(got \"tool\")");
-  ExpectLineError("{\"prompt\": [{\"role\": \"user\", \"content\": [{\"type\": \"text\"}]}]}\n", 1,
-                  "prompt[0].content", "multimodal");
+  ExpectLineError(
+      "{\"prompt\": [{\"role\": \"user\", \"content\": \"x\"}, {\"role\": \"tool\", \"content\": \"y\"}]}\n", 1,
+      "prompt[1].role", "(got \"tool\")");
+  ExpectLineError("{\"prompt\": [{\"role\": \"user\", \"content\": [{\"type\": \"text\"}]}]}\n", 1, "prompt[0].content",
+                  "multimodal");
   ExpectLineError("{\"prompt\": [{\"role\": \"user\"}]}\n", 1, "prompt[0].content", "missing");
   ExpectLineError("{\"prompt\": [{\"role\": \"system\", \"content\": \"x\"}]}\n", 1, "prompt",
                   "must end with a user message (it ends with a system message)");
@@ -111,7 +114,8 @@ TEST(DatasetTest, BadLinesNameFileLineAndField) {
 
 // A trailing assistant message (TRL would continue it) is refused, in both forms.
 TEST(DatasetTest, TrailingAssistantMessageIsAnError) {
-  const std::string msgs = "[{\"role\": \"user\", \"content\": \"2+2?\"}, {\"role\": \"assistant\", \"content\": \"4\"}]";
+  const std::string msgs =
+      "[{\"role\": \"user\", \"content\": \"2+2?\"}, {\"role\": \"assistant\", \"content\": \"4\"}]";
   ExpectLineError("{\"messages\": " + msgs + "}\n", 1, "messages", "ends with an assistant message");
   ExpectLineError("{\"prompt\": " + msgs + "}\n", 1, "prompt", "ends with an assistant message");
 }
@@ -120,16 +124,16 @@ TEST(DatasetTest, MessagesNeedAChatTemplate) {
   DatasetOptions o;
   o.allow_messages = false;
   MustParse("{\"prompt\": \"plain\"}\n", o);
-  ExpectLineError("{\"prompt\": \"plain\"}\n{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}]}\n", 2, "messages",
-                  "chat_template is \"none\"", o);
+  ExpectLineError("{\"prompt\": \"plain\"}\n{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}]}\n", 2,
+                  "messages", "chat_template is \"none\"", o);
 }
 
 TEST(DatasetTest, FieldsTheRewardsReadAreRequired) {
   DatasetOptions o;
   o.required_fields = {"answer"};
   MustParse("{\"prompt\": \"a\", \"answer\": 3}\n{\"prompt\": \"b\", \"answer\": \"x\"}\n", o);
-  ExpectLineError("{\"prompt\": \"a\", \"answer\": 3}\n{\"prompt\": \"b\"}\n", 2, "answer", "missing (a reward reads it)",
-                  o);
+  ExpectLineError("{\"prompt\": \"a\", \"answer\": 3}\n{\"prompt\": \"b\"}\n", 2, "answer",
+                  "missing (a reward reads it)", o);
   ExpectLineError("{\"prompt\": \"a\", \"answer\": null}\n", 1, "answer", "must be a string or a number", o);
   ExpectLineError("{\"prompt\": \"a\", \"answer\": [3]}\n", 1, "answer", "(got an array)", o);
 }
@@ -168,8 +172,7 @@ TEST(DatasetTest, Limits) {
 }
 
 TEST(DatasetTest, EmptyDatasetIsRefused) {
-  ExpectError(Dataset::Parse("", kSrc, {}).status(), StatusCode::kInvalidArgument,
-              std::string(kSrc) + ": no examples");
+  ExpectError(Dataset::Parse("", kSrc, {}).status(), StatusCode::kInvalidArgument, std::string(kSrc) + ": no examples");
   ExpectError(Dataset::Parse("\n  \n\r\n", kSrc, {}).status(), StatusCode::kInvalidArgument,
               std::string(kSrc) + ": no examples");
 }
@@ -235,7 +238,7 @@ TEST(DatasetSamplerTest, NextContinuesAcrossEpochs) {
   EXPECT_EQ(next[0], &(*ds)[e1[2]]);
   EXPECT_EQ(next[2]->index, e1[4]);
   EXPECT_EQ(s.position(), (DatasetPosition{2, 0}));  // the end of an epoch is the start of the next
-  EXPECT_EQ(s.NextIndices(12).size(), 12u);           // more than a whole epoch at once
+  EXPECT_EQ(s.NextIndices(12).size(), 12u);          // more than a whole epoch at once
   EXPECT_EQ(s.position(), (DatasetPosition{4, 2}));
   // Every example once per epoch.
   DatasetSampler t(ds, 7, true);

@@ -64,7 +64,7 @@ TEST(BuiltinRewardTest, AnswerMatchTakesTheLastNumber) {
   EXPECT_EQ(Score1(t, ex, "no number here"), 0.0);
   EXPECT_EQ(Score1(t, ex, ""), 0.0);
   EXPECT_EQ(Score1(t, ex, "4 2"), 0.0);
-  EXPECT_EQ(Score1(t, ex, "forty-two: 42.0"), 1.0);          // decimals compared by value
+  EXPECT_EQ(Score1(t, ex, "forty-two: 42.0"), 1.0);  // decimals compared by value
   EXPECT_EQ(Score1(t, ex, "042"), 1.0);
   EXPECT_EQ(Score1(t, R"({"prompt": "q", "answer": 1234})", "It costs 1,234 dollars"), 1.0);  // a number field
   EXPECT_EQ(Score1(t, R"({"prompt": "q", "answer": 1234})", "It costs 1,23 dollars"), 0.0);
@@ -86,7 +86,7 @@ TEST(BuiltinRewardTest, AnswerMatchWithAPatternAndNormalisation) {
   EXPECT_EQ(Score1(exact, ex, "#### 11"), 1.0);
   const std::string word = "[[rewards]]\ntype = \"answer_match\"\nfield = \"city\"\npattern = \"answer: *(\\\\w+)\"\n";
   EXPECT_EQ(Score1(word, R"({"prompt": "q", "city": " Paris "})", "answer: Paris"), 1.0);  // trimmed text
-  EXPECT_EQ(Score1(word, R"({"prompt": "q", "city": "paris"})", "answer: Paris"), 0.0);     // case matters
+  EXPECT_EQ(Score1(word, R"({"prompt": "q", "city": "paris"})", "answer: Paris"), 0.0);    // case matters
   // A group that did not take part in the last match gives no answer.
   const std::string alt = "[[rewards]]\ntype = \"answer_match\"\nfield = \"answer\"\npattern = \"a(1)|b\"\n";
   EXPECT_EQ(Score1(alt, R"({"prompt": "q", "answer": "1"})", "a1 b"), 0.0);
@@ -115,8 +115,7 @@ TEST(BuiltinRewardTest, DigitMatchGivesPartialCredit) {
 
 TEST(BuiltinRewardTest, RegexFullOrSearch) {
   // TRL's documented format reward, with (?s) for Python's re.DOTALL.
-  const std::string fmt =
-      "[[rewards]]\ntype = \"regex\"\npattern = \"(?s)^<think>.*?</think><answer>.*?</answer>$\"\n";
+  const std::string fmt = "[[rewards]]\ntype = \"regex\"\npattern = \"(?s)^<think>.*?</think><answer>.*?</answer>$\"\n";
   const std::string ex = R"({"prompt": "q"})";
   EXPECT_EQ(Score1(fmt, ex, "<think>a\nb</think><answer>1</answer>"), 1.0);
   EXPECT_EQ(Score1(fmt, ex, "<think>a</think><answer>1</answer> extra"), 0.0);
@@ -181,7 +180,8 @@ class RewardCommandTest : public ::testing::Test {
   void SetUp() override {
     ds_ = *Dataset::Parse(
         "{\"prompt\": \"1+1=\", \"answer\": \"2\"}\n"
-        "{\"prompt\": [{\"role\": \"user\", \"content\": \"hi \\\"you\\\"\"}], \"answer\": 7, \"meta\": {\"k\": [1]}}\n",
+        "{\"prompt\": [{\"role\": \"user\", \"content\": \"hi \\\"you\\\"\"}], \"answer\": 7, \"meta\": {\"k\": "
+        "[1]}}\n",
         "d.jsonl", {});
   }
 
@@ -220,8 +220,9 @@ class RewardCommandTest : public ::testing::Test {
 };
 
 TEST_F(RewardCommandTest, SendsOneJsonLinePerCompletion) {
-  auto scorer = Scorer(Spec("while IFS= read -r line; do printf '%s\\n' \"$line\" >> requests.log; "
-                            "echo '{\"reward\": 0.25, \"why\": \"ok\"}'; done\n"));
+  auto scorer =
+      Scorer(Spec("while IFS= read -r line; do printf '%s\\n' \"$line\" >> requests.log; "
+                  "echo '{\"reward\": 0.25, \"why\": \"ok\"}'; done\n"));
   ASSERT_NE(scorer, nullptr);
   std::vector<RewardInput> in = Inputs(2);
   in[0].completion = "two lines\n\"quoted\" é \\ tab\t";
@@ -250,13 +251,13 @@ TEST_F(RewardCommandTest, SendsOneJsonLinePerCompletion) {
 }
 
 TEST_F(RewardCommandTest, NullAndNanMeanNoReward) {
-  auto scorer = Scorer(Spec(
-      "while IFS= read -r line; do case \"$line\" in\n"
-      "  *'\"completion\":\"good\"'*) echo '{\"reward\": 1.5}';;\n"
-      "  *'\"completion\":\"none\"'*) echo '{\"reward\": null}';;\n"
-      "  *'\"completion\":\"nan\"'*) echo '{\"note\": \"NaN in a string\", \"reward\": NaN}';;\n"
-      "  *) echo '{\"reward\": -2e-1}';;\n"
-      "esac; done\n"));
+  auto scorer =
+      Scorer(Spec("while IFS= read -r line; do case \"$line\" in\n"
+                  "  *'\"completion\":\"good\"'*) echo '{\"reward\": 1.5}';;\n"
+                  "  *'\"completion\":\"none\"'*) echo '{\"reward\": null}';;\n"
+                  "  *'\"completion\":\"nan\"'*) echo '{\"note\": \"NaN in a string\", \"reward\": NaN}';;\n"
+                  "  *) echo '{\"reward\": -2e-1}';;\n"
+                  "esac; done\n"));
   ASSERT_NE(scorer, nullptr);
   std::vector<RewardInput> in = Inputs(4);
   in[0].completion = "good";
@@ -283,11 +284,12 @@ TEST_F(RewardCommandTest, TheProcessIsKeptForTheRun) {
 
 TEST_F(RewardCommandTest, BatchesEndWithLastInBatch) {
   // Replies only once a batch is complete: ferryd must write the whole batch first.
-  auto scorer = Scorer(Spec("n=0; while IFS= read -r line; do n=$((n+1)); printf '%s\\n' \"$line\" >> requests.log\n"
-                            "  case \"$line\" in *'\"last_in_batch\":true'*)\n"
-                            "    while [ $n -gt 0 ]; do echo \"{\\\"reward\\\": $n}\"; n=$((n-1)); done;; esac\n"
-                            "done\n",
-                            20, /*batch=*/2));
+  auto scorer =
+      Scorer(Spec("n=0; while IFS= read -r line; do n=$((n+1)); printf '%s\\n' \"$line\" >> requests.log\n"
+                  "  case \"$line\" in *'\"last_in_batch\":true'*)\n"
+                  "    while [ $n -gt 0 ]; do echo \"{\\\"reward\\\": $n}\"; n=$((n-1)); done;; esac\n"
+                  "done\n",
+                  20, /*batch=*/2));
   ASSERT_NE(scorer, nullptr);
   auto m = scorer->ScoreAll(Inputs(5));
   ASSERT_TRUE(m.ok()) << m.status().ToString();
@@ -338,8 +340,9 @@ TEST_F(RewardCommandTest, ACrashNamesTheSignal) {
 TEST_F(RewardCommandTest, ANonZeroExitNamesTheStatus) {
   auto scorer = Scorer(Spec("IFS= read -r line; echo '{\"reward\": 1}'; exit 3\n"));
   ASSERT_NE(scorer, nullptr);
-  ExpectError(scorer->ScoreAll(Inputs(2)).status(), StatusCode::kUnavailable,
-              std::string(kLabel) + "exited with status 3 (1 of 2 replies of this batch received; reply line 2 missing)");
+  ExpectError(
+      scorer->ScoreAll(Inputs(2)).status(), StatusCode::kUnavailable,
+      std::string(kLabel) + "exited with status 3 (1 of 2 replies of this batch received; reply line 2 missing)");
 }
 
 TEST_F(RewardCommandTest, TooFewLinesIsAWrongCount) {
@@ -358,8 +361,9 @@ TEST_F(RewardCommandTest, TooManyLinesIsAWrongCount) {
 
 // An extra line that arrives after the call ended is caught by the next call.
 TEST_F(RewardCommandTest, LateExtraLinesAreCaughtNextCall) {
-  auto scorer = Scorer(Spec("IFS= read -r l; echo '{\"reward\": 1}'; sleep 0.2; echo '{\"reward\": 9}'; "
-                            ": > extra.done; exec sleep 30\n"));
+  auto scorer =
+      Scorer(Spec("IFS= read -r l; echo '{\"reward\": 1}'; sleep 0.2; echo '{\"reward\": 9}'; "
+                  ": > extra.done; exec sleep 30\n"));
   ASSERT_NE(scorer, nullptr);
   ASSERT_TRUE(scorer->ScoreAll(Inputs(1)).ok());
   for (int i = 0; i < 1000 && !std::filesystem::exists(dir_ / "extra.done"); ++i) {
@@ -415,8 +419,9 @@ TEST_F(RewardCommandTest, ATimeoutKillsTheCommand) {
 
 TEST_F(RewardCommandTest, AfterAFailureRestartIsTheCallersChoice) {
   // Fails the first time it runs, works after.
-  auto scorer = Scorer(Spec("if [ ! -f failed.once ]; then : > failed.once; IFS= read -r l; exit 4; fi\n"
-                            "while IFS= read -r line; do echo '{\"reward\": 3}'; done\n"));
+  auto scorer =
+      Scorer(Spec("if [ ! -f failed.once ]; then : > failed.once; IFS= read -r l; exit 4; fi\n"
+                  "while IFS= read -r line; do echo '{\"reward\": 3}'; done\n"));
   ASSERT_NE(scorer, nullptr);
   EXPECT_EQ(scorer->ScoreAll(Inputs(1)).status().code(), StatusCode::kUnavailable);
   ExpectError(scorer->ScoreAll(Inputs(1)).status(), StatusCode::kFailedPrecondition,
@@ -468,9 +473,10 @@ TEST_F(RewardCommandTest, ConfigPathsAndWorkingDirectory) {
   WriteFile(dir_ / "bin" / "score.sh",
             "#!/bin/sh\nr=$(cat value.txt); while IFS= read -r l; do echo \"{\\\"reward\\\": $r}\"; done\n", true);
   WriteFile(dir_ / "value.txt", "0.75\n");
-  auto c = ParseRunConfig("model_name_or_path = \"m\"\ndataset = \"d\"\n[[rewards]]\ntype = \"command\"\n"
-                          "command = [\"./bin/score.sh\"]\n",
-                          dir_ / "run.toml");
+  auto c = ParseRunConfig(
+      "model_name_or_path = \"m\"\ndataset = \"d\"\n[[rewards]]\ntype = \"command\"\n"
+      "command = [\"./bin/score.sh\"]\n",
+      dir_ / "run.toml");
   ASSERT_TRUE(c.ok()) << c.status().ToString();
   auto scorer = RewardScorer::Create(*c);
   ASSERT_TRUE(scorer.ok()) << scorer.status().ToString();

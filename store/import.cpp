@@ -267,6 +267,7 @@ Result<VersionRecord> HashPath(const std::filesystem::path& path,
   FERRY_ASSIGN_OR_RETURN(Checkpoint ckpt, Checkpoint::Open(path));
   FERRY_ASSIGN_OR_RETURN(auto aux, internal::AuxOf(path));
   internal::HashOptions ho;
+  ho.stats = false;  // ferry verify compares digests; nothing shows statistics of a path
   ho.progress = progress;
   FERRY_ASSIGN_OR_RETURN(VersionRecord rec, internal::HashCheckpoint(ckpt, aux, ho));
   rec.run.clear();

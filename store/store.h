@@ -85,8 +85,9 @@
 //     An explicit ImportOptions.parent must be a stored version (kNotFound otherwise);
 //     base_version / adapter_version are recorded as given.
 //   - Statistics: l2_norm sums the squares of the finite elements only (NaN/Inf are counted
-//     in nonfinite); all_zero is true when every element is +0 or -0. Computed for F32,
-//     F64, F16, BF16, F8_E4M3 and F8_E5M2; zero for every other dtype.
+//     in nonfinite); all_zero is true when every element is +0 or -0. Computed at import
+//     (recorded rows; the audit and `ferry versions` show them) for F32, F64, F16, BF16,
+//     F8_E4M3 and F8_E5M2; zero for every other dtype, and in HashPath's rows.
 //   - Verify hashes each distinct object once per call; auxiliary files that are missing
 //     or corrupted are reported in missing/corrupted under their file name.
 //   - Export writes model.safetensors (adapter_model.safetensors for adapters), sharded at
@@ -225,7 +226,8 @@ struct ImportOptions {
 struct ImportResult {
   VersionRecord record;
   bool already_present = false;  // the same version id was already stored (nothing new written)
-  uint64_t bytes_written = 0;    // new object bytes written (0 when everything was stored)
+  uint64_t bytes_written = 0;    // new object bytes this import wrote (0 when everything was stored;
+                                 // an object another import was writing at the same time counts there)
   int64_t objects_written = 0;
 };
 
@@ -328,8 +330,10 @@ Digest ManifestDigest(const std::vector<TensorRow>& tensors, const std::vector<A
 Result<std::vector<std::pair<std::string, std::string>>> CollectAuxFiles(const std::filesystem::path& dir);
 
 // Hashes the weights at `path` without storing them (what `ferry verify PATH` does): a
-// record with id, tensors and aux files filled in (run/sequence empty). Tensors are hashed
-// on every hardware thread; `progress` is never called concurrently with itself.
+// record with id, tensors and aux files filled in (run/sequence empty). The rows carry no
+// statistics (l2_norm, nonfinite and all_zero are zero): only digests are compared, and
+// the statistics pass would cost more than the hashing. Tensors are hashed on every
+// hardware thread; `progress` is never called concurrently with itself.
 Result<VersionRecord> HashPath(const std::filesystem::path& path, const std::function<void(uint64_t, uint64_t)>& progress = {});
 
 }  // namespace ferry::store

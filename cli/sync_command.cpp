@@ -223,7 +223,7 @@ void RunPublish(const PublishFlags& f) {
   o.mode = *mode;
 
   auto owned = OpenStoreOrFail(f.db, /*writable=*/true, /*create=*/watching);
-  sync::SerializedStore store(owned.get());
+  store::Store& store = *owned;  // the watcher imports while the publisher serves: Store is thread-safe
   std::unique_ptr<sync::CheckpointWatcher> watcher;
   if (watching) {
     sync::WatchOptions w;

@@ -94,8 +94,8 @@ struct ReceiverInfo {
 };
 
 // Serves versions from a store on a background thread. Thread-safe. The store must
-// outlive the publisher and must not be used by anyone else while the publisher runs
-// (Store is thread-compatible): the publisher reads tensors and writes events.
+// outlive the publisher; the publisher reads tensors and writes events while other threads
+// use the same store (Store is thread-safe).
 class Publisher {
  public:
   // Binds the endpoints (and, with CURVE, a ZAP handler at inproc://zeromq.zap.01 of the

@@ -205,7 +205,7 @@ TEST_F(LimitsTest, AnEndpointDirectoryOwnedByAnotherUserIsRefused) {
 // in merged mode each new merged/full version; in adapter mode the adapter of the newest
 // merged version that names one, never a plain merged version it cannot serve.
 TEST_F(LimitsTest, FollowingPublisherServesTheNewestVersionItsModeCanPublish) {
-  SerializedStore shared(store_.get());  // imports here, reads on the publisher's thread
+  store::Store& shared = *store_;  // imports here, reads and events on the publisher's thread
   const store::Digest v1 = ImportTiny("m1", 1.0f);
   PublisherOptions po;
   po.follow_run = "default";

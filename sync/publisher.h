@@ -12,33 +12,9 @@
 
 #include "core/status.h"
 #include "store/store.h"
+#include "sync/endpoints.h"
 
 namespace ferry::sync {
-
-// Where a publisher listens and receivers connect.
-struct Endpoints {
-  std::string requests;  // ROUTER/DEALER, e.g. "ipc:///run/x/requests" or "tcp://10.0.0.1:5555"
-  std::string updates;   // PUB/SUB announcements, e.g. "ipc:///run/x/updates" or "tcp://10.0.0.1:5556"
-};
-
-// Creates (or checks) `dir` as a private directory (mode 0700, owned by this user) and
-// returns ipc:// endpoints inside it, so only the owner can connect. kFailedPrecondition
-// naming the directory when another user owns it; kInvalidArgument when the socket path
-// would exceed the 107-byte limit of a Unix socket address.
-[[nodiscard]] Result<Endpoints> PrivateIpcEndpoints(const std::filesystem::path& dir);
-
-// CURVE settings. Publisher: its own keypair plus the allow-list of receiver public keys.
-// Receiver: its own keypair plus the publisher's public key. All keys are Z85 text.
-struct CurveOptions {
-  std::string public_key;
-  std::string secret_key;
-  std::string server_public_key;          // receiver only
-  std::vector<std::string> allowed_keys;  // publisher only: receivers allowed to connect
-};
-
-// Checks the endpoint schemes: ipc:// and inproc:// are always allowed; tcp:// only with
-// CURVE (kFailedPrecondition naming the endpoint otherwise); anything else kInvalidArgument.
-[[nodiscard]] Status CheckEndpoints(const Endpoints& e, bool curve);
 
 // How versions are published (the MANIFEST's "mode"; see sync/protocol.h):
 //   kMerged   every tensor of the version is sent; the receiver activates what it received.

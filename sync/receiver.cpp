@@ -806,11 +806,7 @@ Status Receiver::ResetDealer() {
       s.set(zmq::sockopt::heartbeat_ivl, opt.heartbeat_ivl_ms);
       s.set(zmq::sockopt::heartbeat_timeout, opt.heartbeat_ivl_ms * 5);
     }
-    if (opt.curve) {
-      s.set(zmq::sockopt::curve_serverkey, opt.curve->server_public_key);
-      s.set(zmq::sockopt::curve_publickey, opt.curve->public_key);
-      s.set(zmq::sockopt::curve_secretkey, opt.curve->secret_key);
-    }
+    if (opt.curve) FERRY_RETURN_IF_ERROR(SecureClientSocket(s.handle(), *opt.curve));
     s.connect(opt.endpoints.requests);
     sockets_->dealer = std::move(s);
   } catch (const zmq::error_t& e) {
@@ -834,6 +830,9 @@ Result<std::unique_ptr<Receiver>> Receiver::Connect(ReceiverOptions o) {
     return Status::InvalidArgument("sync receiver: layout \"" + o.layout + "\" must be hf or fused");
   }
   FERRY_RETURN_IF_ERROR(CheckEndpoints(o.endpoints, o.curve.has_value()));
+  if (o.curve) {
+    if (Status s = CheckCurve(*o.curve, CurveRole::kClient); !s.ok()) return s.WithContext("sync receiver");
+  }
   std::error_code ec;
   for (const char* sub : {"versions", "manifests"}) {
     fs::create_directories(o.dir / sub, ec);
@@ -879,11 +878,7 @@ Result<std::unique_ptr<Receiver>> Receiver::Connect(ReceiverOptions o) {
       sub.set(zmq::sockopt::heartbeat_ivl, opt.heartbeat_ivl_ms);
       sub.set(zmq::sockopt::heartbeat_timeout, opt.heartbeat_ivl_ms * 5);
     }
-    if (opt.curve) {
-      sub.set(zmq::sockopt::curve_serverkey, opt.curve->server_public_key);
-      sub.set(zmq::sockopt::curve_publickey, opt.curve->public_key);
-      sub.set(zmq::sockopt::curve_secretkey, opt.curve->secret_key);
-    }
+    if (opt.curve) FERRY_RETURN_IF_ERROR(SecureClientSocket(sub.handle(), *opt.curve));
     std::string topic(kMagic);
     topic.push_back(static_cast<char>(MsgType::kAnnounce));
     sub.set(zmq::sockopt::subscribe, topic);

@@ -28,7 +28,7 @@
 
 #include "core/status.h"
 #include "store/store.h"
-#include "sync/publisher.h"
+#include "sync/endpoints.h"
 
 namespace ferry::sync {
 

@@ -69,11 +69,17 @@ std::string_view PublishModeName(PublishMode mode) {
 Result<std::optional<store::Digest>> NewestPublishable(store::Store& store, const std::string& run, PublishMode mode) {
   FERRY_ASSIGN_OR_RETURN(std::vector<store::VersionRecord> versions, store.ListVersions(run));
   for (auto it = versions.rbegin(); it != versions.rend(); ++it) {
+    // A base is a version too: what a run serves before its first checkpoint.
+    if (it->kind == store::VersionKind::kBase) return std::optional<store::Digest>(it->id);
     if (mode != PublishMode::kAdapter) {
-      if (it->kind == store::VersionKind::kMerged || it->kind == store::VersionKind::kFull) return std::optional<store::Digest>(it->id);
+      if (it->kind == store::VersionKind::kMerged || it->kind == store::VersionKind::kFull) {
+        return std::optional<store::Digest>(it->id);
+      }
       continue;
     }
-    if (it->kind == store::VersionKind::kMerged && it->adapter_version) return std::optional<store::Digest>(*it->adapter_version);
+    if (it->kind == store::VersionKind::kMerged && it->adapter_version) {
+      return std::optional<store::Digest>(*it->adapter_version);
+    }
   }
   return std::optional<store::Digest>();
 }
@@ -180,6 +186,7 @@ class Publisher::Impl {
     store::VersionRecord record;
     uint64_t sequence = 0;
     std::optional<store::Digest> merged_version;  // adapter mode
+    bool base_itself = false;                      // adapter mode: the base, served whole
     std::shared_ptr<const std::string> manifest_json;  // shared by every queued MANIFEST reply
   };
 
@@ -360,11 +367,14 @@ class Publisher::Impl {
     if (rec.tensors.empty()) return Status::FailedPrecondition("version " + v.Hex() + " has no tensors to sync");
     const bool is_adapter = rec.kind == store::VersionKind::kAdapter;
     Published p;
-    if (options_.mode == PublishMode::kAdapter) {
-      if (!is_adapter) {
-        return Status::FailedPrecondition("version " + v.Hex() + " is of kind " + std::string(store::KindName(rec.kind)) +
-                                          ": adapter mode publishes adapter versions");
+    if (options_.mode == PublishMode::kAdapter && !is_adapter) {
+      // The base the adapters apply to, served whole (receivers that hold it copy it locally).
+      if (rec.kind == store::VersionKind::kMerged) {
+        return Status::FailedPrecondition("version " + v.Hex() + " is of kind merged: adapter mode publishes adapter "
+                                          "versions (and the base, kind base or full); publish its adapter");
       }
+      p.base_itself = true;
+    } else if (options_.mode == PublishMode::kAdapter) {
       if (!rec.base_version) {
         return Status::FailedPrecondition("version " + v.Hex() + ": adapter has no base_version recorded; adapter mode "
                                           "needs the base the receivers keep");
@@ -380,6 +390,7 @@ class Publisher::Impl {
     man.epoch = epoch_;
     man.mode = std::string(PublishModeName(options_.mode));
     man.merged_version = p.merged_version;
+    if (p.base_itself) man.base_version = rec.id;
     p.manifest_json = std::make_shared<const std::string>(EncodeManifest(man));
     p.record = std::move(rec);
     p.sequence = seq;

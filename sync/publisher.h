@@ -18,10 +18,13 @@ namespace ferry::sync {
 
 // How versions are published (the MANIFEST's "mode"; see sync/protocol.h):
 //   kMerged   every tensor of the version is sent; the receiver activates what it received.
-//   kAdapter  the version must be an adapter (kind adapter, base_version set); the publisher
+//   kAdapter  the version is an adapter (kind adapter, base_version set); the publisher
 //             also names its merged version (a stored version of kind merged, layout hf,
 //             whose adapter_version is the adapter and base_version the adapter's base);
-//             the receiver merges onto its local base and proves the merged id.
+//             the receiver merges onto its base and proves the merged id. Or the version
+//             is the base itself (kind base or full), served whole before the first
+//             adapter: a receiver copies the tensors its local base holds (verified) and
+//             fetches the rest, and merges later adapters onto the base it received.
 //   kDelta    as kMerged, but the receiver copies tensors it already holds in its active
 //             version (matched by tensor digest, verified while copying) instead of
 //             fetching them.
@@ -31,8 +34,10 @@ std::string_view PublishModeName(PublishMode mode);
 // Parses "merged" | "adapter" | "delta"; kInvalidArgument naming the value otherwise.
 [[nodiscard]] Result<PublishMode> ParsePublishMode(std::string_view name);
 
-// The newest version of `run` that `mode` can publish: a merged or full version, or in
-// adapter mode an adapter whose merged version is recorded. Empty when there is none.
+// The newest version of `run` that `mode` can publish: a merged, full or base version, or
+// in adapter mode an adapter whose merged version is recorded or a base version. A run's
+// base is therefore what it serves until its first checkpoint is recorded. Empty when
+// there is none.
 [[nodiscard]] Result<std::optional<store::Digest>> NewestPublishable(store::Store& store, const std::string& run,
                                                                      PublishMode mode);
 
@@ -86,8 +91,8 @@ class Publisher {
   // and announces it. Returns that sequence once every request handled afterwards sees it.
   // kNotFound naming the id when the store does not hold it. kFailedPrecondition naming
   // the id when it has no tensors; in merged/delta mode when it is an adapter; in adapter
-  // mode when it is not an adapter, has no base_version, or no merged version of it is
-  // stored ("record the merged version first").
+  // mode when it is a merged version, or an adapter without base_version or whose merged
+  // version is not stored ("record the merged version first").
   [[nodiscard]] Result<uint64_t> Publish(const store::Digest& version);
 
   // Receivers seen so far, sorted by id.

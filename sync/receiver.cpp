@@ -28,13 +28,24 @@ std::string RandomHex() {
   return s;
 }
 
+// Whether `man` serves a base model: kind base, or in adapter mode the base the adapters
+// apply to (served before the first adapter).
+bool ServesBase(const Manifest& man) { return man.kind == "base" || (man.mode == "adapter" && man.kind != "adapter"); }
+
 ActivationPlan PlanFor(const Manifest& man, const ReceiverOptions& o) {
   ActivationPlan plan;
-  plan.served_kind = man.mode == "adapter" ? "adapter" : man.kind;
+  plan.served_kind = man.kind;
   plan.served_layout = man.layout;
   plan.merged_version = man.merged_version;
   plan.want_layout = o.layout;
   plan.base_dir = o.base_dir;
+  if (man.kind == "adapter" && man.base_version) {
+    // The publisher's base as this receiver received it (verified, served before the
+    // first adapter) is exactly the base the adapter applies to: preferred to --base.
+    std::error_code ec;
+    const fs::path received = o.dir / "versions" / man.base_version->Hex();
+    if (fs::is_directory(received, ec)) plan.base_dir = received;
+  }
   return plan;
 }
 
@@ -153,7 +164,11 @@ Result<SyncResult> Receiver::SyncLatestOnce() {
       result.already_active = true;
     } else {
       std::unique_ptr<ReuseSource> reuse;
-      if (man.mode == "delta" && st.active) reuse = OpenActiveReuse(options_.dir, *st.active);
+      if (man.mode == "delta" && st.active) {
+        reuse = OpenActiveReuse(options_.dir, *st.active);
+      } else if (ServesBase(man) && options_.base_dir) {
+        reuse = OpenBaseReuse(*options_.base_dir);
+      }
       FERRY_ASSIGN_OR_RETURN(Outcome oc, ReceiveVersion(s, options_, man, reuse.get(), &result));
       if (oc == Outcome::kNewer) {
         ++result.skipped;
@@ -181,7 +196,7 @@ Result<SyncResult> Receiver::SyncLatestOnce() {
           std::error_code ec;
           fs::remove_all(tmp, ec);
           return Status::Corruption("sync: the local merge of adapter " + man.version.Hex() + " onto " +
-                                    options_.base_dir.value_or(fs::path()).string() + " is " +
+                                    plan.base_dir.value_or(fs::path()).string() + " is " +
                                     (prepared->proven ? prepared->proven->Hex() : std::string("unproven")) +
                                     ", the publisher's merged version is " + man.merged_version->Hex());
         }

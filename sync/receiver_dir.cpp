@@ -177,7 +177,7 @@ void PruneVersions(const fs::path& dir, int keep, const store::Digest& active) {
   if (keep <= 0) return;
   struct Activated {
     int64_t at = 0;
-    std::string id, served;
+    std::string id, served, base;
     fs::path manifest;
   };
   std::vector<Activated> all;
@@ -194,6 +194,7 @@ void PruneVersions(const fs::path& dir, int keep, const store::Digest& active) {
       if (j.is_object()) {
         if (auto t = j.find("activated_ns"); t != j.end() && t->is_number_integer()) a.at = t->get<int64_t>();
         if (auto v = j.find("version"); v != j.end() && v->is_string()) a.served = v->get<std::string>();
+        if (auto b = j.find("base_version"); b != j.end() && b->is_string()) a.base = b->get<std::string>();
       }
     }
     all.push_back(std::move(a));
@@ -203,6 +204,7 @@ void PruneVersions(const fs::path& dir, int keep, const store::Digest& active) {
   for (size_t i = 0; i < all.size() && i < static_cast<size_t>(keep); ++i) {
     kept.insert(all[i].id);
     if (!all[i].served.empty()) kept.insert(all[i].served);
+    if (!all[i].base.empty()) kept.insert(all[i].base);
   }
   for (const auto& a : all) {
     if (kept.count(a.id) == 0) fs::remove(a.manifest, ec);

@@ -166,15 +166,21 @@ std::optional<Message> ReadAnnouncement(zmq::socket_t& sub, const Link& link);
 // written and kept only when it has the manifest row's digest (else the tensor is fetched).
 struct ReuseSource {
   Checkpoint checkpoint;
-  // Tensor digest -> the name of a tensor of `checkpoint` known to have it.
+  // Delta mode: tensor digest -> the name of a tensor of `checkpoint` known to have it.
   std::map<store::Digest, std::string> by_digest;
+  // A base model directory: a row is tried under its own name (its digest is learnt by
+  // hashing the copy).
+  bool by_name = false;
   // The tensor of `checkpoint` to try for `row` (same dtype, shape and size), if any.
-  const std::string* Find(const store::TensorRow& row) const;
+  std::optional<std::string> Find(const store::TensorRow& row) const;
 };
 
 // Delta mode: the active version's received files (DIR/manifests/<active>.json names the
 // served version whose directory holds them). Null when there is none or it cannot be read.
 std::unique_ptr<ReuseSource> OpenActiveReuse(const std::filesystem::path& dir, const store::Digest& active);
+// A served base: the receiver's local base model directory (--base), matched by tensor
+// name. Null when it cannot be opened (everything is then fetched).
+std::unique_ptr<ReuseSource> OpenBaseReuse(const std::filesystem::path& base_dir);
 
 // Receives `man` into DIR/versions/<id>, verified (every tensor and aux file against its
 // digest, the manifest digest against the id), fsynced and renamed into place; a version
@@ -243,8 +249,9 @@ Status SwitchCurrent(const std::filesystem::path& dir, const store::Digest& v);
 Status RenameIntoPlace(const std::filesystem::path& tmp, const std::filesystem::path& final_dir);
 
 // Deletes what DIR no longer needs after an activation: every version directory except
-// the `keep` most recently activated versions (by the activated_ns their records hold) and
-// the received directories they were prepared from, and the manifests of deleted versions.
+// the `keep` most recently activated versions (by the activated_ns their records hold), the
+// received directories they were prepared from and the bases their adapters were merged
+// onto (their records' base_version: a received base), and the manifests of deleted versions.
 // The active version is always kept. Best effort: what cannot be deleted now is tried again
 // after the next activation. REQUIRES: DIR/.lock held.
 void PruneVersions(const std::filesystem::path& dir, int keep, const store::Digest& active);

@@ -64,7 +64,7 @@ Result<Outcome> ReceiveFiles(Session& s, const ReceiverOptions& o, const Manifes
       }
     }
     if (reuse != nullptr) {
-      if (const std::string* name = reuse->Find(row)) {
+      if (const std::optional<std::string> name = reuse->Find(row)) {
         FERRY_ASSIGN_OR_RETURN(bool same, CopyLocal(*reuse, *name, row, fd.get(), at, model, piece));
         if (same) {
           result->bytes_reused += row.nbytes;
@@ -166,10 +166,17 @@ Result<Outcome> ReceiveInto(Session& s, const ReceiverOptions& o, const Manifest
 
 }  // namespace
 
-const std::string* ReuseSource::Find(const store::TensorRow& row) const {
+std::optional<std::string> ReuseSource::Find(const store::TensorRow& row) const {
+  if (by_name) {
+    const TensorInfo* info = checkpoint.Info(row.name);
+    if (info == nullptr || info->nbytes() != row.nbytes || info->dtype != row.dtype || info->shape != row.shape) {
+      return std::nullopt;
+    }
+    return row.name;
+  }
   auto it = by_digest.find(row.digest);
-  if (it == by_digest.end()) return nullptr;
-  return &it->second;
+  if (it == by_digest.end()) return std::nullopt;
+  return it->second;
 }
 
 std::unique_ptr<ReuseSource> OpenActiveReuse(const fs::path& dir, const store::Digest& active) {
@@ -179,7 +186,7 @@ std::unique_ptr<ReuseSource> OpenActiveReuse(const fs::path& dir, const store::D
   if (!man.ok()) return nullptr;
   auto ckpt = Checkpoint::Open(dir / "versions" / man->version.Hex() / "model.safetensors");
   if (!ckpt.ok()) return nullptr;
-  auto src = std::make_unique<ReuseSource>(ReuseSource{std::move(*ckpt), {}});
+  auto src = std::make_unique<ReuseSource>(ReuseSource{std::move(*ckpt), {}, false});
   for (const auto& row : man->tensors) {
     const TensorInfo* info = src->checkpoint.Info(row.name);
     if (info != nullptr && info->nbytes() == row.nbytes && info->dtype == row.dtype && info->shape == row.shape) {
@@ -187,6 +194,12 @@ std::unique_ptr<ReuseSource> OpenActiveReuse(const fs::path& dir, const store::D
     }
   }
   return src;
+}
+
+std::unique_ptr<ReuseSource> OpenBaseReuse(const fs::path& base_dir) {
+  auto ckpt = Checkpoint::Open(base_dir);
+  if (!ckpt.ok()) return nullptr;
+  return std::make_unique<ReuseSource>(ReuseSource{std::move(*ckpt), {}, true});
 }
 
 Result<Outcome> ReceiveVersion(Session& s, const ReceiverOptions& o, const Manifest& man, const ReuseSource* reuse,

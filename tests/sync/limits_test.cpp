@@ -235,14 +235,14 @@ TEST_F(LimitsTest, FollowingPublisherServesTheNewestVersionItsModeCanPublish) {
   EXPECT_EQ(s->version, v2->record.id);
   EXPECT_FALSE(s->version == v1);
 
-  // Adapter mode over a run whose newest version is merged without an adapter: nothing to
-  // serve (no retry storm, no crash); once a merged version naming an adapter is recorded,
-  // its adapter is served.
+  // Adapter mode over a run whose only servable-looking version is merged without an
+  // adapter (its base recorded in another run): nothing to serve (no retry storm, no
+  // crash); once a merged version naming an adapter is recorded, its adapter is served.
   publisher_.reset();
   const fs::path adapter_dir = fs::path(FERRY_FIXTURES_DIR) / "cases" / "llama_lora_all_linear_f32";
   store::ImportOptions bo;
   bo.kind = store::VersionKind::kBase;
-  bo.run = "lora";
+  bo.run = "bases";
   auto base = shared.Import(adapter_dir / "base", bo);
   ASSERT_TRUE(base.ok()) << base.status().message();
   store::ImportOptions ao;

@@ -21,6 +21,7 @@ constexpr size_t kMaxPublishedKept = 8;  // versions still served after a newer 
 constexpr size_t kMaxCachedItems = 4;    // tensors/aux files kept open for chunking
 constexpr size_t kMaxVerifiedKept = 1u << 16;  // object digests verified once, then trusted
 constexpr std::string_view kZapDomain = "ferry-sync";
+constexpr uint64_t kPaceBurstBytes = uint64_t{1} << 20;  // credit a capped publisher may bank
 
 using Clock = std::chrono::steady_clock;
 
@@ -613,6 +614,7 @@ class Publisher::Impl {
                                                      " beyond the item's " + std::to_string(item.size()) + " bytes"));
     }
     const size_t n = std::min<uint64_t>(m.length, item.size() - m.offset);
+    Pace(n);
     Message r;
     r.type = MsgType::kChunk;
     r.version = m.version;
@@ -638,6 +640,24 @@ class Publisher::Impl {
       return ReplyOwned(rid, r, std::move(payload));
     }
     Reply(rid, r, bytes);
+  }
+
+  // Rate cap (PublisherOptions::max_send_bytes_per_sec): a token bucket holding at most
+  // kPaceBurstBytes of credit; sending `n` bytes waits until they are covered.
+  void Pace(size_t n) {
+    if (options_.max_send_bytes_per_sec == 0) return;
+    const double rate = static_cast<double>(options_.max_send_bytes_per_sec);
+    const auto now = Clock::now();
+    if (pace_last_ == Clock::time_point()) pace_last_ = now;
+    pace_tokens_ = std::min(static_cast<double>(kPaceBurstBytes),
+                            pace_tokens_ + rate * std::chrono::duration<double>(now - pace_last_).count());
+    pace_last_ = now;
+    pace_tokens_ -= static_cast<double>(n);
+    if (pace_tokens_ < 0) {
+      std::this_thread::sleep_for(std::chrono::duration<double>(-pace_tokens_ / rate));
+      pace_tokens_ = 0;
+      pace_last_ = Clock::now();
+    }
   }
 
   void HandleAck(const zmq::message_t& rid, const Message& m, const std::string& key) {
@@ -701,6 +721,8 @@ class Publisher::Impl {
   std::map<int, std::string> fd_owner_;  // thread only: connection descriptor -> receiver id
   store::Digest follow_latest_;          // thread only: the run's latest record Follow() saw
   store::Digest follow_tried_;           // thread only: the newest version Follow() tried
+  double pace_tokens_ = 0;               // thread only: Pace()'s bucket, in bytes
+  Clock::time_point pace_last_;          // thread only: when the bucket was last filled
   std::atomic<uint64_t> sequence_{0};
   std::atomic<int> corrupt_{0};
   mutable std::mutex info_mu_;
@@ -711,6 +733,9 @@ Result<std::unique_ptr<Publisher>> Publisher::Start(store::Store* store, Publish
   FERRY_RETURN_IF_ERROR(CheckEndpoints(options.endpoints, options.curve.has_value()));
   if (options.curve) {
     if (Status s = CheckCurve(*options.curve, CurveRole::kServer); !s.ok()) return s.WithContext("sync publisher");
+  }
+  if (options.max_send_bytes_per_sec < 0) {
+    return Status::InvalidArgument("sync publisher: max_send_bytes_per_sec must be >= 0");
   }
   if (options.heartbeat_ivl_ms < 0 || options.heartbeat_timeout_ms <= 0) {
     return Status::InvalidArgument("sync publisher: heartbeat_ivl_ms must be >= 0 and heartbeat_timeout_ms > 0");

@@ -58,6 +58,11 @@ struct PublisherOptions {
   // Default: 5000
   int heartbeat_timeout_ms = 5000;
   PublishMode mode = PublishMode::kMerged;  // Default: merged
+  // Caps the rate of CHUNK payload bytes sent to all receivers together (a token bucket
+  // banking at most 1 MiB of credit; the serving thread waits for the rest), e.g. to leave
+  // a shared link to the trainer, or to measure sync over a slower link
+  // (bench/sync_bench.cpp). 0: no cap; negative: kInvalidArgument. Default: 0
+  int64_t max_send_bytes_per_sec = 0;
 };
 
 // What the publisher knows about one receiver (from its messages and connections).

@@ -1,6 +1,8 @@
 // `ferry sync publish|receive|status`: weight sync over ZeroMQ (sync/protocol.h).
 //   publish  --db DB --bind EP [--run R] [--key PREFIX --allow FILE] [--mode merged|adapter|delta]
 //            [--watch DIR --base V|DIR [--layout hf|fused] [--poll-ms N]] [--json]
+//            With --watch the run's newest servable version, or else its base, is served at
+//            once, so a receiver started before the first checkpoint holds the base.
 //   receive  --connect EP --out DIR --id ID [--key PREFIX --server-key FILE] [--layout hf|fused]
 //            [--base DIR] [--once] [--timeout-ms N] [--keep-versions N] [--json]
 //            Without --once it waits out a publisher that is not up, silent or unreachable
@@ -249,7 +251,8 @@ void RunPublish(const PublishFlags& f) {
     // serves: it serves the newest publishable version; new versions come through --watch.
     if (!newest->has_value()) {
       Fail("run " + f.run + " of " + f.db + " has no version to publish in " + f.mode +
-           " mode (needs a merged or full version; adapter mode: an adapter whose merged version is recorded)");
+           " mode (needs a merged, full or base version; adapter mode: an adapter whose merged version is "
+           "recorded, or a base)");
     }
     auto seq = (*p)->Publish(**newest);
     if (!seq.ok()) Fail(seq.status());
@@ -259,9 +262,15 @@ void RunPublish(const PublishFlags& f) {
     sigwait(&set, &sig);
     return;
   }
-  if (newest->has_value()) {
-    auto seq = (*p)->Publish(**newest);
-    if (!seq.ok()) std::fprintf(stderr, "ferry: warning: %s\n", seq.status().message().c_str());
+  // The run's newest servable version, or its base: a receiver started before the first
+  // checkpoint holds the base weights (NewestPublishable finds a base recorded in the run;
+  // one stored under another run is served from there).
+  const store::Digest first = newest->has_value() ? **newest : watcher->base_version();
+  if (auto seq = (*p)->Publish(first); seq.ok()) {
+    std::fprintf(stderr, "ferry: serving %s (sequence %llu)\n", first.Hex().c_str(),
+                 static_cast<unsigned long long>(*seq));
+  } else {
+    std::fprintf(stderr, "ferry: warning: %s\n", seq.status().message().c_str());
   }
   do {
     auto handled = watcher->Poll();
@@ -454,7 +463,9 @@ void SetSyncCommand(CLI::App& app) {
   receive->add_option("--id", rf->id, "Receiver id recorded by the publisher ([A-Za-z0-9._-]{1,64})")->required();
   receive->add_option("--layout", rf->layout, "Layout activated in DIR/current, hf | fused (default: hf)");
   receive->add_option("--base", rf->base,
-                      "Local base model directory (needed when the publisher serves --mode adapter)");
+                      "Local base model directory: adapters (publisher --mode adapter) are merged onto it unless "
+                      "this receiver received the publisher's base; a served base copies the tensors it holds "
+                      "instead of fetching them");
   receive->add_option("--timeout-ms", rf->timeout_ms, "Longest wait for a reply from the publisher (default: 10000)");
   receive->add_option("--keep-versions", rf->keep_versions,
                       "Versions kept in DIR/versions: the newest N activated (default: 2; 0 keeps all)");

@@ -260,9 +260,15 @@ Result<Manifest> DecodeManifest(std::string_view text) {
   FERRY_ASSIGN_OR_RETURN(m.layout, get_enum("layout", {"hf", "fused", "lora"}));
   FERRY_ASSIGN_OR_RETURN(m.mode, get_enum("mode", {"merged", "adapter", "delta"}));
   if (m.mode == "adapter") {
-    if (m.kind != "adapter") return bad("field kind is \"" + m.kind + "\" in adapter mode (must be adapter)");
     FERRY_ASSIGN_OR_RETURN(m.base_version, get_digest(j, "base_version"));
-    FERRY_ASSIGN_OR_RETURN(m.merged_version, get_digest(j, "merged_version"));
+    if (m.kind == "adapter") {
+      FERRY_ASSIGN_OR_RETURN(m.merged_version, get_digest(j, "merged_version"));
+    } else if (m.kind == "merged" || !(*m.base_version == m.version) || j.contains("merged_version")) {
+      // The only other version adapter mode serves is the base the adapters apply to.
+      return bad("field kind is \"" + m.kind +
+                 "\" in adapter mode (must be adapter, or base/full with base_version = version and no "
+                 "merged_version: the base itself)");
+    }
   } else if (m.kind == "adapter") {
     return bad("field kind is \"adapter\" outside adapter mode (mode " + m.mode + ")");
   }

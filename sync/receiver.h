@@ -10,6 +10,8 @@
 //   DIR/versions/<id>.tmp-XXXXXX  a version being received or prepared (never read by anyone;
 //                                 removed on failure; one left by a crash is removed by the
 //                                 next Connect, never activated)
+//   DIR/versions/<id>.partial     a transfer cut short (a killed receiver's newest, or a failed
+//                                 one): the next transfer of <id> takes it over (resume)
 //   DIR/manifests/<id>.json       for each activated version <id>: the MANIFEST JSON received
 //                                 for it (its "version" is the served id, whose directory
 //                                 holds the received bytes) plus "activated_as",
@@ -28,7 +30,7 @@
 
 #include "core/status.h"
 #include "store/store.h"
-#include "sync/publisher.h"
+#include "sync/endpoints.h"
 
 namespace ferry::sync {
 
@@ -43,16 +45,22 @@ struct ReceiverOptions {
   int max_retries = 3;                 // refetches of one tensor whose digest is wrong. Default: 3
   int heartbeat_ivl_ms = 1000;         // ZMTP heartbeats (0: off). Default: 1000
   // Versions kept in DIR/versions after each activation: the `keep_versions` most recently
-  // activated ones (with the received directories they were prepared from, and their
-  // manifests); older ones are deleted, so a receiver following a trainer for days does not
+  // activated ones (with the received directories they were prepared from, the received
+  // base their adapters were merged onto, and their manifests); older ones are deleted, so
+  // a receiver following a trainer for days does not
   // fill its disk. 2 keeps the previous version for a generator still loading it. 0: keep
   // everything. Default: 2
   int keep_versions = 2;
   // The layout activated in DIR/current: "hf" or "fused" (an hf version is re-laid out by
   // sync/activate.h's PrepareActivation). Default: "hf"
   std::string layout = "hf";
-  // Adapter mode: the base model directory this receiver keeps (the base the publisher's
-  // adapter applies to). Default: none (adapter mode then fails naming the missing base).
+  // The base model directory this receiver keeps (the base the publisher's adapters apply
+  // to). Adapter mode merges each adapter onto it, unless this receiver received the
+  // publisher's base (served before the first adapter: DIR/versions/<base_version>, which
+  // is then used). A served base (kind base, or the base in adapter mode) copies each
+  // tensor this directory holds under the same name, dtype and shape (verified while
+  // copying; fetched when it differs) instead of fetching it. Default: none (an adapter
+  // with no base received then fails naming the missing base).
   std::optional<std::filesystem::path> base_dir;
   // Test hook: called after each CHUNK is accepted (before the next FETCH is sent).
   std::function<void(uint64_t offset)> on_chunk_for_testing;
@@ -66,7 +74,8 @@ struct SyncResult {
   uint64_t sequence = 0;      // its publish sequence
   uint64_t epoch = 0;         // the publisher's epoch
   uint64_t bytes_received = 0;  // tensor and aux bytes fetched from the publisher
-  uint64_t bytes_reused = 0;    // delta mode: tensor bytes copied from the active version
+  uint64_t bytes_reused = 0;    // tensor bytes copied locally: delta mode from the active
+                                // version, a served base from base_dir
   uint64_t bytes_resumed = 0;   // tensor bytes a killed receiver had already received of this
                                 // version (versions/<id>.partial: whole tensors, and the whole
                                 // chunks of a tensor cut short), verified and kept

@@ -49,13 +49,26 @@ Result<std::unique_ptr<BpeModel>> BpeModel::Create(std::vector<std::string> toke
   std::unique_ptr<BpeModel> m(new BpeModel());
   m->tokens_ = std::move(tokens);
   m->options_ = options;
-  m->index_.reserve(m->tokens_.size());
+  size_t index_cap = 16;
+  while (index_cap < m->tokens_.size() * 2) index_cap <<= 1;
+  m->index_.assign(index_cap, IndexSlot{});
   m->ascii_ids_.assign(128, -1);
   m->byte_ids_.fill(-1);
   for (size_t id = 0; id < m->tokens_.size(); ++id) {
     const std::string& t = m->tokens_[id];
     const auto i = static_cast<int32_t>(id);
-    m->index_.emplace(t, i);
+    {
+      const size_t h = std::hash<std::string_view>{}(t);
+      const size_t mask = m->index_.size() - 1;
+      for (size_t k = h & mask;; k = (k + 1) & mask) {
+        IndexSlot& slot = m->index_[k];
+        if (slot.id < 0) {
+          slot = {static_cast<uint32_t>(h >> 32), i};
+          break;
+        }
+        if (slot.tag == static_cast<uint32_t>(h >> 32) && m->tokens_[slot.id] == t) break;  // keep the first id
+      }
+    }
     if (t.size() == 1 && static_cast<unsigned char>(t[0]) < 0x80) {
       m->ascii_ids_[static_cast<unsigned char>(t[0])] = i;
     } else if (!t.empty() && Utf8SequenceLength(static_cast<unsigned char>(t[0])) == t.size()) {
@@ -100,9 +113,14 @@ Result<std::unique_ptr<BpeModel>> BpeModel::Create(std::vector<std::string> toke
 }
 
 std::optional<int32_t> BpeModel::Find(std::string_view token) const {
-  const auto it = index_.find(token);
-  if (it == index_.end()) return std::nullopt;
-  return it->second;
+  const size_t h = std::hash<std::string_view>{}(token);
+  const auto tag = static_cast<uint32_t>(h >> 32);
+  const size_t mask = index_.size() - 1;
+  for (size_t k = h & mask;; k = (k + 1) & mask) {
+    const IndexSlot& slot = index_[k];
+    if (slot.id < 0) return std::nullopt;
+    if (slot.tag == tag && tokens_[slot.id] == token) return slot.id;
+  }
 }
 
 const BpeModel::MergeSlot* BpeModel::FindMerge(int32_t left, int32_t right) const {

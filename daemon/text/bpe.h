@@ -60,6 +60,10 @@ class BpeModel {
   const BpeOptions& options() const { return options_; }
 
  private:
+  struct IndexSlot {
+    uint32_t tag = 0;  // high bits of the token's hash
+    int32_t id = -1;   // -1: empty
+  };
   struct MergeSlot {
     uint64_t key = ~uint64_t{0};  // (left << 32) | right; all ones: empty
     uint32_t rank = 0;
@@ -79,7 +83,7 @@ class BpeModel {
   void MergeWord(std::string_view piece, std::vector<int32_t>* out) const;
 
   std::vector<std::string> tokens_;
-  TokenIndex index_;
+  std::vector<IndexSlot> index_;                      // open addressing, power-of-two size
   std::vector<int32_t> ascii_ids_;                    // id of each one-byte token, -1 when absent
   std::unordered_map<char32_t, int32_t> char_ids_;    // ids of one-character tokens above ASCII
   std::array<int32_t, 256> byte_ids_{};               // "<0xHH>" ids, -1 when absent

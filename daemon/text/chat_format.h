@@ -2,7 +2,7 @@
 // tokenize=False, add_generation_prompt) with these Jinja templates:
 //
 // kChatML (Qwen and others; the ChatML template transformers used as its class-level
-// default, without a default system message):
+// default_chat_template, also OpenHermes-2.5's; no default system message):
 //   {% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content']
 //   + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n'
 //   }}{% endif %}

@@ -66,7 +66,10 @@ Result<std::unique_ptr<BpeModel>> BpeModel::Create(std::vector<std::string> toke
           slot = {static_cast<uint32_t>(h >> 32), i};
           break;
         }
-        if (slot.tag == static_cast<uint32_t>(h >> 32) && m->tokens_[slot.id] == t) break;  // keep the first id
+        if (slot.tag == static_cast<uint32_t>(h >> 32) && m->tokens_[slot.id] == t) {
+          return Status::Corruption(std::string(what) + ".vocab: \"" + t + "\" is listed twice (ids " +
+                                    std::to_string(slot.id) + " and " + std::to_string(i) + ")");
+        }
       }
     }
     if (t.size() == 1 && static_cast<unsigned char>(t[0]) < 0x80) {

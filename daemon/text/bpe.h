@@ -45,8 +45,8 @@ struct BpeOptions {
 class BpeModel {
  public:
   // `tokens[id]` is the token of id `id` (ids are dense); `merges` in rank order. kCorruption
-  // naming `what` and the merge index when a merge names a missing token or its
-  // concatenation is not a token.
+  // naming `what` for a token listed twice, and with the merge index when a merge names a
+  // missing token or its concatenation is not a token.
   static Result<std::unique_ptr<BpeModel>> Create(std::vector<std::string> tokens,
                                                   const std::vector<std::pair<std::string, std::string>>& merges,
                                                   const BpeOptions& options, std::string_view what);

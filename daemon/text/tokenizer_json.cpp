@@ -42,6 +42,169 @@ std::string Quote(std::string_view s) {
 
 std::string TypeName(const json& j) { return j.type_name(); }
 
+// model.vocab and model.merges, read straight from the SAX events (151k-entry objects and
+// arrays are most of a tokenizer.json; a DOM of them costs more than all the rest).
+struct StreamedModel {
+  bool have_vocab = false;   // model.vocab was an object
+  bool have_merges = false;  // model.merges was an array
+  std::vector<std::pair<std::string, uint64_t>> vocab;  // file order
+  std::vector<std::pair<std::string, std::string>> merges;
+};
+
+// Builds the DOM of a tokenizer.json except for model.vocab (an object) and model.merges (an
+// array), which go to a StreamedModel; any other shape of those two stays in the DOM, where
+// the parser refuses it. Refusals found while streaming stop the parse with `error` set.
+class TokenizerJsonSax {
+ public:
+  TokenizerJsonSax(json* root, StreamedModel* model) : dom_(*root, /*allow_exceptions=*/false), model_(model) {}
+
+  Status error;  // set when a streamed field is refused or the JSON is malformed
+
+  bool null() { return Scalar("null", [&] { return dom_.null(); }); }
+  bool boolean(bool v) { return Scalar("boolean", [&] { return dom_.boolean(v); }); }
+  bool number_float(double v, const std::string& text) {
+    return Scalar(text, [&] { return dom_.number_float(v, text); });
+  }
+  bool binary(json::binary_t& v) { return Scalar("binary", [&] { return dom_.binary(v); }); }
+  bool number_integer(int64_t v) {
+    if (mode_ == Mode::kVocab && v >= 0) return AddVocab(static_cast<uint64_t>(v));
+    return Scalar(std::to_string(v), [&] { return dom_.number_integer(v); });
+  }
+  bool number_unsigned(uint64_t v) {
+    if (mode_ == Mode::kVocab) return AddVocab(v);
+    return Scalar(std::to_string(v), [&] { return dom_.number_unsigned(v); });
+  }
+  bool string(std::string& v) {
+    if (mode_ == Mode::kVocab) return Refuse(VocabAt(), "must be a non-negative integer, not string");
+    if (mode_ == Mode::kMerges) {
+      if (in_pair_) {
+        pair_.push_back(std::move(v));
+        return true;
+      }
+      const size_t sp = v.find(' ');
+      if (sp == std::string::npos || v.find(' ', sp + 1) != std::string::npos) {
+        return Refuse(MergeAt(), Quote(v) + " is not two tokens separated by one space");
+      }
+      return AddMerge(v.substr(0, sp), v.substr(sp + 1));
+    }
+    return dom_.string(v);
+  }
+  bool key(std::string& k) {
+    if (mode_ == Mode::kVocab) {
+      vocab_key_ = k;
+      return true;
+    }
+    if (depth_ == 1) root_key_ = k;
+    if (in_model_ && depth_ == 2) model_key_ = k;
+    return dom_.key(k);
+  }
+  bool start_object(std::size_t n) {
+    if (mode_ == Mode::kVocab) return Refuse(VocabAt(), "must be a non-negative integer, not object");
+    if (mode_ == Mode::kMerges) return Refuse(MergeAt(), "must be \"a b\" or [\"a\", \"b\"]");
+    if (depth_ == 1 && root_key_ == "model") {
+      in_model_ = true;
+      *model_ = StreamedModel();  // a repeated "model" key: the last one counts, as in the DOM
+    } else if (in_model_ && depth_ == 2 && model_key_ == "vocab") {
+      ++depth_;
+      mode_ = Mode::kVocab;
+      model_->have_vocab = true;
+      model_->vocab.clear();
+      return true;
+    }
+    ++depth_;
+    return dom_.start_object(n);
+  }
+  bool end_object() {
+    --depth_;
+    if (mode_ == Mode::kVocab) {
+      mode_ = Mode::kNone;
+      return true;
+    }
+    if (in_model_ && depth_ == 1) in_model_ = false;
+    return dom_.end_object();
+  }
+  bool start_array(std::size_t n) {
+    if (mode_ == Mode::kVocab) return Refuse(VocabAt(), "must be a non-negative integer, not array");
+    if (mode_ == Mode::kMerges) {
+      if (in_pair_) return Refuse(MergeAt(), "must be \"a b\" or [\"a\", \"b\"]");
+      in_pair_ = true;
+      pair_.clear();
+      ++depth_;
+      return true;
+    }
+    if (in_model_ && depth_ == 2 && model_key_ == "merges") {
+      ++depth_;
+      mode_ = Mode::kMerges;
+      model_->have_merges = true;
+      model_->merges.clear();
+      return true;
+    }
+    ++depth_;
+    return dom_.start_array(n);
+  }
+  bool end_array() {
+    --depth_;
+    if (mode_ == Mode::kMerges) {
+      if (!in_pair_) {
+        mode_ = Mode::kNone;
+        return true;
+      }
+      in_pair_ = false;
+      if (pair_.size() != 2) return Refuse(MergeAt(), "must be \"a b\" or [\"a\", \"b\"]");
+      return AddMerge(std::move(pair_[0]), std::move(pair_[1]));
+    }
+    return dom_.end_array();
+  }
+  bool parse_error(std::size_t position, const std::string& last_token, const nlohmann::detail::exception& ex) {
+    if (error.ok()) error = Status::Corruption(std::string("not valid JSON (") + ex.what() + ")");
+    return false;
+  }
+
+ private:
+  enum class Mode { kNone, kVocab, kMerges };
+
+  // A scalar event: refused inside the streamed fields, else given to the DOM.
+  template <typename F>
+  bool Scalar(const std::string& shown, F forward) {
+    if (mode_ == Mode::kVocab) {
+      return Refuse(VocabAt(), "must be a non-negative integer, not " + shown);
+    }
+    if (mode_ == Mode::kMerges) return Refuse(MergeAt(), "must be \"a b\" or [\"a\", \"b\"]");
+    return forward();
+  }
+  bool AddVocab(uint64_t id) {
+    if (model_->vocab.size() >= kMaxVocabSize) {
+      error = Status::Unsupported("model.vocab has more than " + std::to_string(kMaxVocabSize) + " entries");
+      return false;
+    }
+    model_->vocab.emplace_back(std::move(vocab_key_), id);
+    return true;
+  }
+  bool AddMerge(std::string a, std::string b) {
+    if (model_->merges.size() >= kMaxMerges) {
+      error = Status::Unsupported("model.merges has more than " + std::to_string(kMaxMerges) + " entries");
+      return false;
+    }
+    model_->merges.emplace_back(std::move(a), std::move(b));
+    return true;
+  }
+  bool Refuse(const std::string& path, const std::string& what) {
+    error = Status::Corruption(path + " " + what);
+    return false;
+  }
+  std::string VocabAt() const { return "model.vocab[" + Quote(vocab_key_) + "]"; }
+  std::string MergeAt() const { return "model.merges[" + std::to_string(model_->merges.size()) + "]"; }
+
+  nlohmann::detail::json_sax_dom_parser<json> dom_;
+  StreamedModel* model_;
+  int depth_ = 0;
+  bool in_model_ = false;
+  std::string root_key_, model_key_, vocab_key_;
+  Mode mode_ = Mode::kNone;
+  bool in_pair_ = false;
+  std::vector<std::string> pair_;
+};
+
 class Parser {
  public:
   explicit Parser(std::string_view source) : src_(source) {}
@@ -371,7 +534,7 @@ class Parser {
     return Unsupported(Join(path, "type"), Quote(type) + " is not supported");
   }
 
-  Result<std::unique_ptr<BpeModel>> ParseModel(const json& j) const {
+  Result<std::unique_ptr<BpeModel>> ParseModel(const json& j, StreamedModel& streamed) const {
     const std::string path = "model";
     FERRY_RETURN_IF_ERROR(RequireObject(j, path));
     FERRY_ASSIGN_OR_RETURN(auto type, OptString(j, path, "type"));
@@ -392,54 +555,31 @@ class Parser {
     FERRY_ASSIGN_OR_RETURN(options.ignore_merges, Bool(j, path, "ignore_merges", false));
     FERRY_ASSIGN_OR_RETURN(auto unk_token, OptString(j, path, "unk_token"));
 
-    const json* vocab = Find(j, "vocab");
-    if (vocab == nullptr) return Corrupt("model.vocab", "is missing");
-    FERRY_RETURN_IF_ERROR(RequireObject(*vocab, "model.vocab"));
-    if (vocab->size() > kMaxVocabSize) {
-      return Unsupported("model.vocab", "has " + std::to_string(vocab->size()) + " entries (at most " +
-                                            std::to_string(kMaxVocabSize) + ")");
+    // Objects and arrays here were streamed (StreamedModel), leaving a null behind in the DOM;
+    // anything else stayed in the DOM.
+    if (const json* vocab = Find(j, "vocab"); vocab != nullptr && !(streamed.have_vocab && vocab->is_null())) {
+      FERRY_RETURN_IF_ERROR(RequireObject(*vocab, "model.vocab"));
     }
-    const size_t n = vocab->size();
+    if (!streamed.have_vocab) return Corrupt("model.vocab", "is missing");
+    const size_t n = streamed.vocab.size();
     std::vector<std::string> tokens(n);
     std::vector<uint8_t> seen(n, 0);
-    for (const auto& [token, id_json] : vocab->items()) {
+    for (auto& [token, id] : streamed.vocab) {
       const std::string at = "model.vocab[" + Quote(token) + "]";
       if (token.size() > kMaxTokenBytes) return Unsupported(at, "is longer than " + std::to_string(kMaxTokenBytes) + " bytes");
-      FERRY_ASSIGN_OR_RETURN(const uint64_t id, Unsigned(id_json, at, UINT32_MAX));
       if (id >= n) {
         return Corrupt(at, "id " + std::to_string(id) + " is outside 0.." + std::to_string(n - 1) +
                                " (ids must be dense)");
       }
       if (seen[id]) return Corrupt(at, "id " + std::to_string(id) + " is given to two tokens");
       seen[id] = 1;
-      tokens[id] = token;
+      tokens[id] = std::move(token);
     }
-
-    const json* merges_json = Find(j, "merges");
-    if (merges_json == nullptr) return Corrupt("model.merges", "is missing");
-    FERRY_RETURN_IF_ERROR(RequireArray(*merges_json, "model.merges"));
-    if (merges_json->size() > kMaxMerges) {
-      return Unsupported("model.merges", "has " + std::to_string(merges_json->size()) + " entries (at most " +
-                                             std::to_string(kMaxMerges) + ")");
+    if (const json* merges = Find(j, "merges"); merges != nullptr && !(streamed.have_merges && merges->is_null())) {
+      FERRY_RETURN_IF_ERROR(RequireArray(*merges, "model.merges"));
     }
-    std::vector<std::pair<std::string, std::string>> merges;
-    merges.reserve(merges_json->size());
-    for (size_t i = 0; i < merges_json->size(); ++i) {
-      const json& m = (*merges_json)[i];
-      const std::string at = Index("model.merges", i);
-      if (m.is_string()) {
-        const auto& s = m.get_ref<const std::string&>();
-        const size_t sp = s.find(' ');
-        if (sp == std::string::npos || s.find(' ', sp + 1) != std::string::npos) {
-          return Corrupt(at, Quote(s) + " is not two tokens separated by one space");
-        }
-        merges.emplace_back(s.substr(0, sp), s.substr(sp + 1));
-      } else if (m.is_array() && m.size() == 2 && m[0].is_string() && m[1].is_string()) {
-        merges.emplace_back(m[0].get<std::string>(), m[1].get<std::string>());
-      } else {
-        return Corrupt(at, "must be \"a b\" or [\"a\", \"b\"]");
-      }
-    }
+    if (!streamed.have_merges) return Corrupt("model.merges", "is missing");
+    const auto& merges = streamed.merges;
     if (unk_token) {
       bool found = false;
       for (size_t id = 0; id < n && !found; ++id) {
@@ -537,7 +677,22 @@ Result<json> ParseJsonText(std::string_view text, std::string_view source, size_
 }  // namespace
 
 Result<std::unique_ptr<TokenizerImpl>> ParseTokenizerJson(std::string_view text, std::string_view source) {
-  FERRY_ASSIGN_OR_RETURN(const json j, ParseJsonText(text, source, kMaxTokenizerJsonBytes));
+  if (text.size() > kMaxTokenizerJsonBytes) {
+    return Status::Unsupported(std::string(source) + ": " + std::to_string(text.size()) + " bytes is more than the " +
+                               std::to_string(kMaxTokenizerJsonBytes) + " bytes allowed");
+  }
+  if (JsonNestsDeeperThan(text, kMaxTokenizerJsonDepth)) {
+    return Status::Corruption(std::string(source) + ": JSON nests deeper than " + std::to_string(kMaxTokenizerJsonDepth));
+  }
+  json j;
+  StreamedModel streamed;
+  {
+    TokenizerJsonSax sax(&j, &streamed);
+    const bool parsed = json::sax_parse(text.begin(), text.end(), &sax);
+    if (!sax.error.ok()) return sax.error.WithContext(source);
+    if (!parsed) return Status::Corruption(std::string(source) + ": not valid JSON");
+  }
+  if (!j.is_object()) return Status::Corruption(std::string(source) + ": must be a JSON object");
   Parser p(source);
   auto impl = std::make_unique<TokenizerImpl>();
   impl->source = std::string(source);
@@ -554,7 +709,7 @@ Result<std::unique_ptr<TokenizerImpl>> ParseTokenizerJson(std::string_view text,
   }
   const json* model = Parser::Find(j, "model");
   if (model == nullptr) return p.Corrupt("model", "is missing");
-  FERRY_ASSIGN_OR_RETURN(impl->model, p.ParseModel(*model));
+  FERRY_ASSIGN_OR_RETURN(impl->model, p.ParseModel(*model, streamed));
 
   if (const json* n = Parser::Find(j, "normalizer"); n != nullptr && !n->is_null()) {
     FERRY_ASSIGN_OR_RETURN(impl->normalizer, p.ParseNormalizer(*n, "normalizer"));

@@ -136,6 +136,42 @@ TEST(TokenizerJsonTest, VocabularyMustBeDense) {
   j = Base();
   j["model"]["vocab"] = json::array();
   ExpectRefused(j, StatusCode::kCorruption, "model.vocab must be an object, not array");
+  j = Base();
+  j["model"]["vocab"] = nullptr;
+  ExpectRefused(j, StatusCode::kCorruption, "model.vocab must be an object, not null");
+  j = Base();
+  j["model"].erase("vocab");
+  ExpectRefused(j, StatusCode::kCorruption, "model.vocab is missing");
+  // model.vocab and model.merges are read from the parser's events, not a DOM: every value
+  // type still gets its message.
+  for (const auto& [value, shown] : {std::pair{json(1.5), std::string("1.5")}, {json(true), "boolean"},
+                                     {json(nullptr), "null"}, {json::array({1}), "array"},
+                                     {json::object({{"x", 1}}), "object"}}) {
+    j = Base();
+    j["model"]["vocab"]["abc"] = value;
+    ExpectRefused(j, StatusCode::kCorruption, "model.vocab[\"abc\"] must be a non-negative integer, not " + shown);
+  }
+}
+
+TEST(TokenizerJsonTest, RepeatedKeysInTheVocabularyAreRefused) {
+  // What a JSON object cannot hold: build the text by hand.
+  std::string text = Base().dump();
+  const std::string from = "\"vocab\":{";
+  text.replace(text.find(from), from.size(), from + "\"b\":1,");
+  auto t = Tokenizer::FromJson(text, kSrc);
+  ASSERT_FALSE(t.ok());
+  EXPECT_EQ(t.status().code(), StatusCode::kCorruption);
+  EXPECT_EQ(t.status().message(), "tokenizer.json: model.vocab[\"b\"] id 1 is given to two tokens");
+  // A second "model" replaces the first, as in a DOM.
+  json second = Base()["model"];
+  second["vocab"]["a"] = 1;
+  second["vocab"]["b"] = 0;
+  text = Base().dump();
+  text.insert(text.size() - 1, ",\"model\":" + second.dump());
+  auto replaced = Tokenizer::FromJson(text, kSrc);
+  ASSERT_TRUE(replaced.ok()) << replaced.status().ToString();
+  EXPECT_EQ(replaced->TokenId("a"), 1);
+  EXPECT_EQ(*replaced->Encode("abc"), (std::vector<int32_t>{4}));
 }
 
 TEST(TokenizerJsonTest, MergesMustNameTokens) {
@@ -157,6 +193,15 @@ TEST(TokenizerJsonTest, MergesMustNameTokens) {
   j = Base();
   j["model"].erase("merges");
   ExpectRefused(j, StatusCode::kCorruption, "model.merges is missing");
+  j = Base();
+  j["model"]["merges"] = "a b";
+  ExpectRefused(j, StatusCode::kCorruption, "model.merges must be an array, not string");
+  for (const json& bad : {json(7), json::object(), json::array({"a"}), json::array({"a", 1}),
+                          json::array({json::array({"a", "b"})})}) {
+    j = Base();
+    j["model"]["merges"][1] = bad;
+    ExpectRefused(j, StatusCode::kCorruption, "model.merges[1] must be \"a b\" or [\"a\", \"b\"]");
+  }
 }
 
 TEST(TokenizerJsonTest, UnsupportedComponentsNameTheirPath) {

@@ -20,12 +20,12 @@ cmake --build build -j "$JOBS"
 echo "== tests"
 ctest --test-dir build --output-on-failure -j "$JOBS" --timeout 600
 
-echo "== tests under ASan + UBSan (core, kernels, convert parsers)"
+echo "== tests under ASan + UBSan (core, kernels, convert, the tokenizer and the run config parsers)"
 cmake -S . -B build-asan -G Ninja -DCMAKE_BUILD_TYPE=Debug -DFERRY_WERROR=ON -DFERRY_SANITIZE=ON \
   -DFERRY_WITH_TORCH=OFF -DFERRY_WITH_CUDA=OFF -DFERRY_BUILD_BENCH=OFF >/dev/null
 cmake --build build-asan -j "$JOBS"
 ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
-  ctest --test-dir build-asan --output-on-failure -j "$JOBS" --timeout 900 -R '^(core|kernels|convert)_'
+  ctest --test-dir build-asan --output-on-failure -j "$JOBS" --timeout 900 -R '^(core|kernels|convert|daemon_text|daemon_run)_'
 
 echo "== tests under ThreadSanitizer (one Store shared by threads; sync tests sharing one)"
 TSAN_TESTS=(store_concurrency_test sync_handoff_test sync_watch_test sync_limits_test)

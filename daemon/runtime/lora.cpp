@@ -216,16 +216,39 @@ std::string LoraAdapter::ConfigJson(const std::string& base_model_name_or_path) 
   return j.dump(2) + "\n";
 }
 
-Status LoraAdapter::Save(const std::filesystem::path& dir, const std::string& base_model_name_or_path, bool force) const {
-  FERRY_ASSIGN_OR_RETURN(StagingDir staging, StagingDir::Create(dir, force));
+Status LoraAdapter::WriteFiles(const std::filesystem::path& dir, const std::string& base_model_name_or_path) const {
   FERRY_ASSIGN_OR_RETURN(auto tensors, ExportTensors());
   std::vector<TensorSpec> specs;
   for (const auto& [name, t] : tensors) specs.push_back({name, t.dtype(), t.shape()});
-  FERRY_ASSIGN_OR_RETURN(auto writer, SafetensorsWriter::CreateFile(staging.path() / "adapter_model.safetensors", specs));
+  FERRY_ASSIGN_OR_RETURN(auto writer, SafetensorsWriter::CreateFile(dir / "adapter_model.safetensors", specs));
   for (const auto& [name, t] : tensors) FERRY_RETURN_IF_ERROR(writer->Write(name, t));
   FERRY_RETURN_IF_ERROR(writer->Finish());
-  FERRY_RETURN_IF_ERROR(WriteFileAtomic(staging.path() / "adapter_config.json", ConfigJson(base_model_name_or_path)));
+  return WriteFileAtomic(dir / "adapter_config.json", ConfigJson(base_model_name_or_path));
+}
+
+Status LoraAdapter::Save(const std::filesystem::path& dir, const std::string& base_model_name_or_path, bool force) const {
+  FERRY_ASSIGN_OR_RETURN(StagingDir staging, StagingDir::Create(dir, force));
+  FERRY_RETURN_IF_ERROR(WriteFiles(staging.path(), base_model_name_or_path));
   return staging.Commit();
+}
+
+Status LoraAdapter::LoadInto(const CausalLM& model, const std::filesystem::path& dir) {
+  FERRY_ASSIGN_OR_RETURN(std::unique_ptr<LoraAdapter> other, Load(model, dir));
+  if (other->params_.size() != params_.size()) {
+    return Status::InvalidArgument(dir.string() + ": the adapter has " + std::to_string(other->params_.size()) +
+                                   " tensors, this run's has " + std::to_string(params_.size()));
+  }
+  for (const auto& [key, p] : params_) {
+    auto it = other->params_.find(key);
+    if (it == other->params_.end() || !it->second.sizes().equals(p.sizes())) {
+      return Status::InvalidArgument(dir.string() + ": tensor '" + key + "' is missing or has another shape than this run's");
+    }
+  }
+  return GuardTorch("loading " + dir.string(), [&]() -> Status {
+    at::NoGradGuard no_grad;
+    for (auto& [key, p] : params_) const_cast<at::Tensor&>(p).copy_(other->params_.at(key));
+    return Status::OK();
+  });
 }
 
 }  // namespace ferry::runtime

@@ -53,6 +53,13 @@ class LoraAdapter {
   // and adapter_config.json, atomically: everything is written to a hidden temporary
   // directory beside it, fsynced and renamed. `base_model_name_or_path` goes into the config.
   Status Save(const std::filesystem::path& dir, const std::string& base_model_name_or_path, bool force = false) const;
+  // The two files of Save written into the existing directory `dir` (no staging: for callers
+  // that stage a bigger directory themselves, e.g. a training checkpoint).
+  Status WriteFiles(const std::filesystem::path& dir, const std::string& base_model_name_or_path) const;
+  // Overwrites the parameters with an adapter directory's (as Load reads it), keeping the
+  // tensors (an optimizer holding them stays valid). Errors as Load, and kInvalidArgument
+  // when the directory's modules or ranks differ from this adapter's.
+  Status LoadInto(const CausalLM& model, const std::filesystem::path& dir);
 
   // The binding a forward uses.
   const LoraBinding& binding() const { return binding_; }

@@ -1,0 +1,19 @@
+// ferryd's subcommands, one file each (as cli/). Each Set*Command adds its subcommand to the
+// app; the work lives in the daemon libraries.
+#pragma once
+
+#include <CLI/CLI.hpp>
+
+#include <string_view>
+
+#include "core/status.h"
+
+namespace ferry::ferryd {
+
+void SetGenerateCommand(CLI::App& app);
+void SetTrainCommand(CLI::App& app);
+
+// Prints "ferryd: error: <message>" to stderr and throws CLI::RuntimeError(exit_code).
+[[noreturn]] void Fail(const Status& status, int exit_code = 1);
+
+}  // namespace ferry::ferryd

@@ -1,0 +1,33 @@
+// ferryd: the GRPO daemon and its model runtime. `ferryd generate` samples from a model (and
+// adapter); `ferryd train` runs GRPO. Operated by people through `ferry daemon ...`.
+#include <CLI/CLI.hpp>
+
+#include <cstdio>
+
+#include "daemon/ferryd/commands.h"
+
+namespace ferry::ferryd {
+
+void Fail(const Status& status, int exit_code) {
+  std::fprintf(stderr, "ferryd: error: %s\n", status.message().c_str());
+  throw CLI::RuntimeError(exit_code);
+}
+
+}  // namespace ferry::ferryd
+
+int main(int argc, char** argv) {
+  CLI::App app{"ferryd: GRPO with a co-located generator that provably runs the trainer's weights"};
+  app.require_subcommand(1);
+  app.set_version_flag("--version", "ferryd 0.1.0");
+  ferry::ferryd::SetGenerateCommand(app);
+  ferry::ferryd::SetTrainCommand(app);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::RuntimeError& e) {
+    return e.get_exit_code();
+  } catch (const CLI::ParseError& e) {
+    const int code = app.exit(e);
+    return code == 0 ? 0 : 1;
+  }
+  return 0;
+}

@@ -1,0 +1,251 @@
+// Generation batches: prompts -> completions from the co-located generator -> rewards,
+// advantages, old/reference log-probabilities and the mismatch correction.
+#include <algorithm>
+#include <numeric>
+#include <random>
+
+#include "daemon/grpo/grpo_logprobs.h"
+#include "daemon/grpo/trainer_internal.h"
+#include "daemon/runtime/torch_util.h"
+#include "daemon/text/chat_format.h"
+
+namespace ferry::grpo {
+namespace {
+
+uint64_t SplitMix64(uint64_t x) {
+  x += 0x9e3779b97f4a7c15ULL;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
+  return x ^ (x >> 31);
+}
+
+struct PreparedPrompt {
+  std::string text;
+  std::vector<int32_t> ids;
+};
+
+Result<PreparedPrompt> Prepare(const Trainer::State& s, const run::Example& ex) {
+  PreparedPrompt p;
+  const std::string where = s.dataset->source() + ":" + std::to_string(ex.line);
+  if (ex.conversational()) {
+    if (!s.chat_format) {
+      return Status::InvalidArgument(where + ": a conversational prompt, but chat_template is \"none\"");
+    }
+    std::vector<text::ChatMessage> messages;
+    for (const auto& m : ex.messages) messages.push_back({m.role, m.content});
+    auto text = text::ApplyChatTemplate(*s.chat_format, messages, /*add_generation_prompt=*/true);
+    if (!text.ok()) return text.status().WithContext(where);
+    p.text = std::move(*text);
+    // The template holds its special tokens (TRL: apply_chat_template(tokenize=True)).
+    auto ids = s.tokenizer->Encode(p.text, {.add_special_tokens = false});
+    if (!ids.ok()) return ids.status().WithContext(where);
+    p.ids = std::move(*ids);
+  } else {
+    p.text = ex.prompt;
+    // TRL: processing_class(text=prompts), i.e. with the post-processor's special tokens.
+    auto ids = s.tokenizer->Encode(p.text, {.add_special_tokens = true});
+    if (!ids.ok()) return ids.status().WithContext(where);
+    p.ids = std::move(*ids);
+  }
+  if (s.config.max_prompt_length && static_cast<int64_t>(p.ids.size()) > *s.config.max_prompt_length) {
+    // Keep the end of the prompt (the question, the generation prompt), as left truncation does.
+    p.ids.erase(p.ids.begin(), p.ids.end() - *s.config.max_prompt_length);
+  }
+  if (p.ids.empty()) return Status::InvalidArgument(where + ": the prompt tokenizes to nothing");
+  return p;
+}
+
+// Appends `value` under `name` to the metrics being averaged.
+void Add(Metrics& m, const std::string& name, double value) { m[name] = value; }
+
+}  // namespace
+
+uint64_t SamplingSeed(int64_t run_seed, int64_t step) {
+  return SplitMix64(SplitMix64(static_cast<uint64_t>(run_seed)) ^ static_cast<uint64_t>(step));
+}
+
+Result<MicroBatchLogps> MicroBatchLogProbs(const Trainer::State& s, const Rollout& r, const std::vector<int64_t>& rows,
+                                           bool lora, bool training) {
+  const runtime::CausalLM& m = *s.model;
+  return runtime::GuardTorch("trainer forward", [&]() -> Result<MicroBatchLogps> {
+    MicroBatchLogps out;
+    out.rows = at::tensor(rows, at::kLong);
+    at::Tensor pid = r.prompt_ids.index_select(0, out.rows);
+    at::Tensor pmask = r.prompt_mask.index_select(0, out.rows);
+    at::Tensor cid = r.completion_ids.index_select(0, out.rows);
+    out.mask = r.completion_mask.index_select(0, out.rows);
+    // Drop prompt columns that are padding in every row of this micro-batch.
+    const int64_t P = pid.size(1);
+    const int64_t first = P - pmask.sum(1).max().item<int64_t>();
+    if (first > 0) {
+      pid = pid.narrow(1, first, P - first);
+      pmask = pmask.narrow(1, first, P - first);
+    }
+    const int64_t p = pid.size(1), C = cid.size(1);
+    at::Tensor ids = at::cat({pid, cid}, 1);
+    at::Tensor attn = at::cat({pmask, out.mask}, 1);
+    runtime::ForwardArgs a;
+    a.input_ids = ids;
+    a.positions = (attn.cumsum(1) - 1).clamp_min(0);
+    a.attention_mask = attn.to(at::kBool);
+    a.lora = lora ? &s.adapter->binding() : nullptr;
+    a.training = training;
+    a.checkpoint_layers = training && s.config.gradient_checkpointing;
+    FERRY_ASSIGN_OR_RETURN(at::Tensor hidden, m.Hidden(a));
+    at::Tensor h = hidden.narrow(1, p - 1, C);  // position t predicts completion token t
+    const runtime::LoraModule* head_lora = lora ? s.adapter->binding().lm_head : nullptr;
+    Result<TokenLogProbs> lp = Status::Internal("unset");
+    if (head_lora || m.lm_head().quant) {
+      lp = TokenLogProbsFromLogits(m.Logits(h, a.lora, training), cid, s.config.temperature, out.mask);
+    } else {
+      ChunkedLogProbOptions co;
+      co.temperature = s.config.temperature;
+      lp = TokenLogProbsFromHidden(h, m.lm_head().weight, at::Tensor(), cid, out.mask, co);
+    }
+    if (!lp.ok()) return lp.status();
+    out.logps = lp->logps;
+    out.entropy = lp->entropy;
+    return out;
+  });
+}
+
+Result<Rollout> MakeRollout(Trainer::State& s) {
+  const run::RunConfig& c = s.config;
+  const int64_t G = c.num_generations;
+  const size_t np = static_cast<size_t>(c.prompts_per_generation());
+  std::vector<const run::Example*> examples = s.sampler->Next(np);
+  std::vector<PreparedPrompt> prompts;
+  for (const run::Example* ex : examples) {
+    FERRY_ASSIGN_OR_RETURN(PreparedPrompt p, Prepare(s, *ex));
+    prompts.push_back(std::move(p));
+  }
+  std::vector<std::vector<int32_t>> ids;
+  for (const auto& p : prompts) ids.push_back(p.ids);
+
+  runtime::SamplingParams sp;
+  sp.temperature = c.temperature;
+  sp.top_p = c.top_p;
+  sp.top_k = c.top_k;
+  sp.max_new_tokens = c.max_completion_length;
+  sp.eos_token_ids = s.eos_ids;
+  sp.seed = SamplingSeed(c.seed, s.step);
+  FERRY_ASSIGN_OR_RETURN(std::vector<runtime::Completion> completions,
+                         s.generator->Generate(ids, static_cast<int>(G), sp));
+  const size_t N = completions.size();
+
+  // Rewards on the decoded texts (special tokens skipped, as TRL decodes completions).
+  std::vector<run::RewardInput> inputs(N);
+  for (size_t i = 0; i < N; ++i) {
+    const size_t pi = i / static_cast<size_t>(G);
+    FERRY_ASSIGN_OR_RETURN(inputs[i].completion, s.tokenizer->Decode(completions[i].token_ids, {.skip_special_tokens = true}));
+    inputs[i].prompt = prompts[pi].text;
+    inputs[i].completion_tokens = static_cast<int64_t>(completions[i].token_ids.size());
+    inputs[i].example = examples[pi];
+    inputs[i].prompt_index = static_cast<int64_t>(pi);
+  }
+  FERRY_ASSIGN_OR_RETURN(run::RewardMatrix matrix, s.rewards->ScoreAll(inputs));
+
+  Rollout r;
+  FERRY_RETURN_IF_ERROR(runtime::GuardTorch("building the generation batch", [&]() -> Status {
+    at::Tensor rpf = at::tensor(matrix.values, at::kDouble).to(at::kFloat).view({static_cast<int64_t>(N), -1});
+    FERRY_ASSIGN_OR_RETURN(Advantages adv, ComputeAdvantages(rpf, s.advantage_options));
+    r.advantages = adv.advantages;
+    r.metrics = adv.metrics;
+
+    int64_t P = 0, C = 1;
+    for (const auto& p : prompts) P = std::max<int64_t>(P, static_cast<int64_t>(p.ids.size()));
+    for (const auto& cm : completions) C = std::max<int64_t>(C, static_cast<int64_t>(cm.token_ids.size()));
+    r.prompt_ids = at::full({static_cast<int64_t>(N), P}, s.pad_id, at::kLong);
+    r.prompt_mask = at::zeros({static_cast<int64_t>(N), P}, at::kLong);
+    r.completion_ids = at::full({static_cast<int64_t>(N), C}, s.pad_id, at::kLong);
+    r.completion_mask = at::zeros({static_cast<int64_t>(N), C}, at::kLong);
+    r.sampling_logps = at::zeros({static_cast<int64_t>(N), C}, at::kFloat);
+    auto pid = r.prompt_ids.accessor<int64_t, 2>();
+    auto pm = r.prompt_mask.accessor<int64_t, 2>();
+    auto cid = r.completion_ids.accessor<int64_t, 2>();
+    auto cm = r.completion_mask.accessor<int64_t, 2>();
+    auto sl = r.sampling_logps.accessor<float, 2>();
+    std::vector<double> lengths, terminated;
+    double prompt_tokens = 0;
+    int64_t truncated = 0;
+    for (size_t i = 0; i < N; ++i) {
+      const auto& p = prompts[i / static_cast<size_t>(G)].ids;
+      const int64_t lp = static_cast<int64_t>(p.size());
+      for (int64_t t = 0; t < lp; ++t) {
+        pid[static_cast<int64_t>(i)][P - lp + t] = p[static_cast<size_t>(t)];
+        pm[static_cast<int64_t>(i)][P - lp + t] = 1;
+      }
+      prompt_tokens += static_cast<double>(lp);
+      const runtime::Completion& comp = completions[i];
+      const bool is_truncated = comp.finish != runtime::Completion::Finish::kEos;
+      const int64_t lc = static_cast<int64_t>(comp.token_ids.size());
+      for (int64_t t = 0; t < lc; ++t) {
+        cid[static_cast<int64_t>(i)][t] = comp.token_ids[static_cast<size_t>(t)];
+        cm[static_cast<int64_t>(i)][t] = (is_truncated && c.mask_truncated_completions) ? 0 : 1;
+        sl[static_cast<int64_t>(i)][t] = comp.logprobs[static_cast<size_t>(t)];
+      }
+      lengths.push_back(static_cast<double>(lc));
+      if (is_truncated) {
+        ++truncated;
+      } else {
+        terminated.push_back(static_cast<double>(lc));
+      }
+    }
+    r.num_items = r.completion_mask.sum().item<int64_t>();
+    const double total_completion = std::accumulate(lengths.begin(), lengths.end(), 0.0);
+    s.num_tokens += prompt_tokens + total_completion;
+    // TRL's completion metrics (grpo_trainer.py _generate_and_score_completions).
+    Add(r.metrics, "num_tokens", s.num_tokens);
+    Add(r.metrics, "completions/mean_length", total_completion / static_cast<double>(N));
+    Add(r.metrics, "completions/min_length", *std::min_element(lengths.begin(), lengths.end()));
+    Add(r.metrics, "completions/max_length", *std::max_element(lengths.begin(), lengths.end()));
+    Add(r.metrics, "completions/clipped_ratio", static_cast<double>(truncated) / static_cast<double>(N));
+    if (terminated.empty()) terminated.push_back(0.0);
+    Add(r.metrics, "completions/mean_terminated_length",
+        std::accumulate(terminated.begin(), terminated.end(), 0.0) / static_cast<double>(terminated.size()));
+    Add(r.metrics, "completions/min_terminated_length", *std::min_element(terminated.begin(), terminated.end()));
+    Add(r.metrics, "completions/max_terminated_length", *std::max_element(terminated.begin(), terminated.end()));
+    return Status::OK();
+  }));
+
+  // Micro-batches: steps_per_generation slices of per_device_train_batch_size rows, the rows
+  // shuffled first when there is more than one slice (as TRL's shuffle_sequence_dict).
+  std::vector<int64_t> order(N);
+  std::iota(order.begin(), order.end(), 0);
+  const int64_t S = c.steps_per_generation;
+  if (S > 1) {
+    std::mt19937_64 rng(SamplingSeed(c.seed, s.step) ^ 0x5bd1e995ULL);
+    for (size_t i = N - 1; i > 0; --i) std::swap(order[i], order[rng() % (i + 1)]);
+  }
+  const size_t per = N / static_cast<size_t>(S);
+  for (int64_t k = 0; k < S; ++k) {
+    r.rows_of_micro_batch.emplace_back(order.begin() + static_cast<long>(static_cast<size_t>(k) * per),
+                                       order.begin() + static_cast<long>(static_cast<size_t>(k + 1) * per));
+  }
+
+  // Old and reference log-probs over the whole batch, before any update, without dropout.
+  auto whole = [&](bool lora) -> Result<at::Tensor> {
+    at::NoGradGuard no_grad;
+    at::Tensor out = at::zeros(r.completion_ids.sizes(), at::kFloat);
+    for (const auto& rows : r.rows_of_micro_batch) {
+      FERRY_ASSIGN_OR_RETURN(MicroBatchLogps mb, MicroBatchLogProbs(s, r, rows, lora, /*training=*/false));
+      out.index_copy_(0, mb.rows, mb.logps.to(at::kFloat));
+    }
+    return out;
+  };
+  if (!s.fast_old_logps) {
+    FERRY_ASSIGN_OR_RETURN(r.old_logps, whole(true));
+  }
+  if (c.beta != 0.0) {
+    FERRY_ASSIGN_OR_RETURN(r.ref_logps, whole(false));
+  }
+  if (c.vllm_importance_sampling_correction && r.old_logps.defined()) {
+    FERRY_ASSIGN_OR_RETURN(MismatchCorrection mc,
+                           ComputeMismatchCorrection(r.old_logps, r.sampling_logps, r.completion_mask, s.mismatch_options));
+    r.is_ratio = mc.ratio;
+    for (const auto& [k, v] : mc.metrics) r.metrics[k] = v;
+  }
+  return r;
+}
+
+}  // namespace ferry::grpo

@@ -1,0 +1,386 @@
+#include "daemon/grpo/trainer.h"
+
+#include <nlohmann/json.hpp>
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+
+#include "core/checkpoint.h"
+#include "core/mapped_file.h"
+#include "daemon/grpo/trainer_internal.h"
+#include "daemon/runtime/torch_util.h"
+#include "daemon/text/chat_format.h"
+
+namespace ferry::grpo {
+namespace {
+
+namespace fs = std::filesystem;
+using ojson = nlohmann::ordered_json;
+
+Result<at::Device> ParseDevice(const std::string& name, const std::string& source) {
+  try {
+    at::Device d(name);
+    if (d.is_cuda() && !at::hasCUDA()) {
+      return Status::Unsupported(source + ": key 'device': \"" + name + "\" but this LibTorch has no CUDA device");
+    }
+    return d;
+  } catch (const std::exception&) {
+    return Status::InvalidArgument(source + ": key 'device': \"" + name + "\" is not cpu, cuda or cuda:N");
+  }
+}
+
+// logging_steps / save_steps: a whole number of steps, or a ratio of the total below 1.
+int64_t Interval(double value, int64_t total) {
+  if (value <= 0) return 0;
+  if (value < 1) return std::max<int64_t>(1, static_cast<int64_t>(std::ceil(static_cast<double>(total) * value)));
+  return static_cast<int64_t>(value);
+}
+
+Status Configure(Trainer::State& s) {
+  const run::RunConfig& c = s.config;
+  FERRY_ASSIGN_OR_RETURN(s.schedule, ParseLrSchedule(c.lr_scheduler_type));
+  FERRY_ASSIGN_OR_RETURN(s.loss_options.loss_type, ParseLossType(c.loss_type));
+  FERRY_ASSIGN_OR_RETURN(s.loss_options.importance_sampling_level, ParseImportanceSamplingLevel(c.importance_sampling_level));
+  s.loss_options.epsilon = c.epsilon;
+  s.loss_options.epsilon_high = c.epsilon_high;
+  s.loss_options.delta = c.delta;
+  s.loss_options.beta = c.beta;
+  s.loss_options.use_bias_correction_kl = c.use_bias_correction_kl;
+  s.loss_options.max_completion_length = c.max_completion_length;
+  s.loss_options.gradient_accumulation_steps = c.gradient_accumulation_steps;
+  s.loss_options.steps_per_generation = c.steps_per_generation;
+  s.advantage_options.num_generations = c.num_generations;
+  FERRY_ASSIGN_OR_RETURN(s.advantage_options.scale_rewards, ParseScaleRewards(c.scale_rewards));
+  for (const auto& r : c.rewards) {
+    s.advantage_options.reward_names.push_back(r.name);
+    s.advantage_options.reward_weights.push_back(r.weight);
+  }
+  FERRY_ASSIGN_OR_RETURN(s.mismatch_options.mode, ParseMismatchMode(c.vllm_importance_sampling_mode));
+  s.mismatch_options.clip_min = c.vllm_importance_sampling_clip_min;
+  s.mismatch_options.clip_max = c.vllm_importance_sampling_clip_max;
+  s.fast_old_logps = c.steps_per_generation == 1 && c.num_iterations == 1 && c.lora.lora_dropout == 0;
+  return Status::OK();
+}
+
+Status RecordStep(Trainer::State& s, const sync::Handoff& h, const Metrics& metrics) {
+  // The adapter's bytes, then the merged version by its digests (rebuilt from base + adapter).
+  FERRY_ASSIGN_OR_RETURN(auto tensors, s.adapter->ExportTensors());
+  Checkpoint ckpt = Checkpoint::FromTensors("adapter of step " + std::to_string(s.step), std::move(tensors));
+  AuxFileList aux = {{"adapter_config.json", s.adapter->ConfigJson(s.config.model_name_or_path.string())}};
+  store::ImportOptions ao;
+  ao.run = s.config.store.run;
+  ao.kind = store::VersionKind::kAdapter;
+  ao.source = store::VersionSource::kDaemon;
+  ao.step = s.step;
+  ao.base_version = s.base_version;
+  ao.metrics = metrics;
+  FERRY_ASSIGN_OR_RETURN(store::ImportResult adapter, s.store->ImportCheckpoint(ckpt, aux, ao));
+  store::ImportOptions mo;
+  mo.run = s.config.store.run;
+  mo.step = s.step;
+  mo.base_version = s.base_version;
+  mo.adapter_version = adapter.record.id;
+  mo.metrics = metrics;
+  FERRY_RETURN_IF_ERROR(sync::RecordSnapshot(*s.store, *h.snapshot, mo).status());
+  return Status::OK();
+}
+
+// torch.nn.utils.clip_grad_norm_ (as TRL's accelerator calls it): the 2-norm of all gradients
+// together; when max_norm > 0, every gradient scaled by min(1, max_norm / (norm + 1e-6)).
+// Returns the norm before clipping.
+double ClipGradNorm(const std::vector<at::Tensor>& params, double max_norm) {
+  std::vector<at::Tensor> norms;
+  for (const at::Tensor& p : params) {
+    if (p.grad().defined()) norms.push_back(p.grad().detach().norm(2));
+  }
+  if (norms.empty()) return 0;
+  const at::Tensor total = at::stack(norms).norm(2);
+  if (max_norm > 0) {
+    const at::Tensor coef = (max_norm / (total + 1e-6)).clamp_max(1.0);
+    for (const at::Tensor& p : params) {
+      if (p.grad().defined()) p.grad().detach().mul_(coef);
+    }
+  }
+  return total.item<double>();
+}
+
+// Appends `line` and a newline to `path` and makes it durable (one metrics.jsonl line per
+// logged step: a crash leaves whole lines, the last one possibly missing).
+Status AppendLine(const fs::path& path, const std::string& line) {
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
+  if (fd < 0) return Status::IOError(path.string() + ": " + std::strerror(errno));
+  const std::string data = line + "\n";
+  const ssize_t n = ::write(fd, data.data(), data.size());
+  const int err = errno;
+  const bool synced = n == static_cast<ssize_t>(data.size()) && ::fdatasync(fd) == 0;
+  ::close(fd);
+  if (!synced) return Status::IOError(path.string() + ": append: " + std::strerror(n < 0 ? err : errno));
+  return Status::OK();
+}
+
+std::string MetricsLine(int64_t step, const std::map<std::string, double>& m, const std::string& version) {
+  ojson j;
+  j["step"] = step;
+  for (const auto& [k, v] : m) {
+    if (std::isfinite(v)) {
+      j[k] = v;
+    } else {
+      j[k] = nullptr;  // JSON has no NaN: a metric TRL logs as NaN is null here
+    }
+  }
+  j["generator_version"] = version;
+  return j.dump();
+}
+
+}  // namespace
+
+Trainer::Trainer(std::unique_ptr<State> state) : s_(std::move(state)) {}
+Trainer::~Trainer() {
+  if (s_ && s_->channel) s_->channel->Close();
+}
+
+int64_t Trainer::step() const { return s_->step; }
+int64_t Trainer::total_steps() const { return s_->total_steps; }
+const run::RunConfig& Trainer::config() const { return s_->config; }
+const fs::path& Trainer::dir() const { return s_->dir; }
+
+Result<std::unique_ptr<Trainer>> Trainer::Create(const TrainOptions& options) {
+  auto s = std::make_unique<State>();
+  s->options = options;
+  auto say = [&](const std::string& m) {
+    if (options.on_message) options.on_message(m);
+  };
+  FERRY_ASSIGN_OR_RETURN(s->config, run::LoadRunConfig(options.config));
+  const run::RunConfig& c = s->config;
+  for (const auto& w : c.warnings) say("warning: " + w);
+  std::error_code ec;
+  s->dir = fs::absolute(options.dir.empty() ? c.output_dir : options.dir, ec);
+  fs::create_directories(s->dir, ec);
+  if (ec) return Status::IOError(s->dir.string() + ": " + ec.message());
+  FERRY_RETURN_IF_ERROR(Configure(*s));
+
+  runtime::SetTorchThreads(static_cast<int>(run::ResolvedThreads(c)));
+  if (const runtime::BlasInfo blas = runtime::LoadedBlas(); blas.reference) {
+    say("warning: LibTorch runs on the reference BLAS (" + blas.library + "), ~15x slower; install libopenblas0-openmp");
+  }
+  FERRY_ASSIGN_OR_RETURN(at::Device device, ParseDevice(c.device, c.source.string()));
+
+  // Tokenizer, chat format, special ids.
+  FERRY_ASSIGN_OR_RETURN(s->tokenizer, text::Tokenizer::FromDirectory(c.model_name_or_path));
+  FERRY_ASSIGN_OR_RETURN(s->dataset, run::Dataset::Load(c.dataset, run::DatasetOptionsFor(c)));
+  bool conversational = false;
+  for (const auto& ex : s->dataset->examples()) conversational = conversational || ex.conversational();
+  switch (c.chat_template) {
+    case run::ChatTemplate::kNone: break;
+    case run::ChatTemplate::kChatML: s->chat_format = text::ChatFormat::kChatML; break;
+    case run::ChatTemplate::kLlama3: s->chat_format = text::ChatFormat::kLlama3; break;
+    case run::ChatTemplate::kAuto:
+      if (conversational) {
+        auto f = text::DetectChatFormat(*s->tokenizer);
+        if (!f.ok()) {
+          return f.status().WithContext(c.dataset.string() + " holds conversational prompts (chat_template \"auto\")");
+        }
+        s->chat_format = *f;
+      }
+      break;
+  }
+  s->sampler = std::make_unique<run::DatasetSampler>(s->dataset, c);
+  FERRY_ASSIGN_OR_RETURN(s->rewards, run::RewardScorer::Create(c));
+
+  // The trainer's model: the frozen base (mapped) with the LoRA adapter.
+  runtime::ModelOptions mopts;
+  mopts.device = device;
+  if (c.bf16) mopts.dtype = at::kBFloat16;
+  FERRY_ASSIGN_OR_RETURN(s->model, runtime::CausalLM::Load(c.model_name_or_path, mopts));
+  s->eos_ids = s->model->config().eos_token_ids;
+  if (auto e = s->tokenizer->eos_id(); e && std::find(s->eos_ids.begin(), s->eos_ids.end(), *e) == s->eos_ids.end()) {
+    s->eos_ids.push_back(*e);
+  }
+  s->pad_id = s->tokenizer->pad_id().value_or(s->eos_ids.empty() ? 0 : static_cast<int32_t>(s->eos_ids.front()));
+  FERRY_ASSIGN_OR_RETURN(PeftConfig peft, run::LoraPeftConfig(c));
+  FERRY_ASSIGN_OR_RETURN(s->adapter, runtime::LoraAdapter::Create(*s->model, peft, static_cast<uint64_t>(c.seed)));
+  auto adamw = torch::optim::AdamWOptions(c.learning_rate)
+                   .betas({c.adam_beta1, c.adam_beta2})
+                   .eps(c.adam_epsilon)
+                   .weight_decay(c.weight_decay);
+  s->optimizer = std::make_unique<torch::optim::AdamW>(s->adapter->parameters(), adamw);
+  at::manual_seed(static_cast<uint64_t>(c.seed));  // LoRA dropout draws from the default generator
+
+  FERRY_ASSIGN_OR_RETURN(s->total_steps, run::TotalSteps(c, s->dataset->size()));
+  if (options.max_steps) s->total_steps = std::min(s->total_steps, *options.max_steps);
+  s->warmup_steps = run::WarmupSteps(c, s->total_steps);
+
+  // The store: the base once, then each step.
+  store::StoreOptions so;
+  so.create_if_missing = true;
+  const fs::path store_dir = c.store.path.empty() ? s->dir / "store" : c.store.path;
+  FERRY_ASSIGN_OR_RETURN(s->store, store::Store::Open(store_dir, so));
+  store::ImportOptions bo;
+  bo.run = c.store.run;
+  bo.kind = store::VersionKind::kBase;
+  FERRY_ASSIGN_OR_RETURN(store::ImportResult base, s->store->Import(c.model_name_or_path, bo));
+  s->base_version = base.record.id;
+
+  // The hand-off: trainer -> channel -> co-located generator.
+  s->channel = std::make_unique<sync::SnapshotChannel>(s->store.get(), c.store.run);
+  FERRY_ASSIGN_OR_RETURN(fs::path weights, FindWeights(c.model_name_or_path));
+  FERRY_ASSIGN_OR_RETURN(Checkpoint base_ckpt, Checkpoint::Open(weights));
+  FERRY_ASSIGN_OR_RETURN(AuxFileList aux, store::CollectAuxFiles(c.model_name_or_path));
+  s->publisher = std::make_unique<WeightPublisher>(std::move(base_ckpt), std::move(aux),
+                                                   s->model->config().tie_word_embeddings, s->channel.get(),
+                                                   static_cast<int>(run::ResolvedThreads(c)));
+  ColocatedGeneratorOptions go;
+  go.model.device = device;
+  if (c.bf16) go.model.dtype = at::kBFloat16;
+  go.generator.max_batch = std::max<int64_t>(c.generation_batch_size, 1);
+  s->generator = std::make_unique<ColocatedGenerator>(s->channel.get(), go);
+
+  FERRY_ASSIGN_OR_RETURN(int64_t resumed, RestoreNewestCheckpoint(*s));
+  if (resumed > 0) say("resumed from " + (s->dir / ("checkpoint-" + std::to_string(resumed))).string());
+  FERRY_ASSIGN_OR_RETURN(sync::Handoff first, resumed > 0 ? s->publisher->Publish(*s->adapter) : s->publisher->PublishBase());
+  FERRY_ASSIGN_OR_RETURN(store::Digest acked, s->generator->Sync());
+  if (acked != first.snapshot->manifest_id()) {
+    return Status::Corruption("the generator acknowledged " + acked.Hex() + " for snapshot " +
+                              first.snapshot->manifest_id().Hex());
+  }
+  s->generator_version = acked.Hex();
+  FERRY_RETURN_IF_ERROR(WriteFileAtomic(s->dir / "run_config.json", c.ToJson()));
+  return std::unique_ptr<Trainer>(new Trainer(std::move(s)));
+}
+
+Result<StepResult> Trainer::Step() {
+  State& s = *s_;
+  const run::RunConfig& c = s.config;
+  const auto t0 = std::chrono::steady_clock::now();
+  const int64_t S = c.steps_per_generation, mu = c.num_iterations, A = c.gradient_accumulation_steps;
+  Metrics step_metrics;
+  std::map<std::string, std::vector<double>> micro;  // per micro-batch / per generation values
+  double loss_total = 0;
+  for (int64_t a = 0; a < A; ++a) {
+    if (!s.buffer || s.micro_step % (S * mu) == 0) {
+      FERRY_ASSIGN_OR_RETURN(Rollout r, MakeRollout(s));
+      for (const auto& [k, v] : r.metrics) micro[k].push_back(v);
+      s.buffer = std::move(r);
+    }
+    const Rollout& r = *s.buffer;
+    const std::vector<int64_t>& rows = r.rows_of_micro_batch[static_cast<size_t>(s.micro_step % S)];
+    FERRY_ASSIGN_OR_RETURN(MicroBatchLogps mb, MicroBatchLogProbs(s, r, rows, /*lora=*/true, /*training=*/true));
+    FERRY_RETURN_IF_ERROR(runtime::GuardTorch("loss", [&]() -> Status {
+      LossInputs in;
+      in.per_token_logps = mb.logps;
+      in.completion_mask = mb.mask;
+      in.advantages = r.advantages.index_select(0, mb.rows);
+      in.entropies = mb.entropy;
+      in.num_items_in_batch = r.num_items;
+      if (r.old_logps.defined()) in.old_per_token_logps = r.old_logps.index_select(0, mb.rows);
+      if (r.ref_logps.defined()) in.ref_per_token_logps = r.ref_logps.index_select(0, mb.rows);
+      if (r.is_ratio.defined()) {
+        in.importance_sampling_ratio = r.is_ratio.index_select(0, mb.rows);
+      } else if (c.vllm_importance_sampling_correction) {
+        // Old log-probs are this forward's, detached (nothing has changed the weights yet).
+        FERRY_ASSIGN_OR_RETURN(MismatchCorrection mc,
+                               ComputeMismatchCorrection(mb.logps.detach(), r.sampling_logps.index_select(0, mb.rows),
+                                                         mb.mask, s.mismatch_options));
+        in.importance_sampling_ratio = mc.ratio;
+        for (const auto& [k, v] : mc.metrics) micro[k].push_back(v);
+      }
+      FERRY_ASSIGN_OR_RETURN(Loss loss, ComputeLoss(in, s.loss_options));
+      loss.loss.backward();
+      loss_total += loss.loss.item<double>();
+      for (const auto& [k, v] : loss.metrics) micro[k].push_back(v);
+      return Status::OK();
+    }));
+    ++s.micro_step;
+  }
+  // The optimizer step.
+  double grad_norm = 0;
+  FERRY_RETURN_IF_ERROR(runtime::GuardTorch("optimizer step", [&]() -> Status {
+    std::vector<at::Tensor> params = s.adapter->parameters();
+    grad_norm = ClipGradNorm(params, c.max_grad_norm);
+    const double lr = c.learning_rate * LrMultiplier(s.schedule, s.step, s.warmup_steps, s.total_steps);
+    for (auto& group : s.optimizer->param_groups()) {
+      static_cast<torch::optim::AdamWOptions&>(group.options()).lr(lr);
+    }
+    s.optimizer->step();
+    s.optimizer->zero_grad();
+    return Status::OK();
+  }));
+  ++s.step;
+  if (s.buffer && s.micro_step % (S * mu) == 0) s.buffer.reset();
+
+  // Hand the new weights to the generator; the step ends when it has proven it holds them.
+  FERRY_ASSIGN_OR_RETURN(sync::Handoff h, s.publisher->Publish(*s.adapter));
+  FERRY_ASSIGN_OR_RETURN(store::Digest acked, s.generator->Sync());
+  if (acked != h.snapshot->manifest_id()) {
+    return Status::Corruption("step " + std::to_string(s.step) + ": the generator acknowledged " + acked.Hex() +
+                              " but the snapshot after the update is " + h.snapshot->manifest_id().Hex());
+  }
+  s.generator_version = acked.Hex();
+
+  for (const auto& [k, v] : micro) {
+    double sum = 0;
+    for (double x : v) sum += x;
+    step_metrics[k] = sum / static_cast<double>(v.size());
+  }
+  step_metrics["loss"] = loss_total;
+  step_metrics["grad_norm"] = grad_norm;
+  step_metrics["learning_rate"] = c.learning_rate * LrMultiplier(s.schedule, s.step, s.warmup_steps, s.total_steps);
+  const run::DatasetPosition pos = s.sampler->position();
+  step_metrics["epoch"] = static_cast<double>(pos.epoch) +
+                          static_cast<double>(pos.index) / static_cast<double>(s.dataset->size());
+  step_metrics["step_time"] = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  FERRY_RETURN_IF_ERROR(RecordStep(s, h, step_metrics));
+
+  StepResult out;
+  out.step = s.step;
+  out.metrics = step_metrics;
+  out.generator_version = s.generator_version;
+  for (const auto& [k, v] : step_metrics) s.pending[k].push_back(v);
+  const int64_t every = Interval(c.logging_steps, s.total_steps);
+  if ((every > 0 && s.step % every == 0) || s.step == s.total_steps) {
+    std::map<std::string, double> avg;
+    for (const auto& [k, v] : s.pending) {
+      double sum = 0;
+      for (double x : v) sum += x;
+      avg[k] = sum / static_cast<double>(v.size());
+    }
+    // Cumulative and point-in-time values are not averaged (as TRL logs them).
+    for (const char* k : {"num_tokens", "learning_rate", "epoch"}) avg[k] = step_metrics[k];
+    const std::string line = MetricsLine(s.step, avg, s.generator_version);
+    FERRY_RETURN_IF_ERROR(AppendLine(s.dir / "metrics.jsonl", line));
+    if (s.options.on_log) s.options.on_log(line);
+    s.pending.clear();
+    s.last_logged = s.step;
+    out.logged = true;
+  }
+  return out;
+}
+
+Status Trainer::Run() {
+  State& s = *s_;
+  const int64_t save_every = Interval(s.config.save_steps, s.total_steps);
+  while (s.step < s.total_steps) {
+    FERRY_RETURN_IF_ERROR(Step().status());
+    if (save_every > 0 && s.step % save_every == 0) {
+      FERRY_RETURN_IF_ERROR(SaveCheckpoint().status());
+    }
+  }
+  if (s.last_saved != s.step) {
+    FERRY_RETURN_IF_ERROR(SaveCheckpoint().status());
+  }
+  return Status::OK();
+}
+
+Result<fs::path> Trainer::SaveCheckpoint() {
+  FERRY_ASSIGN_OR_RETURN(fs::path p, WriteCheckpoint(*s_));
+  s_->last_saved = s_->step;
+  if (s_->options.on_message) s_->options.on_message("saved " + p.string());
+  return p;
+}
+
+}  // namespace ferry::grpo

@@ -1,0 +1,101 @@
+// The GRPO trainer: TRL's GRPOTrainer loop on the runtime, with a co-located generator that
+// is handed every new version of the weights as a verified snapshot.
+//
+// One optimizer step (TRL's names; see docs/daemon.md):
+//   1. When the buffered generation is used up (every steps_per_generation * num_iterations
+//      micro-batches): the next prompts_per_generation prompts from the dataset (seeded
+//      order, epochs counted), formatted (chat template for conversational prompts) and
+//      tokenized; the co-located generator samples num_generations completions of each from
+//      the snapshot it acknowledged, with per-token log-probabilities; rewards (built-ins and
+//      commands; NaN = missing), advantages per group; old log-probabilities (the trainer's,
+//      before any update) when num_iterations > 1, steps_per_generation > 1 or LoRA dropout is
+//      on (otherwise they equal the first forward's, detached), reference log-probabilities
+//      with the adapter disabled when beta > 0, and the generator/trainer mismatch correction.
+//   2. gradient_accumulation_steps micro-batches of per_device_train_batch_size completions:
+//      trainer log-probabilities (chunked LM head, logits / temperature), the clipped loss of
+//      loss_type, backward.
+//   3. Gradient clipping (max_grad_norm), AdamW with the scheduled learning rate.
+//   4. The merged snapshot of base + adapter is built into new buffers and published; the
+//      generator takes it, recomputes its digest, acknowledges; the step ends only when the
+//      acknowledged digest equals the snapshot's id (a mismatch is kCorruption naming both).
+//   5. The step is recorded in the run's store: the adapter version (its bytes), the merged
+//      version (its digests only: rebuilt bit-identically from base + adapter), the metrics.
+//   6. Every logging_steps a line of metrics.jsonl; every save_steps a checkpoint-N/.
+//
+// Run directory (output_dir, or --dir):
+//   metrics.jsonl      one JSON object per logged step: step, TRL's metric names averaged over
+//                      the logging interval, generator_version (the id the generator
+//                      acknowledged after that step)
+//   checkpoint-N/      adapter_model.safetensors + adapter_config.json (PEFT's format), and the
+//                      training state (optimizer.safetensors, trainer_state.json); written under
+//                      a temporary name and renamed when whole
+//   store/             the run's Ferry store (unless the config names another)
+//   run_config.json    the resolved configuration
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <functional>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+
+#include "core/status.h"
+#include "daemon/run/config.h"
+
+namespace ferry::grpo {
+
+struct TrainOptions {
+  std::filesystem::path config;  // the TOML file. REQUIRED
+  // The run directory; empty: the config's output_dir. Default: empty.
+  std::filesystem::path dir;
+  // Stop after this many optimizer steps in total (counting steps of a resumed run). Default:
+  // none (the run's total).
+  std::optional<int64_t> max_steps;
+  // Called after every logged step with its metrics line (what metrics.jsonl gets).
+  std::function<void(const std::string& json_line)> on_log;
+  // Called for messages worth a person's attention (warnings, checkpoints).
+  std::function<void(const std::string& message)> on_message;
+};
+
+struct StepResult {
+  int64_t step = 0;                        // optimizer steps taken so far (1 after the first)
+  std::map<std::string, double> metrics;   // this step's, TRL's names
+  std::string generator_version;           // the id the generator acknowledged after it
+  bool logged = false;                     // a metrics.jsonl line was written
+};
+
+class Trainer {
+ public:
+  // Loads the config, model, tokenizer, dataset, rewards and store; records the base; hands
+  // the base (or the resumed adapter's weights) to the generator. Errors name the file, key,
+  // line or tensor at fault.
+  static Result<std::unique_ptr<Trainer>> Create(const TrainOptions& options);
+  ~Trainer();
+  Trainer(const Trainer&) = delete;
+  Trainer& operator=(const Trainer&) = delete;
+
+  // One optimizer step (see the top of this file).
+  Result<StepResult> Step();
+  // Steps until the run's total (or max_steps), saving checkpoints every save_steps and at the
+  // end.
+  Status Run();
+  // Writes checkpoint-<step>/ now; returns its path.
+  Result<std::filesystem::path> SaveCheckpoint();
+
+  int64_t step() const;
+  int64_t total_steps() const;
+  const run::RunConfig& config() const;
+  const std::filesystem::path& dir() const;
+
+  struct State;
+  // The trainer's state, for tests that check its models and generator directly.
+  const State* state_for_testing() const { return s_.get(); }
+
+ private:
+  explicit Trainer(std::unique_ptr<State> state);
+  std::unique_ptr<State> s_;
+};
+
+}  // namespace ferry::grpo

@@ -1,0 +1,113 @@
+// The trainer's state and the pieces its files share (not a public API).
+#pragma once
+
+#include <ATen/ATen.h>
+#include <torch/optim/adamw.h>
+
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "daemon/grpo/colocated.h"
+#include "daemon/grpo/grpo_math.h"
+#include "daemon/grpo/lr_schedule.h"
+#include "daemon/grpo/trainer.h"
+#include "daemon/run/config.h"
+#include "daemon/run/dataset.h"
+#include "daemon/run/rewards.h"
+#include "daemon/runtime/lora.h"
+#include "daemon/runtime/model.h"
+#include "daemon/text/chat_format.h"
+#include "daemon/text/tokenizer.h"
+#include "store/store.h"
+#include "sync/handoff.h"
+
+namespace ferry::grpo {
+
+using Metrics = std::map<std::string, double>;
+
+// One generation batch (TRL: the buffered inputs of steps_per_generation micro-batches), rows
+// ordered prompt by prompt (G completions each) until split into micro-batches.
+struct Rollout {
+  at::Tensor prompt_ids;        // long [N, P], left-padded with the pad id
+  at::Tensor prompt_mask;       // long [N, P]
+  at::Tensor completion_ids;    // long [N, C], right-padded
+  at::Tensor completion_mask;   // long [N, C]: 1 up to and including EOS (0 for masked truncations)
+  at::Tensor sampling_logps;    // float [N, C]: the generator's, 0 at padding
+  at::Tensor old_logps;         // float [N, C] or undefined (= the first forward's, detached)
+  at::Tensor ref_logps;         // float [N, C] or undefined (beta == 0)
+  at::Tensor advantages;        // float [N]
+  at::Tensor is_ratio;          // mismatch ratio [N, C] or [N, 1], or undefined
+  int64_t num_items = 0;        // completion_mask.sum() over the whole batch (dapo)
+  Metrics metrics;              // rewards/..., completions/..., sampling/..., num_tokens
+  std::vector<std::vector<int64_t>> rows_of_micro_batch;  // row indices of each micro-batch
+};
+
+struct Trainer::State {
+  TrainOptions options;
+  run::RunConfig config;
+  std::filesystem::path dir;
+  int64_t total_steps = 0;
+  int64_t warmup_steps = 0;
+  LrSchedule schedule = LrSchedule::kLinear;
+  LossOptions loss_options;
+  AdvantageOptions advantage_options;
+  MismatchOptions mismatch_options;
+  bool fast_old_logps = false;  // old log-probs = the first forward's, detached
+
+  std::optional<text::Tokenizer> tokenizer;  // set by Create
+  std::optional<text::ChatFormat> chat_format;
+  std::vector<int64_t> eos_ids;
+  int64_t pad_id = 0;
+
+  std::unique_ptr<runtime::CausalLM> model;  // the trainer's: frozen base + LoRA
+  std::unique_ptr<runtime::LoraAdapter> adapter;
+  std::unique_ptr<torch::optim::AdamW> optimizer;
+
+  std::shared_ptr<const run::Dataset> dataset;
+  std::unique_ptr<run::DatasetSampler> sampler;
+  std::unique_ptr<run::RewardScorer> rewards;
+
+  std::unique_ptr<store::Store> store;
+  store::Digest base_version;
+  std::unique_ptr<sync::SnapshotChannel> channel;
+  std::unique_ptr<WeightPublisher> publisher;
+  std::unique_ptr<ColocatedGenerator> generator;
+  std::string generator_version;  // hex id the generator acknowledged last
+
+  int64_t step = 0;        // optimizer steps taken
+  int64_t micro_step = 0;  // micro-batches taken (TRL's _step)
+  double num_tokens = 0;   // prompt + completion tokens seen (TRL's num_input_tokens_seen)
+  std::optional<Rollout> buffer;
+  std::map<std::string, std::vector<double>> pending;  // metrics since the last log line
+  int64_t last_logged = 0;
+  int64_t last_saved = 0;
+};
+
+// The seed of step `step`'s sampling (SplitMix64 of the run seed and the step): a resumed run
+// samples exactly what an uninterrupted one does, with no generator state to save.
+uint64_t SamplingSeed(int64_t run_seed, int64_t step);
+
+// Draws the next generation batch: prompts, completions, rewards, advantages, the mismatch
+// correction, old/ref log-probs where needed.
+Result<Rollout> MakeRollout(Trainer::State& s);
+
+// Per-token log-probabilities and entropies of `rows` of `r` under the trainer's model (with
+// the adapter when `lora`), the LM head chunked. `training`: dropout on and autograd recorded.
+struct MicroBatchLogps {
+  at::Tensor logps;     // [n, C]
+  at::Tensor entropy;   // [n, C]
+  at::Tensor mask;      // [n, C] long
+  at::Tensor rows;      // long [n]
+};
+Result<MicroBatchLogps> MicroBatchLogProbs(const Trainer::State& s, const Rollout& r, const std::vector<int64_t>& rows,
+                                           bool lora, bool training);
+
+// checkpoint-N/: save and restore (training_state.cpp).
+Result<std::filesystem::path> WriteCheckpoint(Trainer::State& s);
+// Restores the newest complete checkpoint of s.dir, if any; returns its step (0 when none).
+Result<int64_t> RestoreNewestCheckpoint(Trainer::State& s);
+
+}  // namespace ferry::grpo

@@ -1,0 +1,333 @@
+// ferryd's GRPO trainer end to end on a tiny model: the weight path's proofs (the generator runs
+// exactly the converter's merge of the adapter saved at each step; no wrapped name ever reaches
+// it; the reference policy is the base), metrics.jsonl, checkpoints, determinism and resume.
+#include <gtest/gtest.h>
+
+#include <ATen/ATen.h>
+#include <nlohmann/json.hpp>
+
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "convert/converter.h"
+#include "core/checkpoint.h"
+#include "daemon/grpo/trainer.h"
+#include "daemon/grpo/trainer_internal.h"
+#include "daemon/runtime/model.h"
+#include "store/store.h"
+#include "tests/daemon/runtime_test_util.h"
+
+namespace ferry::grpo {
+namespace {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+class TempDir {
+ public:
+  TempDir() {
+    std::string tmpl = (fs::temp_directory_path() / "ferry_grpo_trainer_XXXXXX").string();
+    path_ = ::mkdtemp(tmpl.data());
+  }
+  ~TempDir() {
+    std::error_code ec;
+    fs::remove_all(path_, ec);
+  }
+  const fs::path& path() const { return path_; }
+
+ private:
+  fs::path path_;
+};
+
+void WriteText(const fs::path& p, const std::string& text) {
+  std::ofstream(p, std::ios::binary) << text;
+}
+
+std::string ReadText(const fs::path& p) {
+  std::ifstream in(p, std::ios::binary);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+// A byte-level BPE tokenizer of 12 single characters (0-9 + =) and <bos>/<eos> (ids 12, 13),
+// as the `tokenizers` package writes one with no merges.
+std::string DigitTokenizerJson() {
+  json vocab = json::object();
+  const std::string chars = "0123456789+=";
+  for (size_t i = 0; i < chars.size(); ++i) vocab[std::string(1, chars[i])] = i;
+  auto added = [](int id, const char* content) {
+    return json{{"id", id},          {"content", content}, {"single_word", false}, {"lstrip", false},
+                {"rstrip", false},   {"normalized", false}, {"special", true}};
+  };
+  json j = {
+      {"version", "1.0"},
+      {"truncation", nullptr},
+      {"padding", nullptr},
+      {"added_tokens", {added(12, "<bos>"), added(13, "<eos>")}},
+      {"normalizer", nullptr},
+      {"pre_tokenizer", {{"type", "ByteLevel"}, {"add_prefix_space", false}, {"trim_offsets", true}, {"use_regex", true}}},
+      {"post_processor", nullptr},
+      {"decoder", {{"type", "ByteLevel"}, {"add_prefix_space", true}, {"trim_offsets", true}, {"use_regex", true}}},
+      {"model",
+       {{"type", "BPE"},
+        {"dropout", nullptr},
+        {"unk_token", nullptr},
+        {"continuing_subword_prefix", nullptr},
+        {"end_of_word_suffix", nullptr},
+        {"fuse_unk", false},
+        {"byte_fallback", false},
+        {"ignore_merges", false},
+        {"vocab", vocab},
+        {"merges", json::array()}}}};
+  return j.dump();
+}
+
+// A tiny Llama (or Qwen2) over the digit tokenizer, with an addition dataset and a config.
+struct RunFiles {
+  fs::path model;
+  fs::path config;
+  fs::path dir;
+};
+
+RunFiles MakeRun(const fs::path& root, at::ScalarType dtype, int64_t max_steps = 3, int64_t save_steps = 1) {
+  RunFiles r;
+  r.model = root / "model";
+  testing::TinyModelSpec spec;
+    spec.vocab = 14;
+  spec.hidden = 32;
+  spec.intermediate = 64;
+  spec.dtype = dtype;
+  spec.std = 0.1;
+  EXPECT_TRUE(testing::WriteTinyModel(r.model, spec).ok());
+  json cfg = json::parse(ReadText(r.model / "config.json"));
+  cfg["bos_token_id"] = 12;
+  cfg["eos_token_id"] = 13;
+  WriteText(r.model / "config.json", cfg.dump(2));
+  WriteText(r.model / "tokenizer.json", DigitTokenizerJson());
+  WriteText(r.model / "tokenizer_config.json",
+            R"({"bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<eos>", "add_bos_token": false})");
+  std::ofstream data(root / "train.jsonl");
+  for (int a = 0; a < 40; ++a) {
+    const int x = (a * 37) % 100, y = (a * 53 + 11) % 100;
+    char line[128];
+    std::snprintf(line, sizeof(line), R"({"prompt": "%02d+%02d=", "answer": "%03d"})", x, y, x + y);
+    data << line << "\n";
+  }
+  data.close();
+  r.dir = root / "run";
+  r.config = root / "grpo.toml";
+  WriteText(r.config, R"(model_name_or_path = "model"
+dataset = "train.jsonl"
+output_dir = "run"
+chat_template = "none"
+threads = 2
+bf16 = false
+seed = 7
+learning_rate = 5e-3
+lr_scheduler_type = "constant"
+max_steps = )" + std::to_string(max_steps) + R"(
+per_device_train_batch_size = 8
+num_generations = 4
+max_completion_length = 4
+temperature = 1.0
+logging_steps = 1
+save_steps = )" + std::to_string(save_steps) + R"(
+save_total_limit = 10
+
+[lora]
+r = 4
+lora_alpha = 8
+target_modules = ["q_proj", "v_proj", "o_proj", "gate_proj", "down_proj"]
+
+[[rewards]]
+name = "digits"
+type = "digit_match"
+field = "answer"
+)");
+  return r;
+}
+
+TrainOptions Options(const fs::path& config) {
+  TrainOptions o;
+  o.config = config;
+  return o;
+}
+
+std::vector<json> MetricsLines(const fs::path& dir) {
+  std::vector<json> out;
+  std::ifstream in(dir / "metrics.jsonl");
+  for (std::string line; std::getline(in, line);) out.push_back(json::parse(line));
+  return out;
+}
+
+// The id `ferry verify` computes for the converter's merge of checkpoint-N onto the base.
+std::string ConvertedId(const RunFiles& r, int64_t step, const fs::path& scratch) {
+  ConvertOptions co;
+  co.base = r.model;
+  co.adapter = r.dir / ("checkpoint-" + std::to_string(step));
+  co.out = scratch / ("converted-" + std::to_string(step));
+  co.sync = false;
+  auto summary = Convert(co);
+  EXPECT_TRUE(summary.ok()) << summary.status().ToString();
+  auto rec = store::HashPath(co.out);
+  EXPECT_TRUE(rec.ok()) << rec.status().ToString();
+  return rec.ok() ? rec->id.Hex() : "";
+}
+
+void ExpectGeneratorRunsConvertedCheckpoints(at::ScalarType dtype) {
+  TempDir tmp;
+  RunFiles r = MakeRun(tmp.path(), dtype);
+  TrainOptions o;
+  o.config = r.config;
+  auto trainer = Trainer::Create(o);
+  ASSERT_TRUE(trainer.ok()) << trainer.status().ToString();
+  auto base = store::HashPath(r.model);
+  ASSERT_TRUE(base.ok());
+  ASSERT_TRUE((*trainer)->Run().ok());
+
+  const std::vector<json> lines = MetricsLines(r.dir);
+  ASSERT_EQ(lines.size(), 3u);
+  for (const json& line : lines) {
+    const int64_t step = line.at("step").get<int64_t>();
+    const std::string version = line.at("generator_version").get<std::string>();
+    ASSERT_EQ(version.size(), 32u);
+    // After step k the generator's weights are the converter's merge of checkpoint-k.
+    EXPECT_EQ(version, ConvertedId(r, step, tmp.path())) << "step " << step;
+    // ... which is not the base (the update reached the generator).
+    EXPECT_NE(version, base->id.Hex()) << "step " << step;
+    for (const char* key : {"reward", "reward_std", "loss", "grad_norm", "learning_rate", "entropy",
+                            "completions/mean_length", "frac_reward_zero_std", "rewards/digits/mean", "num_tokens"}) {
+      EXPECT_TRUE(line.contains(key)) << key << " missing at step " << step;
+    }
+  }
+  EXPECT_NE(lines[0]["generator_version"], lines[2]["generator_version"]);
+  // The store names every step's generator version (what `ferry verify --db` reports).
+  auto st = store::Store::Open(r.dir / "store", store::StoreOptions{.read_only = true});
+  ASSERT_TRUE(st.ok()) << st.status().ToString();
+  for (const json& line : lines) {
+    auto v = (*st)->GetVersion(line["generator_version"].get<std::string>());
+    ASSERT_TRUE(v.ok()) << v.status().ToString();
+    EXPECT_EQ(v->kind, store::VersionKind::kMerged);
+    EXPECT_EQ(v->step, line["step"].get<int64_t>());
+    ASSERT_TRUE(v->adapter_version.has_value());
+    EXPECT_EQ(v->base_version->Hex(), base->id.Hex());
+  }
+}
+
+TEST(GrpoTrainerTest, GeneratorRunsTheConvertersMergeOfEachCheckpointF32) {
+  ExpectGeneratorRunsConvertedCheckpoints(at::kFloat);
+}
+
+TEST(GrpoTrainerTest, GeneratorRunsTheConvertersMergeOfEachCheckpointBF16) {
+  ExpectGeneratorRunsConvertedCheckpoints(at::kBFloat16);
+}
+
+TEST(GrpoTrainerTest, NoWrappedNameReachesTheGeneratorAndTheReferenceIsTheBase) {
+  TempDir tmp;
+  RunFiles r = MakeRun(tmp.path(), at::kFloat);
+  TrainOptions o;
+  o.config = r.config;
+  o.max_steps = 1;
+  auto trainer = Trainer::Create(o);
+  ASSERT_TRUE(trainer.ok()) << trainer.status().ToString();
+  const Trainer::State& s = *(*trainer)->state_for_testing();
+  ASSERT_TRUE((*trainer)->Step().ok());
+  const Checkpoint& held = s.generator->current().snapshot->checkpoint();
+  ASSERT_FALSE(held.names().empty());
+  for (const std::string& name : held.names()) {
+    EXPECT_EQ(name.find("base_model.model."), std::string::npos) << name;
+    EXPECT_EQ(name.find(".base_layer"), std::string::npos) << name;
+    EXPECT_EQ(name.find("lora_"), std::string::npos) << name;
+  }
+  // The reference policy (the trainer's model with the adapter off) is the base model's,
+  // bit for bit, after an update moved the adapter.
+  auto base = runtime::CausalLM::Load(r.model, runtime::ModelOptions{});
+  ASSERT_TRUE(base.ok()) << base.status().ToString();
+  at::Tensor ids = at::tensor({12, 1, 2, 10, 3, 4, 11, 0, 4}, at::kLong).unsqueeze(0);
+  runtime::ForwardArgs without;
+  without.input_ids = ids;
+  without.positions = at::arange(ids.size(1), at::kLong).unsqueeze(0);
+  auto ref = s.model->Forward(without);
+  auto expected = (*base)->Forward(without);
+  ASSERT_TRUE(ref.ok()) << ref.status().ToString();
+  ASSERT_TRUE(expected.ok()) << expected.status().ToString();
+  EXPECT_TRUE(at::equal(*ref, *expected)) << "max |diff| " << (*ref - *expected).abs().max().item<double>();
+  runtime::ForwardArgs with = without;
+  with.lora = &s.adapter->binding();
+  auto policy = s.model->Forward(with);
+  ASSERT_TRUE(policy.ok());
+  EXPECT_FALSE(at::equal(*policy, *expected)) << "the adapter should have moved after one step";
+}
+
+std::vector<json> WithoutTimes(std::vector<json> lines) {
+  for (json& l : lines) l.erase("step_time");
+  return lines;
+}
+
+TEST(GrpoTrainerTest, SameSeedSameRunAndResumeEqualsUninterrupted) {
+  // Uninterrupted: 4 steps, checkpoints at 2 and 4.
+  TempDir a;
+  RunFiles ra = MakeRun(a.path(), at::kFloat, 4, 2);
+  {
+    auto t = Trainer::Create(Options(ra.config));
+    ASSERT_TRUE(t.ok()) << t.status().ToString();
+    ASSERT_TRUE((*t)->Run().ok());
+  }
+  // Interrupted after step 3 (one step past the checkpoint at 2, its line logged), then
+  // restarted with the same command: it resumes from checkpoint-2, drops step 3's line and
+  // redoes it.
+  TempDir b;
+  RunFiles rb = MakeRun(b.path(), at::kFloat, 4, 2);
+  {
+    auto t = Trainer::Create(Options(rb.config));
+    ASSERT_TRUE(t.ok()) << t.status().ToString();
+    for (int i = 0; i < 3; ++i) {
+      auto step = (*t)->Step();
+      ASSERT_TRUE(step.ok()) << step.status().ToString();
+      if ((*step).step == 2) {
+        ASSERT_TRUE((*t)->SaveCheckpoint().ok());
+      }
+    }
+    EXPECT_EQ(MetricsLines(rb.dir).size(), 3u);
+  }
+  {
+    auto t = Trainer::Create(Options(rb.config));
+    ASSERT_TRUE(t.ok()) << t.status().ToString();
+    EXPECT_EQ((*t)->step(), 2);
+    ASSERT_TRUE((*t)->Run().ok());
+  }
+  const auto la = WithoutTimes(MetricsLines(ra.dir));
+  const auto lb = WithoutTimes(MetricsLines(rb.dir));
+  ASSERT_EQ(la.size(), 4u);
+  ASSERT_EQ(lb.size(), 4u);
+  for (size_t i = 0; i < la.size(); ++i) EXPECT_EQ(la[i], lb[i]) << "line " << i;
+  // The store shows each step once.
+  auto st = store::Store::Open(rb.dir / "store", store::StoreOptions{.read_only = true});
+  ASSERT_TRUE(st.ok());
+  auto versions = (*st)->ListVersions(std::nullopt);
+  ASSERT_TRUE(versions.ok());
+  std::map<int64_t, int> merged_per_step;
+  for (const auto& v : *versions) {
+    if (v.kind == store::VersionKind::kMerged && v.step) ++merged_per_step[*v.step];
+  }
+  EXPECT_EQ(merged_per_step, (std::map<int64_t, int>{{1, 1}, {2, 1}, {3, 1}, {4, 1}}));
+}
+
+TEST(GrpoTrainerTest, BadConfigNamesTheKeyAndTheFile) {
+  TempDir tmp;
+  RunFiles r = MakeRun(tmp.path(), at::kFloat);
+  WriteText(r.config, ReadText(r.config) + "\nnum_generatoins = 4\n");
+  auto t = Trainer::Create(Options(r.config));
+  ASSERT_FALSE(t.ok());
+  EXPECT_EQ(t.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(t.status().message().find("num_generatoins"), std::string::npos) << t.status().ToString();
+  EXPECT_NE(t.status().message().find(r.config.string()), std::string::npos) << t.status().ToString();
+  EXPECT_FALSE(fs::exists(r.dir / "metrics.jsonl"));
+}
+
+}  // namespace
+}  // namespace ferry::grpo

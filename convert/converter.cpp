@@ -16,7 +16,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "convert/engine_check.h"
+#include "convert/lora_layout.h"
 #include "convert/merge_plan.h"
 #include "convert/peft_config.h"
 #include "core/checkpoint.h"
@@ -429,120 +429,6 @@ class MergeWriter {
   ConvertSummary summary_;
 };
 
-// ---------------------------------------------------------------------------------
-// lora layout
-
-Status RefuseForEngine(const PeftConfig& cfg, const Checkpoint& base, const Checkpoint& adapter, const MergePlan& plan) {
-  const std::vector<LoraLayoutRefusal> refusals = FindLoraLayoutRefusals(cfg, base, adapter, plan);
-  if (refusals.empty()) return Status::OK();
-  return Status::Unsupported(refusals.front().message + " Use --layout hf (or fused) to merge it instead.");
-}
-
-struct EngineModule {
-  std::string name;  // module name as the base stores it
-  bool embedding = false;
-  int64_t in = 0, out = 0;
-  std::vector<const LoraModule*> parts;  // several when separate adapters are fused
-};
-
-Result<ConvertSummary> WriteLora(const ConvertOptions& opt, const PeftConfig& cfg, const Checkpoint& base,
-                                 const Checkpoint& adapter, const MergePlan& plan, const fs::path& dir) {
-  FERRY_RETURN_IF_ERROR(RefuseForEngine(cfg, base, adapter, plan));
-  std::map<std::string, EngineModule> mods;
-  for (const auto& m : plan.modules) {
-    const std::string name = m.target.substr(0, m.target.size() - std::string(".weight").size());
-    EngineModule& e = mods[name];
-    e.name = name;
-    e.embedding = m.kind == LoraModule::Kind::kEmbedding;
-    const TensorInfo* w = plan.quantized.count(m.target) ? nullptr : base.Info(plan.SourceOf(m.target));
-    Shape ws = w ? w->shape : plan.quantized.at(m.target).shape;
-    e.in = m.in;
-    e.out = e.embedding ? m.out : (m.fan_in_fan_out ? ws[1] : ws[0]);
-    e.parts.push_back(&m);
-  }
-  int64_t rank = 0;
-  for (const auto& [n, e] : mods) {
-    int64_t r = 0;
-    for (const auto* p : e.parts) r += p->rank;
-    rank = std::max(rank, r);
-  }
-  DType out_dtype = DType::kF32;
-  if (!plan.modules.empty()) out_dtype = adapter.Info(plan.modules.front().a_key)->dtype;
-  if (opt.dtype) out_dtype = *opt.dtype;
-  if (!CanWriteFromF32(out_dtype)) out_dtype = DType::kF32;
-
-  std::vector<TensorSpec> specs;
-  for (const auto& [n, e] : mods) {
-    const std::string a = e.embedding ? ".lora_embedding_A" : ".lora_A.weight";
-    const std::string b = e.embedding ? ".lora_embedding_B" : ".lora_B.weight";
-    specs.push_back({"base_model.model." + n + a, out_dtype, {rank, e.in}});
-    specs.push_back({"base_model.model." + n + b, out_dtype, {e.out, rank}});
-  }
-  WriterOptions wopt;
-  wopt.basename = "adapter_model";
-  wopt.sync = opt.sync;
-  FERRY_ASSIGN_OR_RETURN(auto writer, SafetensorsWriter::CreateInDirectory(dir, specs, wopt));
-  std::set<std::string> leaves;
-  for (const auto& [n, e] : mods) {
-    leaves.insert(n.substr(n.rfind('.') + 1));
-    // A' = [s_1 A_1; s_2 A_2; ...; 0], B' = block placement of B_i rows/cols, zero elsewhere.
-    std::vector<float> a_out(static_cast<size_t>(rank * e.in), 0.0f);
-    std::vector<float> b_out(static_cast<size_t>(e.out * rank), 0.0f);
-    int64_t col = 0;
-    for (const LoraModule* p : e.parts) {
-      FERRY_ASSIGN_OR_RETURN(std::vector<float> a, ReadTensorAsF32(adapter, p->a_key));
-      FERRY_ASSIGN_OR_RETURN(std::vector<float> b, ReadTensorAsF32(adapter, p->b_key));
-      const float s = static_cast<float>(p->scaling);
-      for (int64_t k = 0; k < p->rank; ++k) {
-        for (int64_t i = 0; i < e.in; ++i) a_out[static_cast<size_t>((col + k) * e.in + i)] = s * a[static_cast<size_t>(k * e.in + i)];
-      }
-      const int64_t rows = p->out;
-      for (int64_t o = 0; o < rows; ++o) {
-        for (int64_t k = 0; k < p->rank; ++k) {
-          b_out[static_cast<size_t>((p->row_offset + o) * rank + col + k)] =
-              b[static_cast<size_t>((p->b_row_begin + o) * p->rank + k)];
-        }
-      }
-      col += p->rank;
-    }
-    FERRY_RETURN_IF_ERROR(AppendF32As(*writer, a_out, out_dtype));
-    FERRY_RETURN_IF_ERROR(AppendF32As(*writer, b_out, out_dtype));
-  }
-  FERRY_RETURN_IF_ERROR(writer->Finish());
-
-  // A clean config: one global rank, scaling 1 (alpha = r), no patterns, no extras.
-  ojson j = ojson::parse(cfg.raw_json, nullptr, false);
-  if (!j.is_object()) j = ojson::object();
-  j["peft_type"] = "LORA";
-  j["r"] = rank;
-  j["lora_alpha"] = rank;
-  j["use_rslora"] = false;
-  j["use_dora"] = false;
-  j["rank_pattern"] = ojson::object();
-  j["alpha_pattern"] = ojson::object();
-  j["target_modules"] = std::vector<std::string>(leaves.begin(), leaves.end());
-  j["modules_to_save"] = nullptr;
-  j["lora_bias"] = false;
-  j["bias"] = "none";
-  j["trainable_token_indices"] = nullptr;
-  j["exclude_modules"] = nullptr;
-  j["layers_to_transform"] = nullptr;
-  j["layers_pattern"] = nullptr;
-  j["init_lora_weights"] = true;
-  FERRY_RETURN_IF_ERROR(WriteFileAtomic(dir / "adapter_config.json", j.dump(2) + "\n"));
-
-  ConvertSummary s;
-  for (const auto& p : writer->OutputPaths()) s.files.push_back(p.filename().string());
-  s.files.push_back("adapter_config.json");
-  s.tensors_written = static_cast<int64_t>(specs.size());
-  s.tensors_changed = s.tensors_written;
-  s.lora_modules = static_cast<int64_t>(mods.size());
-  s.global_rank = rank;
-  s.global_alpha = static_cast<double>(rank);
-  s.bytes_written = writer->bytes_written();
-  return s;
-}
-
 // Copies the non-weight files of `from` (config, tokenizer, README...) except `skip` into
 // `to`, fsynced when `sync`; their names are appended to `copied`, sorted.
 Status CopyAuxFiles(const fs::path& from, const fs::path& to, const std::set<std::string>& skip, bool sync,
@@ -653,9 +539,24 @@ Result<ConvertSummary> Convert(const ConvertOptions& opt) {
   // Everything is checked: only now create the staging directory.
   FERRY_ASSIGN_OR_RETURN(StagingDir staging, StagingDir::Create(opt.out, opt.force));
   ConvertSummary summary;
+  std::vector<std::string> lora_warnings;
   const fs::path base_dir = fs::is_directory(opt.base) ? opt.base : opt.base.parent_path();
   if (opt.layout == Layout::kLora) {
-    FERRY_ASSIGN_OR_RETURN(summary, WriteLora(opt, cfg, base, adapter, plan, staging.path()));
+    LoraLayoutOptions lopt;
+    lopt.dtype = opt.dtype;
+    lopt.sync = opt.sync;
+    FERRY_ASSIGN_OR_RETURN(LoraLayoutSummary lora, WriteLoraLayout(cfg, base, adapter, plan, lopt, staging.path()));
+    summary.files = std::move(lora.files);
+    summary.tensors_written = lora.tensors_written;
+    summary.tensors_changed = lora.tensors_written;
+    summary.lora_modules = lora.modules;
+    summary.global_rank = lora.global_rank;
+    summary.global_alpha = lora.global_alpha;
+    summary.global_scaling = lora.global_scaling;
+    summary.lora_factor_dtype = lora.factor_dtype;
+    summary.lora_inexact_modules = lora.inexact_modules;
+    summary.bytes_written = lora.bytes_written;
+    lora_warnings = std::move(lora.warnings);
     FERRY_RETURN_IF_ERROR(
         CopyAuxFiles(opt.adapter, staging.path(), {"adapter_config.json", "README.md"}, opt.sync, summary.files));
   } else {
@@ -667,6 +568,7 @@ Result<ConvertSummary> Convert(const ConvertOptions& opt) {
   summary.layout = opt.layout;
   summary.out = opt.out;
   summary.warnings = plan.warnings;
+  summary.warnings.insert(summary.warnings.end(), lora_warnings.begin(), lora_warnings.end());
   FERRY_RETURN_IF_ERROR(staging.Commit());
   summary.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   return summary;
@@ -685,6 +587,9 @@ std::string ConvertSummaryToJson(const ConvertSummary& s) {
   if (s.layout == Layout::kLora) {
     j["global_rank"] = s.global_rank;
     j["global_alpha"] = s.global_alpha;
+    j["global_scaling"] = s.global_scaling;
+    j["factor_dtype"] = std::string(DTypeName(s.lora_factor_dtype));
+    j["inexact_modules"] = s.lora_inexact_modules;
   }
   j["bytes_written"] = s.bytes_written;
   j["seconds"] = s.seconds;

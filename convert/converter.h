@@ -8,10 +8,12 @@
 //   fused  as hf, with q/k/v stacked on the output axis into self_attn.qkv_proj and gate/up
 //          into mlp.gate_up_proj (the layout vLLM builds internally; Phi-3's native one).
 //   lora   a clean adapter an engine can hot-load: only lora_A/lora_B (and
-//          lora_embedding_A/B) keys, one global rank and scaling with the per-module
-//          rank/alpha patterns baked into lora_A, module names matched to the base (fused
-//          adapters split, separate ones fused as the base stores them). DoRA,
-//          modules_to_save, trainable tokens and lora_B.bias are refused with the reason.
+//          lora_embedding_A/B) keys, one global rank and scaling with what is left of each
+//          module's own scaling (rank/alpha patterns, rsLoRA) baked into lora_A exactly
+//          enough that its merge is the original's (convert/lora_layout.h), module names
+//          matched to the base (fused adapters split, separate ones fused as the base
+//          stores them). DoRA, modules_to_save, trainable tokens and lora_B.bias are
+//          refused with the reason.
 //
 // Merging accumulates in fp32 and rounds once to the output dtype. Tensors are processed
 // one at a time (memory: a few times the largest tensor). The output directory appears only
@@ -68,7 +70,10 @@ struct ConvertSummary {
   int64_t dequantized = 0;         // 4-bit weights dequantized
   bool untied_lm_head = false;
   int64_t global_rank = 0;         // lora layout
-  double global_alpha = 0;         // lora layout
+  double global_alpha = 0;         // lora layout: lora_alpha = global_scaling * global_rank
+  double global_scaling = 0;       // lora layout
+  DType lora_factor_dtype = DType::kF32;  // lora layout: dtype of lora_A / lora_B
+  int64_t lora_inexact_modules = 0;       // lora layout: modules whose scaling ratio is not a power of two
   uint64_t bytes_written = 0;
   double seconds = 0;
   std::vector<std::string> warnings;

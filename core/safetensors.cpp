@@ -13,6 +13,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/json_limits.h"
+#include "core/text.h"
 
 namespace ferry {
 namespace {
@@ -202,8 +203,21 @@ std::string ShardFileName(const std::string& basename, size_t index, size_t coun
   return basename + buf;
 }
 
+// The header is JSON: a name or metadata text that is not UTF-8 (nlohmann's dump would throw)
+// or holds a control character is refused, naming it escaped.
+static Status CheckHeaderText(const std::vector<TensorSpec>& specs,
+                              const std::map<std::string, std::string>& metadata) {
+  for (const auto& [k, v] : metadata) {
+    FERRY_RETURN_IF_ERROR(CheckPrintableUtf8("metadata key", k));
+    FERRY_RETURN_IF_ERROR(CheckPrintableUtf8("metadata value of '" + EscapeForMessage(k) + "'", v));
+  }
+  for (const auto& s : specs) FERRY_RETURN_IF_ERROR(CheckPrintableUtf8("tensor name", s.name));
+  return Status::OK();
+}
+
 Result<std::string> SerializeSafetensorsHeader(const std::vector<TensorSpec>& specs,
                                                const std::map<std::string, std::string>& metadata) {
+  FERRY_RETURN_IF_ERROR(CheckHeaderText(specs, metadata));
   nlohmann::ordered_json j = nlohmann::ordered_json::object();
   if (!metadata.empty()) {
     nlohmann::ordered_json m = nlohmann::ordered_json::object();
@@ -293,6 +307,10 @@ Result<std::unique_ptr<SafetensorsWriter>> SafetensorsWriter::CreateInDirectory(
 }
 
 Status SafetensorsWriter::Init(const std::filesystem::path& dir, const std::filesystem::path* single_file) {
+  // Checked before any file is created: every shard's header must be writable.
+  if (Status s = CheckHeaderText(specs_, options_.metadata); !s.ok()) {
+    return s.WithContext(single_file != nullptr ? single_file->string() : dir.string());
+  }
   std::set<std::string_view> names;
   for (const auto& s : specs_) {
     if (s.name == "__metadata__") return Status::InvalidArgument("tensor name '__metadata__' is reserved");

@@ -626,6 +626,45 @@ TEST(Convert, RankAndShapeMismatchesNameBothTensors) {
   fs::remove_all(dir);
 }
 
+// A tensor name the output cannot hold: safetensors headers are JSON, whose "\u0001" escape
+// lets a base (or a legacy pickle adapter) carry a control character that Ferry's writer
+// refuses. The conversion fails naming the tensor escaped, and leaves nothing behind.
+TEST(Convert, TensorNameWithAControlCharacterIsRefusedNamingIt) {
+  ferry::testing::ScopedTempDir dir("ferry_convert_name_");
+  const fs::path base = dir.path() / "base";
+  fs::create_directories(base);
+  {  // written by hand: SafetensorsWriter itself refuses such a name
+    const std::string header =
+        R"({"model.layers.0.self_attn.q_proj.weight":{"dtype":"F32","shape":[64,64],"data_offsets":[0,16384]},)"
+        R"("model.norm\u0001.weight":{"dtype":"F32","shape":[64],"data_offsets":[16384,16640]}})";
+    std::string file(8, '\0');
+    for (int i = 0; i < 8; ++i) file[static_cast<size_t>(i)] = static_cast<char>((header.size() >> (8 * i)) & 0xff);
+    file += header;
+    file.append(16640, '\0');
+    std::ofstream(base / "model.safetensors", std::ios::binary) << file;
+  }
+  const std::string q = "base_model.model.model.layers.0.self_attn.q_proj.";
+  WriteAdapter(dir.path() / "adapter", R"({"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj"]})",
+               {{q + "lora_A.weight", {{4, 64}, 0.5f}}, {q + "lora_B.weight", {{64, 4}, 0.25f}}});
+  for (Layout layout : {Layout::kHf, Layout::kFused}) {
+    ConvertOptions o;
+    o.base = base;
+    o.adapter = dir.path() / "adapter";
+    o.out = dir.path() / "out";
+    o.layout = layout;
+    auto s = Convert(o);
+    ASSERT_FALSE(s.ok());
+    EXPECT_EQ(s.status().code(), StatusCode::kInvalidArgument) << s.status().ToString();
+    EXPECT_NE(s.status().message().find("tensor name 'model.norm\\x01.weight' contains a control character"),
+              std::string::npos)
+        << s.status().message();
+    EXPECT_FALSE(fs::exists(dir.path() / "out"));
+    size_t entries = 0;
+    for (const auto& e : fs::directory_iterator(dir.path())) entries += e.path().filename() != "base" && e.path().filename() != "adapter";
+    EXPECT_EQ(entries, 0u) << "staging directory left behind";
+  }
+}
+
 TEST(Convert, HandComputedMergeOfOneModule) {
   // W' = W + (alpha / r) * B @ A with constant A = 0.5, B = 0.25, r = 4, alpha = 8:
   // every element of q_proj gains 2 * (4 * 0.5 * 0.25) = 1.0 exactly.

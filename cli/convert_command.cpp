@@ -51,9 +51,20 @@ void RunConvert(const ConvertFlags& f) {
     progress->Add(done - last);
     last = done;
   };
-  auto summary = Convert(o);
+  ConvertRemedy remedy = ConvertRemedy::kNone;
+  auto summary = Convert(o, &remedy);
   if (progress) progress->Done();
-  if (!summary.ok()) Fail(summary.status());
+  if (!summary.ok()) {
+    switch (remedy) {
+      case ConvertRemedy::kMergedLayout:
+        FailWithHint(summary.status(), summary.status().code(), "use --layout hf (or --layout fused)");
+      case ConvertRemedy::kReplaceOutput:
+        FailWithHint(summary.status(), summary.status().code(), "pass --force to replace it");
+      case ConvertRemedy::kNone:
+        break;
+    }
+    Fail(summary.status());
+  }
   if (f.json) {
     std::printf("%s\n", ConvertSummaryToJson(*summary).c_str());
     return;

@@ -113,9 +113,9 @@ void CheckEndpointsOrFail(const std::string& flag, const std::string& value, con
   if (!s.ok()) Fail(s.WithContext(flag + " " + value));
 }
 
-sync::SnapshotLayout ParseLayoutOrFail(const std::string& layout) {
-  if (layout == "hf") return sync::SnapshotLayout::kHf;
-  if (layout == "fused") return sync::SnapshotLayout::kFused;
+Layout ParseLayoutOrFail(const std::string& layout) {
+  if (layout == "hf") return Layout::kHf;
+  if (layout == "fused") return Layout::kFused;
   Fail("--layout '" + layout + "' is not one of hf, fused");
 }
 
@@ -210,8 +210,8 @@ void RunPublish(const PublishFlags& f) {
   if (!watching && f.layout != "hf") Fail("--layout is only used with --watch");
   auto mode = sync::ParsePublishMode(f.mode);
   if (!mode.ok()) Fail(mode.status().WithContext("--mode"));
-  const sync::SnapshotLayout layout = ParseLayoutOrFail(f.layout);
-  if (*mode == sync::PublishMode::kAdapter && layout != sync::SnapshotLayout::kHf) {
+  const Layout layout = ParseLayoutOrFail(f.layout);
+  if (*mode == sync::PublishMode::kAdapter && layout != Layout::kHf) {
     Fail("--mode adapter needs --layout hf (receivers choose their layout with `sync receive --layout`)");
   }
   if (f.poll_ms <= 0) Fail("--poll-ms must be positive");
@@ -284,7 +284,7 @@ struct ReceiveFlags {
 bool IsTransient(const Status& s) { return s.code() == StatusCode::kUnavailable || s.code() == StatusCode::kNotFound; }
 
 [[noreturn]] void FailReceive(const Status& s, const ReceiveFlags& f) {
-  if (f.base.empty() && s.message().find("base_dir") != std::string::npos) {
+  if (f.base.empty() && s.code() == StatusCode::kInvalidArgument) {  // adapter mode without a local base
     Fail(s.WithContext("the publisher serves adapters: give --base DIR (the local base model)"));
   }
   Fail(s);
@@ -296,8 +296,7 @@ void RunReceive(const ReceiveFlags& f) {
   o.dir = f.out;
   o.timeout_ms = f.timeout_ms;
   o.keep_versions = f.keep_versions;
-  (void)ParseLayoutOrFail(f.layout);
-  o.layout = f.layout;
+  o.layout = ParseLayoutOrFail(f.layout);
   if (!f.base.empty()) o.base_dir = f.base;
   o.endpoints = ParseEndpointOrFail("--connect", f.connect);
   o.curve = CurveOrFail(f.keys, false);
@@ -373,7 +372,7 @@ void RunStatus(const StatusFlags& f) {
   for (const auto& e : *events) {
     if (e.receiver.empty()) continue;
     Row& r = rows[e.receiver];
-    const bool lost = e.type == store::Event::Type::kAnomaly && e.detail.find(" lost: ") != std::string::npos;
+    const bool lost = e.type == store::Event::Type::kAnomaly && e.anomaly == store::Event::Anomaly::kReceiverLost;
     if (e.type == store::Event::Type::kAcknowledged) r.ack = e;
     if (!lost) r.last_seen_ns = std::max(r.last_seen_ns, e.time_ns);
     if (lost) {

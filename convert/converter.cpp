@@ -16,10 +16,14 @@
 
 #include <nlohmann/json.hpp>
 
+#include "convert/fused_layout.h"
 #include "convert/lora_layout.h"
+#include "convert/model_config.h"
 #include "convert/merge_plan.h"
 #include "convert/peft_config.h"
+#include "core/aux_files.h"
 #include "core/checkpoint.h"
+#include "core/file_util.h"
 #include "core/mapped_file.h"
 #include "core/safetensors.h"
 #include "core/staging_dir.h"
@@ -30,27 +34,6 @@ namespace {
 
 namespace fs = std::filesystem;
 using ojson = nlohmann::ordered_json;
-
-std::string Q(std::string_view s) { return "'" + std::string(s) + "'"; }
-
-bool EndsWith(std::string_view s, std::string_view suffix) {
-  return s.size() >= suffix.size() && s.substr(s.size() - suffix.size()) == suffix;
-}
-
-std::string TorchDTypeName(DType d) {
-  switch (d) {
-    case DType::kF32: return "float32";
-    case DType::kF16: return "float16";
-    case DType::kBF16: return "bfloat16";
-    case DType::kF64: return "float64";
-    default: return std::string(DTypeName(d));
-  }
-}
-
-bool IsWeightFile(const std::string& name) {
-  return EndsWith(name, ".safetensors") || EndsWith(name, ".index.json") || EndsWith(name, ".bin") ||
-         EndsWith(name, ".pt") || EndsWith(name, ".pth");
-}
 
 
 // Converts fp32 values to `dtype` in chunks and appends them to the writer.
@@ -256,32 +239,29 @@ class MergeWriter {
     std::sort(items.begin(), items.end(), [](const Item& a, const Item& b) {
       return a.file != b.file ? a.file < b.file : a.offset < b.offset;
     });
-    // Fused layout: find every q/k/v and gate/up group first (storage order need not put
-    // the first member first), then emit each group where its first member is stored.
-    std::map<std::string, OutputTensor> groups;  // by first member
-    std::set<std::string> consumed;
-    if (opt_.layout == Layout::kFused) {
-      for (const auto& item : items) {
-        auto fused = FuseGroup(item.name);
-        if (!fused.ok()) return fused.status();
-        if (fused->parts.empty()) continue;
-        for (const auto& p : fused->parts) consumed.insert(p);
-        groups.emplace(item.name, std::move(fused).value());
-      }
-    }
-    std::vector<OutputTensor> out;
+    // Output tensors in storage order (an untied lm_head right after its source), then the
+    // fused layout's groups in place of their first member (convert/fused_layout.h).
+    std::vector<TensorSpec> specs;
+    std::map<std::string, uint32_t> shard_of;
     for (const auto& item : items) {
-      if (auto g = groups.find(item.name); g != groups.end()) {
-        g->second.shard = item.file;
-        out.push_back(std::move(g->second));
-        continue;
-      }
-      if (consumed.count(item.name)) continue;
-      out.push_back({item.name, OutDType(item.name), NaturalShape(item.name), {item.name}, item.file});
+      specs.push_back({item.name, OutDType(item.name), NaturalShape(item.name)});
+      shard_of.emplace(item.name, item.file);
       if (plan_.untie && item.name == plan_.tied_source) {
         const std::string& lm = plan_.lm_head_key;
-        out.push_back({lm, OutDType(lm), NaturalShape(lm), {lm}, item.file});
+        specs.push_back({lm, OutDType(lm), NaturalShape(lm)});
+        shard_of.emplace(lm, item.file);
       }
+    }
+    std::vector<LaidOutTensor> laid_out;
+    if (opt_.layout == Layout::kFused) {
+      FERRY_ASSIGN_OR_RETURN(laid_out, FuseLayout(specs, base_.path().string()));
+    } else {
+      for (auto& spec : specs) laid_out.push_back(LaidOutTensor{spec, {spec.name}});
+    }
+    std::vector<OutputTensor> out;
+    for (auto& t : laid_out) {
+      const uint32_t shard = shard_of.at(t.parts.front());
+      out.push_back({std::move(t.spec.name), t.spec.dtype, std::move(t.spec.shape), std::move(t.parts), shard});
     }
     // Renumber shards densely (a fused group may empty a shard).
     uint32_t next = 0, last = UINT32_MAX;
@@ -293,43 +273,6 @@ class MergeWriter {
       t.shard = next - 1;
     }
     return out;
-  }
-
-  // For the fused layout: the q/k/v or gate/up group starting at `name`, or empty parts.
-  Result<OutputTensor> FuseGroup(const std::string& name) const {
-    static const std::vector<std::pair<std::vector<std::string>, std::string>> kGroups = {
-        {{"q_proj", "k_proj", "v_proj"}, "qkv_proj"}, {{"gate_proj", "up_proj"}, "gate_up_proj"}};
-    for (const auto& [members, fused] : kGroups) {
-      for (const char* param : {".weight", ".bias"}) {
-        const std::string first = "." + members[0] + param;
-        if (!EndsWith(name, first)) continue;
-        const std::string prefix = name.substr(0, name.size() - first.size() + 1);
-        OutputTensor t;
-        t.name = prefix + fused + param;
-        int64_t rows = 0;
-        for (const auto& m : members) {
-          const std::string part = prefix + m + param;
-          if (!base_.Contains(part) || plan_.quant_aux.count(part)) return OutputTensor{};
-          const Shape s = NaturalShape(part);
-          const Shape s0 = NaturalShape(name);
-          if (s.empty() || s.size() != s0.size() || !std::equal(s.begin() + 1, s.end(), s0.begin() + 1) ||
-              OutDType(part) != OutDType(name)) {
-            return Status::InvalidArgument(base_.path().string() + ": cannot fuse " + Q(part) + " " + ShapeToString(s) +
-                                           " with " + Q(name) + " " + ShapeToString(s0));
-          }
-          rows += s[0];
-          t.parts.push_back(part);
-        }
-        if (base_.Contains(t.name)) {
-          return Status::InvalidArgument(base_.path().string() + ": has both " + Q(t.name) + " and " + Q(name));
-        }
-        t.shape = NaturalShape(name);
-        t.shape[0] = rows;
-        t.dtype = OutDType(name);
-        return t;
-      }
-    }
-    return OutputTensor{};
   }
 
   // Computes one output part on this thread and hands its bytes to the write pipeline.
@@ -429,74 +372,63 @@ class MergeWriter {
   ConvertSummary summary_;
 };
 
-// Copies the non-weight files of `from` (config, tokenizer, README...) except `skip` into
-// `to`, fsynced when `sync`; their names are appended to `copied`, sorted.
+// Copies the auxiliary files of `from` (core/aux_files.h: config, tokenizer files...) except
+// `skip` into `to`, fsynced when `sync`; their names are appended to `copied`, sorted. A
+// directory that is not there (a base given as a file) has none.
 Status CopyAuxFiles(const fs::path& from, const fs::path& to, const std::set<std::string>& skip, bool sync,
                     std::vector<std::string>& copied) {
   std::error_code ec;
   if (!fs::is_directory(from, ec)) return Status::OK();
-  std::vector<std::string> names;
-  for (const auto& e : fs::directory_iterator(from, ec)) {
-    const std::string n = e.path().filename().string();
-    if (!e.is_regular_file() || n.empty() || n[0] == '.' || IsWeightFile(n) || skip.count(n)) continue;
-    fs::copy_file(e.path(), to / n, fs::copy_options::overwrite_existing, ec);
+  FERRY_ASSIGN_OR_RETURN(std::vector<std::string> names, ListAuxFiles(from));
+  for (const std::string& n : names) {
+    if (skip.count(n)) continue;
+    fs::copy_file(from / n, to / n, fs::copy_options::overwrite_existing, ec);
     if (ec) return Status::IOError((to / n).string() + ": " + ec.message());
-    if (sync) {
-      const int fd = ::open((to / n).c_str(), O_RDONLY | O_CLOEXEC);
-      const bool ok = fd >= 0 && ::fsync(fd) == 0;
-      const int err = errno;
-      if (fd >= 0) ::close(fd);
-      if (!ok) return Status::IOError((to / n).string() + ": fsync failed: " + std::strerror(err));
-    }
-    names.push_back(n);
+    if (sync) FERRY_RETURN_IF_ERROR(SyncFile(to / n));
+    copied.push_back(n);
   }
-  if (ec) return Status::IOError(from.string() + ": " + ec.message());
-  std::sort(names.begin(), names.end());
-  copied.insert(copied.end(), names.begin(), names.end());
   return Status::OK();
 }
 
-Result<ojson> LoadModelConfig(const fs::path& base) {
+// The base's config.json, when there is one, and whether it ties the embeddings.
+struct ModelConfigFile {
+  std::optional<std::string> text;
+  bool tied = false;
+};
+
+Result<ModelConfigFile> LoadModelConfig(const fs::path& base) {
   const fs::path p = base / "config.json";
+  ModelConfigFile out;
   std::error_code ec;
-  if (!fs::is_regular_file(p, ec)) return ojson();
+  if (!fs::is_regular_file(p, ec)) return out;
   FERRY_ASSIGN_OR_RETURN(std::string text, ReadSmallFile(p));
   ojson j = ojson::parse(text, nullptr, false);
   if (j.is_discarded() || !j.is_object()) return Status::Corruption(p.string() + ": not a JSON object");
-  return j;
+  if (j.contains("tie_word_embeddings")) {
+    const auto& t = j["tie_word_embeddings"];
+    if (!t.is_boolean() && !t.is_null()) {
+      return Status::Corruption(p.string() + ": field 'tie_word_embeddings' must be true or false");
+    }
+    out.tied = t.is_boolean() && t.get<bool>();
+  }
+  out.text = std::move(text);
+  return out;
 }
 
-Status WriteModelConfig(ojson j, const MergePlan& plan, const ConvertOptions& opt, const fs::path& dir) {
-  if (j.is_null()) return Status::OK();
-  j.erase("quantization_config");
-  if (plan.untie) j["tie_word_embeddings"] = false;
-  std::optional<DType> dtype = opt.dtype;
-  if (!dtype && !plan.quantized.empty()) dtype = plan.quantized.begin()->second.dtype;
-  if (dtype) {
-    for (const char* k : {"torch_dtype", "dtype"}) {
-      if (j.contains(k)) j[k] = TorchDTypeName(*dtype);
-    }
-  }
-  return WriteFileAtomic(dir / "config.json", j.dump(2) + "\n", opt.sync);
+// config.json beside merged weights (convert/model_config.h).
+Status WriteModelConfig(const ModelConfigFile& config, const MergePlan& plan, const ConvertOptions& opt,
+                        const fs::path& base_dir, const fs::path& dir) {
+  if (!config.text) return Status::OK();
+  ModelConfigEdits edits;
+  edits.untie = plan.untie;
+  edits.dtype = opt.dtype;
+  if (!edits.dtype && !plan.quantized.empty()) edits.dtype = plan.quantized.begin()->second.dtype;
+  FERRY_ASSIGN_OR_RETURN(std::string text,
+                         RewriteModelConfig(*config.text, edits, (base_dir / "config.json").string()));
+  return WriteFileAtomic(dir / "config.json", text, opt.sync);
 }
 
 }  // namespace
-
-std::string_view LayoutName(Layout layout) {
-  switch (layout) {
-    case Layout::kHf: return "hf";
-    case Layout::kFused: return "fused";
-    case Layout::kLora: return "lora";
-  }
-  return "?";
-}
-
-Result<Layout> ParseLayout(std::string_view name) {
-  if (name == "hf") return Layout::kHf;
-  if (name == "fused") return Layout::kFused;
-  if (name == "lora") return Layout::kLora;
-  return Status::InvalidArgument("unknown layout '" + std::string(name) + "' (expected hf, fused or lora)");
-}
 
 Result<uint64_t> ParseByteSize(std::string_view text) {
   std::string t(text);
@@ -516,8 +448,9 @@ Result<uint64_t> ParseByteSize(std::string_view text) {
   return static_cast<uint64_t>(bytes);
 }
 
-Result<ConvertSummary> Convert(const ConvertOptions& opt) {
+Result<ConvertSummary> Convert(const ConvertOptions& opt, ConvertRemedy* remedy) {
   const auto start = std::chrono::steady_clock::now();
+  if (remedy != nullptr) *remedy = ConvertRemedy::kNone;
   std::error_code ec;
   if (!fs::exists(opt.base, ec)) return Status::NotFound(opt.base.string() + ": base model does not exist");
   if (!fs::exists(opt.adapter, ec)) return Status::NotFound(opt.adapter.string() + ": adapter does not exist");
@@ -525,27 +458,29 @@ Result<ConvertSummary> Convert(const ConvertOptions& opt) {
   FERRY_RETURN_IF_ERROR(cfg.CheckMergeable());
   FERRY_ASSIGN_OR_RETURN(Checkpoint adapter, Checkpoint::Open(opt.adapter));
   FERRY_ASSIGN_OR_RETURN(Checkpoint base, Checkpoint::Open(opt.base));
-  FERRY_ASSIGN_OR_RETURN(ojson model_config, LoadModelConfig(fs::is_directory(opt.base) ? opt.base : opt.base.parent_path()));
-  bool tied = false;
-  if (model_config.is_object() && model_config.contains("tie_word_embeddings")) {
-    const auto& t = model_config["tie_word_embeddings"];
-    if (!t.is_boolean() && !t.is_null()) {
-      return Status::Corruption((fs::is_directory(opt.base) ? opt.base : opt.base.parent_path()).string() +
-                                "/config.json: field 'tie_word_embeddings' must be true or false");
-    }
-    tied = t.is_boolean() && t.get<bool>();
-  }
-  FERRY_ASSIGN_OR_RETURN(MergePlan plan, PlanMerge(cfg, adapter, base, tied));
+  const fs::path base_dir = fs::is_directory(opt.base, ec) ? opt.base : opt.base.parent_path();
+  FERRY_ASSIGN_OR_RETURN(ModelConfigFile model_config, LoadModelConfig(base_dir));
+  FERRY_ASSIGN_OR_RETURN(MergePlan plan, PlanMerge(cfg, adapter, base, model_config.tied));
   // Everything is checked: only now create the staging directory.
-  FERRY_ASSIGN_OR_RETURN(StagingDir staging, StagingDir::Create(opt.out, opt.force));
+  auto created = StagingDir::Create(opt.out, opt.force);
+  if (!created.ok()) {
+    if (remedy != nullptr && created.status().code() == StatusCode::kAlreadyExists) *remedy = ConvertRemedy::kReplaceOutput;
+    return created.status();
+  }
+  StagingDir staging = std::move(created).value();
   ConvertSummary summary;
   std::vector<std::string> lora_warnings;
-  const fs::path base_dir = fs::is_directory(opt.base) ? opt.base : opt.base.parent_path();
   if (opt.layout == Layout::kLora) {
     LoraLayoutOptions lopt;
     lopt.dtype = opt.dtype;
     lopt.sync = opt.sync;
-    FERRY_ASSIGN_OR_RETURN(LoraLayoutSummary lora, WriteLoraLayout(cfg, base, adapter, plan, lopt, staging.path()));
+    auto written = WriteLoraLayout(cfg, base, adapter, plan, lopt, staging.path());
+    if (!written.ok()) {
+      // kUnsupported there is always a refusal (lora_layout.h): merging applies what it cannot.
+      if (remedy != nullptr && written.status().code() == StatusCode::kUnsupported) *remedy = ConvertRemedy::kMergedLayout;
+      return written.status();
+    }
+    LoraLayoutSummary lora = std::move(written).value();
     summary.files = std::move(lora.files);
     summary.tensors_written = lora.tensors_written;
     summary.tensors_changed = lora.tensors_written;
@@ -558,11 +493,11 @@ Result<ConvertSummary> Convert(const ConvertOptions& opt) {
     summary.bytes_written = lora.bytes_written;
     lora_warnings = std::move(lora.warnings);
     FERRY_RETURN_IF_ERROR(
-        CopyAuxFiles(opt.adapter, staging.path(), {"adapter_config.json", "README.md"}, opt.sync, summary.files));
+        CopyAuxFiles(opt.adapter, staging.path(), {"adapter_config.json"}, opt.sync, summary.files));
   } else {
     FERRY_ASSIGN_OR_RETURN(summary, MergeWriter(opt, base, adapter, plan).Run(staging.path()));
-    FERRY_RETURN_IF_ERROR(WriteModelConfig(model_config, plan, opt, staging.path()));
-    if (model_config.is_object()) summary.files.push_back("config.json");
+    FERRY_RETURN_IF_ERROR(WriteModelConfig(model_config, plan, opt, base_dir, staging.path()));
+    if (model_config.text) summary.files.push_back("config.json");
     FERRY_RETURN_IF_ERROR(CopyAuxFiles(base_dir, staging.path(), {"config.json"}, opt.sync, summary.files));
   }
   summary.layout = opt.layout;

@@ -29,15 +29,11 @@
 #include <string_view>
 #include <vector>
 
+#include "convert/layout.h"
 #include "core/dtype.h"
 #include "core/status.h"
 
 namespace ferry {
-
-enum class Layout { kHf, kFused, kLora };
-std::string_view LayoutName(Layout layout);
-// "hf", "fused" or "lora"; kInvalidArgument otherwise.
-Result<Layout> ParseLayout(std::string_view name);
 
 struct ConvertOptions {
   std::filesystem::path base;     // base model directory (or file)
@@ -79,9 +75,19 @@ struct ConvertSummary {
   std::vector<std::string> warnings;
 };
 
+// What a caller can change to make a failed Convert succeed, when one option would (the
+// CLI turns it into the flag to pass).
+enum class ConvertRemedy {
+  kNone,
+  kMergedLayout,   // the adapter holds what only merging applies: layout kHf or kFused
+  kReplaceOutput,  // the output exists: ConvertOptions::force
+};
+
 // Runs a conversion. Errors name the file, tensor or field at fault; on error nothing is
-// left at options.out (an existing directory there is untouched).
-Result<ConvertSummary> Convert(const ConvertOptions& options);
+// left at options.out (an existing directory there is untouched), and `remedy` (when given)
+// says which option would fix it: kMergedLayout with kUnsupported from the lora layout's
+// refusals, kReplaceOutput with kAlreadyExists; kNone otherwise.
+Result<ConvertSummary> Convert(const ConvertOptions& options, ConvertRemedy* remedy = nullptr);
 
 // The summary as a JSON object (for `ferry convert --json`).
 std::string ConvertSummaryToJson(const ConvertSummary& summary);

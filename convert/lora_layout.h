@@ -78,7 +78,7 @@ struct LoraLayoutSummary {
 // Writes the clean adapter for `plan` (PlanMerge of `config` and `adapter` onto `base`) into
 // the existing directory `dir`. kUnsupported with FindLoraLayoutRefusals' first reason
 // (engine_check.h) when the adapter holds what only merging applies (DoRA, replaced tensors,
-// trainable tokens, lora_B biases); adapter read errors pass through.
+// trainable tokens, lora_B biases), and for nothing else; adapter read errors pass through.
 Result<LoraLayoutSummary> WriteLoraLayout(const PeftConfig& config, const Checkpoint& base, const Checkpoint& adapter,
                                           const MergePlan& plan, const LoraLayoutOptions& options,
                                           const std::filesystem::path& dir);

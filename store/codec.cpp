@@ -104,7 +104,7 @@ Result<std::string> EncodeVersion(const VersionRecord& r) {
   j["sequence"] = r.sequence;
   j["parent"] = DigestOrNull(r.parent);
   j["kind"] = std::string(KindName(r.kind));
-  j["layout"] = r.layout;
+  j["layout"] = std::string(LayoutName(r.layout));
   j["source"] = std::string(SourceName(r.source));
   j["time_ns"] = r.time_ns;
   j["step"] = r.step ? json(*r.step) : json(nullptr);
@@ -137,7 +137,10 @@ Result<VersionRecord> DecodeVersion(std::string_view text) {
   FERRY_ASSIGN_OR_RETURN(r.kind, ParseEnum(kind, {VersionKind::kBase, VersionKind::kAdapter, VersionKind::kMerged,
                                                   VersionKind::kFull},
                                            &KindName, what + ": field 'kind'"));
-  FERRY_RETURN_IF_ERROR(rd.Get("layout", r.layout));
+  std::string layout;
+  FERRY_RETURN_IF_ERROR(rd.Get("layout", layout));
+  FERRY_ASSIGN_OR_RETURN(r.layout, ParseEnum(layout, {Layout::kHf, Layout::kFused, Layout::kLora}, &LayoutName,
+                                             what + ": field 'layout'"));
   FERRY_RETURN_IF_ERROR(rd.Get("source", source));
   FERRY_ASSIGN_OR_RETURN(r.source, ParseEnum(source, {VersionSource::kConvert, VersionSource::kImport,
                                                       VersionSource::kDaemon, VersionSource::kSync},
@@ -220,6 +223,7 @@ std::string EncodeEvent(const Event& e) {
   j["version"] = e.version.Hex();
   j["computed"] = DigestOrNull(e.computed);
   j["detail"] = e.detail;
+  if (e.anomaly != Event::Anomaly::kUnspecified) j["anomaly"] = std::string(AnomalyName(e.anomaly));
   return j.dump(-1, ' ', /*ensure_ascii=*/false, json::error_handler_t::replace);
 }
 
@@ -237,6 +241,12 @@ Result<Event> DecodeEvent(std::string_view text) {
   FERRY_RETURN_IF_ERROR(rd.GetDigest("version", e.version));
   FERRY_RETURN_IF_ERROR(rd.GetOptionalDigest("computed", e.computed));
   FERRY_RETURN_IF_ERROR(rd.Get("detail", e.detail));
+  if (j.contains("anomaly")) {  // absent in events recorded before it existed
+    std::string anomaly;
+    FERRY_RETURN_IF_ERROR(rd.Get("anomaly", anomaly));
+    FERRY_ASSIGN_OR_RETURN(e.anomaly, ParseEnum(anomaly, {Event::Anomaly::kUnspecified, Event::Anomaly::kReceiverLost},
+                                                &AnomalyName, "event: field 'anomaly'"));
+  }
   return e;
 }
 
@@ -257,55 +267,16 @@ Status ValidateRunName(const std::string& run) {
   return Status::OK();
 }
 
-Status ValidateAuxFileName(std::string_view name) {
-  const auto quoted = [&] { return "auxiliary file name '" + EscapeForMessage(name) + "'"; };
-  if (name.empty() || name.find('/') != std::string_view::npos || name == "." || name == "..") {
-    return Status::InvalidArgument(quoted() + " is not a plain file name");
-  }
-  if (FirstInvalidUtf8(name) != std::string_view::npos) {
-    return Status::InvalidArgument(quoted() + " is not valid UTF-8");
-  }
-  for (char c : name) {
-    if (IsControl(static_cast<unsigned char>(c))) {
-      return Status::InvalidArgument(quoted() + " contains a control character");
-    }
-  }
-  return Status::OK();
-}
-
-bool IsAuxFileName(std::string_view n) {
-  auto starts = [&](std::string_view p) { return n.size() > p.size() && n.substr(0, p.size()) == p; };
-  auto ends = [&](std::string_view s) { return n.size() >= s.size() && n.substr(n.size() - s.size()) == s; };
-  return n == "config.json" || n == "generation_config.json" || (starts("tokenizer") && ends(".json")) ||
-         n == "special_tokens_map.json" || n == "tokenizer.model" || starts("vocab.") || n == "merges.txt" ||
-         starts("chat_template.") || n == "adapter_config.json";
-}
-
 }  // namespace ferry::store::internal
 
 namespace ferry::store {
 
-Result<std::vector<std::pair<std::string, std::string>>> CollectAuxFiles(const std::filesystem::path& dir) {
-  std::vector<std::pair<std::string, std::string>> out;
-  std::error_code ec;
-  std::filesystem::directory_iterator it(dir, ec);
-  if (ec) return Status::IOError(dir.string() + ": cannot list directory: " + ec.message());
-  for (; it != std::filesystem::directory_iterator(); it.increment(ec)) {
-    if (ec) return Status::IOError(dir.string() + ": cannot list directory: " + ec.message());
-    const std::string name = it->path().filename().string();
-    if (!internal::IsAuxFileName(name)) continue;
-    std::error_code sec;
-    if (!it->is_regular_file(sec)) continue;
-    // The name goes into the version record (JSON) and the version id: a name that cannot be
-    // recorded exactly refuses the whole directory rather than being dropped or mangled.
-    if (Status s = internal::ValidateAuxFileName(name); !s.ok()) {
-      return Status::InvalidArgument(dir.string() + ": " + s.message());
-    }
-    FERRY_ASSIGN_OR_RETURN(std::string contents, ReadSmallFile(it->path(), size_t{256} << 20));
-    out.emplace_back(name, std::move(contents));
+std::string_view AnomalyName(Event::Anomaly a) {
+  switch (a) {
+    case Event::Anomaly::kUnspecified: return "unspecified";
+    case Event::Anomaly::kReceiverLost: return "receiver_lost";
   }
-  std::sort(out.begin(), out.end());
-  return out;
+  return "unknown";
 }
 
 }  // namespace ferry::store

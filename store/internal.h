@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "core/status.h"
+#include "core/aux_files.h"
 #include "core/tensor.h"
 #include "core/text.h"
 #include "kernels/hash.h"
@@ -82,14 +83,7 @@ Status ValidateRunName(const std::string& run);
 // Text that goes into a JSON record must be well-formed UTF-8 (core/text.h).
 using ferry::EscapeForMessage;
 using ferry::FirstInvalidUtf8;
-// Auxiliary file names are recorded in version records and hashed into the version id:
-// kInvalidArgument ("auxiliary file name '<escaped>' ...") unless `name` is a plain file name
-// (not empty, ".", "..", no '/'), well-formed UTF-8, without control characters (< 0x20, 0x7F).
-Status ValidateAuxFileName(std::string_view name);
-
-using store::CollectAuxFiles;
-// True when `name` is an auxiliary file name of store.h's list.
-bool IsAuxFileName(std::string_view name);
+// Auxiliary files and their names: core/aux_files.h (CollectAuxFiles, ValidateAuxFileName).
 
 // Hashes every tensor of `ckpt` (sorted by name) and every auxiliary file into a record
 // with id, tensors, aux and total_bytes filled in. `on_tensor` (optional) is called after
@@ -97,7 +91,7 @@ bool IsAuxFileName(std::string_view name);
 // an error it returns stops the pass.
 using TensorVisitor = std::function<Status(const Tensor&, const TensorRow&)>;
 Result<VersionRecord> HashCheckpoint(const Checkpoint& ckpt,
-                                     const std::vector<std::pair<std::string, std::string>>& aux_files,
+                                     const AuxFiles& aux_files,
                                      const std::function<void(uint64_t, uint64_t)>& progress,
                                      const TensorVisitor& on_tensor);
 

@@ -36,17 +36,6 @@ class TempFile {
   int fd_ = -1;
 };
 
-Status WriteAll(int fd, const std::byte* p, size_t n, const std::filesystem::path& path) {
-  while (n > 0) {
-    ssize_t w = ::write(fd, p, n);
-    if (w < 0 && errno == EINTR) continue;
-    if (w <= 0) return ErrnoStatus(path.string() + ": write", w < 0 ? errno : EIO);
-    p += w;
-    n -= static_cast<size_t>(w);
-  }
-  return Status::OK();
-}
-
 }  // namespace
 
 std::filesystem::path ObjectStore::PathOf(Kind kind, const Digest& d) const {
@@ -78,7 +67,7 @@ Status ObjectStore::WriteFile(const std::filesystem::path& final_path, std::span
   for (size_t off = 0; off < bytes.size(); off += kChunkBytes) {
     auto piece = bytes.subspan(off, std::min(kChunkBytes, bytes.size() - off));
     if (check_piece) FERRY_RETURN_IF_ERROR(check_piece(piece));
-    FERRY_RETURN_IF_ERROR(WriteAll(fd, piece.data(), piece.size(), tmp));
+    FERRY_RETURN_IF_ERROR(WriteAll(fd, piece, tmp));
   }
   if (check_end) FERRY_RETURN_IF_ERROR(check_end());
   if (sync_ && ::fsync(fd) != 0) return ErrnoStatus(tmp.string() + ": fsync", errno);

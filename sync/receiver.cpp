@@ -762,7 +762,7 @@ std::unique_ptr<ReuseSource> OpenReuseSource(const fs::path& dir, const store::D
 
 ActivationPlan PlanFor(const Manifest& man, const ReceiverOptions& o) {
   ActivationPlan plan;
-  plan.served_kind = man.mode == "adapter" ? "adapter" : man.kind;
+  plan.served_kind = man.mode == PublishMode::kAdapter ? store::VersionKind::kAdapter : man.kind;
   plan.served_layout = man.layout;
   plan.merged_version = man.merged_version;
   plan.want_layout = o.layout;
@@ -830,8 +830,8 @@ Result<std::unique_ptr<Receiver>> Receiver::Connect(ReceiverOptions o) {
   if (o.timeout_ms <= 0) return Status::InvalidArgument("sync receiver: timeout_ms must be positive");
   if (o.max_retries < 0) return Status::InvalidArgument("sync receiver: max_retries must be >= 0");
   if (o.keep_versions < 0) return Status::InvalidArgument("sync receiver: keep_versions must be >= 0");
-  if (o.layout != "hf" && o.layout != "fused") {
-    return Status::InvalidArgument("sync receiver: layout \"" + o.layout + "\" must be hf or fused");
+  if (!IsTensorLayout(o.layout)) {
+    return Status::InvalidArgument("sync receiver: layout \"" + std::string(LayoutName(o.layout)) + "\" must be hf or fused");
   }
   FERRY_RETURN_IF_ERROR(CheckEndpoints(o.endpoints, o.curve.has_value()));
   std::error_code ec;
@@ -917,11 +917,11 @@ Result<SyncResult> Receiver::SyncLatestOnce() {
     result.sequence = man.sequence;
     result.epoch = man.epoch;
     const ActivationPlan plan = PlanFor(man, options_);
-    if (st.active && st.served == man.version && st.layout == options_.layout) {
+    if (st.active && st.served == man.version && st.layout == LayoutName(options_.layout)) {
       result.already_active = true;
     } else {
       std::unique_ptr<ReuseSource> reuse;
-      if (man.mode == "delta" && st.active) reuse = OpenReuseSource(options_.dir, *st.active);
+      if (man.mode == PublishMode::kDelta && st.active) reuse = OpenReuseSource(options_.dir, *st.active);
       FERRY_ASSIGN_OR_RETURN(Outcome oc, s.Receive(man, reuse.get(), &result));
       if (oc == Outcome::kNewer) {
         ++result.skipped;
@@ -945,7 +945,7 @@ Result<SyncResult> Receiver::SyncLatestOnce() {
           }
           return prepared.status();
         }
-        if (plan.served_kind == "adapter" && !(prepared->proven == plan.merged_version)) {
+        if (plan.served_kind == store::VersionKind::kAdapter && !(prepared->proven == plan.merged_version)) {
           std::error_code ec;
           fs::remove_all(tmp, ec);
           return Status::Corruption("sync: the local merge of adapter " + man.version.Hex() + " onto " +
@@ -962,7 +962,7 @@ Result<SyncResult> Receiver::SyncLatestOnce() {
       record["activated_ns"] = std::chrono::duration_cast<std::chrono::nanoseconds>(
                                    std::chrono::system_clock::now().time_since_epoch())
                                    .count();
-      record["activated_layout"] = options_.layout;
+      record["activated_layout"] = std::string(LayoutName(options_.layout));
       if (proven) record["proven"] = proven->Hex();
       FERRY_RETURN_IF_ERROR(
           WriteFileAtomic(options_.dir / "manifests" / (activate.Hex() + ".json"), record.dump()));
@@ -970,7 +970,7 @@ Result<SyncResult> Receiver::SyncLatestOnce() {
       st.active = activate;
       PruneVersions(options_.dir, options_.keep_versions, activate);
       st.served = man.version;
-      st.layout = options_.layout;
+      st.layout = std::string(LayoutName(options_.layout));
       st.proven = proven;
     }
     sequence_ = man.sequence;

@@ -48,9 +48,9 @@ struct ReceiverOptions {
   // fill its disk. 2 keeps the previous version for a generator still loading it. 0: keep
   // everything. Default: 2
   int keep_versions = 2;
-  // The layout activated in DIR/current: "hf" or "fused" (an hf version is re-laid out by
-  // sync/activate.h's PrepareActivation). Default: "hf"
-  std::string layout = "hf";
+  // The layout activated in DIR/current: kHf or kFused (an hf version is re-laid out by
+  // sync/activate.h's PrepareActivation). Default: hf
+  Layout layout = Layout::kHf;
   // Adapter mode: the base model directory this receiver keeps (the base the publisher's
   // adapter applies to). Default: none (adapter mode then fails naming the missing base).
   std::optional<std::filesystem::path> base_dir;

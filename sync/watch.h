@@ -62,7 +62,7 @@ struct WatchOptions {
   std::filesystem::path dir;                    // the directory the trainer saves checkpoints into (must exist)
   std::string base;                             // a stored version id (or unique prefix), or a base model directory
   std::string run = "default";                  // run the versions are recorded in. Default: "default"
-  SnapshotLayout layout = SnapshotLayout::kHf;  // layout of the merged snapshots. Default: hf
+  Layout layout = Layout::kHf;  // layout of the merged snapshots (hf or fused). Default: hf
   int threads = 0;                              // merge threads. Default: 0 = all hardware threads
 };
 
@@ -124,7 +124,7 @@ class CheckpointWatcher {
   WatchOptions options_;
   store::Digest base_version_;
   std::map<std::string, Tensor> base_tensors_;
-  std::vector<std::pair<std::string, std::string>> base_aux_;
+  AuxFiles base_aux_;
   bool tie_word_embeddings_ = false;
   std::set<std::string> done_;                  // names handled or skipped
   std::map<std::string, Fingerprint> pending_;  // names seen, with their last fingerprint
@@ -140,7 +140,7 @@ class SerializedStore final : public store::Store {
 
   Result<store::ImportResult> Import(const std::filesystem::path& path, const store::ImportOptions& options) override;
   Result<store::ImportResult> ImportCheckpoint(const Checkpoint& ckpt,
-                                               const std::vector<std::pair<std::string, std::string>>& aux_files,
+                                               const AuxFiles& aux_files,
                                                const store::ImportOptions& options) override;
   Result<store::VersionRecord> GetVersion(std::string_view id_or_prefix) override;
   Result<std::vector<store::VersionRecord>> ListVersions(std::optional<std::string> run) override;

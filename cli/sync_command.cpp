@@ -1,6 +1,8 @@
 // `ferry sync publish|receive|status`: weight sync over ZeroMQ (sync/protocol.h).
 //   publish  --db DB --bind EP [--run R] [--key PREFIX --allow FILE] [--mode merged|adapter|delta]
 //            [--watch DIR --base V|DIR [--layout hf|fused] [--poll-ms N]] [--json]
+//            With --watch the run's newest servable version, or else its base, is served at
+//            once, so a receiver started before the first checkpoint holds the base.
 //   receive  --connect EP --out DIR --id ID [--key PREFIX --server-key FILE] [--layout hf|fused]
 //            [--base DIR] [--once] [--timeout-ms N] [--keep-versions N] [--json]
 //            Without --once it waits out a publisher that is not up, silent or unreachable
@@ -18,6 +20,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "cli/commands.h"
@@ -108,9 +111,11 @@ std::optional<sync::CurveOptions> CurveOrFail(const KeyFlags& f, bool publisher)
 }
 
 // Fails naming the flag unless both endpoints are usable with/without CURVE.
-void CheckEndpointsOrFail(const std::string& flag, const std::string& value, const sync::Endpoints& e, bool curve) {
+// `curve_flags`: the flags that give this side its CURVE keys, named when tcp:// lacks them.
+void CheckEndpointsOrFail(const std::string& flag, const std::string& value, const sync::Endpoints& e, bool curve,
+                          std::string_view curve_flags) {
   Status s = sync::CheckEndpoints(e, curve);
-  if (!s.ok()) Fail(s.WithContext(flag + " " + value));
+  if (!s.ok()) FailWithHint(s.WithContext(flag + " " + value), StatusCode::kFailedPrecondition, curve_flags);
 }
 
 Layout ParseLayoutOrFail(const std::string& layout) {
@@ -219,11 +224,11 @@ void RunPublish(const PublishFlags& f) {
   sync::PublisherOptions o;
   o.endpoints = ParseEndpointOrFail("--bind", f.bind);
   o.curve = CurveOrFail(f.keys, true);
-  CheckEndpointsOrFail("--bind", f.bind, o.endpoints, o.curve.has_value());
+  CheckEndpointsOrFail("--bind", f.bind, o.endpoints, o.curve.has_value(), "give --key and --allow");
   o.mode = *mode;
 
   auto owned = OpenStoreOrFail(f.db, /*writable=*/true, /*create=*/watching);
-  sync::SerializedStore store(owned.get());
+  store::Store& store = *owned;  // the watcher imports while the publisher serves: Store is thread-safe
   std::unique_ptr<sync::CheckpointWatcher> watcher;
   if (watching) {
     sync::WatchOptions w;
@@ -249,7 +254,8 @@ void RunPublish(const PublishFlags& f) {
     // serves: it serves the newest publishable version; new versions come through --watch.
     if (!newest->has_value()) {
       Fail("run " + f.run + " of " + f.db + " has no version to publish in " + f.mode +
-           " mode (needs a merged or full version; adapter mode: an adapter whose merged version is recorded)");
+           " mode (needs a merged, full or base version; adapter mode: an adapter whose merged version is "
+           "recorded, or a base)");
     }
     auto seq = (*p)->Publish(**newest);
     if (!seq.ok()) Fail(seq.status());
@@ -259,9 +265,15 @@ void RunPublish(const PublishFlags& f) {
     sigwait(&set, &sig);
     return;
   }
-  if (newest->has_value()) {
-    auto seq = (*p)->Publish(**newest);
-    if (!seq.ok()) std::fprintf(stderr, "ferry: warning: %s\n", seq.status().message().c_str());
+  // The run's newest servable version, or its base: a receiver started before the first
+  // checkpoint holds the base weights (NewestPublishable finds a base recorded in the run;
+  // one stored under another run is served from there).
+  const store::Digest first = newest->has_value() ? **newest : watcher->base_version();
+  if (auto seq = (*p)->Publish(first); seq.ok()) {
+    std::fprintf(stderr, "ferry: serving %s (sequence %llu)\n", first.Hex().c_str(),
+                 static_cast<unsigned long long>(*seq));
+  } else {
+    std::fprintf(stderr, "ferry: warning: %s\n", seq.status().message().c_str());
   }
   do {
     auto handled = watcher->Poll();
@@ -283,8 +295,10 @@ struct ReceiveFlags {
 // write, fsync or rename failing, a version that stays corrupt, a precondition) ends it.
 bool IsTransient(const Status& s) { return s.code() == StatusCode::kUnavailable || s.code() == StatusCode::kNotFound; }
 
-[[noreturn]] void FailReceive(const Status& s, const ReceiveFlags& f) {
-  if (f.base.empty() && s.code() == StatusCode::kInvalidArgument) {  // adapter mode without a local base
+[[noreturn]] void FailReceive(const Status& s, const ReceiveFlags& f, const sync::Receiver& receiver) {
+  // Adapter mode without a local base: the activation plan lacks base_dir (kInvalidArgument).
+  if (f.base.empty() && s.code() == StatusCode::kInvalidArgument &&
+      receiver.served_mode() == sync::PublishMode::kAdapter) {
     Fail(s.WithContext("the publisher serves adapters: give --base DIR (the local base model)"));
   }
   Fail(s);
@@ -300,7 +314,7 @@ void RunReceive(const ReceiveFlags& f) {
   if (!f.base.empty()) o.base_dir = f.base;
   o.endpoints = ParseEndpointOrFail("--connect", f.connect);
   o.curve = CurveOrFail(f.keys, false);
-  CheckEndpointsOrFail("--connect", f.connect, o.endpoints, o.curve.has_value());
+  CheckEndpointsOrFail("--connect", f.connect, o.endpoints, o.curve.has_value(), "give --key and --server-key");
   const sigset_t set = BlockStopSignals();
   auto r = sync::Receiver::Connect(o);
   if (!r.ok()) Fail(r.status());
@@ -308,7 +322,7 @@ void RunReceive(const ReceiveFlags& f) {
   // A failed sync while following: kUnavailable is warned once per outage, kNotFound waited
   // out quietly; anything else ends `receive`.
   auto on_error = [&](const Status& st) {
-    if (!IsTransient(st)) FailReceive(st, f);
+    if (!IsTransient(st)) FailReceive(st, f, **r);
     if (st.code() == StatusCode::kUnavailable) {
       if (!publisher_lost) std::fprintf(stderr, "ferry: warning: %s\n", st.message().c_str());
       publisher_lost = true;
@@ -321,7 +335,7 @@ void RunReceive(const ReceiveFlags& f) {
   if (s.ok()) {
     PrintSync(*s, f.id, f.json);
   } else {
-    if (f.once) FailReceive(s.status(), f);
+    if (f.once) FailReceive(s.status(), f, **r);
     on_error(s.status());
     if (s.status().code() == StatusCode::kNotFound) {
       std::fprintf(stderr, "ferry: waiting for a version to be published: %s\n", s.status().message().c_str());
@@ -453,7 +467,9 @@ void SetSyncCommand(CLI::App& app) {
   receive->add_option("--id", rf->id, "Receiver id recorded by the publisher ([A-Za-z0-9._-]{1,64})")->required();
   receive->add_option("--layout", rf->layout, "Layout activated in DIR/current, hf | fused (default: hf)");
   receive->add_option("--base", rf->base,
-                      "Local base model directory (needed when the publisher serves --mode adapter)");
+                      "Local base model directory: adapters (publisher --mode adapter) are merged onto it unless "
+                      "this receiver received the publisher's base; a served base copies the tensors it holds "
+                      "instead of fetching them");
   receive->add_option("--timeout-ms", rf->timeout_ms, "Longest wait for a reply from the publisher (default: 10000)");
   receive->add_option("--keep-versions", rf->keep_versions,
                       "Versions kept in DIR/versions: the newest N activated (default: 2; 0 keeps all)");

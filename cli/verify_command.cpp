@@ -120,16 +120,28 @@ void RunVerifyPath(const VerifyPathFlags& f) {
     Fail(f.path + " does not match version " + Describe(*target) + " in store " + f.db + ": " + detail);
   }
 
-  auto versions = s->ListVersions(std::nullopt);
-  if (!versions.ok()) Fail(versions.status());
+  // The common case, PATH is a recorded version, is one lookup; only otherwise is every
+  // version compared.
+  std::vector<store::VersionRecord> versions;
+  auto recorded = s->GetVersion(got.id.Hex());
+  if (recorded.ok()) {
+    versions.push_back(std::move(*recorded));
+  } else if (recorded.status().code() == StatusCode::kNotFound) {
+    auto all = s->ListVersions(std::nullopt);
+    if (!all.ok()) Fail(all.status());
+    versions = std::move(*all);
+  } else {
+    Fail(recorded.status());
+  }
   const store::VersionRecord* exact = nullptr;
   const store::VersionRecord* same_tensors = nullptr;
   const store::VersionRecord* closest = nullptr;
   int64_t closest_matched = 0;
   Comparison same_cmp;
-  for (const auto& v : *versions) {
+  for (const auto& v : versions) {
     if (v.id == got.id) {
       exact = &v;
+      closest_matched = static_cast<int64_t>(got.tensors.size());
       break;
     }
     Comparison c = Compare(got, v);

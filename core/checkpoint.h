@@ -45,6 +45,10 @@ class Checkpoint {
 
   const std::filesystem::path& path() const { return path_; }
   CheckpointFormat format() const { return format_; }
+  // True for a FromProducer checkpoint. Get, RangeOf, Release and the accessors may be
+  // called from several threads at once on any other checkpoint; a produced one is only as
+  // thread-safe as its producer, so callers that do not know it ask for one tensor at a time.
+  bool produced() const { return producer_ != nullptr; }
   // Sorted tensor names.
   const std::vector<std::string>& names() const { return names_; }
   size_t size() const { return names_.size(); }

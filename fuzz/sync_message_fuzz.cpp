@@ -90,7 +90,7 @@ bool SameManifest(const Manifest& a, const Manifest& b) {
   return true;
 }
 
-// The receiver's layout of `man` (sync/receiver.cpp ReceiveInto): a safetensors header
+// The receiver's layout of `man` (sync/receiver_transfer.cpp ReceiveInto): a safetensors header
 // from the tensor specs, then each tensor's bytes in manifest order. The header must parse
 // back to the same tensors at contiguous offsets.
 void CheckLayout(const Manifest& man) {

@@ -5,7 +5,10 @@
 
 // Multi-versioned loops: GCC and clang emit an AVX2 (+F16C) clone and a baseline one
 // and pick at load time. Bodies are written branch-free so both vectorise.
-#if defined(__x86_64__) && !defined(__SANITIZE_ADDRESS__) && defined(__GNUC__) && !defined(__clang__)
+// Not under ASan or TSan: the clones' resolver runs during relocation, before the sanitizer
+// runtime is set up, and the instrumented resolver crashes there.
+#if defined(__x86_64__) && !defined(__SANITIZE_ADDRESS__) && !defined(__SANITIZE_THREAD__) && defined(__GNUC__) && \
+    !defined(__clang__)
 #define FERRY_MULTIVERSION __attribute__((target_clones("avx2", "default")))
 #else
 #define FERRY_MULTIVERSION

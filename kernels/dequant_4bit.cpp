@@ -1,6 +1,7 @@
 #include "kernels/dequant_4bit.h"
 
-#if defined(__x86_64__) && !defined(__SANITIZE_ADDRESS__) && defined(__GNUC__) && !defined(__clang__)
+#if defined(__x86_64__) && !defined(__SANITIZE_ADDRESS__) && !defined(__SANITIZE_THREAD__) && defined(__GNUC__) && \
+    !defined(__clang__)
 #define FERRY_MULTIVERSION __attribute__((target_clones("avx2", "default")))
 #else
 #define FERRY_MULTIVERSION

@@ -14,7 +14,8 @@
 // same order (no FMA: contraction would change the rounding, see the header; GCC's vector
 // extensions compile `acc + c * a` to a separate multiply and add under -ffp-contract=off),
 // lane by lane what the scalar UpdateOne does, so the result does not depend on the version.
-#if defined(__x86_64__) && !defined(__SANITIZE_ADDRESS__) && defined(__GNUC__) && !defined(__clang__)
+#if defined(__x86_64__) && !defined(__SANITIZE_ADDRESS__) && !defined(__SANITIZE_THREAD__) && defined(__GNUC__) && \
+    !defined(__clang__)
 #define FERRY_MULTIVERSION 1
 #else
 #define FERRY_MULTIVERSION 0

@@ -15,7 +15,8 @@ constexpr uint64_t kExportShardBytes = 5'000'000'000ull;
 }  // namespace
 
 Status RocksStore::Export(const Digest& version, const std::filesystem::path& out, bool force) {
-  FERRY_ASSIGN_OR_RETURN(VersionRecord rec, LoadVersion(version));
+  std::shared_lock gc_lock(gc_mu_);  // gc must not remove the objects being copied
+  FERRY_ASSIGN_OR_RETURN(VersionRecord rec, LoadVersion(MakeView().options(), version));
   const std::string what = "export of version " + rec.id.Hex() + " to " + out.string();
   auto staging = StagingDir::Create(out, force);
   if (!staging.ok()) return Status(staging.status().code(), Where(what + ": " + staging.status().message()));

@@ -38,7 +38,10 @@ Status RemoveUnused(const std::filesystem::path& top, const std::set<Digest>& ke
 Result<int64_t> RocksStore::GarbageCollect(int64_t keep) {
   FERRY_RETURN_IF_ERROR(RequireWritable("garbage collection"));
   if (keep < 1) return Status::InvalidArgument(Where("gc: keep must be at least 1, got " + std::to_string(keep)));
-  FERRY_ASSIGN_OR_RETURN(std::vector<VersionRecord> all, ListVersions(std::nullopt));
+  // No import, verify or export runs meanwhile: an import's objects are not yet referenced
+  // by any record, and would be removed as unused.
+  std::unique_lock gc_lock(gc_mu_);
+  FERRY_ASSIGN_OR_RETURN(std::vector<VersionRecord> all, LoadAllVersions(rocksdb::ReadOptions()));
   std::map<Digest, const VersionRecord*> by_id;
   std::map<std::string, std::vector<const VersionRecord*>> by_run;
   for (const VersionRecord& r : all) {

@@ -2,7 +2,9 @@
 #include <algorithm>
 #include <atomic>
 #include <mutex>
+#include <optional>
 #include <set>
+#include <shared_mutex>
 #include <thread>
 
 #include <rocksdb/write_batch.h>
@@ -49,8 +51,7 @@ Result<AuxFiles> AuxOf(const std::filesystem::path& path) {
 
 Result<VersionRecord> HashCheckpoint(const Checkpoint& ckpt,
                                      const AuxFiles& aux_files,
-                                     const std::function<void(uint64_t, uint64_t)>& progress,
-                                     const TensorVisitor& on_tensor) {
+                                     const HashOptions& options) {
   // Names are checked before any byte is hashed or stored: they are recorded (JSON) and
   // hashed into the version id, so one that cannot be recorded exactly refuses the version.
   std::set<std::string> seen;
@@ -63,24 +64,27 @@ Result<VersionRecord> HashCheckpoint(const Checkpoint& ckpt,
       return Status::InvalidArgument("tensor name '" + EscapeForMessage(name) + "' is not valid UTF-8");
     }
   }
-  VersionRecord rec;
   const uint64_t total = ckpt.total_bytes();
   std::mutex progress_mu;
   uint64_t done = 0;
-  auto hash_one = [&](const std::string& name, Tensor& t) -> Result<TensorRow> {
-    FERRY_ASSIGN_OR_RETURN(t, ckpt.Get(name));
+  auto report = [&](uint64_t n) {
+    if (!options.progress) return;
+    std::lock_guard<std::mutex> lock(progress_mu);
+    done += n;
+    options.progress(done, total);
+  };
+  // One tensor: digest (and statistics) in cache-sized pieces, then the visitor.
+  auto visit = [&](const std::string& name) -> Result<TensorRow> {
+    FERRY_ASSIGN_OR_RETURN(Tensor t, ckpt.Get(name));
     TensorDigester digester(t.dtype(), t.shape());
-    TensorStats stats(t.dtype());
+    std::optional<TensorStats> stats;
+    if (options.stats) stats.emplace(t.dtype());
     auto bytes = t.bytes();
     for (size_t off = 0; off < bytes.size(); off += kChunkBytes) {
       auto piece = bytes.subspan(off, std::min(kChunkBytes, bytes.size() - off));
       digester.Update(piece);
-      stats.Update(piece);
-      if (progress) {
-        std::lock_guard<std::mutex> lock(progress_mu);
-        done += piece.size();
-        progress(done, total);
-      }
+      if (stats) stats->Update(piece);
+      report(piece.size());
     }
     TensorRow row;
     row.name = name;
@@ -88,19 +92,28 @@ Result<VersionRecord> HashCheckpoint(const Checkpoint& ckpt,
     row.shape = t.shape();
     row.digest = digester.Finish();
     row.nbytes = t.nbytes();
-    stats.Finish(row);
+    if (stats) stats->Finish(row);
+    Status s = options.on_tensor ? options.on_tensor(t, row) : Status::OK();
+    ckpt.Release(name);
+    if (!s.ok()) return s;
     return row;
   };
+
   const auto& names = ckpt.names();
-  if (!on_tensor) {
-    // Hashing only (ferry verify): tensors are independent, so every core takes the next one.
-    std::vector<Result<TensorRow>> rows(names.size(), Status::Internal("not hashed"));
+  std::vector<std::optional<Result<TensorRow>>> rows(names.size());  // nullopt: skipped after an error
+  if (ckpt.produced()) {
+    for (size_t i = 0; i < names.size(); ++i) {
+      rows[i] = visit(names[i]);
+      if (!rows[i]->ok()) return rows[i]->status();
+    }
+  } else {
+    // Tensors are independent: every core takes the next one.
     std::atomic<size_t> next{0};
+    std::atomic<bool> failed{false};
     auto worker = [&] {
-      for (size_t i = next++; i < names.size(); i = next++) {
-        Tensor t;
-        rows[i] = hash_one(names[i], t);
-        ckpt.Release(names[i]);
+      for (size_t i = next++; i < names.size() && !failed.load(); i = next++) {
+        rows[i] = visit(names[i]);
+        if (!rows[i]->ok()) failed = true;
       }
     };
     const size_t threads = std::min<size_t>(std::max(1u, std::thread::hardware_concurrency()), names.size());
@@ -108,21 +121,14 @@ Result<VersionRecord> HashCheckpoint(const Checkpoint& ckpt,
     for (size_t k = 1; k < threads; ++k) pool.emplace_back(worker);
     worker();
     for (auto& th : pool) th.join();
-    for (auto& r : rows) {
-      if (!r.ok()) return r.status();
-      rec.total_bytes += r->nbytes;
-      rec.tensors.push_back(std::move(r).value());
-    }
-  } else {
-    for (const std::string& name : names) {
-      Tensor t;
-      FERRY_ASSIGN_OR_RETURN(TensorRow row, hash_one(name, t));
-      Status s = on_tensor(t, row);
-      ckpt.Release(name);
-      if (!s.ok()) return s;
-      rec.total_bytes += row.nbytes;
-      rec.tensors.push_back(std::move(row));
-    }
+  }
+  for (const auto& r : rows) {
+    if (r && !r->ok()) return r->status();
+  }
+  VersionRecord rec;
+  for (auto& r : rows) {
+    rec.total_bytes += (*r)->nbytes;
+    rec.tensors.push_back(std::move(*r).value());
   }
   for (const auto& [name, contents] : aux_files) {
     rec.aux.push_back(AuxFile{name, HashString(contents), contents.size()});
@@ -130,19 +136,6 @@ Result<VersionRecord> HashCheckpoint(const Checkpoint& ckpt,
   std::sort(rec.aux.begin(), rec.aux.end(), [](const AuxFile& a, const AuxFile& b) { return a.name < b.name; });
   rec.id = ManifestDigest(rec.tensors, rec.aux);
   return rec;
-}
-
-Status RocksStore::StoreTensorObject(const Tensor& t, const TensorRow& row, std::set<std::filesystem::path>& dirty,
-                                     std::set<Digest>& written, ImportResult& result) {
-  if (written.count(row.digest)) return Status::OK();
-  FERRY_ASSIGN_OR_RETURN(auto known, Get(kObjects, DigestKey(row.digest)));
-  if (known && objects_.Present(ObjectStore::Kind::kTensor, row.digest, row.nbytes)) return Status::OK();
-  Status s = objects_.WriteTensor(row.digest, row.dtype, row.shape, t.bytes(), row.name, dirty);
-  if (!s.ok()) return Status(s.code(), Where(s.message()));
-  written.insert(row.digest);
-  result.bytes_written += row.nbytes;
-  ++result.objects_written;
-  return Status::OK();
 }
 
 Result<ImportResult> RocksStore::Import(const std::filesystem::path& path, const ImportOptions& options) {
@@ -181,39 +174,59 @@ Result<ImportResult> RocksStore::ImportCheckpoint(const Checkpoint& ckpt,
           Where("auxiliary file 'adapter_config.json' is not valid UTF-8 (byte " + std::to_string(at) + ")"));
     }
   }
+  std::shared_lock gc_lock(gc_mu_);  // gc waits until this import committed or failed
   if (options.parent) {
-    FERRY_ASSIGN_OR_RETURN(bool has, HasVersion(*options.parent));
+    FERRY_ASSIGN_OR_RETURN(bool has, HasVersion(rocksdb::ReadOptions(), *options.parent));
     if (!has) return Status::NotFound(Where("parent version " + options.parent->Hex() + " not found"));
   }
 
-  // 1. Hash every tensor; store the bytes of each one not yet stored while it is mapped.
-  ImportResult result;
-  std::set<std::filesystem::path> dirty;
-  std::set<Digest> written;
-  auto hashed = HashCheckpoint(ckpt, aux_files, options.progress, [&](const Tensor& t, const TensorRow& row) {
-    return StoreTensorObject(t, row, dirty, written, result);
-  });
+  // 1. Hash every tensor (on every core); write the bytes of each one not yet stored while it
+  //    is mapped, to a temporary name, its writeback started.
+  ObjectBatch batch(objects_);
+  auto store_tensor = [&](const Tensor& t, const TensorRow& row) -> Status {
+    FERRY_ASSIGN_OR_RETURN(auto known, Get(rocksdb::ReadOptions(), kObjects, DigestKey(row.digest)));
+    if (known && objects_.Present(ObjectStore::Kind::kTensor, row.digest, row.nbytes)) return Status::OK();
+    Status s = batch.WriteTensor(row, t.bytes(), ckpt.RangeOf(row.name));
+    if (!s.ok()) return Status(s.code(), Where(s.message()));
+    return Status::OK();
+  };
+  HashOptions ho;
+  ho.progress = options.progress;
+  ho.on_tensor = store_tensor;
+  auto hashed = HashCheckpoint(ckpt, aux_files, ho);
   if (!hashed.ok()) return hashed.status();
   VersionRecord rec = std::move(*hashed);
   for (const auto& [name, contents] : aux_files) {
-    Digest d = HashString(contents);
-    if (objects_.Present(ObjectStore::Kind::kAux, d, contents.size())) continue;
-    Status s = objects_.WriteAux(d, contents, dirty);
+    Status s = batch.WriteAux(HashString(contents), contents);
     if (!s.ok()) return Status(s.code(), Where("auxiliary file '" + name + "': " + s.message()));
-    result.bytes_written += contents.size();
-    ++result.objects_written;
   }
-  // 2. The bytes are durable before anything refers to them.
-  if (Status s = objects_.SyncDirs(dirty); !s.ok()) return Status(s.code(), Where(s.message()));
+  // 2. The bytes are durable and in place before anything refers to them, including objects
+  //    another import of this process was writing (rewritten here if that one failed).
+  for (;;) {
+    auto rewrite = batch.Finish();
+    if (!rewrite.ok()) return Status(rewrite.status().code(), Where(rewrite.status().message()));
+    if (rewrite->empty()) break;
+    for (const TensorRow& row : *rewrite) {
+      FERRY_ASSIGN_OR_RETURN(Tensor t, ckpt.Get(row.name));
+      Status s = batch.WriteTensor(row, t.bytes(), ckpt.RangeOf(row.name));
+      ckpt.Release(row.name);
+      if (!s.ok()) return Status(s.code(), Where(s.message()));
+    }
+  }
+  if (Status s = batch.SyncDirs(); !s.ok()) return Status(s.code(), Where(s.message()));
+  ImportResult result;
+  result.bytes_written = batch.bytes_written();
+  result.objects_written = batch.objects_written();
 
-  FERRY_ASSIGN_OR_RETURN(bool exists, HasVersion(rec.id));
+  // 3. One synced batch makes the version visible. The existence check, the sequence and
+  //    the write are one step for concurrent imports.
+  std::lock_guard commit_lock(commit_mu_);
+  FERRY_ASSIGN_OR_RETURN(bool exists, HasVersion(rocksdb::ReadOptions(), rec.id));
   if (exists) {
-    FERRY_ASSIGN_OR_RETURN(result.record, LoadVersion(rec.id));
+    FERRY_ASSIGN_OR_RETURN(result.record, LoadVersion(MakeView().options(), rec.id));
     result.already_present = true;
     return result;
   }
-
-  // 3. One synced batch makes the version visible.
   FERRY_ASSIGN_OR_RETURN(auto last, LastOfRun(options.run));
   rec.run = options.run;
   rec.sequence = last.first + 1;
@@ -228,18 +241,18 @@ Result<ImportResult> RocksStore::ImportCheckpoint(const Checkpoint& ckpt,
   rec.metrics = options.metrics;
   if (rec.kind == VersionKind::kAdapter) rec.adapter_config = AdapterConfigOf(aux_files);
 
-  rocksdb::WriteBatch batch;
+  rocksdb::WriteBatch wb;
   const std::string id_key = DigestKey(rec.id);
   FERRY_ASSIGN_OR_RETURN(std::string encoded, EncodeVersion(rec));
-  batch.Put(cfs_[kVersions], id_key, encoded);
+  wb.Put(cfs_[kVersions], id_key, encoded);
   for (const TensorRow& row : rec.tensors) {
     FERRY_ASSIGN_OR_RETURN(encoded, EncodeTensorRow(row));
-    batch.Put(cfs_[kTensors], TensorKey(rec.id, row.name), encoded);
-    batch.Put(cfs_[kObjects], DigestKey(row.digest), U64Le(row.nbytes));
+    wb.Put(cfs_[kTensors], TensorKey(rec.id, row.name), encoded);
+    wb.Put(cfs_[kObjects], DigestKey(row.digest), U64Le(row.nbytes));
   }
-  batch.Put(cfs_[kRuns], RunKey(rec.run, rec.sequence), id_key);
-  batch.Put(cfs_[kLatest], rec.run, id_key);
-  FERRY_RETURN_IF_ERROR(Write(batch, "commit version " + rec.id.Hex()));
+  wb.Put(cfs_[kRuns], RunKey(rec.run, rec.sequence), id_key);
+  wb.Put(cfs_[kLatest], rec.run, id_key);
+  FERRY_RETURN_IF_ERROR(Write(wb, "commit version " + rec.id.Hex()));
   result.record = std::move(rec);
   return result;
 }
@@ -250,7 +263,10 @@ Result<VersionRecord> HashPath(const std::filesystem::path& path,
                                const std::function<void(uint64_t, uint64_t)>& progress) {
   FERRY_ASSIGN_OR_RETURN(Checkpoint ckpt, Checkpoint::Open(path));
   FERRY_ASSIGN_OR_RETURN(auto aux, internal::AuxOf(path));
-  FERRY_ASSIGN_OR_RETURN(VersionRecord rec, internal::HashCheckpoint(ckpt, aux, progress, nullptr));
+  internal::HashOptions ho;
+  ho.stats = false;  // ferry verify compares digests; nothing shows statistics of a path
+  ho.progress = progress;
+  FERRY_ASSIGN_OR_RETURN(VersionRecord rec, internal::HashCheckpoint(ckpt, aux, ho));
   rec.run.clear();
   if (internal::LooksLikeAdapter(ckpt, aux)) {
     rec.kind = VersionKind::kAdapter;

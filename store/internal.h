@@ -85,15 +85,27 @@ using ferry::EscapeForMessage;
 using ferry::FirstInvalidUtf8;
 // Auxiliary files and their names: core/aux_files.h (CollectAuxFiles, ValidateAuxFileName).
 
-// Hashes every tensor of `ckpt` (sorted by name) and every auxiliary file into a record
-// with id, tensors, aux and total_bytes filled in. `on_tensor` (optional) is called after
-// each tensor is hashed, while its bytes are still mapped, with the tensor and its row;
-// an error it returns stops the pass.
+// What HashCheckpoint computes and calls besides the digests.
 using TensorVisitor = std::function<Status(const Tensor&, const TensorRow&)>;
+struct HashOptions {
+  // Fill in TensorRow's statistics (l2_norm, nonfinite, all_zero). Default: true. HashPath
+  // (ferry verify) compares digests only and turns them off.
+  bool stats = true;
+  // Called with (bytes hashed so far, total bytes), never concurrently with itself.
+  std::function<void(uint64_t, uint64_t)> progress;
+  // Called after each tensor is hashed, while its bytes are still mapped, with the tensor and
+  // its row, on the thread that hashed it: calls for different tensors run at once (one at a
+  // time, in name order, for a produced checkpoint). An error it returns stops the pass.
+  TensorVisitor on_tensor;
+};
+
+// Hashes every tensor of `ckpt` and every auxiliary file into a record with id, tensors
+// (sorted by name), aux and total_bytes filled in. Tensors are hashed on every hardware
+// thread, one tensor per thread at a time (a produced checkpoint: one at a time, in name
+// order, each released before the next is made). The first error in name order is returned.
 Result<VersionRecord> HashCheckpoint(const Checkpoint& ckpt,
                                      const AuxFiles& aux_files,
-                                     const std::function<void(uint64_t, uint64_t)>& progress,
-                                     const TensorVisitor& on_tensor);
+                                     const HashOptions& options);
 
 // Nanoseconds since the Unix epoch.
 int64_t NowNs();

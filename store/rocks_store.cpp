@@ -101,7 +101,7 @@ Result<std::unique_ptr<Store>> RocksStore::OpenImpl(const std::filesystem::path&
   if (!st.ok()) return store->Translate(st, options.read_only ? "open as a reader" : "open");
   store->db_.reset(raw);
 
-  FERRY_ASSIGN_OR_RETURN(auto schema, store->Get(kDefault, kSchemaKey));
+  FERRY_ASSIGN_OR_RETURN(auto schema, store->Get(rocksdb::ReadOptions(), kDefault, kSchemaKey));
   if (!schema) {
     if (!options.read_only) {
       rocksdb::WriteBatch batch;
@@ -133,9 +133,20 @@ RocksStore::~RocksStore() {
   }
 }
 
-Result<std::optional<std::string>> RocksStore::Get(Cf cf, const std::string& key) const {
+RocksStore::View RocksStore::MakeView() const {
+  View v;
+  if (options_.read_only) {
+    v.refresh_lock_ = std::shared_lock<std::shared_mutex>(refresh_mu_);
+  } else {
+    v.snapshot_ = std::make_unique<rocksdb::ManagedSnapshot>(db_.get());
+    v.options_.snapshot = v.snapshot_->snapshot();
+  }
+  return v;
+}
+
+Result<std::optional<std::string>> RocksStore::Get(const rocksdb::ReadOptions& ro, Cf cf, const std::string& key) const {
   std::string value;
-  rocksdb::Status st = db_->Get(rocksdb::ReadOptions(), cfs_[cf], key, &value);
+  rocksdb::Status st = db_->Get(ro, cfs_[cf], key, &value);
   if (st.IsNotFound()) return std::optional<std::string>();
   if (!st.ok()) return Translate(st, std::string("read ") + CfName(cf));
   return std::optional<std::string>(std::move(value));
@@ -149,15 +160,15 @@ Status RocksStore::Write(rocksdb::WriteBatch& batch, std::string_view what) {
   return Status::OK();
 }
 
-Result<bool> RocksStore::HasVersion(const Digest& id) const {
-  FERRY_ASSIGN_OR_RETURN(auto v, Get(kVersions, DigestKey(id)));
+Result<bool> RocksStore::HasVersion(const rocksdb::ReadOptions& ro, const Digest& id) const {
+  FERRY_ASSIGN_OR_RETURN(auto v, Get(ro, kVersions, DigestKey(id)));
   return v.has_value();
 }
 
-Result<std::vector<TensorRow>> RocksStore::LoadTensors(const Digest& id) const {
+Result<std::vector<TensorRow>> RocksStore::LoadTensors(const rocksdb::ReadOptions& ro, const Digest& id) const {
   std::vector<TensorRow> rows;
   const std::string prefix = DigestKey(id);
-  std::unique_ptr<rocksdb::Iterator> it(db_->NewIterator(rocksdb::ReadOptions(), cfs_[kTensors]));
+  std::unique_ptr<rocksdb::Iterator> it(db_->NewIterator(ro, cfs_[kTensors]));
   for (it->Seek(prefix); it->Valid() && it->key().starts_with(prefix); it->Next()) {
     auto row = DecodeTensorRow(it->value().ToStringView());
     if (!row.ok()) return Status::Corruption(Where("version " + id.Hex() + ": " + row.status().message()));
@@ -167,13 +178,29 @@ Result<std::vector<TensorRow>> RocksStore::LoadTensors(const Digest& id) const {
   return rows;
 }
 
-Result<VersionRecord> RocksStore::LoadVersion(const Digest& id) const {
-  FERRY_ASSIGN_OR_RETURN(auto json, Get(kVersions, DigestKey(id)));
+Result<VersionRecord> RocksStore::LoadVersion(const rocksdb::ReadOptions& ro, const Digest& id) const {
+  FERRY_ASSIGN_OR_RETURN(auto json, Get(ro, kVersions, DigestKey(id)));
   if (!json) return Status::NotFound(Where("version " + id.Hex() + " not found"));
   auto rec = DecodeVersion(*json);
   if (!rec.ok()) return Status::Corruption(Where(rec.status().message()));
-  FERRY_ASSIGN_OR_RETURN(rec->tensors, LoadTensors(id));
+  FERRY_ASSIGN_OR_RETURN(rec->tensors, LoadTensors(ro, id));
   return std::move(*rec);
+}
+
+Result<std::vector<VersionRecord>> RocksStore::LoadAllVersions(const rocksdb::ReadOptions& ro) const {
+  std::vector<VersionRecord> out;
+  std::unique_ptr<rocksdb::Iterator> it(db_->NewIterator(ro, cfs_[kVersions]));
+  for (it->SeekToFirst(); it->Valid(); it->Next()) {
+    auto rec = DecodeVersion(it->value().ToStringView());
+    if (!rec.ok()) return Status::Corruption(Where(rec.status().message()));
+    FERRY_ASSIGN_OR_RETURN(rec->tensors, LoadTensors(ro, rec->id));
+    out.push_back(std::move(*rec));
+  }
+  if (!it->status().ok()) return Translate(it->status(), "read versions");
+  std::sort(out.begin(), out.end(), [](const VersionRecord& a, const VersionRecord& b) {
+    return std::tie(a.time_ns, a.run, a.sequence) < std::tie(b.time_ns, b.run, b.sequence);
+  });
+  return out;
 }
 
 Result<std::pair<uint64_t, std::optional<Digest>>> RocksStore::LastOfRun(const std::string& run) const {
@@ -194,9 +221,10 @@ Result<VersionRecord> RocksStore::GetVersion(std::string_view id_or_prefix) {
   if (!IsHex(p) || p.size() > 32) {
     return Status::InvalidArgument(Where("'" + std::string(id_or_prefix) + "' is not a version id (32 hex characters)"));
   }
+  const View view = MakeView();
   if (p.size() == 32) {
     FERRY_ASSIGN_OR_RETURN(Digest id, Digest::FromHex(p));
-    return LoadVersion(id);
+    return LoadVersion(view.options(), id);
   }
   if (p.size() < 6) {
     return Status::InvalidArgument(Where("version prefix '" + p + "' is too short (at least 6 hex characters)"));
@@ -205,7 +233,7 @@ Result<VersionRecord> RocksStore::GetVersion(std::string_view id_or_prefix) {
   std::string padded = p + std::string(32 - p.size(), '0');
   FERRY_ASSIGN_OR_RETURN(Digest lower, Digest::FromHex(padded));
   std::vector<Digest> matches;
-  std::unique_ptr<rocksdb::Iterator> it(db_->NewIterator(rocksdb::ReadOptions(), cfs_[kVersions]));
+  std::unique_ptr<rocksdb::Iterator> it(db_->NewIterator(view.options(), cfs_[kVersions]));
   for (it->Seek(DigestKey(lower)); it->Valid() && matches.size() < 2; it->Next()) {
     FERRY_ASSIGN_OR_RETURN(Digest id, DigestFromKey(it->key().ToStringView()));
     if (id.Hex().compare(0, p.size(), p) != 0) break;
@@ -217,38 +245,26 @@ Result<VersionRecord> RocksStore::GetVersion(std::string_view id_or_prefix) {
     return Status::InvalidArgument(Where("version prefix '" + p + "' is ambiguous (" + matches[0].Hex() + ", " +
                                          matches[1].Hex() + ", ...)"));
   }
-  return LoadVersion(matches[0]);
+  return LoadVersion(view.options(), matches[0]);
 }
 
 Result<std::vector<VersionRecord>> RocksStore::ListVersions(std::optional<std::string> run) {
+  const View view = MakeView();
+  if (!run) return LoadAllVersions(view.options());
   std::vector<VersionRecord> out;
-  if (run) {
-    const std::string prefix = *run + std::string(1, '\0');
-    std::vector<Digest> ids;
-    std::unique_ptr<rocksdb::Iterator> it(db_->NewIterator(rocksdb::ReadOptions(), cfs_[kRuns]));
-    for (it->Seek(prefix); it->Valid() && it->key().starts_with(prefix); it->Next()) {
-      if (it->key().size() != prefix.size() + 8) continue;  // a longer run name sharing the prefix
-      FERRY_ASSIGN_OR_RETURN(Digest id, DigestFromKey(it->value().ToStringView()));
-      ids.push_back(id);
-    }
-    if (!it->status().ok()) return Translate(it->status(), "read run " + *run);
-    for (const Digest& id : ids) {
-      FERRY_ASSIGN_OR_RETURN(VersionRecord r, LoadVersion(id));
-      out.push_back(std::move(r));
-    }
-    return out;
+  const std::string prefix = *run + std::string(1, '\0');
+  std::vector<Digest> ids;
+  std::unique_ptr<rocksdb::Iterator> it(db_->NewIterator(view.options(), cfs_[kRuns]));
+  for (it->Seek(prefix); it->Valid() && it->key().starts_with(prefix); it->Next()) {
+    if (it->key().size() != prefix.size() + 8) continue;  // a longer run name sharing the prefix
+    FERRY_ASSIGN_OR_RETURN(Digest id, DigestFromKey(it->value().ToStringView()));
+    ids.push_back(id);
   }
-  std::unique_ptr<rocksdb::Iterator> it(db_->NewIterator(rocksdb::ReadOptions(), cfs_[kVersions]));
-  for (it->SeekToFirst(); it->Valid(); it->Next()) {
-    auto rec = DecodeVersion(it->value().ToStringView());
-    if (!rec.ok()) return Status::Corruption(Where(rec.status().message()));
-    FERRY_ASSIGN_OR_RETURN(rec->tensors, LoadTensors(rec->id));
-    out.push_back(std::move(*rec));
+  if (!it->status().ok()) return Translate(it->status(), "read run " + *run);
+  for (const Digest& id : ids) {
+    FERRY_ASSIGN_OR_RETURN(VersionRecord r, LoadVersion(view.options(), id));
+    out.push_back(std::move(r));
   }
-  if (!it->status().ok()) return Translate(it->status(), "read versions");
-  std::sort(out.begin(), out.end(), [](const VersionRecord& a, const VersionRecord& b) {
-    return std::tie(a.time_ns, a.run, a.sequence) < std::tie(b.time_ns, b.run, b.sequence);
-  });
   return out;
 }
 
@@ -261,7 +277,7 @@ Result<std::vector<std::string>> RocksStore::ListRuns() {
 }
 
 Result<std::optional<Digest>> RocksStore::Latest(const std::string& run) {
-  FERRY_ASSIGN_OR_RETURN(auto v, Get(kLatest, run));
+  FERRY_ASSIGN_OR_RETURN(auto v, Get(rocksdb::ReadOptions(), kLatest, run));
   if (!v) return std::optional<Digest>();
   FERRY_ASSIGN_OR_RETURN(Digest id, DigestFromKey(*v));
   return std::optional<Digest>(id);
@@ -325,12 +341,13 @@ Result<std::string> RocksStore::ReadAux(const AuxFile& aux) {
 }
 
 Result<std::vector<VerifyReport>> RocksStore::Verify(std::optional<Digest> version) {
+  std::shared_lock gc_lock(gc_mu_);  // gc must not remove objects while they are checked
   std::vector<VersionRecord> records;
   if (version) {
-    FERRY_ASSIGN_OR_RETURN(VersionRecord r, LoadVersion(*version));
+    FERRY_ASSIGN_OR_RETURN(VersionRecord r, LoadVersion(MakeView().options(), *version));
     records.push_back(std::move(r));
   } else {
-    FERRY_ASSIGN_OR_RETURN(records, ListVersions(std::nullopt));
+    FERRY_ASSIGN_OR_RETURN(records, LoadAllVersions(MakeView().options()));
   }
   // An object shared by many versions is hashed once per call.
   std::map<Digest, StatusCode> tensor_state, aux_state;
@@ -367,10 +384,8 @@ Status RocksStore::AddEvent(const Event& e) {
   Event stored = e;
   if (stored.time_ns == 0) stored.time_ns = NowNs();
   rocksdb::WriteBatch batch;
-  batch.Put(cfs_[kEvents], EventKey(stored.time_ns, event_counter_), EncodeEvent(stored));
-  FERRY_RETURN_IF_ERROR(Write(batch, "add event for version " + e.version.Hex()));
-  ++event_counter_;
-  return Status::OK();
+  batch.Put(cfs_[kEvents], EventKey(stored.time_ns, event_counter_.fetch_add(1)), EncodeEvent(stored));
+  return Write(batch, "add event for version " + e.version.Hex());
 }
 
 Result<std::vector<Event>> RocksStore::ListEvents(std::optional<Digest> version) {
@@ -387,6 +402,7 @@ Result<std::vector<Event>> RocksStore::ListEvents(std::optional<Digest> version)
 
 Status RocksStore::Refresh() {
   if (!options_.read_only) return Status::OK();
+  std::unique_lock lock(refresh_mu_);  // waits for reads spanning several keys (View)
   rocksdb::Status st = db_->TryCatchUpWithPrimary();
   if (!st.ok()) return Translate(st, "catch up with the writer");
   return Status::OK();

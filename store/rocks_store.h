@@ -3,20 +3,31 @@
 // import.cpp, export.cpp, gc.cpp.
 #pragma once
 
+#include <atomic>
 #include <filesystem>
 #include <memory>
+#include <mutex>
 #include <optional>
+#include <shared_mutex>
 #include <string>
 #include <string_view>
 #include <vector>
 
 #include <rocksdb/db.h>
+#include <rocksdb/snapshot.h>
 
 #include "store/object_store.h"
 #include "store/store.h"
 
 namespace ferry::store::internal {
 
+// Thread-safe (store.h). Locks, each held only for what it names:
+//   commit_mu_   a version's existence check, its run's next sequence and its batch write;
+//   gc_mu_       shared by Import/ImportCheckpoint/Verify/Export, exclusive for GarbageCollect;
+//   refresh_mu_  read-only stores: shared by every read that spans several keys, exclusive
+//                for Refresh (a writable store gives such reads a RocksDB snapshot instead:
+//                secondaries cannot take one).
+// Object-file claims live in ObjectStore; the event counter is atomic.
 class RocksStore final : public Store {
  public:
   static Result<std::unique_ptr<Store>> OpenImpl(const std::filesystem::path& dir, const StoreOptions& options);
@@ -53,20 +64,34 @@ class RocksStore final : public Store {
   std::string Where(std::string_view msg) const;
   Status RequireWritable(std::string_view operation) const;
 
+  // A consistent view of the database for reads that span several keys (a version record
+  // and its tensor rows): what every read through `options()` sees is one committed state.
+  class View {
+   public:
+    const rocksdb::ReadOptions& options() const { return options_; }
+
+   private:
+    friend class RocksStore;
+    rocksdb::ReadOptions options_;
+    std::unique_ptr<rocksdb::ManagedSnapshot> snapshot_;  // writable stores
+    std::shared_lock<std::shared_mutex> refresh_lock_;     // read-only stores
+  };
+  View MakeView() const;
+
   // nullopt when absent.
-  Result<std::optional<std::string>> Get(Cf cf, const std::string& key) const;
+  Result<std::optional<std::string>> Get(const rocksdb::ReadOptions& ro, Cf cf, const std::string& key) const;
   Status Write(rocksdb::WriteBatch& batch, std::string_view what);
   // The record (tensors included); kNotFound naming the id when absent.
-  Result<VersionRecord> LoadVersion(const Digest& id) const;
-  Result<bool> HasVersion(const Digest& id) const;
-  Result<std::vector<TensorRow>> LoadTensors(const Digest& id) const;
+  Result<VersionRecord> LoadVersion(const rocksdb::ReadOptions& ro, const Digest& id) const;
+  Result<bool> HasVersion(const rocksdb::ReadOptions& ro, const Digest& id) const;
+  Result<std::vector<TensorRow>> LoadTensors(const rocksdb::ReadOptions& ro, const Digest& id) const;
+  // Every version (tensors included) as `ro` sees them, oldest first.
+  Result<std::vector<VersionRecord>> LoadAllVersions(const rocksdb::ReadOptions& ro) const;
   // The highest sequence of `run` (0 when it has none) and the version holding it.
+  // REQUIRES: commit_mu_ held (so that it stays the highest until the caller commits).
   Result<std::pair<uint64_t, std::optional<Digest>>> LastOfRun(const std::string& run) const;
   // The versions holding a tensor `name` with digest `digest` (for error messages).
   std::vector<Digest> VersionsHolding(const std::string& name, const Digest& digest) const;
-  // Writes any object of `row` not yet stored; adds to the counters.
-  Status StoreTensorObject(const Tensor& t, const TensorRow& row, std::set<std::filesystem::path>& dirty,
-                           std::set<Digest>& written, ImportResult& result);
 
   std::filesystem::path dir_;
   StoreOptions options_;
@@ -74,7 +99,10 @@ class RocksStore final : public Store {
   std::unique_ptr<rocksdb::DB> db_;
   std::vector<rocksdb::ColumnFamilyHandle*> cfs_;
   std::filesystem::path secondary_dir_;  // read-only stores: RocksDB's private directory
-  uint64_t event_counter_ = 0;
+  std::atomic<uint64_t> event_counter_{0};
+  std::mutex commit_mu_;
+  std::shared_mutex gc_mu_;
+  mutable std::shared_mutex refresh_mu_;
 };
 
 }  // namespace ferry::store::internal

@@ -37,12 +37,31 @@
 //   "events"    u64be(time_ns) || u64be(event counter)    -> Event as JSON
 //   "default"   "schema"                                  -> "1"
 //
-// Commit protocol: object files are written and fsynced first (and their directory);
-// then ONE WriteBatch with sync = true adds the version record, its tensor rows, the run
-// index entry and the latest pointer. A version is visible iff its batch committed, so a
-// crash at any point leaves either the whole version or none of it (orphan objects are
-// removed by gc). Readers (the CLI) may open the store while a writer holds it: they open
-// RocksDB as a secondary instance and see every version committed before they opened.
+// Commit protocol: each new object file is written under a temporary name, its bytes
+// re-hashed from the file and checked against its digest, fdatasynced and only then renamed
+// to its digest name, so no object file ever holds wrong or partial bytes under that name;
+// the directories touched are fsynced. Then ONE WriteBatch with sync = true adds the
+// version record, its tensor rows, the run index entry and the latest pointer. A version is
+// visible iff its batch committed, so a crash at any point leaves either the whole version
+// or none of it (orphan objects are removed by gc). Readers (the CLI) may open the store
+// while a writer holds it: they open RocksDB as a secondary instance and see every version
+// committed before they opened.
+//
+// Thread safety: a Store is thread-safe; one Store object is shared by every thread of a
+// process (the daemon records versions while a publisher serves them and events arrive).
+// RocksDB serialises its own writes; the store itself serialises only:
+//   - a version's commit: the check that its id is not yet stored, the run's next sequence
+//     and the batch (a synced WAL write), under one commit lock, so concurrent imports into
+//     one run get sequences 1..N without gaps or duplicates, `latest` is the highest, and
+//     the same version imported by several threads at once is committed exactly once (the
+//     others return it with already_present);
+//   - the writing of one object file: one import writes a digest at a time in a process;
+//     another import needing the same digest meanwhile relies on that write (and rewrites
+//     the object itself only if that writer fails);
+//   - GarbageCollect against Import/ImportCheckpoint/Verify/Export (each waits for the
+//     other: gc must not remove objects an import is writing or a verify is reading);
+//   - Refresh calls of a read-only store, one at a time.
+// Everything else (hashing and writing objects, reads, events, verify) runs in parallel.
 //
 // Decisions the implementation (store/*.cpp) makes where the above leaves room:
 //   - Aux digests in the manifest are 16 bytes big-endian hi then lo, like tensor digests.
@@ -68,8 +87,9 @@
 //     An explicit ImportOptions.parent must be a stored version (kNotFound otherwise);
 //     base_version / adapter_version are recorded as given.
 //   - Statistics: l2_norm sums the squares of the finite elements only (NaN/Inf are counted
-//     in nonfinite); all_zero is true when every element is +0 or -0. Computed for F32,
-//     F64, F16, BF16, F8_E4M3 and F8_E5M2; zero for every other dtype.
+//     in nonfinite); all_zero is true when every element is +0 or -0. Computed at import
+//     (recorded rows; the audit and `ferry versions` show them) for F32, F64, F16, BF16,
+//     F8_E4M3 and F8_E5M2; zero for every other dtype, and in HashPath's rows.
 //   - Verify hashes each distinct object once per call; auxiliary files that are missing
 //     or corrupted are reported in missing/corrupted under their file name.
 //   - Export writes model.safetensors (adapter_model.safetensors for adapters), sharded at
@@ -218,7 +238,8 @@ struct ImportOptions {
 struct ImportResult {
   VersionRecord record;
   bool already_present = false;  // the same version id was already stored (nothing new written)
-  uint64_t bytes_written = 0;    // new object bytes written (0 when everything was stored)
+  uint64_t bytes_written = 0;    // new object bytes this import wrote (0 when everything was stored;
+                                 // an object another import was writing at the same time counts there)
   int64_t objects_written = 0;
 };
 
@@ -235,49 +256,73 @@ struct StoreOptions {
   bool sync_objects = true;        // fsync object files before committing. Default: true.
 };
 
-// A store on disk. Thread-compatible: one writer object per store; many readers.
+// A store on disk. Thread-safe: every method may be called from any thread, concurrently
+// with any other (see "Thread safety" at the top of this file for what is serialised).
+// Results are consistent snapshots of committed versions: a reader never sees part of a
+// version. Callbacks the caller passes (ImportOptions::progress) are never called
+// concurrently with themselves.
 class Store {
  public:
   // Opens (or creates) the store at `dir`. A writer fails with kFailedPrecondition naming
-  // the directory when another process holds it for writing.
+  // the directory when another process, or another Store object of this process, holds it
+  // for writing: share one Store between threads instead of opening it twice.
   static Result<std::unique_ptr<Store>> Open(const std::filesystem::path& dir, const StoreOptions& options);
+  // REQUIRES: no call on this store is running (the caller joins its threads first).
   virtual ~Store() = default;
 
   // Records the weights at `path` (a safetensors file, model directory or PEFT adapter
   // directory) as a version: hashes every tensor, stores bytes not yet stored, commits.
+  // Thread-safe; runs in parallel with other imports, reads, events and Verify; waits for a
+  // running GarbageCollect. Tensors are hashed and written on every hardware thread.
   virtual Result<ImportResult> Import(const std::filesystem::path& path, const ImportOptions& options) = 0;
-  // The same for tensors already open (the sync publisher and daemon use this).
+  // The same for tensors already open (the sync publisher and daemon use this). The same
+  // concurrency as Import. `ckpt.Get` is called from several threads at once, except for a
+  // checkpoint made with Checkpoint::FromProducer, whose tensors are made one at a time in
+  // name order (each released before the next is asked for).
   virtual Result<ImportResult> ImportCheckpoint(const Checkpoint& ckpt, const AuxFiles& aux_files,
                                                 const ImportOptions& options) = 0;
 
   // kNotFound naming the id when absent. `prefix`: a unique hex prefix (>= 6 chars) is accepted.
+  // Thread-safe; never waits for an import or event.
   virtual Result<VersionRecord> GetVersion(std::string_view id_or_prefix) = 0;
-  // Versions, oldest first, optionally of one run.
+  // Versions, oldest first, optionally of one run. Thread-safe; never waits for an import.
   virtual Result<std::vector<VersionRecord>> ListVersions(std::optional<std::string> run) = 0;
+  // Thread-safe; never waits for an import.
   virtual Result<std::vector<std::string>> ListRuns() = 0;
+  // The run's newest committed version (the highest sequence). Thread-safe.
   virtual Result<std::optional<Digest>> Latest(const std::string& run) = 0;
 
   // A stored tensor's bytes (memory-mapped object file), checked against its digest when
-  // `verify` is set (kCorruption naming the version and tensor otherwise).
+  // `verify` is set (kCorruption naming the version and tensor otherwise). Thread-safe;
+  // never waits for an import. The mapping stays valid after a GarbageCollect removes the
+  // object; a call during one may fail with kNotFound for a version being removed.
   virtual Result<Tensor> ReadTensor(const TensorRow& row, bool verify) = 0;
-  // A stored auxiliary file's contents.
+  // A stored auxiliary file's contents. Thread-safe, as ReadTensor.
   virtual Result<std::string> ReadAux(const AuxFile& aux) = 0;
 
-  // Re-hashes every stored byte of `version` (all versions when nullopt).
+  // Re-hashes every stored byte of `version` (all versions when nullopt). Thread-safe; runs
+  // in parallel with imports (it checks the versions committed when it starts); waits for a
+  // running GarbageCollect.
   virtual Result<std::vector<VerifyReport>> Verify(std::optional<Digest> version) = 0;
 
   // Writes a version out as a loadable directory (safetensors + aux files), atomically.
+  // Thread-safe, as Verify.
   virtual Status Export(const Digest& version, const std::filesystem::path& out, bool force) = 0;
 
+  // Records an event (synced). Thread-safe: events appended from several threads at once
+  // are all recorded, each under its own key.
   virtual Status AddEvent(const Event& e) = 0;
+  // Events in (time, arrival) order, optionally of one version. Thread-safe.
   virtual Result<std::vector<Event>> ListEvents(std::optional<Digest> version) = 0;
 
   // Keeps the newest `keep` versions of each run (and every version they reference as
-  // base/adapter/parent); deletes the rest and every object no kept version uses.
-  // Returns the number of versions removed.
+  // base/adapter, transitively); deletes the rest and every object no kept version uses.
+  // Returns the number of versions removed. Thread-safe; excludes Import, ImportCheckpoint,
+  // Verify and Export (waits for the running ones, and new ones wait for it).
   virtual Result<int64_t> GarbageCollect(int64_t keep) = 0;
 
-  // For read-only (secondary) stores: catch up with the writer's newest commits.
+  // For read-only (secondary) stores: catch up with the writer's newest commits. Thread-safe;
+  // reads running meanwhile see the store as before or after the catch-up, never between.
   virtual Status Refresh() = 0;
 };
 
@@ -287,7 +332,10 @@ class Store {
 Digest ManifestDigest(const std::vector<TensorRow>& tensors, const std::vector<AuxFile>& aux);
 
 // Hashes the weights at `path` without storing them (what `ferry verify PATH` does): a
-// record with id, tensors and aux files filled in (run/sequence empty).
+// record with id, tensors and aux files filled in (run/sequence empty). The rows carry no
+// statistics (l2_norm, nonfinite and all_zero are zero): only digests are compared, and
+// the statistics pass would cost more than the hashing. Tensors are hashed on every
+// hardware thread; `progress` is never called concurrently with itself.
 Result<VersionRecord> HashPath(const std::filesystem::path& path, const std::function<void(uint64_t, uint64_t)>& progress = {});
 
 }  // namespace ferry::store

@@ -8,7 +8,6 @@
 #include <utility>
 #include <vector>
 
-#include "convert/converter.h"
 #include "convert/fused_layout.h"
 #include "convert/peft_config.h"
 #include "core/aux_files.h"
@@ -16,6 +15,7 @@
 #include "core/mapped_file.h"
 #include "core/safetensors.h"
 #include "core/staging_dir.h"
+#include "sync/activate_merge.h"
 
 namespace ferry::sync {
 namespace {
@@ -86,11 +86,10 @@ struct Plan {
   AuxFiles aux;
 };
 
-// Adapter mode: merges `received` onto plan.base_dir into `hf_dir` with the converter
-// (`ferry convert --layout hf`: the snapshot builder's arithmetic, bit for bit, but streamed
-// tensor by tensor into the page cache instead of building the whole merged model in memory
-// first), then proves the result: the manifest id of the files written must be the
-// publisher's merged version. Returns that id. On any error nothing is left at `hf_dir`.
+// Adapter mode: merges `received` onto plan.base_dir into `hf_dir` (the snapshot builder's
+// arithmetic, bit for bit, streamed tensor by tensor and hashed as it is written: see
+// sync/activate_merge.h), proving the result: the manifest id of the files written must be
+// the publisher's merged version. Returns that id. On any error nothing is left at `hf_dir`.
 Result<store::Digest> MergeAdapterInto(const fs::path& received, const ActivationPlan& plan, const fs::path& hf_dir) {
   const fs::path& base_dir = *plan.base_dir;
   std::error_code ec;
@@ -98,30 +97,7 @@ Result<store::Digest> MergeAdapterInto(const fs::path& received, const Activatio
     return Status::FailedPrecondition("adapter activation of " + received.string() + ": base directory " +
                                       base_dir.string() + " (ActivationPlan.base_dir) does not exist");
   }
-  if (auto base = Checkpoint::Open(base_dir); !base.ok()) {
-    return Status::FailedPrecondition("adapter activation of " + received.string() + ": cannot read the base " +
-                                      base_dir.string() + ": " + base.status().message());
-  }
-  ConvertOptions co;
-  co.base = base_dir;
-  co.adapter = received;
-  co.out = hf_dir;
-  co.layout = Layout::kHf;
-  co.threads = plan.threads;
-  auto converted = Convert(co);
-  if (!converted.ok()) {
-    return converted.status().WithContext("adapter activation of " + received.string() + " onto " + base_dir.string());
-  }
-  auto written = store::HashPath(hf_dir);
-  if (!written.ok() || written->id != *plan.merged_version) {
-    fs::remove_all(hf_dir, ec);
-    if (!written.ok()) return written.status();
-    return Status::Corruption("adapter activation: merging " + received.string() + " onto the base " +
-                              base_dir.string() + " gives manifest " + written->id.Hex() +
-                              " but the publisher's merged version is " + plan.merged_version->Hex() +
-                              " (the local base or the adapter differs from the publisher's)");
-  }
-  return written->id;
+  return activate_internal::WriteMergedAdapter(received, base_dir, *plan.merged_version, plan.threads, hf_dir);
 }
 
 // Layout mode: the received tensors, mapped, with their aux files.

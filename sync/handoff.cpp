@@ -53,7 +53,6 @@ Result<uint64_t> SnapshotChannel::Publish(std::shared_ptr<const Snapshot> snapsh
     e.type = store::Event::Type::kPublished;
     e.version = id;
     e.detail = "in-process sequence " + std::to_string(sequence) + " on channel '" + run_ + "'";
-    std::lock_guard lock(store_mu_);
     (void)store_->AddEvent(e);  // history only; the hand-off does not depend on it
   }
   return sequence;
@@ -114,7 +113,6 @@ Status SnapshotChannel::Acknowledge(std::string_view receiver_id, uint64_t seque
     e.version = *version;
     e.computed = computed;
     e.detail = match ? "receiver verified the manifest digest" : "MISMATCH: receiver computed " + computed.Hex();
-    std::lock_guard lock(store_mu_);
     FERRY_RETURN_IF_ERROR(store_->AddEvent(e));
   }
   if (!match) {

@@ -47,8 +47,8 @@ class SnapshotChannel {
   static constexpr size_t kAcknowledgeable = 8;
 
   // `store` (optional, may be null; must outlive the channel) receives a `published` event
-  // per Publish and an `acknowledged` event per Acknowledge. The channel serialises its own
-  // calls into the store; nobody else may use it concurrently (Store is thread-compatible).
+  // per Publish and an `acknowledged` event per Acknowledge. Others may use the store at the
+  // same time (Store is thread-safe).
   // `run` names the channel in events and errors. Default: "default".
   explicit SnapshotChannel(store::Store* store = nullptr, std::string run = "default");
   // Wakes every waiter (as Close()).
@@ -102,8 +102,6 @@ class SnapshotChannel {
   Handoff latest_;             // sequence 0: nothing published
   std::deque<Published> ids_;  // the last kAcknowledgeable published (sequence, id)
   bool closed_ = false;
-
-  std::mutex store_mu_;  // serialises calls into store_
 };
 
 }  // namespace ferry::sync

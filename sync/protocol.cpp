@@ -275,9 +275,16 @@ Result<Manifest> DecodeManifest(std::string_view text) {
   m.layout = *ParseLayout(layout);
   m.mode = *ParsePublishMode(mode);
   if (m.mode == PublishMode::kAdapter) {
-    if (m.kind != store::VersionKind::kAdapter) return bad("field kind is \"" + kind + "\" in adapter mode (must be adapter)");
     FERRY_ASSIGN_OR_RETURN(m.base_version, get_digest(j, "base_version"));
-    FERRY_ASSIGN_OR_RETURN(m.merged_version, get_digest(j, "merged_version"));
+    if (m.kind == store::VersionKind::kAdapter) {
+      FERRY_ASSIGN_OR_RETURN(m.merged_version, get_digest(j, "merged_version"));
+    } else if (m.kind == store::VersionKind::kMerged || !(*m.base_version == m.version) ||
+               j.contains("merged_version")) {
+      // The only other version adapter mode serves is the base the adapters apply to.
+      return bad("field kind is \"" + kind +
+                 "\" in adapter mode (must be adapter, or base/full with base_version = version and no "
+                 "merged_version: the base itself)");
+    }
   } else if (m.kind == store::VersionKind::kAdapter) {
     return bad("field kind is \"adapter\" outside adapter mode (mode " + mode + ")");
   }

@@ -35,7 +35,9 @@
 //   kind: 0 = tensor (index into the manifest's tensors), 1 = auxiliary file.
 //   MANIFEST JSON: {"version": hex, "sequence": n, "epoch": n, "kind": "full"|"base"|
 //   "merged"|"adapter", "layout": "hf"|"fused"|"lora", "mode": "merged"|"adapter"|"delta",
-//   "base_version": hex, "merged_version": hex (both only in adapter mode), "tensors":
+//   "base_version": hex, "merged_version": hex (both only in adapter mode; the base the
+//   adapters apply to is served in adapter mode too, as kind base or full with
+//   base_version = its own version and no merged_version), "tensors":
 //   [{"name", "dtype", "shape", "digest", "nbytes"}...] sorted by name, "aux": [{"name",
 //   "digest", "size"}...]}. Unknown fields are ignored.
 //   ACK: version = the served version, computed = the manifest digest the receiver computed
@@ -131,10 +133,13 @@ struct Message {
 
 // How versions are published (the MANIFEST's "mode"):
 //   kMerged   every tensor of the version is sent; the receiver activates what it received.
-//   kAdapter  the version must be an adapter (kind adapter, base_version set); the publisher
+//   kAdapter  the version is an adapter (kind adapter, base_version set); the publisher
 //             also names its merged version (a stored version of kind merged, layout hf,
 //             whose adapter_version is the adapter and base_version the adapter's base);
-//             the receiver merges onto its local base and proves the merged id.
+//             the receiver merges onto its base and proves the merged id. Or the version
+//             is the base itself (kind base or full), served whole before the first
+//             adapter: a receiver copies the tensors its local base holds (verified) and
+//             fetches the rest, and merges later adapters onto the base it received.
 //   kDelta    as kMerged, but the receiver copies tensors it already holds in its active
 //             version (matched by tensor digest, verified while copying) instead of
 //             fetching them.
@@ -152,7 +157,7 @@ struct Manifest {
   store::VersionKind kind = store::VersionKind::kFull;  // the stored version's kind
   Layout layout = Layout::kHf;
   PublishMode mode = PublishMode::kMerged;  // the publication mode
-  std::optional<store::Digest> base_version;    // adapter mode only
+  std::optional<store::Digest> base_version;    // adapter mode only (the base: its own id)
   std::optional<store::Digest> merged_version;  // adapter mode only: the merged hf id to prove
   std::vector<store::TensorRow> tensors;  // name, dtype, shape, digest, nbytes; sorted by name
   std::vector<store::AuxFile> aux;        // sorted by name
@@ -173,8 +178,9 @@ Manifest ManifestFor(const store::VersionRecord& r);
 // The manifest JSON (see the table above) of `m`.
 std::string EncodeManifest(const Manifest& m);
 // Parses and validates a manifest (limits, sorted unique names, known dtypes, sizes that
-// match shapes, safe aux file names, known kind/layout/mode, adapter mode with kind adapter
-// and both base_version and merged_version). kCorruption naming the field at fault.
+// match shapes, safe aux file names, known kind/layout/mode; adapter mode with kind adapter
+// and both base_version and merged_version, or the base itself: kind base or full,
+// base_version = version, no merged_version). kCorruption naming the field at fault.
 [[nodiscard]] Result<Manifest> DecodeManifest(std::string_view json);
 
 // Whether `id` is a valid receiver id ([A-Za-z0-9._-]{1,64}).

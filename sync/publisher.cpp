@@ -1,8 +1,5 @@
 #include "sync/publisher.h"
 
-#include <sys/stat.h>
-#include <unistd.h>
-
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -23,6 +20,8 @@ namespace {
 constexpr size_t kMaxPublishedKept = 8;  // versions still served after a newer one is published
 constexpr size_t kMaxCachedItems = 4;    // tensors/aux files kept open for chunking
 constexpr size_t kMaxVerifiedKept = 1u << 16;  // object digests verified once, then trusted
+constexpr std::string_view kZapDomain = "ferry-sync";
+constexpr uint64_t kPaceBurstBytes = uint64_t{1} << 20;  // credit a capped publisher may bank
 
 using Clock = std::chrono::steady_clock;
 
@@ -47,11 +46,6 @@ void SetCommonOptions(zmq::socket_t& s, const PublisherOptions& o) {
     s.set(zmq::sockopt::heartbeat_timeout, o.heartbeat_timeout_ms);
     s.set(zmq::sockopt::heartbeat_ttl, o.heartbeat_timeout_ms);
   }
-  if (o.curve) {
-    s.set(zmq::sockopt::curve_server, true);
-    s.set(zmq::sockopt::curve_secretkey, o.curve->secret_key);
-    s.set(zmq::sockopt::zap_domain, "ferry-sync");
-  }
 }
 
 uint64_t RandomEpoch() {
@@ -67,47 +61,19 @@ uint64_t RandomEpoch() {
 Result<std::optional<store::Digest>> NewestPublishable(store::Store& store, const std::string& run, PublishMode mode) {
   FERRY_ASSIGN_OR_RETURN(std::vector<store::VersionRecord> versions, store.ListVersions(run));
   for (auto it = versions.rbegin(); it != versions.rend(); ++it) {
+    // A base is a version too: what a run serves before its first checkpoint.
+    if (it->kind == store::VersionKind::kBase) return std::optional<store::Digest>(it->id);
     if (mode != PublishMode::kAdapter) {
-      if (it->kind == store::VersionKind::kMerged || it->kind == store::VersionKind::kFull) return std::optional<store::Digest>(it->id);
-      continue;
-    }
-    if (it->kind == store::VersionKind::kMerged && it->adapter_version) return std::optional<store::Digest>(*it->adapter_version);
-  }
-  return std::optional<store::Digest>();
-}
-
-Result<Endpoints> PrivateIpcEndpoints(const std::filesystem::path& dir) {
-  std::error_code ec;
-  std::filesystem::create_directories(dir, ec);
-  if (ec) return Status::IOError(dir.string() + ": cannot create endpoint directory: " + ec.message());
-  struct stat st {};
-  if (::stat(dir.c_str(), &st) != 0) return Status::IOError(dir.string() + ": cannot stat endpoint directory");
-  if (st.st_uid != ::geteuid()) {
-    return Status::FailedPrecondition(dir.string() + ": endpoint directory is owned by another user");
-  }
-  if ((st.st_mode & 0777) != 0700 && ::chmod(dir.c_str(), 0700) != 0) {
-    return Status::IOError(dir.string() + ": cannot make endpoint directory private (mode 0700)");
-  }
-  const std::string base = std::filesystem::absolute(dir).string();
-  if (base.size() + sizeof("/requests") > 107) {
-    return Status::InvalidArgument(dir.string() + ": path too long for an ipc:// socket (107-byte limit)");
-  }
-  return Endpoints{"ipc://" + base + "/requests", "ipc://" + base + "/updates"};
-}
-
-Status CheckEndpoints(const Endpoints& e, bool curve) {
-  for (const std::string* ep : {&e.requests, &e.updates}) {
-    if (ep->rfind("ipc://", 0) == 0 || ep->rfind("inproc://", 0) == 0) continue;
-    if (ep->rfind("tcp://", 0) == 0) {
-      if (!curve) {
-        return Status::FailedPrecondition("endpoint " + *ep +
-                                          ": tcp:// needs CURVE keys (the options' curve); use ipc:// locally");
+      if (it->kind == store::VersionKind::kMerged || it->kind == store::VersionKind::kFull) {
+        return std::optional<store::Digest>(it->id);
       }
       continue;
     }
-    return Status::InvalidArgument("endpoint " + *ep + ": only ipc://, tcp:// (with CURVE) and inproc:// are supported");
+    if (it->kind == store::VersionKind::kMerged && it->adapter_version) {
+      return std::optional<store::Digest>(*it->adapter_version);
+    }
   }
-  return Status::OK();
+  return std::optional<store::Digest>();
 }
 
 class Publisher::Impl {
@@ -118,16 +84,7 @@ class Publisher::Impl {
   Status Bind() {
     try {
       if (options_.curve) {
-        for (const auto& k : options_.curve->allowed_keys) {
-          std::array<uint8_t, 32> bin{};
-          if (k.size() != 40 || zmq_z85_decode(bin.data(), k.c_str()) == nullptr) {
-            return Status::InvalidArgument("allow-list key " + k.substr(0, 40) + ": not a Z85 public key");
-          }
-          allowed_.insert(std::string(reinterpret_cast<const char*>(bin.data()), bin.size()));
-        }
-        zap_ = zmq::socket_t(ctx_, zmq::socket_type::rep);
-        zap_.set(zmq::sockopt::linger, 0);
-        zap_.bind("inproc://zeromq.zap.01");
+        FERRY_ASSIGN_OR_RETURN(zap_, ZapAllowList::Bind(ctx_.handle(), options_.curve->allowed_keys));
       }
       control_ = zmq::socket_t(ctx_, zmq::socket_type::pair);
       control_.bind("inproc://ferry-publisher-control");
@@ -135,6 +92,7 @@ class Publisher::Impl {
       caller_.connect("inproc://ferry-publisher-control");
       router_ = zmq::socket_t(ctx_, zmq::socket_type::router);
       SetCommonOptions(router_, options_);
+      if (options_.curve) FERRY_RETURN_IF_ERROR(SecureServerSocket(router_.handle(), *options_.curve, kZapDomain));
       router_.set(zmq::sockopt::router_mandatory, true);
       if (zmq_socket_monitor(router_.handle(), "inproc://ferry-publisher-monitor",
                              ZMQ_EVENT_ACCEPTED | ZMQ_EVENT_DISCONNECTED) != 0) {
@@ -147,6 +105,7 @@ class Publisher::Impl {
       router_.bind(options_.endpoints.requests);
       pub_ = zmq::socket_t(ctx_, zmq::socket_type::pub);
       SetCommonOptions(pub_, options_);
+      if (options_.curve) FERRY_RETURN_IF_ERROR(SecureServerSocket(pub_.handle(), *options_.curve, kZapDomain));
       pub_.bind(options_.endpoints.updates);
       bound_ = {router_.get(zmq::sockopt::last_endpoint), pub_.get(zmq::sockopt::last_endpoint)};
     } catch (const zmq::error_t& e) {
@@ -212,6 +171,7 @@ class Publisher::Impl {
     store::VersionRecord record;
     uint64_t sequence = 0;
     std::optional<store::Digest> merged_version;  // adapter mode
+    bool base_itself = false;                      // adapter mode: the base, served whole
     std::shared_ptr<const std::string> manifest_json;  // shared by every queued MANIFEST reply
   };
 
@@ -232,7 +192,7 @@ class Publisher::Impl {
       std::vector<zmq::pollitem_t> items = {{control_.handle(), 0, ZMQ_POLLIN, 0},
                                             {router_.handle(), 0, ZMQ_POLLIN, 0},
                                             {monitor_.handle(), 0, ZMQ_POLLIN, 0}};
-      if (zap_) items.push_back({zap_.handle(), 0, ZMQ_POLLIN, 0});
+      if (zap_) items.push_back({zap_->socket(), 0, ZMQ_POLLIN, 0});
       auto now = Clock::now();
       if (options_.follow_run && now >= next_follow) {
         Follow();
@@ -248,7 +208,7 @@ class Publisher::Impl {
           0, std::chrono::duration_cast<std::chrono::milliseconds>(wake - Clock::now()).count());
       try {
         zmq::poll(items.data(), items.size(), std::chrono::milliseconds(timeout));
-        if (items.size() > 3 && (items[3].revents & ZMQ_POLLIN)) HandleZap();
+        if (items.size() > 3 && (items[3].revents & ZMQ_POLLIN)) zap_->HandlePending();
         if (items[0].revents & ZMQ_POLLIN) {
           if (!HandleControl()) return;
         }
@@ -393,11 +353,14 @@ class Publisher::Impl {
     if (rec.tensors.empty()) return Status::FailedPrecondition("version " + v.Hex() + " has no tensors to sync");
     const bool is_adapter = rec.kind == store::VersionKind::kAdapter;
     Published p;
-    if (options_.mode == PublishMode::kAdapter) {
-      if (!is_adapter) {
-        return Status::FailedPrecondition("version " + v.Hex() + " is of kind " + std::string(store::KindName(rec.kind)) +
-                                          ": adapter mode publishes adapter versions");
+    if (options_.mode == PublishMode::kAdapter && !is_adapter) {
+      // The base the adapters apply to, served whole (receivers that hold it copy it locally).
+      if (rec.kind == store::VersionKind::kMerged) {
+        return Status::FailedPrecondition("version " + v.Hex() + " is of kind merged: adapter mode publishes adapter "
+                                          "versions (and the base, kind base or full); publish its adapter");
       }
+      p.base_itself = true;
+    } else if (options_.mode == PublishMode::kAdapter) {
       if (!rec.base_version) {
         return Status::FailedPrecondition("version " + v.Hex() + ": adapter has no base_version recorded; adapter mode "
                                           "needs the base the receivers keep");
@@ -413,6 +376,7 @@ class Publisher::Impl {
     man.epoch = epoch_;
     man.mode = options_.mode;
     man.merged_version = p.merged_version;
+    if (p.base_itself) man.base_version = rec.id;
     p.manifest_json = std::make_shared<const std::string>(EncodeManifest(man));
     p.record = std::move(rec);
     p.sequence = seq;
@@ -437,28 +401,6 @@ class Publisher::Impl {
       // The beacon repeats it.
     }
     return seq;
-  }
-
-  void HandleZap() {
-    std::vector<zmq::message_t> parts;
-    for (;;) {
-      zmq::message_t p;
-      if (!zap_.recv(p, zmq::recv_flags::dontwait)) break;
-      const bool more = p.more();
-      parts.push_back(std::move(p));
-      if (!more) break;
-    }
-    if (parts.size() < 6) return;  // not a ZAP request; REP requires a reply only to well-formed ones
-    bool ok = parts[5].to_string() == "CURVE" && parts.size() >= 7 && parts[6].size() == 32 &&
-              allowed_.count(parts[6].to_string()) > 0;
-    // User-Id: the client's key in Z85, readable from every message of the connection.
-    char z85[41] = {};
-    if (ok && zmq_z85_encode(z85, static_cast<const uint8_t*>(parts[6].data()), 32) == nullptr) ok = false;
-    const std::array<std::string, 6> reply = {"1.0", parts[1].to_string(), ok ? "200" : "400",
-                                              ok ? "OK" : "public key not in the allow-list", ok ? z85 : "", ""};
-    for (size_t i = 0; i < reply.size(); ++i) {
-      zap_.send(Frame(reply[i]), i + 1 < reply.size() ? zmq::send_flags::sndmore : zmq::send_flags::none);
-    }
   }
 
   void Reply(const zmq::message_t& rid, const Message& m, std::span<const std::byte> payload) {
@@ -657,6 +599,7 @@ class Publisher::Impl {
                                                      " beyond the item's " + std::to_string(item.size()) + " bytes"));
     }
     const size_t n = std::min<uint64_t>(m.length, item.size() - m.offset);
+    Pace(n);
     Message r;
     r.type = MsgType::kChunk;
     r.version = m.version;
@@ -682,6 +625,24 @@ class Publisher::Impl {
       return ReplyOwned(rid, r, std::move(payload));
     }
     Reply(rid, r, bytes);
+  }
+
+  // Rate cap (PublisherOptions::max_send_bytes_per_sec): a token bucket holding at most
+  // kPaceBurstBytes of credit; sending `n` bytes waits until they are covered.
+  void Pace(size_t n) {
+    if (options_.max_send_bytes_per_sec == 0) return;
+    const double rate = static_cast<double>(options_.max_send_bytes_per_sec);
+    const auto now = Clock::now();
+    if (pace_last_ == Clock::time_point()) pace_last_ = now;
+    pace_tokens_ = std::min(static_cast<double>(kPaceBurstBytes),
+                            pace_tokens_ + rate * std::chrono::duration<double>(now - pace_last_).count());
+    pace_last_ = now;
+    pace_tokens_ -= static_cast<double>(n);
+    if (pace_tokens_ < 0) {
+      std::this_thread::sleep_for(std::chrono::duration<double>(-pace_tokens_ / rate));
+      pace_tokens_ = 0;
+      pace_last_ = Clock::now();
+    }
   }
 
   void HandleAck(const zmq::message_t& rid, const Message& m, const std::string& key) {
@@ -734,9 +695,9 @@ class Publisher::Impl {
   PublisherOptions options_;
   const uint64_t epoch_;
   zmq::context_t ctx_;
-  zmq::socket_t router_, pub_, zap_, control_, caller_, monitor_;
+  std::unique_ptr<ZapAllowList> zap_;  // with CURVE; declared after ctx_ (closed before it)
+  zmq::socket_t router_, pub_, control_, caller_, monitor_;
   Endpoints bound_;
-  std::set<std::string> allowed_;  // binary 32-byte public keys
   std::thread thread_;
   std::mutex call_mu_;
   std::vector<Published> published_;  // thread only
@@ -745,6 +706,8 @@ class Publisher::Impl {
   std::map<int, std::string> fd_owner_;  // thread only: connection descriptor -> receiver id
   store::Digest follow_latest_;          // thread only: the run's latest record Follow() saw
   store::Digest follow_tried_;           // thread only: the newest version Follow() tried
+  double pace_tokens_ = 0;               // thread only: Pace()'s bucket, in bytes
+  Clock::time_point pace_last_;          // thread only: when the bucket was last filled
   std::atomic<uint64_t> sequence_{0};
   std::atomic<int> corrupt_{0};
   mutable std::mutex info_mu_;
@@ -753,8 +716,11 @@ class Publisher::Impl {
 
 Result<std::unique_ptr<Publisher>> Publisher::Start(store::Store* store, PublisherOptions options) {
   FERRY_RETURN_IF_ERROR(CheckEndpoints(options.endpoints, options.curve.has_value()));
-  if (options.curve && (options.curve->secret_key.size() != 40 || options.curve->public_key.size() != 40)) {
-    return Status::InvalidArgument("sync publisher: CURVE keypair must be two 40-character Z85 keys");
+  if (options.curve) {
+    if (Status s = CheckCurve(*options.curve, CurveRole::kServer); !s.ok()) return s.WithContext("sync publisher");
+  }
+  if (options.max_send_bytes_per_sec < 0) {
+    return Status::InvalidArgument("sync publisher: max_send_bytes_per_sec must be >= 0");
   }
   if (options.heartbeat_ivl_ms < 0 || options.heartbeat_timeout_ms <= 0) {
     return Status::InvalidArgument("sync publisher: heartbeat_ivl_ms must be >= 0 and heartbeat_timeout_ms > 0");

@@ -12,39 +12,17 @@
 
 #include "core/status.h"
 #include "store/store.h"
+#include "sync/endpoints.h"
 #include "sync/protocol.h"
 
 namespace ferry::sync {
 
-// Where a publisher listens and receivers connect.
-struct Endpoints {
-  std::string requests;  // ROUTER/DEALER, e.g. "ipc:///run/x/requests" or "tcp://10.0.0.1:5555"
-  std::string updates;   // PUB/SUB announcements, e.g. "ipc:///run/x/updates" or "tcp://10.0.0.1:5556"
-};
-
-// Creates (or checks) `dir` as a private directory (mode 0700, owned by this user) and
-// returns ipc:// endpoints inside it, so only the owner can connect. kFailedPrecondition
-// naming the directory when another user owns it; kInvalidArgument when the socket path
-// would exceed the 107-byte limit of a Unix socket address.
-[[nodiscard]] Result<Endpoints> PrivateIpcEndpoints(const std::filesystem::path& dir);
-
-// CURVE settings. Publisher: its own keypair plus the allow-list of receiver public keys.
-// Receiver: its own keypair plus the publisher's public key. All keys are Z85 text.
-struct CurveOptions {
-  std::string public_key;
-  std::string secret_key;
-  std::string server_public_key;          // receiver only
-  std::vector<std::string> allowed_keys;  // publisher only: receivers allowed to connect
-};
-
-// Checks the endpoint schemes: ipc:// and inproc:// are always allowed; tcp:// only with
-// CURVE (kFailedPrecondition naming the endpoint otherwise); anything else kInvalidArgument.
-[[nodiscard]] Status CheckEndpoints(const Endpoints& e, bool curve);
-
 // PublishMode (how versions are published): sync/protocol.h.
 
-// The newest version of `run` that `mode` can publish: a merged or full version, or in
-// adapter mode an adapter whose merged version is recorded. Empty when there is none.
+// The newest version of `run` that `mode` can publish: a merged, full or base version, or
+// in adapter mode an adapter whose merged version is recorded or a base version. A run's
+// base is therefore what it serves until its first checkpoint is recorded. Empty when
+// there is none.
 [[nodiscard]] Result<std::optional<store::Digest>> NewestPublishable(store::Store& store, const std::string& run,
                                                                      PublishMode mode);
 
@@ -65,6 +43,11 @@ struct PublisherOptions {
   // Default: 5000
   int heartbeat_timeout_ms = 5000;
   PublishMode mode = PublishMode::kMerged;  // Default: merged
+  // Caps the rate of CHUNK payload bytes sent to all receivers together (a token bucket
+  // banking at most 1 MiB of credit; the serving thread waits for the rest), e.g. to leave
+  // a shared link to the trainer, or to measure sync over a slower link
+  // (bench/sync_bench.cpp). 0: no cap; negative: kInvalidArgument. Default: 0
+  int64_t max_send_bytes_per_sec = 0;
 };
 
 // What the publisher knows about one receiver (from its messages and connections).
@@ -82,8 +65,8 @@ struct ReceiverInfo {
 };
 
 // Serves versions from a store on a background thread. Thread-safe. The store must
-// outlive the publisher and must not be used by anyone else while the publisher runs
-// (Store is thread-compatible): the publisher reads tensors and writes events.
+// outlive the publisher; the publisher reads tensors and writes events while other threads
+// use the same store (Store is thread-safe).
 class Publisher {
  public:
   // Binds the endpoints (and, with CURVE, a ZAP handler at inproc://zeromq.zap.01 of the
@@ -98,8 +81,8 @@ class Publisher {
   // and announces it. Returns that sequence once every request handled afterwards sees it.
   // kNotFound naming the id when the store does not hold it. kFailedPrecondition naming
   // the id when it has no tensors; in merged/delta mode when it is an adapter; in adapter
-  // mode when it is not an adapter, has no base_version, or no merged version of it is
-  // stored ("record the merged version first").
+  // mode when it is a merged version, or an adapter without base_version or whose merged
+  // version is not stored ("record the merged version first").
   [[nodiscard]] Result<uint64_t> Publish(const store::Digest& version);
 
   // Receivers seen so far, sorted by id.

@@ -10,6 +10,8 @@
 //   DIR/versions/<id>.tmp-XXXXXX  a version being received or prepared (never read by anyone;
 //                                 removed on failure; one left by a crash is removed by the
 //                                 next Connect, never activated)
+//   DIR/versions/<id>.partial     a transfer cut short (a killed receiver's newest, or a failed
+//                                 one): the next transfer of <id> takes it over (resume)
 //   DIR/manifests/<id>.json       for each activated version <id>: the MANIFEST JSON received
 //                                 for it (its "version" is the served id, whose directory
 //                                 holds the received bytes) plus "activated_as",
@@ -26,9 +28,11 @@
 #include <optional>
 #include <string>
 
+#include "convert/layout.h"
 #include "core/status.h"
 #include "store/store.h"
-#include "sync/publisher.h"
+#include "sync/endpoints.h"
+#include "sync/protocol.h"
 
 namespace ferry::sync {
 
@@ -43,16 +47,22 @@ struct ReceiverOptions {
   int max_retries = 3;                 // refetches of one tensor whose digest is wrong. Default: 3
   int heartbeat_ivl_ms = 1000;         // ZMTP heartbeats (0: off). Default: 1000
   // Versions kept in DIR/versions after each activation: the `keep_versions` most recently
-  // activated ones (with the received directories they were prepared from, and their
-  // manifests); older ones are deleted, so a receiver following a trainer for days does not
+  // activated ones (with the received directories they were prepared from, the received
+  // base their adapters were merged onto, and their manifests); older ones are deleted, so
+  // a receiver following a trainer for days does not
   // fill its disk. 2 keeps the previous version for a generator still loading it. 0: keep
   // everything. Default: 2
   int keep_versions = 2;
   // The layout activated in DIR/current: kHf or kFused (an hf version is re-laid out by
   // sync/activate.h's PrepareActivation). Default: hf
   Layout layout = Layout::kHf;
-  // Adapter mode: the base model directory this receiver keeps (the base the publisher's
-  // adapter applies to). Default: none (adapter mode then fails naming the missing base).
+  // The base model directory this receiver keeps (the base the publisher's adapters apply
+  // to). Adapter mode merges each adapter onto it, unless this receiver received the
+  // publisher's base (served before the first adapter: DIR/versions/<base_version>, which
+  // is then used). A served base (kind base, or the base in adapter mode) copies each
+  // tensor this directory holds under the same name, dtype and shape (verified while
+  // copying; fetched when it differs) instead of fetching it. Default: none (an adapter
+  // with no base received then fails naming the missing base).
   std::optional<std::filesystem::path> base_dir;
   // Test hook: called after each CHUNK is accepted (before the next FETCH is sent).
   std::function<void(uint64_t offset)> on_chunk_for_testing;
@@ -66,7 +76,8 @@ struct SyncResult {
   uint64_t sequence = 0;      // its publish sequence
   uint64_t epoch = 0;         // the publisher's epoch
   uint64_t bytes_received = 0;  // tensor and aux bytes fetched from the publisher
-  uint64_t bytes_reused = 0;    // delta mode: tensor bytes copied from the active version
+  uint64_t bytes_reused = 0;    // tensor bytes copied locally: delta mode from the active
+                                // version, a served base from base_dir
   uint64_t bytes_resumed = 0;   // tensor bytes a killed receiver had already received of this
                                 // version (versions/<id>.partial: whole tensors, and the whole
                                 // chunks of a tensor cut short), verified and kept
@@ -119,6 +130,9 @@ class Receiver {
   uint64_t sequence() const { return sequence_; }
   // The epoch of the publisher that served the active version (0: none yet).
   uint64_t epoch() const { return epoch_; }
+  // The publication mode of the last MANIFEST received (unset before one arrived): lets a
+  // caller tell what the publisher serves when a sync fails, without reading the error text.
+  std::optional<PublishMode> served_mode() const { return served_mode_; }
 
  private:
   struct Sockets;
@@ -131,6 +145,7 @@ class Receiver {
   std::unique_ptr<ActiveState> state_;
   uint64_t sequence_ = 0;
   uint64_t epoch_ = 0;
+  std::optional<PublishMode> served_mode_;
   int lock_fd_ = -1;
   bool reset_dealer_ = false;
 };

@@ -43,7 +43,6 @@
 #include <filesystem>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <optional>
 #include <set>
 #include <string>
@@ -88,8 +87,9 @@ bool NaturalLess(std::string_view a, std::string_view b);
 std::optional<int64_t> TrailingStep(std::string_view name);
 
 // Turns new checkpoint directories into store versions (see the top of this file).
-// Thread-compatible: call Poll() from one thread. The store must outlive the watcher; wrap it
-// in a SerializedStore when a Publisher uses it at the same time.
+// Thread-compatible: call Poll() from one thread. The store must outlive the watcher; other
+// threads (a Publisher serving what the watcher records) may use it meanwhile (Store is
+// thread-safe, and an import does not hold up their reads).
 class CheckpointWatcher {
  public:
   // Resolves the base (importing a base directory when the store lacks it), loads its
@@ -128,36 +128,6 @@ class CheckpointWatcher {
   bool tie_word_embeddings_ = false;
   std::set<std::string> done_;                  // names handled or skipped
   std::map<std::string, Fingerprint> pending_;  // names seen, with their last fingerprint
-};
-
-// A Store that forwards every call to `inner` under one mutex, so a CheckpointWatcher (which
-// imports) and a Publisher (which reads tensors and records events) can share a store that
-// is only thread-compatible. A long import blocks the publisher's store reads meanwhile.
-// `inner` must outlive this object.
-class SerializedStore final : public store::Store {
- public:
-  explicit SerializedStore(store::Store* inner) : inner_(inner) {}
-
-  Result<store::ImportResult> Import(const std::filesystem::path& path, const store::ImportOptions& options) override;
-  Result<store::ImportResult> ImportCheckpoint(const Checkpoint& ckpt,
-                                               const AuxFiles& aux_files,
-                                               const store::ImportOptions& options) override;
-  Result<store::VersionRecord> GetVersion(std::string_view id_or_prefix) override;
-  Result<std::vector<store::VersionRecord>> ListVersions(std::optional<std::string> run) override;
-  Result<std::vector<std::string>> ListRuns() override;
-  Result<std::optional<store::Digest>> Latest(const std::string& run) override;
-  Result<Tensor> ReadTensor(const store::TensorRow& row, bool verify) override;
-  Result<std::string> ReadAux(const store::AuxFile& aux) override;
-  Result<std::vector<store::VerifyReport>> Verify(std::optional<store::Digest> version) override;
-  Status Export(const store::Digest& version, const std::filesystem::path& out, bool force) override;
-  Status AddEvent(const store::Event& e) override;
-  Result<std::vector<store::Event>> ListEvents(std::optional<store::Digest> version) override;
-  Result<int64_t> GarbageCollect(int64_t keep) override;
-  Status Refresh() override;
-
- private:
-  store::Store* inner_;
-  std::mutex mu_;
 };
 
 }  // namespace ferry::sync

@@ -1,6 +1,7 @@
 // End-to-end tests of `ferry keys generate` and `ferry sync publish|receive|status`,
 // including `publish --watch` over the committed PEFT fixture, a following receiver started
-// before the publisher or before the first publication, a local write failure ending
+// before the publisher or before the first checkpoint (it holds the base first, in merged and
+// adapter mode), a local write failure ending
 // `receive`, and `status` reporting a receiver the publisher declared lost.
 #include <fcntl.h>
 #include <gtest/gtest.h>
@@ -22,6 +23,7 @@
 #include <thread>
 #include <vector>
 
+#include "core/checkpoint.h"
 #include "core/safetensors.h"
 #include "store/store.h"
 #include "tests/cli/cli_runner.h"
@@ -260,11 +262,14 @@ TEST_F(SyncCliTest, TcpWithoutKeysIsRefused) {
   EXPECT_EQ(r.exit_code, 1);
   EXPECT_NE(r.err.find("--bind tcp://127.0.0.1:5555"), std::string::npos) << r.err;
   EXPECT_NE(r.err.find("tcp:// needs CURVE keys"), std::string::npos) << r.err;
+  // The library names no flag; the CLI adds the ones that give each side its keys.
+  EXPECT_NE(r.err.find("; give --key and --allow"), std::string::npos) << r.err;
   auto rc = RunFerry({"sync", "receive", "--once", "--connect", "tcp://127.0.0.1:5555", "--out",
                       (root_ / "gen").string(), "--id", "gen-1"});
   EXPECT_EQ(rc.exit_code, 1);
   EXPECT_NE(rc.err.find("--connect tcp://127.0.0.1:5555"), std::string::npos) << rc.err;
   EXPECT_NE(rc.err.find("tcp:// needs CURVE keys"), std::string::npos) << rc.err;
+  EXPECT_NE(rc.err.find("; give --key and --server-key"), std::string::npos) << rc.err;
   EXPECT_FALSE(fs::exists(root_ / "gen"));
 }
 
@@ -415,33 +420,75 @@ TEST_F(SyncCliTest, WatchPublishesEachNewAdapterCheckpointMerged) {
   EXPECT_EQ(all->size(), 5u);  // base + 2 x (adapter, merged); nothing from the broken checkpoint
 }
 
-// A following receiver started while the publisher has nothing to serve (--watch over an
-// empty directory) waits instead of exiting, and activates the first version published.
-TEST_F(SyncCliTest, ReceiveStartedBeforeTheFirstPublicationWaitsAndActivatesIt) {
+// A following receiver started before the trainer saved any checkpoint: the publisher
+// serves the run's base at once, so the receiver activates the base id and acknowledges it,
+// then activates checkpoint-10's merged id. In adapter mode, a receiver keeping the base
+// (--base) copies the base from its own files instead of fetching it, then merges and
+// proves the adapter.
+class SyncCliBaseFirstTest : public SyncCliTest, public ::testing::WithParamInterface<std::string> {};
+
+TEST_P(SyncCliBaseFirstTest, ReceiveStartedBeforeTheFirstCheckpointHoldsTheBaseThenTheCheckpoint) {
+  const std::string mode = GetParam();
   const fs::path watched = root_ / "trainer";
   fs::create_directories(watched);
   const std::string ep = "ipc://" + (root_ / "sock").string();
-  SpawnPublisher({"sync", "publish", "--db", (root_ / "db").string(), "--bind", ep, "--watch", watched.string(),
-                  "--base", (kCase / "base").string(), "--poll-ms", "100", "--json"});
+  auto base = store::HashPath(kCase / "base");
+  ASSERT_TRUE(base.ok()) << base.status().ToString();
+  const std::string base_id = base->id.Hex();
+  SpawnPublisher({"sync", "publish", "--db", (root_ / "db").string(), "--bind", ep, "--mode", mode, "--watch",
+                  watched.string(), "--base", (kCase / "base").string(), "--poll-ms", "100", "--json"});
   WaitForOutput("pub.err", "publishing run default");
   ASSERT_FALSE(HasFailure());
-  SpawnReceiver({"--json", "--connect", ep, "--out", (root_ / "gen").string(), "--id", "gen-1", "--timeout-ms",
-                 "20000"});
-  const std::string waiting = WaitForReceiver("recv.err", "ferry: waiting for a version to be published");
+  std::vector<std::string> recv = {"--json", "--connect", ep, "--out", (root_ / "gen").string(), "--id", "gen-1",
+                                   "--timeout-ms", "20000"};
+  if (mode == "adapter") recv.insert(recv.end(), {"--base", (kCase / "base").string()});
+  SpawnReceiver(recv);
+  const std::string first = WaitForReceiver("recv.out", "\"version\":\"" + base_id + "\"");
   ASSERT_FALSE(HasFailure());
-  EXPECT_NE(waiting.find("nothing published yet"), std::string::npos) << waiting;
+  const auto line = nlohmann::json::parse(first.substr(0, first.find('\n')), nullptr, false);
+  ASSERT_TRUE(line.is_object()) << first;
+  EXPECT_EQ(line["active"], base_id);
+  EXPECT_EQ(line["sequence"], 1);
+  // Merged mode fetches the base's tensors; adapter mode copies them from --base.
+  const uint64_t tensor_bytes = Checkpoint::Open(kCase / "base").value().total_bytes();
+  EXPECT_EQ(line["bytes_reused"].get<uint64_t>(), mode == "adapter" ? tensor_bytes : 0u) << first;
+  EXPECT_EQ(line["bytes_received"].get<uint64_t>() >= tensor_bytes, mode != "adapter") << first;
+  auto hashed = store::HashPath(root_ / "gen" / "current");
+  ASSERT_TRUE(hashed.ok()) << hashed.status().ToString();
+  EXPECT_EQ(hashed->id.Hex(), base_id);
+  EXPECT_NE(Slurp(root_ / "pub.err").find("ferry: serving " + base_id + " (sequence 1)"), std::string::npos);
 
   DropCheckpoint(watched, "checkpoint-10", /*floats=*/0);
-  const std::string merged = PublishedVersion(WaitForOutput("pub.out", "checkpoint-10"), "checkpoint-10");
+  const std::string published = WaitForOutput("pub.out", "checkpoint-10");
   ASSERT_FALSE(HasFailure());
-  WaitForReceiver("recv.out", "\"version\":\"" + merged + "\"");
+  const auto pub_line = nlohmann::json::parse(published.substr(0, published.find('\n')), nullptr, false);
+  ASSERT_TRUE(pub_line.is_object()) << published;
+  const std::string merged = pub_line["version"].get<std::string>();
+  WaitForReceiver("recv.out", "\"active\":\"" + merged + "\"");
   ASSERT_FALSE(HasFailure());
-  auto hashed = store::HashPath(root_ / "gen" / "current");
+  hashed = store::HashPath(root_ / "gen" / "current");
   ASSERT_TRUE(hashed.ok()) << hashed.status().ToString();
   EXPECT_EQ(hashed->id.Hex(), merged);
   EXPECT_EQ(StopReceiver(), 0);
   EXPECT_EQ(StopPublisher(), 0);
+
+  // The publisher recorded gen-1's acknowledgement of the base, then of the merged version.
+  auto s = store::Store::Open(root_ / "db", {.read_only = true});
+  ASSERT_TRUE(s.ok()) << s.status().ToString();
+  for (const std::string& id : {base_id, merged}) {
+    auto events = (*s)->ListEvents(store::Digest::FromHex(id).value());
+    ASSERT_TRUE(events.ok()) << events.status().ToString();
+    int acks = 0;
+    for (const auto& e : *events) {
+      if (e.type != store::Event::Type::kAcknowledged || e.receiver != "gen-1") continue;
+      ++acks;
+      EXPECT_EQ(e.computed, std::optional<store::Digest>(store::Digest::FromHex(id).value())) << e.detail;
+    }
+    EXPECT_EQ(acks, 1) << id;
+  }
 }
+
+INSTANTIATE_TEST_SUITE_P(MergedAndAdapter, SyncCliBaseFirstTest, ::testing::Values("merged", "adapter"));
 
 // A following receiver started before its publisher warns once that nothing answers, keeps
 // waiting, and activates the publisher's version once it comes up.
@@ -463,7 +510,8 @@ TEST_F(SyncCliTest, ReceiveStartedBeforeThePublisherWaitsForIt) {
   EXPECT_EQ(err.find("no reply from", first + 1), std::string::npos) << "warned more than once per outage:\n" << err;
 }
 
-// --once still fails fast (exit 1) when there is nothing to sync or nobody answers.
+// --once still fails fast (exit 1) when nobody answers; a watching publisher answers at once
+// with its base.
 TEST_F(SyncCliTest, ReceiveOnceFailsFastWithoutAVersion) {
   const std::string ep = "ipc://" + (root_ / "sock").string();
   auto silent = RunFerry({"sync", "receive", "--once", "--connect", ep, "--out", (root_ / "gen").string(), "--id",
@@ -477,11 +525,15 @@ TEST_F(SyncCliTest, ReceiveOnceFailsFastWithoutAVersion) {
                   "--base", (kCase / "base").string(), "--poll-ms", "100"});
   WaitForOutput("pub.err", "publishing run default");
   ASSERT_FALSE(HasFailure());
-  auto empty = RunFerry({"sync", "receive", "--once", "--connect", ep, "--out", (root_ / "gen").string(), "--id",
-                         "gen-1", "--timeout-ms", "20000"});
-  EXPECT_EQ(empty.exit_code, 1);
-  EXPECT_NE(empty.err.find("nothing published yet"), std::string::npos) << empty.err;
-  EXPECT_FALSE(fs::exists(fs::symlink_status(root_ / "gen" / "current")));
+  // Before any checkpoint the publisher serves the base (a publisher with nothing at all to
+  // serve, kNotFound "nothing published yet", is covered by sync_fault_test).
+  auto base = store::HashPath(kCase / "base");
+  ASSERT_TRUE(base.ok()) << base.status().ToString();
+  auto first = RunFerry({"sync", "receive", "--once", "--json", "--connect", ep, "--out", (root_ / "gen").string(),
+                         "--id", "gen-1", "--timeout-ms", "20000"});
+  EXPECT_EQ(first.exit_code, 0) << first.err;
+  EXPECT_NE(first.out.find("\"active\":\"" + base->id.Hex() + "\""), std::string::npos) << first.out;
+  EXPECT_EQ(fs::read_symlink(root_ / "gen" / "current"), fs::path("versions") / base->id.Hex());
 }
 
 // A local write failure (the receiver may write files of at most 64 KiB; the second version

@@ -184,8 +184,8 @@ TEST(ManifestDigest, EqualsHandBuiltManifestAndIgnoresOrder) {
 
   // Aux order given to the hashing pass does not matter either.
   auto ckpt = Checkpoint::FromTensors("mem", {{"a", a}, {"b", b}});
-  auto h1 = internal::HashCheckpoint(ckpt, {{"config.json", config}, {"tokenizer.json", tok}}, {}, nullptr);
-  auto h2 = internal::HashCheckpoint(ckpt, {{"tokenizer.json", tok}, {"config.json", config}}, {}, nullptr);
+  auto h1 = internal::HashCheckpoint(ckpt, {{"config.json", config}, {"tokenizer.json", tok}}, internal::HashOptions{});
+  auto h2 = internal::HashCheckpoint(ckpt, {{"tokenizer.json", tok}, {"config.json", config}}, internal::HashOptions{});
   ASSERT_TRUE(h1.ok() && h2.ok());
   EXPECT_EQ(h1->id, r1->id);
   EXPECT_EQ(h2->id, r1->id);
@@ -194,7 +194,7 @@ TEST(ManifestDigest, EqualsHandBuiltManifestAndIgnoresOrder) {
 TEST(ManifestDigest, ChangesWithAnyAuxFileChange) {
   auto ckpt = Checkpoint::FromTensors("mem", {{"w", F32({1}, {1})}});
   auto id = [&](AuxFiles aux) {
-    auto r = internal::HashCheckpoint(ckpt, aux, {}, nullptr);
+    auto r = internal::HashCheckpoint(ckpt, aux, internal::HashOptions{});
     EXPECT_TRUE(r.ok()) << r.status().ToString();
     return r->id;
   };
@@ -204,10 +204,10 @@ TEST(ManifestDigest, ChangesWithAnyAuxFileChange) {
   EXPECT_NE(id({{"config.json", "{}"}, {"merges.txt", ""}}), base);              // an added file
   EXPECT_NE(id({}), base);                                                       // a removed file
   EXPECT_EQ(id({{"config.json", "{}"}}), base);
-  auto dup = internal::HashCheckpoint(ckpt, {{"config.json", "{}"}, {"config.json", "{}"}}, {}, nullptr);
+  auto dup = internal::HashCheckpoint(ckpt, {{"config.json", "{}"}, {"config.json", "{}"}}, internal::HashOptions{});
   EXPECT_EQ(dup.status().code(), StatusCode::kInvalidArgument);
   EXPECT_NE(dup.status().message().find("config.json"), std::string::npos);
-  auto slash = internal::HashCheckpoint(ckpt, {{"../config.json", "{}"}}, {}, nullptr);
+  auto slash = internal::HashCheckpoint(ckpt, {{"../config.json", "{}"}}, internal::HashOptions{});
   EXPECT_EQ(slash.status().code(), StatusCode::kInvalidArgument);
   EXPECT_NE(slash.status().message().find("../config.json"), std::string::npos);
 }
@@ -215,7 +215,7 @@ TEST(ManifestDigest, ChangesWithAnyAuxFileChange) {
 // ---- Statistics ------------------------------------------------------------------------------
 
 TensorRow StatsOf(const Tensor& t) {
-  auto r = internal::HashCheckpoint(Checkpoint::FromTensors("mem", {{"t", t}}), {}, {}, nullptr);
+  auto r = internal::HashCheckpoint(Checkpoint::FromTensors("mem", {{"t", t}}), {}, internal::HashOptions{});
   EXPECT_TRUE(r.ok()) << r.status().ToString();
   return r->tensors.at(0);
 }

@@ -158,6 +158,38 @@ TEST_F(StoreTest, SecondImportOfTheSameModelWritesNothing) {
   EXPECT_EQ(all->size(), 1u);
 }
 
+// A source file overwritten between hashing and copying: the copy is hashed back from the
+// object file before it gets its digest's name, so nothing is stored under a wrong name and
+// nothing is committed.
+TEST_F(StoreTest, SourceChangedAfterHashingIsRefusedAndLeavesNoObject) {
+  testing::WriteModel(tmp_ / "one", {{"w", Patterned(DType::kF32, {64, 256}, 9)}});
+  const auto file = tmp_ / "one" / "model.safetensors";
+  auto opened = SafetensorsFile::Open(file);
+  ASSERT_TRUE(opened.ok()) << opened.status().ToString();
+  const uint64_t data_offset = (*opened)->data_offset();
+  opened->reset();
+  ImportOptions o;
+  bool overwritten = false;
+  o.progress = [&](uint64_t done, uint64_t total) {
+    if (done != total || overwritten) return;  // "w" is hashed; its bytes are not yet copied
+    std::fstream f(file, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(static_cast<std::streamoff>(data_offset + 100));
+    f.write("\x7f\x7f\x7f\x7f", 4);
+    overwritten = true;
+  };
+  auto r = store_->Import(tmp_ / "one", o);
+  ASSERT_TRUE(overwritten);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), StatusCode::kCorruption);
+  EXPECT_TRUE(Contains(r.status().message(), "tensor 'w' changed while it was being stored")) << r.status().message();
+  auto all = store_->ListVersions(std::nullopt);
+  ASSERT_TRUE(all.ok());
+  EXPECT_TRUE(all->empty());
+  for (const auto& e : std::filesystem::recursive_directory_iterator(db_ / "objects")) {
+    EXPECT_FALSE(e.is_regular_file()) << "left behind: " << e.path();
+  }
+}
+
 TEST_F(StoreTest, FineTuneWritesOnlyTheChangedTensorsAndChainsToTheParent) {
   ImportResult v1 = MustImport(tmp_ / "base");
   const std::vector<std::string> changed = {"model.layers.0.self_attn.q_proj.weight", "model.layers.0.mlp.up_proj.weight"};

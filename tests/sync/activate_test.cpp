@@ -205,6 +205,29 @@ TEST(ActivateTest, AdapterMergedOntoLocalBaseHashesToThePublishersMergedId) {
       << "no temporary directory is left beside the output";
 }
 
+// 16-bit bases take the fused kernel path (merged into recycled buffers while earlier
+// tensors are hashed and written); a sharded base is read across its shards. Each result is
+// bit-identical to the publisher's snapshot and the converter's output.
+TEST(ActivateTest, SixteenBitAndShardedBasesProveThePublishersMergedId) {
+  for (const char* name : {"llama_rslora_bf16", "qwen2_patterns_f16", "llama_sharded_bf16"}) {
+    SCOPED_TRACE(name);
+    const fs::path case_dir = kCases / name;
+    TempDir tmp;
+    const store::Digest converted = IdOf(Converted(tmp.path(), case_dir, Layout::kHf, "converted"));
+    // DirAux is the one aux rule (core/aux_files.h): a shard index is not an aux file.
+    auto ref = PublisherSnapshot(case_dir, Layout::kHf);
+    ASSERT_NE(ref, nullptr);
+    EXPECT_EQ(ref->manifest_id(), converted);
+    const fs::path received = ReceivedAdapter(tmp.path(), case_dir);
+    const fs::path out = tmp.path() / "active";
+    auto prepared = PrepareActivation(received, AdapterPlan(converted, case_dir / "base", Layout::kHf), out);
+    ASSERT_TRUE(prepared.ok()) << prepared.status().ToString();
+    EXPECT_EQ(prepared->proven, std::optional<store::Digest>(converted));
+    EXPECT_EQ(IdOf(out), converted);
+    EXPECT_EQ(Entries(tmp.path()), (std::set<std::string>{"active", "converted", "received"}));
+  }
+}
+
 TEST(ActivateTest, AdapterIntoFusedLayoutProvesTheHfIdAndMatchesConvertFused) {
   TempDir tmp;
   auto hf = PublisherSnapshot(kCase, Layout::kHf);

@@ -10,6 +10,7 @@
 #include <cstring>
 #include <filesystem>
 #include <future>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -322,6 +323,62 @@ TEST(HandoffTest, ConcurrentGeneratorsSeeIncreasingSequencesUpToTheLast) {
     Status s = g.get();
     EXPECT_TRUE(s.ok()) << s.ToString();
   }
+}
+
+// The daemon's loop: the trainer thread records every snapshot in the store and publishes
+// it; generator threads acknowledge into the same store meanwhile (no lock around it). Every
+// version is recorded once, in sequence, and every acknowledgement and publication is there.
+TEST(HandoffTest, RecordingPublishingAndAcknowledgingShareOneStore) {
+  TempDir tmp;
+  auto st = OpenStore(tmp.path() / "db");
+  ASSERT_NE(st, nullptr);
+  SnapshotSource source = TrainerSource();
+  std::vector<std::shared_ptr<const Snapshot>> versions;
+  for (int step = 0; step < 4; ++step) versions.push_back(SnapshotAtStep(source, step + 1));
+  SnapshotChannel channel(st.get(), "grpo");
+  const uint64_t last = versions.size();
+  auto generator = [&](const std::string& id) -> Status {
+    uint64_t seen = 0;
+    while (seen < last) {
+      auto h = channel.WaitForNewer(seen, 60'000);
+      if (!h.ok()) return h.status();
+      auto computed = ComputeManifestId(*h->snapshot);
+      if (!computed.ok()) return computed.status();
+      FERRY_RETURN_IF_ERROR(channel.Acknowledge(id, h->sequence, *computed));
+      auto listed = st->ListVersions(std::string("grpo"));  // reads while the trainer records
+      if (!listed.ok()) return listed.status();
+      seen = h->sequence;
+    }
+    return Status::OK();
+  };
+  std::vector<std::future<Status>> gens;
+  for (const char* id : {"gen-a", "gen-b"}) gens.push_back(std::async(std::launch::async, generator, id));
+  for (size_t i = 0; i < versions.size(); ++i) {
+    store::ImportOptions o;
+    o.run = "grpo";
+    o.step = static_cast<int64_t>(i + 1);
+    auto recorded = RecordSnapshot(*st, *versions[i], o);
+    ASSERT_TRUE(recorded.ok()) << recorded.status().ToString();
+    ASSERT_EQ(recorded->record.id, versions[i]->manifest_id());
+    ASSERT_TRUE(channel.Publish(versions[i]).ok());
+  }
+  for (auto& g : gens) {
+    Status s = g.get();
+    EXPECT_TRUE(s.ok()) << s.ToString();
+  }
+  auto listed = st->ListVersions(std::string("grpo"));
+  ASSERT_TRUE(listed.ok()) << listed.status().ToString();
+  ASSERT_EQ(listed->size(), versions.size());
+  for (size_t i = 0; i < versions.size(); ++i) {
+    EXPECT_EQ((*listed)[i].id, versions[i]->manifest_id());
+    EXPECT_EQ((*listed)[i].sequence, i + 1);
+    EXPECT_EQ(EventsOf(*st, versions[i]->manifest_id(), store::Event::Type::kPublished).size(), 1u);
+  }
+  // The last version is acknowledged by both generators (earlier ones by whoever saw them).
+  auto acks = EventsOf(*st, versions.back()->manifest_id(), store::Event::Type::kAcknowledged);
+  std::set<std::string> receivers;
+  for (const auto& e : acks) receivers.insert(e.receiver);
+  EXPECT_EQ(receivers, (std::set<std::string>{"gen-a", "gen-b"}));
 }
 
 }  // namespace

@@ -2,7 +2,7 @@
 // (sync/publisher.h): a peer that asks and never reads costs references, not copies; an
 // oversized frame gets its sender disconnected; an unlisted CURVE key hears no
 // announcement; an ipc:// endpoint directory owned by another user is refused; a following
-// publisher serves what its mode can publish.
+// publisher serves what its mode can publish; a rate cap paces what is sent.
 #include <gtest/gtest.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -13,11 +13,13 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <span>
 #include <string>
 #include <thread>
 
 #include <zmq.hpp>
 
+#include "core/safetensors.h"
 #include "store/store.h"
 #include "sync/keys.h"
 #include "sync/protocol.h"
@@ -64,6 +66,52 @@ class LimitsTest : public ::testing::Test {
   std::unique_ptr<Publisher> publisher_;
   Endpoints endpoints_;
 };
+
+// max_send_bytes_per_sec paces the chunks: 4 MiB of tensors at 8 MiB/s take at least
+// (4 MiB - the 1 MiB of banked credit) / 8 MiB/s = 0.375 s; a negative cap is refused.
+TEST_F(LimitsTest, ARateCapPacesTheChunksSent) {
+  const fs::path model = tmp_.path() / "four-mib";
+  fs::create_directories(model);
+  {
+    std::vector<TensorSpec> specs;
+    for (int i = 0; i < 4; ++i) specs.push_back({"t" + std::to_string(i), DType::kF32, {256 * 1024}});
+    auto w = SafetensorsWriter::CreateFile(model / "model.safetensors", specs);
+    ASSERT_TRUE(w.ok()) << w.status().message();
+    std::vector<float> v(256 * 1024);
+    for (int i = 0; i < 4; ++i) {
+      std::fill(v.begin(), v.end(), static_cast<float>(i));
+      ASSERT_TRUE((*w)->Append(std::as_bytes(std::span(v))).ok());
+    }
+    ASSERT_TRUE((*w)->Finish().ok());
+  }
+  auto imported = store_->Import(model, {});
+  ASSERT_TRUE(imported.ok()) << imported.status().message();
+  PublisherOptions bad;
+  bad.endpoints = endpoints_;
+  bad.max_send_bytes_per_sec = -1;
+  auto refused = Publisher::Start(store_.get(), bad);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(refused.status().message().find("max_send_bytes_per_sec"), std::string::npos);
+
+  PublisherOptions po;
+  po.max_send_bytes_per_sec = 8 << 20;
+  StartPublisher(po);
+  ASSERT_TRUE(publisher_->Publish(imported->record.id).ok());
+  ReceiverOptions ro;
+  ro.id = "paced";
+  ro.endpoints = endpoints_;
+  ro.dir = tmp_.path() / "recv";
+  ro.timeout_ms = 10000;
+  auto r = Receiver::Connect(ro);
+  ASSERT_TRUE(r.ok()) << r.status().message();
+  const auto t0 = Clock::now();
+  auto s = (*r)->SyncLatest();
+  const double secs = std::chrono::duration<double>(Clock::now() - t0).count();
+  ASSERT_TRUE(s.ok()) << s.status().message();
+  EXPECT_EQ(s->bytes_received, 4u << 20);
+  EXPECT_GE(secs, 0.375);
+}
 
 // A peer sends 1,000 FETCHes of a 2 MiB aux file and never reads a reply. Replies share
 // the publisher's copy of the file (and at most kSendHwm are queued per peer), so the
@@ -205,7 +253,7 @@ TEST_F(LimitsTest, AnEndpointDirectoryOwnedByAnotherUserIsRefused) {
 // in merged mode each new merged/full version; in adapter mode the adapter of the newest
 // merged version that names one, never a plain merged version it cannot serve.
 TEST_F(LimitsTest, FollowingPublisherServesTheNewestVersionItsModeCanPublish) {
-  SerializedStore shared(store_.get());  // imports here, reads on the publisher's thread
+  store::Store& shared = *store_;  // imports here, reads and events on the publisher's thread
   const store::Digest v1 = ImportTiny("m1", 1.0f);
   PublisherOptions po;
   po.follow_run = "default";
@@ -235,14 +283,14 @@ TEST_F(LimitsTest, FollowingPublisherServesTheNewestVersionItsModeCanPublish) {
   EXPECT_EQ(s->version, v2->record.id);
   EXPECT_FALSE(s->version == v1);
 
-  // Adapter mode over a run whose newest version is merged without an adapter: nothing to
-  // serve (no retry storm, no crash); once a merged version naming an adapter is recorded,
-  // its adapter is served.
+  // Adapter mode over a run whose only servable-looking version is merged without an
+  // adapter (its base recorded in another run): nothing to serve (no retry storm, no
+  // crash); once a merged version naming an adapter is recorded, its adapter is served.
   publisher_.reset();
   const fs::path adapter_dir = fs::path(FERRY_FIXTURES_DIR) / "cases" / "llama_lora_all_linear_f32";
   store::ImportOptions bo;
   bo.kind = store::VersionKind::kBase;
-  bo.run = "lora";
+  bo.run = "bases";
   auto base = shared.Import(adapter_dir / "base", bo);
   ASSERT_TRUE(base.ok()) << base.status().message();
   store::ImportOptions ao;

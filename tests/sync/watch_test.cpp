@@ -360,9 +360,9 @@ class ThrowingStore final : public store::Store {
 void AddFile(const fs::path& dir, const std::string& name) { std::ofstream(dir / name, std::ios::binary) << "x"; }
 
 TEST_F(WatchTest, CheckpointWithAnUnrecordableAuxNameIsSkippedAndTheNextIsPublished) {
-  // What `ferry sync publish --watch` does: the watcher and a publisher share the store
-  // through a SerializedStore; a checkpoint with an error is a warning, the rest published.
-  SerializedStore shared(store_.get());
+  // What `ferry sync publish --watch` does: the watcher and a publisher share one store (it
+  // is thread-safe); a checkpoint with an error is a warning, the rest published.
+  store::Store& shared = *store_;
   auto ep = PrivateIpcEndpoints(tmp_.path() / "sock");
   ASSERT_TRUE(ep.ok()) << ep.status().ToString();
   PublisherOptions po;
@@ -376,7 +376,7 @@ TEST_F(WatchTest, CheckpointWithAnUnrecordableAuxNameIsSkippedAndTheNextIsPublis
   o.threads = 2;
   auto w = CheckpointWatcher::Create(&shared, o);
   ASSERT_TRUE(w.ok()) << w.status().ToString();
-  auto count = [&] {  // through the mutex: the publisher's thread uses the store too
+  auto count = [&] {  // while the publisher's thread uses the store too
     auto v = shared.ListVersions(std::nullopt);
     EXPECT_TRUE(v.ok()) << v.status().ToString();
     return v.ok() ? v->size() : 0;

@@ -1,0 +1,128 @@
+// ferryd's generator on one model: prefill and decode throughput and peak memory, one line of
+// JSON per run. bench/generate_compare.sh runs it side by side with transformers' generate
+// (bench/hf_generate_peer.py) on the same model, threads and shapes, and prints the ratios.
+//
+// Usage: ferry_bench_generate --model DIR [--batch 16] [--prompt-len 128] [--new-tokens 128]
+//          [--threads 2] [--dtype f32|bf16|model] [--seed 1]
+// Prompts are random token ids (seeded); EOS is ignored so every row decodes exactly
+// --new-tokens tokens; decoding is greedy.
+#include <ATen/ATen.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <random>
+#include <string>
+
+#include "daemon/runtime/generator.h"
+#include "daemon/runtime/torch_util.h"
+
+namespace {
+
+using ferry::runtime::CausalLM;
+
+int64_t PeakRssBytes() {
+  std::ifstream f("/proc/self/status");
+  std::string line;
+  while (std::getline(f, line)) {
+    if (line.rfind("VmHWM:", 0) == 0) return std::atoll(line.c_str() + 6) * 1024;
+  }
+  return 0;
+}
+
+double Now() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+int Usage() {
+  std::fprintf(stderr,
+               "usage: ferry_bench_generate --model DIR [--batch 16] [--prompt-len 128] [--new-tokens 128]\n"
+               "                            [--threads 2] [--dtype f32|bf16|model] [--seed 1]\n");
+  return 2;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string model_dir, dtype = "f32";
+  int64_t batch = 16, prompt_len = 128, new_tokens = 128, threads = 2;
+  uint64_t seed = 1;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    auto next = [&]() -> std::string { return i + 1 < argc ? argv[++i] : ""; };
+    if (a == "--model") model_dir = next();
+    else if (a == "--batch") batch = std::atoll(next().c_str());
+    else if (a == "--prompt-len") prompt_len = std::atoll(next().c_str());
+    else if (a == "--new-tokens") new_tokens = std::atoll(next().c_str());
+    else if (a == "--threads") threads = std::atoll(next().c_str());
+    else if (a == "--dtype") dtype = next();
+    else if (a == "--seed") seed = std::strtoull(next().c_str(), nullptr, 10);
+    else return Usage();
+  }
+  if (model_dir.empty() || batch < 1 || prompt_len < 1 || new_tokens < 1) return Usage();
+  ferry::runtime::SetTorchThreads(static_cast<int>(threads));
+  ferry::runtime::ModelOptions opts;
+  if (dtype == "f32") opts.dtype = at::kFloat;
+  if (dtype == "bf16") opts.dtype = at::kBFloat16;
+  const double t_load = Now();
+  auto model = CausalLM::Load(model_dir, opts);
+  if (!model.ok()) {
+    std::fprintf(stderr, "ferry_bench_generate: %s\n", model.status().ToString().c_str());
+    return 1;
+  }
+  const double load_s = Now() - t_load;
+  const CausalLM& m = **model;
+  std::mt19937_64 rng(seed);
+  std::vector<std::vector<int32_t>> prompts(static_cast<size_t>(batch));
+  for (auto& p : prompts) {
+    for (int64_t t = 0; t < prompt_len; ++t) p.push_back(static_cast<int32_t>(rng() % static_cast<uint64_t>(m.config().vocab_size)));
+  }
+
+  // Prefill alone: one forward of the whole batch into a KV cache, logits of the last position.
+  at::NoGradGuard no_grad;
+  const double t_prefill = Now();
+  {
+    ferry::runtime::KvCache cache(m.config(), batch, prompt_len, m.dtype(), m.device());
+    ferry::runtime::ForwardArgs a;
+    std::vector<int64_t> flat;
+    for (const auto& p : prompts) flat.insert(flat.end(), p.begin(), p.end());
+    a.input_ids = at::tensor(flat, at::kLong).view({batch, prompt_len});
+    a.positions = at::arange(prompt_len, at::kLong).view({1, prompt_len}).expand({batch, prompt_len}).contiguous();
+    a.cache = &cache;
+    auto h = m.Hidden(a);
+    if (!h.ok()) {
+      std::fprintf(stderr, "ferry_bench_generate: %s\n", h.status().ToString().c_str());
+      return 1;
+    }
+    (void)m.Logits(h->narrow(1, prompt_len - 1, 1));
+  }
+  const double prefill_s = Now() - t_prefill;
+
+  ferry::runtime::GeneratorOptions gopts;
+  gopts.max_batch = batch;
+  ferry::runtime::Generator gen(m, gopts);
+  ferry::runtime::SamplingParams p;
+  p.temperature = 0;
+  p.max_new_tokens = new_tokens;
+  const double t_gen = Now();
+  auto out = gen.Generate(prompts, 1, p);
+  const double generate_s = Now() - t_gen;
+  if (!out.ok()) {
+    std::fprintf(stderr, "ferry_bench_generate: %s\n", out.status().ToString().c_str());
+    return 1;
+  }
+  int64_t generated = 0;
+  for (const auto& c : *out) generated += static_cast<int64_t>(c.token_ids.size());
+  std::printf(
+      "{\"system\": \"ferry\", \"batch\": %lld, \"prompt_len\": %lld, \"new_tokens\": %lld, \"threads\": %lld, "
+      "\"dtype\": \"%s\", \"load_s\": %.4f, \"prefill_s\": %.4f, \"prefill_tokens_per_s\": %.2f, "
+      "\"generate_s\": %.4f, \"generated_tokens\": %lld, \"generate_tokens_per_s\": %.2f, \"peak_rss_bytes\": %lld, "
+      "\"weight_bytes\": %lld, \"blas\": \"%s\"}\n",
+      static_cast<long long>(batch), static_cast<long long>(prompt_len), static_cast<long long>(new_tokens),
+      static_cast<long long>(threads), c10::toString(m.dtype()), load_s, prefill_s,
+      static_cast<double>(batch * prompt_len) / prefill_s, generate_s, static_cast<long long>(generated),
+      static_cast<double>(generated) / generate_s, static_cast<long long>(PeakRssBytes()),
+      static_cast<long long>(m.weight_bytes()), ferry::runtime::LoadedBlas().library.c_str());
+  return 0;
+}

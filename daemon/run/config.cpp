@@ -1,0 +1,715 @@
+// Reading the TOML run config (the format and the rules are in config.h).
+#include "daemon/run/config.h"
+
+#include <algorithm>
+#include <cmath>
+#include <functional>
+#include <limits>
+#include <map>
+#include <set>
+#include <string>
+#include <utility>
+
+#include <re2/re2.h>
+
+#include <toml++/toml.h>
+
+#include "core/mapped_file.h"
+#include "daemon/run/config_internal.h"
+
+namespace ferry::run {
+namespace {
+
+constexpr double kInf = std::numeric_limits<double>::infinity();
+
+// ---------------------------------------------------------------------------------
+// Names.
+
+constexpr std::string_view kLossTypes[] = {"grpo", "bnpo", "dr_grpo", "dapo"};
+// TRL 1.16 loss types ferryd does not implement.
+constexpr std::string_view kTrlOnlyLossTypes[] = {"cispo", "sapo", "luspo", "vespo"};
+constexpr std::string_view kSchedulers[] = {"linear", "cosine", "constant", "constant_with_warmup"};
+// transformers' SchedulerType values ferryd does not implement.
+// clang-format off
+constexpr std::string_view kOtherSchedulers[] = {"cosine_with_restarts",      "polynomial",
+                                                 "inverse_sqrt",              "reduce_lr_on_plateau",
+                                                 "cosine_with_min_lr",        "cosine_warmup_with_min_lr",
+                                                 "warmup_stable_decay",       "greedy"};
+// clang-format on
+constexpr std::string_view kIsModes[] = {"token_truncate", "token_mask", "sequence_truncate", "sequence_mask"};
+
+template <size_t N>
+bool In(const std::string_view (&names)[N], std::string_view s) {
+  return std::find(std::begin(names), std::end(names), s) != std::end(names);
+}
+
+template <size_t N>
+std::string Quoted(const std::string_view (&names)[N]) {
+  std::string out;
+  for (size_t i = 0; i < N; ++i) {
+    if (i) out += i + 1 == N ? " or " : ", ";
+    out += '"';
+    out += names[i];
+    out += '"';
+  }
+  return out;
+}
+
+// GRPOConfig fields (trl 1.16.0) ferryd neither implements nor accepts at a neutral value:
+// named as such instead of "unknown key".
+// clang-format off
+constexpr std::string_view kTrlUnimplemented[] = {
+    "model_init_kwargs", "trust_remote_code", "router_aux_loss_coef", "num_generations_eval",
+    "ds3_gather_for_generation", "pad_to_multiple_of", "generation_kwargs", "chat_template_kwargs",
+    "cache_implementation", "vllm_mode", "vllm_model_impl", "vllm_enable_sleep_mode",
+    "vllm_structured_outputs_regex", "vllm_server_base_url", "vllm_server_host", "vllm_server_port",
+    "vllm_server_timeout", "vllm_group_port", "vllm_gpu_memory_utilization", "vllm_max_model_length",
+    "vllm_tensor_parallel_size", "sapo_temperature_neg", "sapo_temperature_pos", "vespo_k_pos",
+    "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg", "ref_model_mixup_alpha", "ref_model_sync_steps",
+    "entropy_coef_min", "entropy_coef_max", "entropy_coef_delta", "entropy_target",
+    "max_tool_calling_iterations", "log_completions", "log_multimodal", "num_completions_to_print",
+    "log_unique_prompts", "log_completions_hub_repo", "use_transformers_continuous_batching",
+    "transformers_continuous_batching_config", "use_transformers_paged", "lr_scheduler_kwargs",
+    "optim", "data_seed", "report_to"};
+// clang-format on
+
+size_t EditDistance(std::string_view a, std::string_view b) {
+  std::vector<size_t> prev(b.size() + 1), cur(b.size() + 1);
+  for (size_t j = 0; j <= b.size(); ++j) prev[j] = j;
+  for (size_t i = 1; i <= a.size(); ++i) {
+    cur[0] = i;
+    for (size_t j = 1; j <= b.size(); ++j) {
+      cur[j] = std::min({prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + (a[i - 1] == b[j - 1] ? 0 : 1)});
+    }
+    std::swap(prev, cur);
+  }
+  return prev[b.size()];
+}
+
+std::string Suggest(std::string_view key, const std::vector<std::string_view>& known) {
+  if (key.size() > 64) return "";
+  std::string_view best;
+  size_t best_d = std::max<size_t>(2, key.size() / 4) + 1;
+  for (std::string_view k : known) {
+    const size_t d = EditDistance(key, k);
+    if (d < best_d) {
+      best_d = d;
+      best = k;
+    }
+  }
+  return best.empty() ? "" : " (did you mean '" + std::string(best) + "'?)";
+}
+
+// ---------------------------------------------------------------------------------
+// Paths.
+
+Result<std::filesystem::path> ResolvePath(Reader& rd, const toml::node& v, const std::filesystem::path& base) {
+  FERRY_ASSIGN_OR_RETURN(std::string s, rd.String(v));
+  if (s.empty()) return rd.Error("must not be empty");
+  if (s[0] == '~') return rd.Error("'~' is not expanded: write an absolute path or one relative to the config file");
+  std::filesystem::path p(s);
+  if (p.is_relative()) p = base / p;
+  return p.lexically_normal();
+}
+
+// ---------------------------------------------------------------------------------
+// Top-level keys.
+
+struct Parse {
+  RunConfig& c;
+  Reader& rd;
+  std::filesystem::path base;              // the config file's directory
+  std::set<std::string, std::less<>> set;  // top-level keys present
+  std::optional<std::vector<double>> reward_weights;
+  std::optional<double> clip_cap;  // vllm_importance_sampling_cap
+  std::optional<int64_t> generation_batch_size;
+  std::optional<int64_t> steps_per_generation;
+  std::optional<double> epsilon_high;
+  const toml::array* rewards = nullptr;
+  bool have_output_dir = false;
+  const toml::node* store = nullptr;
+};
+
+using Handler = std::function<Status(Parse&, const toml::node&)>;
+
+template <typename T>
+Status Into(Result<T> r, T& out) {
+  if (!r.ok()) return r.status();
+  out = std::move(r).value();
+  return Status::OK();
+}
+
+Status ParseDevice(Parse& p, const toml::node& v) {
+  FERRY_ASSIGN_OR_RETURN(std::string s, p.rd.String(v));
+  if (s == "cpu" || s == "cuda") {
+    p.c.device = s;
+    return Status::OK();
+  }
+  if (s.rfind("cuda:", 0) == 0 && s.size() > 5 && s.size() <= 9 &&
+      std::all_of(s.begin() + 5, s.end(), [](char ch) { return ch >= '0' && ch <= '9'; })) {
+    p.c.device = "cuda:" + std::to_string(std::stoi(s.substr(5)));
+    return Status::OK();
+  }
+  return p.rd.Error("must be \"cpu\", \"cuda\" or \"cuda:N\" (got " + Reader::Show(s) + ")");
+}
+
+Status ParseChatTemplate(Parse& p, const toml::node& v) {
+  FERRY_ASSIGN_OR_RETURN(std::string s, p.rd.String(v));
+  for (ChatTemplate t : {ChatTemplate::kAuto, ChatTemplate::kNone, ChatTemplate::kChatML, ChatTemplate::kLlama3}) {
+    if (s == ChatTemplateName(t)) {
+      p.c.chat_template = t;
+      return Status::OK();
+    }
+  }
+  return p.rd.Error("must be \"auto\", \"none\", \"chatml\" or \"llama3\" (got " + Reader::Show(s) + ")");
+}
+
+Status ParseStore(Parse& p, const toml::node& v) {
+  if (v.is_string()) {
+    FERRY_ASSIGN_OR_RETURN(p.c.store.path, ResolvePath(p.rd, v, p.base));
+    return Status::OK();
+  }
+  if (!v.is_table()) return p.rd.Error("must be a table ([store]) or a path string (got " + Reader::TypeName(v) + ")");
+  const toml::table& t = *v.as_table();
+  for (auto&& [k, val] : t) {
+    Reader::Scope scope(p.rd, "store." + std::string(k.str()));
+    if (k.str() == "path") {
+      FERRY_ASSIGN_OR_RETURN(p.c.store.path, ResolvePath(p.rd, val, p.base));
+    } else if (k.str() == "run") {
+      FERRY_ASSIGN_OR_RETURN(std::string run, p.rd.String(val));
+      if (run.empty() || run.size() > 256) return p.rd.Error("must have 1 to 256 characters");
+      if (!IsPrintableUtf8(run)) return p.rd.Error("must be UTF-8 without control characters");
+      p.c.store.run = std::move(run);
+    } else {
+      return p.rd.Error("unknown key (the [store] table has 'path' and 'run')");
+    }
+  }
+  return Status::OK();
+}
+
+// "logging_steps" / "save_steps": a whole number >= 1 or a ratio in (0, 1).
+Status ParseSteps(Parse& p, const toml::node& v, double& out) {
+  FERRY_ASSIGN_OR_RETURN(double x, p.rd.Float(v, {.min = 0, .min_open = true, .max = 1e12}));
+  if (x > 1 && x != std::floor(x))
+    return p.rd.Error("must be a whole number when above 1 (got " + Reader::Num(x) + ")");
+  out = x;
+  return Status::OK();
+}
+
+const std::map<std::string, Handler, std::less<>>& TopHandlers() {
+  static const auto* handlers = new std::map<std::string, Handler, std::less<>>{
+      {"model_name_or_path",
+       [](Parse& p, const toml::node& v) {
+         return Into(ResolvePath(p.rd, v, p.base), p.c.model_name_or_path);
+       }},
+      {"dataset", [](Parse& p, const toml::node& v) { return Into(ResolvePath(p.rd, v, p.base), p.c.dataset); }},
+      {"output_dir",
+       [](Parse& p, const toml::node& v) {
+         p.have_output_dir = true;
+         return Into(ResolvePath(p.rd, v, p.base), p.c.output_dir);
+       }},
+      {"threads", [](Parse& p, const toml::node& v) { return Into(p.rd.Int(v, 0, kMaxThreads), p.c.threads); }},
+      {"device", ParseDevice},
+      {"chat_template", ParseChatTemplate},
+      {"store",
+       [](Parse& p, const toml::node& v) {
+         p.store = &v;
+         return Status::OK();
+       }},
+      {"lora", [](Parse& p, const toml::node& v) { return ParseLora(p.rd, v, p.c.lora); }},
+      {"rewards",
+       [](Parse& p, const toml::node& v) {
+         if (!v.is_array()) return p.rd.Error("must be an array of tables ([[rewards]]), got " + Reader::TypeName(v));
+         p.rewards = v.as_array();
+         return Status::OK();
+       }},
+      // TrainingArguments.
+      {"learning_rate",
+       [](Parse& p, const toml::node& v) {
+         return Into(p.rd.Float(v, {.min = 0, .max = 1e6}), p.c.learning_rate);
+       }},
+      {"lr_scheduler_type",
+       [](Parse& p, const toml::node& v) -> Status {
+         FERRY_ASSIGN_OR_RETURN(std::string s, p.rd.String(v));
+         if (In(kOtherSchedulers, s)) {
+           return p.rd.Unsupported("\"" + s + "\" is a transformers scheduler ferryd does not implement (it has " +
+                                   Quoted(kSchedulers) + ")");
+         }
+         if (!In(kSchedulers, s)) {
+           return p.rd.Error("must be " + Quoted(kSchedulers) + " (got " + Reader::Show(s) + ")");
+         }
+         p.c.lr_scheduler_type = s;
+         return Status::OK();
+       }},
+      {"warmup_ratio",
+       [](Parse& p, const toml::node& v) {
+         return Into(p.rd.Float(v, {.min = 0, .max = 1}), p.c.warmup_ratio);
+       }},
+      {"warmup_steps",
+       [](Parse& p, const toml::node& v) -> Status {
+         FERRY_ASSIGN_OR_RETURN(double x, p.rd.Float(v, {.min = 0, .max = 1e12}));
+         if (x >= 1 && x != std::floor(x)) {
+           return p.rd.Error("must be a whole number of steps, or a ratio below 1 (got " + Reader::Num(x) + ")");
+         }
+         p.c.warmup_steps = x;
+         return Status::OK();
+       }},
+      {"weight_decay",
+       [](Parse& p, const toml::node& v) {
+         return Into(p.rd.Float(v, {.min = 0, .max = 1e6}), p.c.weight_decay);
+       }},
+      {"adam_beta1",
+       [](Parse& p, const toml::node& v) {
+         return Into(p.rd.Float(v, {.min = 0, .max = 1, .max_open = true}), p.c.adam_beta1);
+       }},
+      {"adam_beta2",
+       [](Parse& p, const toml::node& v) {
+         return Into(p.rd.Float(v, {.min = 0, .max = 1, .max_open = true}), p.c.adam_beta2);
+       }},
+      {"adam_epsilon",
+       [](Parse& p, const toml::node& v) {
+         return Into(p.rd.Float(v, {.min = 0, .min_open = true, .max = 1}), p.c.adam_epsilon);
+       }},
+      {"max_grad_norm",
+       [](Parse& p, const toml::node& v) {
+         return Into(p.rd.Float(v, {.min = 0, .max = 1e12}), p.c.max_grad_norm);
+       }},
+      {"num_train_epochs",
+       [](Parse& p, const toml::node& v) {
+         return Into(p.rd.Float(v, {.min = 0, .min_open = true, .max = 1e9}), p.c.num_train_epochs);
+       }},
+      {"max_steps",
+       [](Parse& p, const toml::node& v) -> Status {
+         FERRY_ASSIGN_OR_RETURN(int64_t x, p.rd.Int(v, -1, int64_t{1} << 40));
+         if (x == 0) return p.rd.Error("must be -1 (use num_train_epochs) or at least 1 (got 0)");
+         p.c.max_steps = x;
+         return Status::OK();
+       }},
+      {"logging_steps", [](Parse& p, const toml::node& v) { return ParseSteps(p, v, p.c.logging_steps); }},
+      {"save_steps", [](Parse& p, const toml::node& v) { return ParseSteps(p, v, p.c.save_steps); }},
+      {"save_total_limit",
+       [](Parse& p, const toml::node& v) -> Status {
+         FERRY_ASSIGN_OR_RETURN(int64_t x, p.rd.Int(v, 1, int64_t{1} << 40));
+         p.c.save_total_limit = x;
+         return Status::OK();
+       }},
+      {"seed",
+       [](Parse& p, const toml::node& v) {
+         return Into(p.rd.Int(v, 0, std::numeric_limits<int64_t>::max()), p.c.seed);
+       }},
+      {"shuffle_dataset", [](Parse& p, const toml::node& v) { return Into(p.rd.Bool(v), p.c.shuffle_dataset); }},
+      {"per_device_train_batch_size",
+       [](Parse& p, const toml::node& v) {
+         return Into(p.rd.Int(v, 1, kMaxBatchSize), p.c.per_device_train_batch_size);
+       }},
+      {"gradient_accumulation_steps",
+       [](Parse& p, const toml::node& v) {
+         return Into(p.rd.Int(v, 1, kMaxBatchSize), p.c.gradient_accumulation_steps);
+       }},
+      {"bf16", [](Parse& p, const toml::node& v) { return Into(p.rd.Bool(v), p.c.bf16); }},
+      {"gradient_checkpointing",
+       [](Parse& p, const toml::node& v) {
+         return Into(p.rd.Bool(v), p.c.gradient_checkpointing);
+       }},
+      // GRPOConfig.
+      {"num_generations",
+       [](Parse& p, const toml::node& v) {
+         return Into(p.rd.Int(v, 1, kMaxNumGenerations), p.c.num_generations);
+       }},
+      {"max_prompt_length",
+       [](Parse& p, const toml::node& v) -> Status {
+         FERRY_ASSIGN_OR_RETURN(int64_t x, p.rd.Int(v, 1, kMaxSequenceTokens));
+         p.c.max_prompt_length = x;
+         return Status::OK();
+       }},
+      {"max_completion_length",
+       [](Parse& p, const toml::node& v) {
+         return Into(p.rd.Int(v, 1, kMaxSequenceTokens), p.c.max_completion_length);
+       }},
+      {"generation_batch_size",
+       [](Parse& p, const toml::node& v) -> Status {
+         FERRY_ASSIGN_OR_RETURN(int64_t x, p.rd.Int(v, 1, kMaxGenerationBatchSize));
+         p.generation_batch_size = x;
+         return Status::OK();
+       }},
+      {"steps_per_generation",
+       [](Parse& p, const toml::node& v) -> Status {
+         FERRY_ASSIGN_OR_RETURN(int64_t x, p.rd.Int(v, 1, kMaxBatchSize));
+         p.steps_per_generation = x;
+         return Status::OK();
+       }},
+      {"temperature",
+       [](Parse& p, const toml::node& v) {
+         return Into(p.rd.Float(v, {.min = 0, .min_open = true, .max = 1e4}), p.c.temperature);
+       }},
+      {"top_p",
+       [](Parse& p, const toml::node& v) {
+         return Into(p.rd.Float(v, {.min = 0, .min_open = true, .max = 1}), p.c.top_p);
+       }},
+      {"top_k", [](Parse& p, const toml::node& v) { return Into(p.rd.Int(v, 0, int64_t{1} << 31), p.c.top_k); }},
+      {"beta", [](Parse& p, const toml::node& v) { return Into(p.rd.Float(v, {.min = 0, .max = 1e6}), p.c.beta); }},
+      {"num_iterations",
+       [](Parse& p, const toml::node& v) {
+         return Into(p.rd.Int(v, 1, 1 << 16), p.c.num_iterations);
+       }},
+      {"epsilon", [](Parse& p, const toml::node& v) { return Into(p.rd.Float(v, {.min = 0, .max = 1}), p.c.epsilon); }},
+      {"epsilon_high",
+       [](Parse& p, const toml::node& v) -> Status {
+         FERRY_ASSIGN_OR_RETURN(double x, p.rd.Float(v, {.min = 0, .max = 1e6}));
+         p.epsilon_high = x;
+         return Status::OK();
+       }},
+      {"delta",
+       [](Parse& p, const toml::node& v) -> Status {
+         FERRY_ASSIGN_OR_RETURN(double x, p.rd.Float(v, {.min = 1, .min_open = true, .max = 1e6}));
+         p.c.delta = x;
+         return Status::OK();
+       }},
+      {"importance_sampling_level",
+       [](Parse& p, const toml::node& v) -> Status {
+         FERRY_ASSIGN_OR_RETURN(std::string s, p.rd.String(v));
+         if (s != "token" && s != "sequence") {
+           return p.rd.Error("must be \"token\" or \"sequence\" (got " + Reader::Show(s) + ")");
+         }
+         p.c.importance_sampling_level = s;
+         return Status::OK();
+       }},
+      {"reward_weights",
+       [](Parse& p, const toml::node& v) -> Status {
+         FERRY_ASSIGN_OR_RETURN(p.reward_weights, p.rd.FloatList(v, {.min = -1e12, .max = 1e12}, kMaxRewards));
+         return Status::OK();
+       }},
+      {"scale_rewards",
+       [](Parse& p, const toml::node& v) -> Status {
+         // TRL maps True / False to "group" / "none" (GRPOConfig.__post_init__).
+         if (v.is_boolean()) {
+           p.c.scale_rewards = v.as_boolean()->get() ? "group" : "none";
+           return Status::OK();
+         }
+         if (!v.is_string()) {
+           return p.rd.Error("must be \"group\", \"batch\", \"none\", true or false (got " + Reader::TypeName(v) + ")");
+         }
+         const std::string s = v.as_string()->get();
+         if (s != "group" && s != "batch" && s != "none") {
+           return p.rd.Error("must be \"group\", \"batch\", \"none\", true or false (got " + Reader::Show(s) + ")");
+         }
+         p.c.scale_rewards = s;
+         return Status::OK();
+       }},
+      {"loss_type",
+       [](Parse& p, const toml::node& v) -> Status {
+         FERRY_ASSIGN_OR_RETURN(std::string s, p.rd.String(v));
+         if (In(kTrlOnlyLossTypes, s)) {
+           return p.rd.Unsupported("\"" + s + "\" is a TRL loss ferryd does not implement (it has " +
+                                   Quoted(kLossTypes) + ")");
+         }
+         if (!In(kLossTypes, s)) return p.rd.Error("must be " + Quoted(kLossTypes) + " (got " + Reader::Show(s) + ")");
+         p.c.loss_type = s;
+         return Status::OK();
+       }},
+      {"mask_truncated_completions",
+       [](Parse& p, const toml::node& v) {
+         return Into(p.rd.Bool(v), p.c.mask_truncated_completions);
+       }},
+      {"vllm_importance_sampling_correction",
+       [](Parse& p, const toml::node& v) {
+         return Into(p.rd.Bool(v), p.c.vllm_importance_sampling_correction);
+       }},
+      {"vllm_importance_sampling_mode",
+       [](Parse& p, const toml::node& v) -> Status {
+         FERRY_ASSIGN_OR_RETURN(std::string s, p.rd.String(v));
+         if (!In(kIsModes, s)) return p.rd.Error("must be " + Quoted(kIsModes) + " (got " + Reader::Show(s) + ")");
+         p.c.vllm_importance_sampling_mode = s;
+         return Status::OK();
+       }},
+      {"vllm_importance_sampling_clip_max",
+       [](Parse& p, const toml::node& v) -> Status {
+         // TOML has no null: inf stands for TRL's None (no upper bound).
+         FERRY_ASSIGN_OR_RETURN(double x, p.rd.Float(v, {.min = 0, .max = kInf, .allow_inf = true}));
+         p.c.vllm_importance_sampling_clip_max = std::isinf(x) ? std::nullopt : std::optional<double>(x);
+         return Status::OK();
+       }},
+      {"vllm_importance_sampling_clip_min",
+       [](Parse& p, const toml::node& v) -> Status {
+         FERRY_ASSIGN_OR_RETURN(double x, p.rd.Float(v, {.min = 0, .max = 1e12}));
+         p.c.vllm_importance_sampling_clip_min = x;
+         return Status::OK();
+       }},
+      {"vllm_importance_sampling_cap",
+       [](Parse& p, const toml::node& v) -> Status {
+         FERRY_ASSIGN_OR_RETURN(double x, p.rd.Float(v, {.min = 0, .max = 1e12}));
+         p.clip_cap = x;
+         return Status::OK();
+       }},
+      {"use_bias_correction_kl",
+       [](Parse& p, const toml::node& v) {
+         return Into(p.rd.Bool(v), p.c.use_bias_correction_kl);
+       }},
+  };
+  return *handlers;
+}
+
+// ---------------------------------------------------------------------------------
+// Cross-key rules (TRL's GRPOConfig.__post_init__ and the trainer's checks).
+
+Status Resolve(Parse& p) {
+  RunConfig& c = p.c;
+  Reader& rd = p.rd;
+  if (!p.set.count("model_name_or_path")) {
+    Reader::Scope s(rd, "model_name_or_path");
+    return rd.Error("is required (the model directory)");
+  }
+  if (!p.set.count("dataset")) {
+    Reader::Scope s(rd, "dataset");
+    return rd.Error("is required (the JSONL file of prompts)");
+  }
+  if (!p.have_output_dir) c.output_dir = (p.base / "trainer_output").lexically_normal();
+  c.store.path = (c.output_dir / "store").lexically_normal();
+  if (p.store != nullptr) {
+    Reader::Scope s(rd, "store");
+    FERRY_RETURN_IF_ERROR(ParseStore(p, *p.store));
+  }
+
+  // Batch sizes (GRPOConfig.__post_init__, one process).
+  const int64_t pdbs = c.per_device_train_batch_size;
+  if (p.generation_batch_size && p.steps_per_generation) {
+    Reader::Scope s(rd, "generation_batch_size");
+    return rd.Error("and steps_per_generation cannot both be set (TRL's rule)");
+  }
+  if (p.generation_batch_size) {
+    Reader::Scope s(rd, "generation_batch_size");
+    if (*p.generation_batch_size % pdbs != 0) {
+      return rd.Error(std::to_string(*p.generation_batch_size) + " must be divisible by per_device_train_batch_size (" +
+                      std::to_string(pdbs) + ")");
+    }
+    c.generation_batch_size = *p.generation_batch_size;
+    c.steps_per_generation = c.generation_batch_size / pdbs;
+  } else {
+    c.steps_per_generation = p.steps_per_generation.value_or(c.gradient_accumulation_steps);
+    // Both factors are at most kMaxBatchSize (2^20): the product fits.
+    c.generation_batch_size = pdbs * c.steps_per_generation;
+    if (c.generation_batch_size > kMaxGenerationBatchSize) {
+      Reader::Scope s(rd, "per_device_train_batch_size");
+      return rd.Error("times steps_per_generation is " + std::to_string(c.generation_batch_size) +
+                      " completions per generation, above the limit of " + std::to_string(kMaxGenerationBatchSize));
+    }
+  }
+  if (c.num_generations < 2) {
+    Reader::Scope s(rd, "num_generations");
+    return rd.Error("must be at least 2: GRPO needs 2 completions per prompt to compute advantages (got " +
+                    std::to_string(c.num_generations) + ")");
+  }
+  if (c.generation_batch_size % c.num_generations != 0) {
+    Reader::Scope s(rd, p.generation_batch_size ? "generation_batch_size" : "num_generations");
+    return rd.Error("generation_batch_size (" + std::to_string(c.generation_batch_size) +
+                    (p.generation_batch_size ? "" : " = per_device_train_batch_size * steps_per_generation") +
+                    ") must be divisible by num_generations (" + std::to_string(c.num_generations) + ")");
+  }
+
+  c.epsilon_high = p.epsilon_high.value_or(c.epsilon);
+  if (c.lora.target_modules.empty()) {
+    // PEFT's default for Llama, Mistral and Qwen2 (TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING).
+    c.lora.target_modules.form = ModuleSelector::Form::kList;
+    c.lora.target_modules.names = {"q_proj", "v_proj"};
+  }
+
+  // Warmup: one of the two encodings.
+  if (p.set.count("warmup_ratio") && p.set.count("warmup_steps") && c.warmup_ratio > 0 && c.warmup_steps > 0) {
+    Reader::Scope s(rd, "warmup_ratio");
+    return rd.Error("and warmup_steps are both set: give one (warmup_steps below 1 is a ratio, as in transformers 5)");
+  }
+
+  // Importance-sampling correction bounds.
+  if (p.clip_cap) {
+    Reader::Scope s(rd, "vllm_importance_sampling_cap");
+    if (p.set.count("vllm_importance_sampling_clip_max")) {
+      return rd.Error("is the deprecated name of vllm_importance_sampling_clip_max: set only the latter");
+    }
+    c.vllm_importance_sampling_clip_max = *p.clip_cap;
+    rd.Warn("is deprecated in TRL: it is read as vllm_importance_sampling_clip_max = " + Reader::Num(*p.clip_cap));
+  }
+  const auto& cmin = c.vllm_importance_sampling_clip_min;
+  const auto& cmax = c.vllm_importance_sampling_clip_max;
+  if (cmin && cmax && *cmin >= *cmax) {
+    Reader::Scope s(rd, "vllm_importance_sampling_clip_min");
+    return rd.Error(Reader::Num(*cmin) + " must be less than vllm_importance_sampling_clip_max (" + Reader::Num(*cmax) +
+                    ")");
+  }
+  if (c.vllm_importance_sampling_correction && !cmin && !cmax &&
+      (c.vllm_importance_sampling_mode == "token_truncate" || c.vllm_importance_sampling_mode == "sequence_truncate")) {
+    Reader::Scope s(rd, "vllm_importance_sampling_mode");
+    return rd.Error("\"" + c.vllm_importance_sampling_mode +
+                    "\" needs vllm_importance_sampling_clip_min or vllm_importance_sampling_clip_max");
+  }
+
+  // Rewards.
+  if (p.rewards == nullptr || p.rewards->empty()) {
+    Reader::Scope s(rd, "rewards");
+    return rd.Error("at least one [[rewards]] table is required");
+  }
+  if (p.rewards->size() > kMaxRewards) {
+    Reader::Scope s(rd, "rewards");
+    return rd.Error("has " + std::to_string(p.rewards->size()) + " entries; at most " + std::to_string(kMaxRewards));
+  }
+  std::vector<bool> explicit_weight;
+  for (size_t i = 0; i < p.rewards->size(); ++i) {
+    bool has_weight = false;
+    FERRY_ASSIGN_OR_RETURN(RewardSpec spec, ParseReward(rd, (*p.rewards)[i], i, p.base, &has_weight));
+    explicit_weight.push_back(has_weight);
+    for (size_t j = 0; j < c.rewards.size(); ++j) {
+      if (c.rewards[j].name == spec.name) {
+        Reader::Scope s(rd, "rewards[" + std::to_string(i) + "].name");
+        return rd.Error("\"" + spec.name + "\" is also the name of rewards[" + std::to_string(j) +
+                        "]: names must be unique (they name the metrics rewards/<name>/mean)");
+      }
+    }
+    c.rewards.push_back(std::move(spec));
+  }
+  if (p.reward_weights) {
+    Reader::Scope s(rd, "reward_weights");
+    if (p.reward_weights->size() != c.rewards.size()) {
+      return rd.Error("has " + std::to_string(p.reward_weights->size()) + " weights for " +
+                      std::to_string(c.rewards.size()) + " rewards: the numbers must match");
+    }
+    for (size_t i = 0; i < c.rewards.size(); ++i) {
+      const double w = (*p.reward_weights)[i];
+      if (explicit_weight[i] && c.rewards[i].weight != w) {
+        return rd.Error("[" + std::to_string(i) + "] = " + Reader::Num(w) + " disagrees with rewards[" +
+                        std::to_string(i) + "].weight = " + Reader::Num(c.rewards[i].weight));
+      }
+      c.rewards[i].weight = w;
+    }
+  }
+
+  // Warnings.
+  if (c.bf16 && c.device == "cpu") {
+    Reader::Scope s(rd, "bf16");
+    rd.Warn(std::string(p.set.count("bf16") ? "is true" : "is true (TRL's default)") +
+            " on device \"cpu\": LibTorch's CPU bf16 matrix products are much slower than fp32 and less exact; set "
+            "bf16 = false for fp32");
+  }
+  if (c.importance_sampling_level == "sequence" &&
+      (c.loss_type == "bnpo" || c.loss_type == "dr_grpo" || c.loss_type == "dapo")) {
+    Reader::Scope s(rd, "importance_sampling_level");
+    rd.Warn("\"sequence\" with loss_type \"" + c.loss_type +
+            "\" sums per-token contributions, weighting each sequence by its length; GSPO uses loss_type \"grpo\" "
+            "(TRL's warning)");
+  }
+  if (c.delta && *c.delta <= 1 + c.epsilon_high) {
+    Reader::Scope s(rd, "delta");
+    rd.Warn(Reader::Num(*c.delta) + " is not above 1 + epsilon_high (" + Reader::Num(1 + c.epsilon_high) +
+            "): TRL recommends delta > 1 + epsilon");
+  }
+  if (c.beta == 0 && p.set.count("use_bias_correction_kl")) {
+    Reader::Scope s(rd, "use_bias_correction_kl");
+    rd.Warn("has no effect with beta = 0 (no KL term)");
+  }
+  return Status::OK();
+}
+
+}  // namespace
+
+std::string_view ChatTemplateName(ChatTemplate t) {
+  switch (t) {
+    case ChatTemplate::kAuto:
+      return "auto";
+    case ChatTemplate::kNone:
+      return "none";
+    case ChatTemplate::kChatML:
+      return "chatml";
+    case ChatTemplate::kLlama3:
+      return "llama3";
+  }
+  return "?";
+}
+
+std::string_view RewardTypeName(RewardType t) {
+  switch (t) {
+    case RewardType::kAnswerMatch:
+      return "answer_match";
+    case RewardType::kDigitMatch:
+      return "digit_match";
+    case RewardType::kRegex:
+      return "regex";
+    case RewardType::kLength:
+      return "length";
+    case RewardType::kCommand:
+      return "command";
+  }
+  return "?";
+}
+
+Result<RunConfig> ParseRunConfig(std::string_view text, const std::filesystem::path& source) {
+  RunConfig c;
+  std::error_code ec;
+  c.source = std::filesystem::absolute(source, ec).lexically_normal();
+  if (ec) c.source = source;
+  const std::string src = source.string();
+  if (text.size() > kMaxConfigFileBytes) {
+    return Status::InvalidArgument(src + ": " + std::to_string(text.size()) + " bytes; a config has at most " +
+                                   std::to_string(kMaxConfigFileBytes));
+  }
+  toml::table root;
+  try {
+    root = toml::parse(text, src);
+  } catch (const toml::parse_error& e) {
+    return Status::Corruption(src + ":" + std::to_string(e.source().begin.line) + ":" +
+                              std::to_string(e.source().begin.column) +
+                              ": TOML syntax error: " + std::string(e.description()));
+  } catch (const std::exception& e) {
+    return Status::Corruption(src + ": TOML error: " + e.what());
+  }
+
+  Reader rd(src, &c.warnings);
+  Parse p{c, rd, c.source.parent_path(), {}, {}, {}, {}, {}, {}, nullptr, false, nullptr};
+  const auto& handlers = TopHandlers();
+  std::map<std::string_view, const NeutralKey*> neutral;
+  for (const NeutralKey& k : NeutralKeys()) neutral[k.name] = &k;
+
+  for (auto&& [k, v] : root) {
+    const std::string key(k.str());
+    Reader::Scope scope(rd, key);
+    p.set.insert(key);
+    if (auto it = handlers.find(key); it != handlers.end()) {
+      FERRY_RETURN_IF_ERROR(it->second(p, v));
+    } else if (auto nt = neutral.find(key); nt != neutral.end()) {
+      FERRY_RETURN_IF_ERROR(rd.Neutral(v, nt->second->neutral, nt->second->why));
+    } else if (key == "use_cpu") {
+      return rd.Unsupported("ferryd chooses its device with device = \"cpu\", \"cuda\" or \"cuda:N\"; remove it");
+    } else if (key == "run_name") {
+      return rd.Unsupported("ferryd names its run in the store with [store] run = \"...\"; remove it");
+    } else if (In(kTrlUnimplemented, key)) {
+      return rd.Unsupported("a TRL GRPOConfig / TrainingArguments key ferryd does not implement; remove it");
+    } else if (key == "r" || key == "lora_alpha" || key == "target_modules" || key == "lora_dropout" ||
+               key == "use_rslora") {
+      return rd.Error("unknown key: PEFT LoraConfig keys go in the [lora] table");
+    } else {
+      std::vector<std::string_view> known;
+      for (const auto& [name, h] : handlers) known.push_back(name);
+      for (const NeutralKey& n : NeutralKeys()) known.push_back(n.name);
+      return rd.Error("unknown key" + Suggest(key, known));
+    }
+  }
+  FERRY_RETURN_IF_ERROR(Resolve(p));
+  return c;
+}
+
+Result<RunConfig> LoadRunConfig(const std::filesystem::path& path) {
+  std::error_code ec;
+  if (!std::filesystem::exists(path, ec)) return Status::NotFound(path.string() + ": no such config file");
+  if (!std::filesystem::is_regular_file(path, ec))
+    return Status::InvalidArgument(path.string() + ": not a regular file");
+  FERRY_ASSIGN_OR_RETURN(std::string text, ReadSmallFile(path, kMaxConfigFileBytes));
+  FERRY_ASSIGN_OR_RETURN(RunConfig c, ParseRunConfig(text, path));
+  const std::string src = path.string();
+  if (!std::filesystem::is_directory(c.model_name_or_path, ec)) {
+    return Status::NotFound(src + ": key 'model_name_or_path': " + c.model_name_or_path.string() +
+                            " is not a directory");
+  }
+  if (!std::filesystem::is_regular_file(c.dataset, ec)) {
+    return Status::NotFound(src + ": key 'dataset': " + c.dataset.string() + " is not a regular file");
+  }
+  return c;
+}
+
+}  // namespace ferry::run

@@ -1,0 +1,262 @@
+// A GRPO + LoRA training run, described by one TOML file (read with Debian's toml++).
+//
+// Key names are TRL's GRPOConfig names (trl 1.16.0, trl/trainer/grpo_config.py), the
+// TrainingArguments names GRPOConfig inherits (transformers 5.23, training_args.py), and
+// PEFT's LoraConfig names under a [lora] table; their defaults are TRL's and PEFT's. Ferry's
+// own keys: model_name_or_path, dataset, threads, device, chat_template, [store] and
+// [[rewards]]. docs/daemon.md ("Configuration", "Rewards") lists every key with its default.
+//
+//   model_name_or_path = "models/tiny"      # a directory; relative to this file
+//   dataset = "data/train.jsonl"            # JSONL (daemon/run/dataset.h); relative to this file
+//   output_dir = "runs/add"                 # relative to this file. Default: "trainer_output"
+//   learning_rate = 1e-3
+//   num_generations = 8
+//   [lora]
+//   r = 8
+//   lora_alpha = 16
+//   target_modules = ["q_proj", "k_proj", "v_proj", "o_proj"]
+//   [[rewards]]
+//   name = "digits"
+//   type = "digit_match"
+//   field = "answer"
+//
+// Errors. Every message reads "FILE: key 'NAME': what is wrong", where NAME is the dotted
+// path of the key ("lora.r", "rewards[2].field", "store.path"; rewards are counted from 0,
+// as TOML arrays). Codes: kNotFound for a missing config file (or, from LoadRunConfig, a
+// missing model directory or dataset file); kCorruption for TOML syntax ("FILE:LINE:COL:
+// TOML syntax error: ..."); kInvalidArgument for an unknown key, a wrong type or a bad value;
+// kUnsupported for TRL / PEFT features ferryd does not implement (a loss_type such as
+// "cispo", use_vllm = true, min_p other than 0, ...), saying so. Warnings (keys accepted but
+// without effect, TRL's own warnings) are returned in RunConfig::warnings, same format.
+//
+// Resolution. Relative paths are resolved against the directory of the config file and
+// made lexically normal; a path starting with "~" is refused (there is no home expansion).
+// Derived values are resolved as TRL's GRPOConfig.__post_init__ does: steps_per_generation
+// defaults to gradient_accumulation_steps and generation_batch_size to
+// per_device_train_batch_size * steps_per_generation (one process); epsilon_high defaults
+// to epsilon; scale_rewards true / false become "group" / "none"; the deprecated
+// vllm_importance_sampling_cap becomes vllm_importance_sampling_clip_max. Absent LoRA
+// target_modules resolve to PEFT's default for Llama, Mistral and Qwen2: ["q_proj",
+// "v_proj"]. Every reward's weight is resolved (reward_weights, or each table's weight).
+//
+// ToJson() writes the resolved config: every key with its value, defaults included, in the
+// fixed order of this header, keys of the TOML names. Optional values that are unset are
+// JSON null. Fingerprint() is the XXH3-128 (seed 0) of the compact form of that JSON, as 32
+// lowercase hex digits: equal configs (after resolution) give equal fingerprints on every
+// platform; a changed value, a moved file or a new Ferry default changes it.
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "convert/peft_config.h"
+#include "core/status.h"
+
+namespace ferry::run {
+
+// Limits on hostile input; larger values are refused with kInvalidArgument naming the key.
+inline constexpr size_t kMaxConfigFileBytes = 1u << 20;
+inline constexpr int64_t kMaxBatchSize = 1 << 20;  // per_device_train_batch_size, ...
+inline constexpr int64_t kMaxNumGenerations = 1 << 16;
+inline constexpr int64_t kMaxSequenceTokens = 1 << 20;       // max_completion_length, max_prompt_length
+inline constexpr int64_t kMaxGenerationBatchSize = 1 << 30;  // completions per generation
+inline constexpr int64_t kMaxThreads = 4096;
+inline constexpr size_t kMaxRewards = 64;
+inline constexpr size_t kMaxRegexLength = 4096;
+inline constexpr size_t kMaxRewardNameLength = 64;
+inline constexpr size_t kMaxCommandArgs = 256;
+
+// How chat-message prompts ("prompt" as a list of messages, or "messages") become text.
+enum class ChatTemplate {
+  kAuto,    // chosen from the tokenizer's special tokens (ChatML or Llama-3)
+  kNone,    // plain-text prompts only: a dataset with messages is refused
+  kChatML,  // <|im_start|>role\ncontent<|im_end|>\n ... <|im_start|>assistant\n
+  kLlama3,  // <|start_header_id|>role<|end_header_id|>\n\ncontent<|eot_id|> ...
+};
+// "auto" | "none" | "chatml" | "llama3".
+std::string_view ChatTemplateName(ChatTemplate t);
+
+// The answer answer_match and digit_match look for when a reward sets no pattern: the last
+// number in the completion (an optional minus sign, digits with optional thousands commas,
+// an optional decimal part). RE2 syntax; no capture groups.
+inline constexpr std::string_view kDefaultAnswerPattern = R"(-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?)";
+
+// The built-in reward functions and the external command (daemon/run/rewards.h says
+// exactly how each one scores).
+enum class RewardType { kAnswerMatch, kDigitMatch, kRegex, kLength, kCommand };
+// "answer_match" | "digit_match" | "regex" | "length" | "command".
+std::string_view RewardTypeName(RewardType t);
+
+// One [[rewards]] table. Keys that do not belong to `type` are refused.
+struct RewardSpec {
+  std::string name;  // unique; used in metric names (rewards/<name>/mean). Default: the type name
+  RewardType type = RewardType::kAnswerMatch;
+  double weight = 1.0;  // resolved from `weight` or reward_weights. Default: 1.0
+
+  // answer_match, digit_match: the dataset field holding the reference answer (a string or a
+  // number) and how the completion's answer is found: the last match of `pattern` (RE2),
+  // capture group `group` (0: the whole match).
+  std::string field;
+  // Resolved: kDefaultAnswerPattern when the table sets none. regex: required.
+  std::optional<std::string> pattern;
+  int group = 1;  // Default: 1, or 0 when `pattern` has no capture groups
+  // answer_match: "auto" (numbers compared as decimals when both sides are numbers, else
+  // trimmed text) or "none" (exact bytes). Default: "auto".
+  std::string normalize = "auto";
+  // digit_match: which ends of the two answers line up: "left" or "right". Default: "left".
+  std::string align = "left";
+
+  // regex: `pattern` (required) must match the completion: "full" (the whole completion)
+  // or "search" (anywhere). Default: "full".
+  std::string match = "full";
+
+  // length: the target completion length in tokens (required, >= 1).
+  int64_t target = 0;
+
+  // command: argv (argv[0] with a '/' is resolved against the config file's directory,
+  // otherwise looked up in PATH), run in the config file's directory.
+  std::vector<std::string> command;
+  double timeout_seconds = 60.0;  // per batch, (0, 86400]. Default: 60
+  int64_t batch_size = 0;         // completions per batch; 0: all of a call. Default: 0
+  // Where the command's stderr goes: empty = ferryd's stderr; else a file (appended,
+  // relative to the config file). Default: "".
+  std::filesystem::path stderr_file;
+  std::filesystem::path working_dir;  // the config file's directory (resolved, not a key)
+};
+
+// PEFT LoraConfig keys ([lora] table).
+struct LoraSettings {
+  int r = 8;                                     // [1, 65536]. Default: 8 (peft lora/config.py)
+  double lora_alpha = 8;                         // > 0. Default: 8
+  double lora_dropout = 0.0;                     // [0, 1). Default: 0.0
+  ModuleSelector target_modules;                 // list, regex string or "all-linear". Default: ["q_proj", "v_proj"]
+  ModuleSelector exclude_modules;                // Default: none
+  bool use_rslora = false;                       // Default: false
+  std::vector<RankPatternEntry> rank_pattern;    // file order. Default: none
+  std::vector<AlphaPatternEntry> alpha_pattern;  // file order. Default: none
+  std::vector<int64_t> layers_to_transform;      // Default: none (every layer)
+  bool layers_to_transform_is_int = false;       // written as one integer
+  std::vector<std::string> layers_pattern;       // Default: none
+  std::string bias = "none";                     // only "none" is implemented. Default: "none"
+};
+
+// Where the run's versions go (sync/store).
+struct StoreSettings {
+  std::filesystem::path path;   // Default: <output_dir>/store
+  std::string run = "default";  // the store's run name. Default: "default"
+};
+
+// The resolved run. Field names are the TOML keys; defaults are TRL 1.16's.
+struct RunConfig {
+  std::filesystem::path source;  // the config file (absolute)
+
+  // --- Ferry: what to train on, where, with what.
+  std::filesystem::path model_name_or_path;          // required; a model directory
+  std::filesystem::path dataset;                     // required; a JSONL file
+  std::filesystem::path output_dir;                  // Default: "trainer_output"
+  int64_t threads = 0;                               // LibTorch intra-op threads; 0: hardware threads. Default: 0
+  std::string device = "cpu";                        // "cpu", "cuda" or "cuda:N". Default: "cpu"
+  ChatTemplate chat_template = ChatTemplate::kAuto;  // Default: "auto"
+  StoreSettings store;
+
+  // --- TrainingArguments (as GRPOConfig overrides them).
+  double learning_rate = 1e-6;               // Default: 1e-6 (GRPOConfig)
+  std::string lr_scheduler_type = "linear";  // linear | cosine | constant | constant_with_warmup
+  double warmup_ratio = 0.0;                 // [0, 1]. Default: 0.0 (transformers 4.x name)
+  double warmup_steps = 0;                   // >= 0; below 1: a ratio of the total steps. Default: 0
+  double weight_decay = 0.0;                 // Default: 0.0
+  double adam_beta1 = 0.9;                   // Default: 0.9
+  double adam_beta2 = 0.999;                 // Default: 0.999
+  double adam_epsilon = 1e-8;                // Default: 1e-8
+  double max_grad_norm = 1.0;                // 0: no clipping. Default: 1.0
+  double num_train_epochs = 3.0;             // Default: 3.0
+  int64_t max_steps = -1;                    // -1: from num_train_epochs. Default: -1
+  double logging_steps = 10;                 // >= 1 (whole) or a ratio in (0, 1). Default: 10 (TRL)
+  double save_steps = 500;                   // as logging_steps. Default: 500
+  std::optional<int64_t> save_total_limit;   // Default: none (keep every checkpoint)
+  int64_t seed = 42;                         // Default: 42
+  bool shuffle_dataset = true;               // Default: true
+  int64_t per_device_train_batch_size = 8;   // completions per micro-step. Default: 8
+  int64_t gradient_accumulation_steps = 1;   // Default: 1
+  bool bf16 = true;                          // Default: true (TRL: "true if fp16 is not set")
+  bool gradient_checkpointing = true;        // Default: true (TRL)
+
+  // --- GRPOConfig.
+  int64_t num_generations = 8;                      // >= 2. Default: 8
+  std::optional<int64_t> max_prompt_length;         // Ferry: keep the last N prompt tokens. Default: none
+  int64_t max_completion_length = 512;              // Default: 512
+  int64_t generation_batch_size = 0;                // resolved (see the top of this file)
+  int64_t steps_per_generation = 0;                 // resolved
+  double temperature = 1.0;                         // > 0. Default: 1.0
+  double top_p = 1.0;                               // (0, 1]. Default: 1.0
+  int64_t top_k = 0;                                // 0: off. Default: 0
+  double beta = 0.0;                                // KL coefficient. Default: 0.0
+  int64_t num_iterations = 1;                       // Default: 1
+  double epsilon = 0.2;                             // [0, 1]. Default: 0.2
+  double epsilon_high = 0.2;                        // resolved; Default: epsilon
+  std::optional<double> delta;                      // two-sided clipping bound. Default: none
+  std::string importance_sampling_level = "token";  // token | sequence
+  std::string scale_rewards = "group";              // group | batch | none
+  std::string loss_type = "dapo";                   // grpo | bnpo | dr_grpo | dapo
+  bool mask_truncated_completions = false;          // Default: false
+  // TRL's vLLM importance-sampling correction; in Ferry it corrects the mismatch between
+  // ferryd's co-located generator and its trainer.
+  bool vllm_importance_sampling_correction = true;  // Default: true
+  std::string vllm_importance_sampling_mode =
+      "sequence_mask";  // token_truncate | token_mask | sequence_truncate | sequence_mask
+  std::optional<double> vllm_importance_sampling_clip_max = 3.0;  // Default: 3.0; inf: none
+  std::optional<double> vllm_importance_sampling_clip_min;        // Default: none
+  bool use_bias_correction_kl = true;                             // Default: true (trl 1.16)
+
+  // --- PEFT and rewards.
+  LoraSettings lora;
+  std::vector<RewardSpec> rewards;  // at least one
+
+  // Warnings, "FILE: key 'NAME': ...", in the order found.
+  std::vector<std::string> warnings;
+
+  // generation_batch_size / num_generations: prompts drawn per generation.
+  int64_t prompts_per_generation() const { return generation_batch_size / num_generations; }
+  // The resolved config as pretty-printed JSON (see the top of this file).
+  std::string ToJson() const;
+  // 32 lowercase hex digits (see the top of this file).
+  std::string Fingerprint() const;
+};
+
+// Parses TOML `text` as the config file `source` (used in messages; relative paths are
+// resolved against its directory, made absolute against the current directory). Touches
+// no file. Errors as described at the top of this file.
+[[nodiscard]] Result<RunConfig> ParseRunConfig(std::string_view text, const std::filesystem::path& source);
+
+// Reads and parses `path` (at most kMaxConfigFileBytes), then checks that
+// model_name_or_path is a directory and dataset a regular file (kNotFound naming the key
+// and the path otherwise).
+[[nodiscard]] Result<RunConfig> LoadRunConfig(const std::filesystem::path& path);
+
+// The PEFT LoraConfig of the run as adapter_config.json would hold it (peft_type LORA,
+// task_type CAUSAL_LM, base_model_name_or_path the model directory), parsed by
+// convert/peft_config.h: what runtime::LoraAdapter::Create takes.
+[[nodiscard]] Result<PeftConfig> LoraPeftConfig(const RunConfig& config);
+
+// Optimizer steps of the run over a dataset of `dataset_size` prompts, as TRL counts them:
+// max_steps when positive, else ceil(num_train_epochs * ceil(L / G)) with
+// L = floor(dataset_size / prompts_per_generation) * num_iterations * steps_per_generation
+// (TRL's RepeatSampler drops an incomplete last generation of each epoch) and
+// G = gradient_accumulation_steps. Ferry's DatasetSampler does not drop prompts (it reads
+// across epoch boundaries), so the same step count ends a little past that many epochs.
+// kInvalidArgument naming max_steps when L is 0 (fewer prompts than one generation) and
+// max_steps is not set: TRL refuses that too.
+[[nodiscard]] Result<int64_t> TotalSteps(const RunConfig& config, uint64_t dataset_size);
+
+// Warmup steps for a run of `total_steps`: warmup_steps when >= 1, else
+// ceil(total_steps * warmup_steps) when warmup_steps > 0, else ceil(total_steps * warmup_ratio).
+[[nodiscard]] int64_t WarmupSteps(const RunConfig& config, int64_t total_steps);
+
+// `threads`, or the hardware threads when it is 0 (at least 1).
+[[nodiscard]] int64_t ResolvedThreads(const RunConfig& config);
+
+}  // namespace ferry::run

@@ -1,0 +1,250 @@
+// The resolved run config as JSON, its fingerprint, and values derived from it.
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <thread>
+
+#include <nlohmann/json.hpp>
+
+#include "daemon/run/config_internal.h"
+#include "kernels/hash.h"
+
+namespace ferry::run {
+namespace {
+
+using OJson = nlohmann::ordered_json;
+
+OJson PathJson(const std::filesystem::path& p) { return p.string(); }
+
+template <typename T>
+OJson Opt(const std::optional<T>& v) {
+  return v ? OJson(*v) : OJson(nullptr);
+}
+
+OJson SelectorJson(const ModuleSelector& s) {
+  switch (s.form) {
+    case ModuleSelector::Form::kNone:
+      return nullptr;
+    case ModuleSelector::Form::kList:
+      return s.names;
+    case ModuleSelector::Form::kRegex:
+    case ModuleSelector::Form::kAllLinear:
+      return s.pattern;
+  }
+  return nullptr;
+}
+
+// lora_alpha is an int in PEFT's LoraConfig: written as one when it is whole.
+OJson AlphaJson(double a) {
+  if (a == std::floor(a) && std::fabs(a) < 1e15) return static_cast<int64_t>(a);
+  return a;
+}
+
+OJson LoraJson(const LoraSettings& l) {
+  OJson j;
+  j["r"] = l.r;
+  j["lora_alpha"] = AlphaJson(l.lora_alpha);
+  j["lora_dropout"] = l.lora_dropout;
+  j["target_modules"] = SelectorJson(l.target_modules);
+  j["exclude_modules"] = SelectorJson(l.exclude_modules);
+  j["use_rslora"] = l.use_rslora;
+  OJson rank = OJson::object();
+  for (const auto& e : l.rank_pattern) rank[e.key] = e.rank;
+  OJson alpha = OJson::object();
+  for (const auto& e : l.alpha_pattern) alpha[e.key] = AlphaJson(e.alpha);
+  j["rank_pattern"] = rank;
+  j["alpha_pattern"] = alpha;
+  if (l.layers_to_transform.empty()) {
+    j["layers_to_transform"] = nullptr;
+  } else if (l.layers_to_transform_is_int) {
+    j["layers_to_transform"] = l.layers_to_transform[0];
+  } else {
+    j["layers_to_transform"] = l.layers_to_transform;
+  }
+  j["layers_pattern"] = l.layers_pattern.empty() ? OJson(nullptr) : OJson(l.layers_pattern);
+  j["bias"] = l.bias;
+  return j;
+}
+
+OJson RewardJson(const RewardSpec& r) {
+  OJson j;
+  j["name"] = r.name;
+  j["type"] = std::string(RewardTypeName(r.type));
+  j["weight"] = r.weight;
+  switch (r.type) {
+    case RewardType::kAnswerMatch:
+      j["field"] = r.field;
+      j["pattern"] = *r.pattern;
+      j["group"] = r.group;
+      j["normalize"] = r.normalize;
+      break;
+    case RewardType::kDigitMatch:
+      j["field"] = r.field;
+      j["pattern"] = *r.pattern;
+      j["group"] = r.group;
+      j["align"] = r.align;
+      break;
+    case RewardType::kRegex:
+      j["pattern"] = *r.pattern;
+      j["match"] = r.match;
+      break;
+    case RewardType::kLength:
+      j["target"] = r.target;
+      break;
+    case RewardType::kCommand:
+      j["command"] = r.command;
+      j["timeout_seconds"] = r.timeout_seconds;
+      j["batch_size"] = r.batch_size;
+      j["stderr_file"] = r.stderr_file.empty() ? OJson(nullptr) : PathJson(r.stderr_file);
+      j["working_dir"] = PathJson(r.working_dir);
+      break;
+  }
+  return j;
+}
+
+OJson NeutralJson(const NeutralValue& n) {
+  switch (n.kind) {
+    case NeutralValue::Kind::kBool:
+      return n.b;
+    case NeutralValue::Kind::kFloat:
+      return n.f;
+    case NeutralValue::Kind::kString:
+      return std::string(n.s);
+    case NeutralValue::Kind::kNone:
+    case NeutralValue::Kind::kNoneOrFloat:
+      return nullptr;
+  }
+  return nullptr;
+}
+
+OJson ConfigJson(const RunConfig& c) {
+  OJson j;
+  j["ferry_run_config"] = 1;
+  j["model_name_or_path"] = PathJson(c.model_name_or_path);
+  j["dataset"] = PathJson(c.dataset);
+  j["output_dir"] = PathJson(c.output_dir);
+  j["threads"] = c.threads;
+  j["device"] = c.device;
+  j["chat_template"] = std::string(ChatTemplateName(c.chat_template));
+  j["store"] = {{"path", PathJson(c.store.path)}, {"run", c.store.run}};
+
+  j["learning_rate"] = c.learning_rate;
+  j["lr_scheduler_type"] = c.lr_scheduler_type;
+  j["warmup_ratio"] = c.warmup_ratio;
+  j["warmup_steps"] = c.warmup_steps;
+  j["weight_decay"] = c.weight_decay;
+  j["adam_beta1"] = c.adam_beta1;
+  j["adam_beta2"] = c.adam_beta2;
+  j["adam_epsilon"] = c.adam_epsilon;
+  j["max_grad_norm"] = c.max_grad_norm;
+  j["num_train_epochs"] = c.num_train_epochs;
+  j["max_steps"] = c.max_steps;
+  j["logging_steps"] = c.logging_steps;
+  j["save_steps"] = c.save_steps;
+  j["save_total_limit"] = Opt(c.save_total_limit);
+  j["seed"] = c.seed;
+  j["shuffle_dataset"] = c.shuffle_dataset;
+  j["per_device_train_batch_size"] = c.per_device_train_batch_size;
+  j["gradient_accumulation_steps"] = c.gradient_accumulation_steps;
+  j["bf16"] = c.bf16;
+  j["gradient_checkpointing"] = c.gradient_checkpointing;
+
+  j["num_generations"] = c.num_generations;
+  j["max_prompt_length"] = Opt(c.max_prompt_length);
+  j["max_completion_length"] = c.max_completion_length;
+  j["generation_batch_size"] = c.generation_batch_size;
+  j["steps_per_generation"] = c.steps_per_generation;
+  j["temperature"] = c.temperature;
+  j["top_p"] = c.top_p;
+  j["top_k"] = c.top_k;
+  j["beta"] = c.beta;
+  j["num_iterations"] = c.num_iterations;
+  j["epsilon"] = c.epsilon;
+  j["epsilon_high"] = c.epsilon_high;
+  j["delta"] = Opt(c.delta);
+  j["importance_sampling_level"] = c.importance_sampling_level;
+  j["scale_rewards"] = c.scale_rewards;
+  j["loss_type"] = c.loss_type;
+  j["mask_truncated_completions"] = c.mask_truncated_completions;
+  j["vllm_importance_sampling_correction"] = c.vllm_importance_sampling_correction;
+  j["vllm_importance_sampling_mode"] = c.vllm_importance_sampling_mode;
+  j["vllm_importance_sampling_clip_max"] = Opt(c.vllm_importance_sampling_clip_max);
+  j["vllm_importance_sampling_clip_min"] = Opt(c.vllm_importance_sampling_clip_min);
+  j["use_bias_correction_kl"] = c.use_bias_correction_kl;
+  OJson weights = OJson::array();
+  for (const RewardSpec& r : c.rewards) weights.push_back(r.weight);
+  j["reward_weights"] = weights;
+  for (const NeutralKey& k : NeutralKeys()) j[std::string(k.name)] = NeutralJson(k.neutral);
+
+  j["lora"] = LoraJson(c.lora);
+  OJson rewards = OJson::array();
+  for (const RewardSpec& r : c.rewards) rewards.push_back(RewardJson(r));
+  j["rewards"] = rewards;
+  return j;
+}
+
+constexpr auto kReplace = nlohmann::json::error_handler_t::replace;
+
+}  // namespace
+
+std::string RunConfig::ToJson() const { return ConfigJson(*this).dump(2, ' ', false, kReplace) + "\n"; }
+
+std::string RunConfig::Fingerprint() const {
+  const std::string text = ConfigJson(*this).dump(-1, ' ', false, kReplace);
+  const kernels::Hash128 h = kernels::Xxh3_128(text.data(), text.size());
+  static const char* hex = "0123456789abcdef";
+  std::string out(32, '0');
+  for (int i = 0; i < 16; ++i) {
+    out[15 - i] = hex[(h.hi >> (4 * i)) & 15];
+    out[31 - i] = hex[(h.lo >> (4 * i)) & 15];
+  }
+  return out;
+}
+
+Result<PeftConfig> LoraPeftConfig(const RunConfig& config) {
+  OJson j;
+  j["peft_type"] = "LORA";
+  j["task_type"] = "CAUSAL_LM";
+  j["base_model_name_or_path"] = PathJson(config.model_name_or_path);
+  const OJson lora = LoraJson(config.lora);
+  for (auto it = lora.begin(); it != lora.end(); ++it) j[it.key()] = it.value();
+  j["use_dora"] = false;
+  j["fan_in_fan_out"] = false;
+  j["init_lora_weights"] = true;
+  j["modules_to_save"] = nullptr;
+  j["inference_mode"] = false;
+  return ParsePeftConfig(j.dump(2, ' ', false, kReplace), config.source.string() + " [lora]");
+}
+
+Result<int64_t> TotalSteps(const RunConfig& c, uint64_t dataset_size) {
+  if (c.max_steps > 0) return c.max_steps;
+  const uint64_t per_generation = static_cast<uint64_t>(c.prompts_per_generation());
+  if (dataset_size / per_generation == 0) {
+    return Status::InvalidArgument(c.source.string() + ": key 'max_steps': the dataset has " +
+                                   std::to_string(dataset_size) + " prompts, fewer than one generation (" +
+                                   std::to_string(per_generation) +
+                                   " = generation_batch_size / num_generations): set max_steps");
+  }
+  // Every factor is bounded by config.h's limits; long double keeps the count exact well
+  // past any real dataset.
+  const long double batches = static_cast<long double>(dataset_size / per_generation) *
+                              static_cast<long double>(c.num_iterations) *
+                              static_cast<long double>(c.steps_per_generation);
+  const long double per_epoch = std::ceil(batches / static_cast<long double>(c.gradient_accumulation_steps));
+  const long double total = std::ceil(static_cast<long double>(c.num_train_epochs) * per_epoch);
+  return total >= 9.2e18L ? std::numeric_limits<int64_t>::max() : static_cast<int64_t>(total);
+}
+
+int64_t WarmupSteps(const RunConfig& c, int64_t total_steps) {
+  if (c.warmup_steps >= 1) return static_cast<int64_t>(c.warmup_steps);
+  const double ratio = c.warmup_steps > 0 ? c.warmup_steps : c.warmup_ratio;
+  return static_cast<int64_t>(std::ceil(static_cast<long double>(total_steps) * ratio));
+}
+
+int64_t ResolvedThreads(const RunConfig& c) {
+  if (c.threads > 0) return c.threads;
+  const unsigned hw = std::thread::hardware_concurrency();
+  return hw == 0 ? 1 : static_cast<int64_t>(hw);
+}
+
+}  // namespace ferry::run

@@ -1,0 +1,226 @@
+#include "daemon/runtime/generator.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <random>
+
+#include "daemon/runtime/torch_util.h"
+
+namespace ferry::runtime {
+namespace {
+
+struct Sampled {
+  std::vector<int64_t> tokens;
+  std::vector<float> logprobs;
+};
+
+// One token per row of `logits` [B, V] (see the top of generator.h).
+Sampled Sample(const at::Tensor& logits, const SamplingParams& p, std::mt19937_64& rng) {
+  at::Tensor lf = logits.to(at::kFloat);
+  at::Tensor next, logp_all;
+  if (p.temperature == 0) {
+    next = lf.argmax(-1);
+    logp_all = at::log_softmax(lf, -1);
+  } else {
+    at::Tensor scaled = lf / p.temperature;
+    logp_all = at::log_softmax(scaled, -1);
+    at::Tensor filtered = scaled;
+    const int64_t V = lf.size(-1);
+    const double neg_inf = -std::numeric_limits<double>::infinity();
+    if (p.top_k > 0 && p.top_k < V) {
+      at::Tensor kth = std::get<0>(at::topk(filtered, p.top_k, -1)).narrow(-1, p.top_k - 1, 1);
+      filtered = filtered.masked_fill(filtered < kth, neg_inf);
+    }
+    if (p.top_p < 1.0) {
+      auto [sorted, index] = at::sort(filtered, -1, /*descending=*/false);
+      at::Tensor cumulative = at::softmax(sorted, -1).cumsum(-1);
+      at::Tensor remove = cumulative <= (1.0 - p.top_p);
+      remove.narrow(-1, V - 1, 1).fill_(false);
+      filtered = filtered.masked_fill(remove.scatter(-1, index, remove), neg_inf);
+    }
+    at::Tensor cdf = at::softmax(filtered, -1).cumsum(-1);
+    const int64_t B = lf.size(0);
+    std::vector<double> u(static_cast<size_t>(B));
+    for (double& x : u) x = static_cast<double>(rng() >> 11) * 0x1.0p-53;
+    at::Tensor draws = at::tensor(u, at::kDouble).to(cdf.device()).to(at::kFloat).view({B, 1}) * cdf.narrow(-1, V - 1, 1);
+    next = at::searchsorted(cdf, draws, /*out_int32=*/false, /*right=*/true).view({B}).clamp_max(V - 1);
+  }
+  at::Tensor logp = logp_all.gather(-1, next.view({-1, 1})).view({-1});
+  at::Tensor next_cpu = next.to(at::kCPU).contiguous();
+  at::Tensor logp_cpu = logp.to(at::kCPU).contiguous();
+  Sampled s;
+  s.tokens.assign(next_cpu.data_ptr<int64_t>(), next_cpu.data_ptr<int64_t>() + next_cpu.numel());
+  s.logprobs.assign(logp_cpu.data_ptr<float>(), logp_cpu.data_ptr<float>() + logp_cpu.numel());
+  return s;
+}
+
+Status CheckParams(const SamplingParams& p, bool have_token_bytes) {
+  if (!(p.temperature >= 0) || !std::isfinite(p.temperature)) {
+    return Status::InvalidArgument("temperature must be >= 0, got " + std::to_string(p.temperature));
+  }
+  if (!(p.top_p > 0 && p.top_p <= 1)) return Status::InvalidArgument("top_p must be in (0, 1], got " + std::to_string(p.top_p));
+  if (p.top_k < 0) return Status::InvalidArgument("top_k must be >= 0, got " + std::to_string(p.top_k));
+  if (p.max_new_tokens < 1) return Status::InvalidArgument("max_new_tokens must be >= 1");
+  if (!p.stop_strings.empty() && !have_token_bytes) {
+    return Status::InvalidArgument("stop strings need a tokenizer to decode the completions");
+  }
+  for (const auto& s : p.stop_strings) {
+    if (s.empty()) return Status::InvalidArgument("a stop string is empty");
+  }
+  return Status::OK();
+}
+
+}  // namespace
+
+std::string_view FinishName(Completion::Finish f) {
+  switch (f) {
+    case Completion::Finish::kEos: return "eos";
+    case Completion::Finish::kStop: return "stop";
+    case Completion::Finish::kLength: return "length";
+  }
+  return "?";
+}
+
+Generator::Generator(const CausalLM& model, GeneratorOptions options) : model_(model), options_(std::move(options)) {
+  options_.max_batch = std::max<int64_t>(1, options_.max_batch);
+}
+
+Result<std::vector<Completion>> Generator::Generate(const std::vector<std::vector<int32_t>>& prompts, int n,
+                                                    const SamplingParams& params, const LoraBinding* lora) const {
+  if (n < 1) return Status::InvalidArgument("the number of completions per prompt must be >= 1");
+  FERRY_RETURN_IF_ERROR(CheckParams(params, static_cast<bool>(options_.token_bytes)));
+  const ModelConfig& cfg = model_.config();
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    if (prompts[i].empty()) return Status::InvalidArgument("prompt " + std::to_string(i) + " is empty");
+    for (int32_t id : prompts[i]) {
+      if (id < 0 || id >= cfg.vocab_size) {
+        return Status::InvalidArgument("prompt " + std::to_string(i) + ": token id " + std::to_string(id) +
+                                       " is outside the vocabulary [0, " + std::to_string(cfg.vocab_size) + ")");
+      }
+    }
+    const int64_t need = static_cast<int64_t>(prompts[i].size()) + params.max_new_tokens;
+    if (need > cfg.max_position_embeddings) {
+      return Status::InvalidArgument("prompt " + std::to_string(i) + ": " + std::to_string(prompts[i].size()) +
+                                     " tokens + max_new_tokens " + std::to_string(params.max_new_tokens) +
+                                     " exceed max_position_embeddings " + std::to_string(cfg.max_position_embeddings) +
+                                     " of " + cfg.source);
+    }
+  }
+  std::vector<Completion> out(prompts.size() * static_cast<size_t>(n));
+  for (size_t i = 0; i < out.size(); ++i) out[i].prompt_index = i / static_cast<size_t>(n);
+  std::mt19937_64 rng(params.seed);
+  const int64_t per_batch = std::max<int64_t>(1, options_.max_batch / n);
+  const at::Device dev = model_.device();
+
+  for (size_t first = 0; first < prompts.size(); first += static_cast<size_t>(per_batch)) {
+    const size_t np = std::min(prompts.size() - first, static_cast<size_t>(per_batch));
+    FERRY_RETURN_IF_ERROR(GuardTorch("generating", [&]() -> Status {
+      at::NoGradGuard no_grad;
+      int64_t P = 0;
+      for (size_t i = 0; i < np; ++i) P = std::max<int64_t>(P, static_cast<int64_t>(prompts[first + i].size()));
+      const int64_t B0 = static_cast<int64_t>(np);
+      at::Tensor ids = at::zeros({B0, P}, at::kLong);
+      at::Tensor mask = at::zeros({B0, P}, at::kBool);
+      std::vector<int64_t> next_pos;  // per row: the position of its next token
+      for (size_t i = 0; i < np; ++i) {
+        const auto& pr = prompts[first + i];
+        const int64_t len = static_cast<int64_t>(pr.size());
+        auto acc = ids.accessor<int64_t, 2>();
+        for (int64_t t = 0; t < len; ++t) acc[static_cast<int64_t>(i)][P - len + t] = pr[static_cast<size_t>(t)];
+        mask[static_cast<int64_t>(i)].narrow(0, P - len, len).fill_(true);
+        next_pos.push_back(len);
+      }
+      at::Tensor positions = (mask.to(at::kLong).cumsum(1) - 1).clamp_min(0);
+      KvCache cache(cfg, B0, P + params.max_new_tokens, model_.dtype(), dev);
+      ForwardArgs a;
+      a.input_ids = ids;
+      a.positions = positions;
+      a.attention_mask = mask;
+      a.cache = &cache;
+      a.lora = lora;
+      FERRY_ASSIGN_OR_RETURN(at::Tensor hidden, model_.Hidden(a));
+      at::Tensor logits = model_.Logits(hidden.narrow(1, P - 1, 1).squeeze(1), lora);
+
+      // One row per completion: rows of prompt i are i*n .. i*n+n-1. A finished row keeps riding
+      // in the batch (its outputs ignored, row_completion -1) until half the rows are done; then
+      // the cache is compacted to the live rows.
+      std::vector<int64_t> row_completion, row_pos;
+      for (size_t i = 0; i < np; ++i) {
+        for (int j = 0; j < n; ++j) {
+          row_completion.push_back(static_cast<int64_t>((first + i) * static_cast<size_t>(n) + static_cast<size_t>(j)));
+          row_pos.push_back(next_pos[i]);
+        }
+      }
+      if (n > 1) {
+        at::Tensor rows = at::arange(B0, at::kLong).repeat_interleave(n).to(dev);
+        cache = cache.Select(rows);
+        logits = logits.index_select(0, rows);
+      }
+      std::vector<std::string> text(row_completion.size());  // decoded bytes, for stop strings
+      size_t max_stop = 0;
+      for (const auto& stop : params.stop_strings) max_stop = std::max(max_stop, stop.size());
+      for (int64_t step = 0; step < params.max_new_tokens; ++step) {
+        Sampled s = Sample(logits, params, rng);
+        size_t live = 0;
+        for (size_t r = 0; r < row_completion.size(); ++r) {
+          if (row_completion[r] < 0) continue;
+          Completion& c = out[static_cast<size_t>(row_completion[r])];
+          const int64_t tok = s.tokens[r];
+          c.token_ids.push_back(static_cast<int32_t>(tok));
+          c.logprobs.push_back(s.logprobs[r]);
+          bool done = false;
+          if (std::find(params.eos_token_ids.begin(), params.eos_token_ids.end(), tok) != params.eos_token_ids.end()) {
+            c.finish = Completion::Finish::kEos;
+            done = true;
+          } else if (max_stop > 0) {
+            const size_t before = text[r].size();
+            text[r] += options_.token_bytes(static_cast<int32_t>(tok));
+            const size_t from = before >= max_stop ? before - max_stop + 1 : 0;
+            for (const auto& stop : params.stop_strings) {
+              if (text[r].find(stop, from) != std::string::npos) {
+                c.finish = Completion::Finish::kStop;
+                done = true;
+                break;
+              }
+            }
+          }
+          if (done) {
+            row_completion[r] = -1;
+          } else {
+            ++live;
+          }
+        }
+        if (live == 0 || step + 1 == params.max_new_tokens) break;
+        std::vector<int64_t> next_tokens = std::move(s.tokens);
+        if (live * 2 <= row_completion.size()) {
+          std::vector<int64_t> keep, rc, rp, nt;
+          std::vector<std::string> tx;
+          for (size_t r = 0; r < row_completion.size(); ++r) {
+            if (row_completion[r] < 0) continue;
+            keep.push_back(static_cast<int64_t>(r));
+            rc.push_back(row_completion[r]);
+            rp.push_back(row_pos[r]);
+            nt.push_back(next_tokens[r]);
+            tx.push_back(std::move(text[r]));
+          }
+          cache = cache.Select(at::tensor(keep, at::kLong).to(dev));
+          row_completion = std::move(rc);
+          row_pos = std::move(rp);
+          next_tokens = std::move(nt);
+          text = std::move(tx);
+        }
+        a.input_ids = at::tensor(next_tokens, at::kLong).view({-1, 1});
+        a.positions = at::tensor(row_pos, at::kLong).view({-1, 1});
+        a.attention_mask = at::Tensor();
+        for (auto& pos : row_pos) ++pos;
+        FERRY_ASSIGN_OR_RETURN(hidden, model_.Hidden(a));
+        logits = model_.Logits(hidden.squeeze(1), lora);
+      }
+      return Status::OK();
+    }));
+  }
+  return out;
+}
+
+}  // namespace ferry::runtime

@@ -1,0 +1,198 @@
+// CausalLM: Llama, Mistral and Qwen2 decoders in LibTorch, one module for the trainer (full
+// forward with autograd through LoRA) and the generator (prefill + decode on a KV cache).
+//
+// The maths, per layer (as transformers' modeling_llama.py / modeling_qwen2.py):
+//   h = x + o( Attention( rope(q(n1(x))), rope(k(n1(x))), v(n1(x)) ) )      n = RMSNorm
+//   y = h + down( silu(gate(n2(h))) * up(n2(h)) )
+//   logits = lm_head(norm(y_last))
+// RMSNorm upcasts to fp32 (x * rsqrt(mean(x^2) + eps)), casts back, then scales. RoPE angles
+// are computed per forward in fp32 exactly as transformers computes them (inv_freq = 1 /
+// theta^(2i/d) once, Llama-3 scaling applied to it; angle = position * inv_freq), and their
+// cos/sin cast to the compute dtype. Attention is written out
+// (no fused kernel: LibTorch 1.13 has none on the CPU): scores = q k^T / sqrt(d) in the compute
+// dtype, masked with the dtype's lowest value, softmax in fp32, cast back, times v. GQA groups
+// query heads per KV head by reshaping (no repeat of K/V). Queries are processed in chunks so
+// memory grows linearly with the context, not quadratically.
+//
+// Weights are views, never copies, where the device and dtype allow: a model directory's
+// safetensors stay memory-mapped (read-only pages), a sync Snapshot's buffers are used in place.
+// A 4-bit weight stays packed and is unpacked per layer inside the forward. Every tensor of the
+// model lives on the one device given at load.
+//
+// LoRA: a LoraBinding (daemon/runtime/lora.h makes one) adds s * B(A(dropout(x))) to chosen
+// linear outputs, computed in the adapter's dtype and added as PEFT does. A forward without a
+// binding is the base model: the reference policy needs no copy.
+//
+// Thread-safety: a CausalLM is immutable after load; concurrent forwards are safe (each with
+// its own KvCache).
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <array>
+#include <filesystem>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "core/checkpoint.h"
+#include "core/status.h"
+#include "daemon/runtime/model_config.h"
+#include "daemon/runtime/quant4.h"
+
+namespace ferry::runtime {
+
+// The seven projections of a decoder layer, in this order.
+enum class Proj : int { kQ = 0, kK, kV, kO, kGate, kUp, kDown };
+inline constexpr int kNumProj = 7;
+// "self_attn.q_proj", ..., "mlp.down_proj".
+std::string_view ProjName(Proj p);
+
+// y = x W^T + b. Exactly one of `weight` and `quant` is set.
+struct Linear {
+  std::string name;  // module name: "model.layers.0.self_attn.q_proj", "lm_head"
+  int64_t in = 0, out = 0;
+  at::Tensor weight;  // [out, in]
+  std::shared_ptr<const Quant4Weight> quant;
+  at::Tensor bias;  // [out] or undefined
+};
+
+// A LoRA module on one linear layer: delta = scaling * (dropout(x) A^T) B^T.
+struct LoraModule {
+  at::Tensor a;  // [r, in]
+  at::Tensor b;  // [out, r]
+  double scaling = 1.0;
+  double dropout = 0.0;
+};
+
+// Which LoRA module (if any) applies to each projection of each layer, and to lm_head.
+struct LoraBinding {
+  std::vector<std::array<const LoraModule*, kNumProj>> layers;
+  const LoraModule* lm_head = nullptr;
+};
+
+// Keys and values of every layer for `batch` sequences and up to `capacity` positions,
+// preallocated once and written in place: a decode step never grows or copies the cache.
+// Slot s of row b holds that row's s-th token (rows are left-padded to a common start).
+class KvCache {
+ public:
+  KvCache() = default;
+  // REQUIRES: batch >= 1, capacity >= 1.
+  KvCache(const ModelConfig& config, int64_t batch, int64_t capacity, at::ScalarType dtype, const at::Device& device);
+
+  int64_t batch() const { return batch_; }
+  int64_t capacity() const { return capacity_; }
+  int64_t length() const { return length_; }  // slots filled
+  // [batch, capacity] bool: slot holds a real token (not padding).
+  const at::Tensor& valid() const { return valid_; }
+  at::Tensor& key(int layer) { return keys_[static_cast<size_t>(layer)]; }      // [B, nKV, capacity, D]
+  at::Tensor& value(int layer) { return values_[static_cast<size_t>(layer)]; }  // [B, nKV, capacity, D]
+
+  // Marks `t` new slots filled; `valid` [B, t] says which are real tokens. REQUIRES: room.
+  void Append(const at::Tensor& valid);
+  // Forgets everything (keeps the memory).
+  void Clear();
+  // Keeps only `rows` (a long tensor of row indices, repeats allowed) in that order: copies the
+  // filled slots into a cache of rows.size(0) rows and the same capacity.
+  KvCache Select(const at::Tensor& rows) const;
+  int64_t bytes() const;
+
+ private:
+  int64_t batch_ = 0, capacity_ = 0, length_ = 0;
+  std::vector<at::Tensor> keys_, values_;
+  at::Tensor valid_;
+};
+
+struct ModelOptions {
+  at::Device device = at::kCPU;  // Default: cpu
+  // Compute dtype. Default: unset = the weights' own (the dtype of model.embed_tokens.weight;
+  // for 4-bit bases the quant state's dtype). A different dtype costs one converted copy.
+  std::optional<at::ScalarType> dtype;
+  // Queries processed per attention chunk (memory ~ chunk x context). Default: 1024.
+  int64_t attention_chunk = 1024;
+};
+
+// One forward's inputs. Positions are RoPE positions; `attention_mask` says which key slots are
+// real tokens: [B, S] where S = cache length before the call + T (without a cache, S = T).
+struct ForwardArgs {
+  at::Tensor input_ids;       // long [B, T]
+  at::Tensor positions;       // long [B, T]
+  at::Tensor attention_mask;  // bool [B, S]; undefined = all real
+  const LoraBinding* lora = nullptr;  // null: the base model
+  bool training = false;      // LoRA dropout on
+  KvCache* cache = nullptr;   // when set: the T tokens are appended to it (slots length..length+T)
+  // Recompute each decoder layer in the backward pass instead of keeping its activations.
+  bool checkpoint_layers = false;
+};
+
+class CausalLM {
+ public:
+  // Loads `dir` (config.json + safetensors, single or sharded). Errors name the file and tensor:
+  // a missing, extra or mis-shaped tensor, a dtype the runtime cannot compute in, and every
+  // refusal of ParseModelConfig.
+  static Result<std::unique_ptr<CausalLM>> Load(const std::filesystem::path& dir, const ModelOptions& options);
+  // The same over tensors already open: a Checkpoint (a model directory's, or a sync
+  // Snapshot's). `keep_alive` is held for the model's life (e.g. the Snapshot owning the bytes).
+  static Result<std::unique_ptr<CausalLM>> FromCheckpoint(const ModelConfig& config, const Checkpoint& weights,
+                                                          const ModelOptions& options,
+                                                          std::shared_ptr<const void> keep_alive = nullptr);
+  CausalLM(const CausalLM&) = delete;
+  CausalLM& operator=(const CausalLM&) = delete;
+  ~CausalLM();
+
+  const ModelConfig& config() const { return config_; }
+  const at::Device& device() const { return device_; }
+  at::ScalarType dtype() const { return dtype_; }
+  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+  // The linear layers LoRA may target (q..down of every layer, then lm_head), with their
+  // names as PEFT sees them ("model.layers.0.self_attn.q_proj"). REQUIRES: !fused().
+  std::vector<const Linear*> Linears() const;
+  const Linear& layer_linear(int layer, Proj p) const;
+  // True when the weights came in the fused layout (self_attn.qkv_proj, mlp.gate_up_proj):
+  // such a model runs, but LoRA cannot be bound to it.
+  bool fused() const { return fused_; }
+  const Linear& lm_head() const { return lm_head_; }
+  // Bytes of the weights as held (packed 4-bit counted packed).
+  int64_t weight_bytes() const;
+
+  // Runs the decoder; returns the final hidden states [B, T, hidden] (after the final norm).
+  // Errors (kInvalidArgument): shapes that do not fit, ids outside the vocabulary, no room
+  // in the cache. LibTorch errors become kInternal.
+  Result<at::Tensor> Hidden(const ForwardArgs& args) const;
+  // lm_head over hidden states [..., hidden] -> logits [..., vocab] in the compute dtype.
+  at::Tensor Logits(const at::Tensor& hidden, const LoraBinding* lora = nullptr, bool training = false) const;
+  // Logits for every position: Logits(Hidden(args)).
+  Result<at::Tensor> Forward(const ForwardArgs& args) const;
+
+  // Internal: one decoder layer (public for activation checkpointing).
+  struct Layer;
+  struct Context;
+
+ private:
+  CausalLM() = default;
+  Status Init(const ModelConfig& config, const Checkpoint& weights, const ModelOptions& options);
+  at::Tensor LayerForward(const Layer& layer, int index, const at::Tensor& x, const Context& ctx) const;
+  at::Tensor Attention(const Layer& layer, int index, const at::Tensor& x, const Context& ctx) const;
+  at::Tensor Mlp(const Layer& layer, int index, const at::Tensor& x, const Context& ctx) const;
+  at::Tensor Apply(const Linear& linear, const at::Tensor& x, const LoraModule* lora, bool training) const;
+
+  ModelConfig config_;
+  at::Device device_ = at::kCPU;
+  at::ScalarType dtype_ = at::kFloat;
+  int64_t attention_chunk_ = 1024;
+  bool fused_ = false;
+  std::shared_ptr<const void> keep_alive_;
+  Checkpoint weights_;  // keeps the mapped files open
+  at::Tensor embed_;    // [vocab, hidden]
+  at::Tensor norm_;     // [hidden]
+  Linear lm_head_;      // weight shares embed_ when tied
+  std::vector<std::unique_ptr<Layer>> layers_;
+  at::Tensor inv_freq_;  // fp32 [head_dim / 2] on the device
+};
+
+// The RoPE inverse frequencies [head_dim / 2] in fp32, as transformers computes them for
+// `config` (with Llama-3 scaling when configured). Exposed for tests.
+at::Tensor RopeInverseFrequencies(const ModelConfig& config);
+
+}  // namespace ferry::runtime

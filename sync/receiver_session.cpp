@@ -1,0 +1,201 @@
+// The receiver's transport session (sync/receiver_internal.h): requests over the DEALER,
+// replies and announcements in, credit-based FETCH, ACK.
+#include <algorithm>
+
+#include "sync/receiver_internal.h"
+
+namespace ferry::sync::receiver_internal {
+namespace {
+
+std::span<const std::byte> Bytes(const zmq::message_t& m) {
+  return {static_cast<const std::byte*>(m.data()), m.size()};
+}
+zmq::message_t Frame(std::string_view s) { return zmq::message_t(s.data(), s.size()); }
+
+}  // namespace
+
+bool Link::Retired(uint64_t epoch) const {
+  return std::find(retired_epochs.begin(), retired_epochs.end(), epoch) != retired_epochs.end();
+}
+
+void Link::Retire(uint64_t epoch) {
+  if (epoch == 0 || Retired(epoch)) return;
+  retired_epochs.push_back(epoch);
+  if (retired_epochs.size() > kRetiredEpochsKept) retired_epochs.pop_front();
+}
+
+std::optional<Message> ReadAnnouncement(zmq::socket_t& sub, const Link& link) {
+  zmq::message_t m;
+  if (!sub.recv(m, zmq::recv_flags::dontwait)) return std::nullopt;
+  bool more = m.more();
+  while (more) {  // drain a malformed multipart announcement
+    zmq::message_t extra;
+    if (!sub.recv(extra, zmq::recv_flags::dontwait)) break;
+    more = extra.more();
+  }
+  auto a = Decode(Bytes(m), nullptr);
+  if (!a.ok() || a->type != MsgType::kAnnounce || link.Retired(a->epoch)) return std::nullopt;
+  return std::move(*a);
+}
+
+Status Session::Send(const Message& m, std::span<const std::byte> payload) {
+  try {
+    const bool has = HasPayload(m.type);
+    dealer_.send(Frame(EncodeHeader(m)), has ? zmq::send_flags::sndmore : zmq::send_flags::none);
+    if (has) dealer_.send(zmq::message_t(payload.data(), payload.size()), zmq::send_flags::none);
+  } catch (const zmq::error_t& e) {
+    return Status::IOError("sync receiver " + o_.id + ": cannot send to " + o_.endpoints.requests + ": " + e.what());
+  }
+  return Status::OK();
+}
+
+Status Session::SendWithId(MsgType type, const Message& base) {
+  Message m = base;
+  m.type = type;
+  return Send(m, {reinterpret_cast<const std::byte*>(o_.id.data()), o_.id.size()});
+}
+
+Status Session::Next(Clock::time_point deadline, Incoming* in) {
+  for (;;) {
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
+    if (left <= 0) {
+      return Status::Unavailable("sync receiver " + o_.id + ": no reply from " + o_.endpoints.requests + " within " +
+                                 std::to_string(o_.timeout_ms) + " ms");
+    }
+    zmq::pollitem_t items[] = {{dealer_.handle(), 0, ZMQ_POLLIN, 0}, {sub_.handle(), 0, ZMQ_POLLIN, 0}};
+    try {
+      zmq::poll(items, 2, std::chrono::milliseconds(left));
+      if (items[1].revents & ZMQ_POLLIN) {
+        if (auto a = ReadAnnouncement(sub_, *link_)) {
+          link_->last_heard = Clock::now();
+          in->announce = true;
+          in->msg = std::move(*a);
+          return Status::OK();
+        }
+      }
+      if (items[0].revents & ZMQ_POLLIN) {
+        std::vector<zmq::message_t> parts;
+        for (;;) {
+          zmq::message_t p;
+          if (!dealer_.recv(p, zmq::recv_flags::dontwait)) break;
+          const bool more = p.more();
+          if (parts.size() < 3) parts.push_back(std::move(p));
+          if (!more) break;
+        }
+        if (parts.empty()) continue;
+        link_->last_heard = Clock::now();
+        if (parts.size() > 2) {
+          return Status::Corruption("sync receiver " + o_.id + ": reply from " + o_.endpoints.requests +
+                                    " has more than 2 frames");
+        }
+        in->announce = false;
+        in->header = std::move(parts[0]);
+        if (parts.size() == 2) in->payload = std::move(parts[1]);
+        const std::span<const std::byte> payload = Bytes(in->payload);
+        auto m = Decode(Bytes(in->header), parts.size() == 2 ? &payload : nullptr);
+        if (!m.ok()) {
+          return Status::Corruption("sync receiver " + o_.id + ": from " + o_.endpoints.requests + ": " +
+                                    m.status().message());
+        }
+        in->msg = std::move(*m);
+        return Status::OK();
+      }
+    } catch (const zmq::error_t& e) {
+      return Status::IOError("sync receiver " + o_.id + ": " + o_.endpoints.requests + ": " + e.what());
+    }
+  }
+}
+
+Status Session::PublisherError(const Message& m) const {
+  const uint32_t c = (m.code > 0 && m.code <= static_cast<uint32_t>(StatusCode::kUnavailable))
+                         ? m.code
+                         : static_cast<uint32_t>(StatusCode::kInternal);
+  return Status(static_cast<StatusCode>(c), "publisher " + o_.endpoints.requests + ": " + m.payload);
+}
+
+Result<Manifest> Session::Hello(std::string* json) {
+  FERRY_RETURN_IF_ERROR(SendWithId(MsgType::kHello, {}));
+  const auto deadline = Deadline();
+  for (;;) {
+    Incoming in;
+    FERRY_RETURN_IF_ERROR(Next(deadline, &in));
+    if (in.announce) continue;  // we are asking for the latest anyway
+    if (in.msg.type == MsgType::kError) return PublisherError(in.msg);
+    if (in.msg.type != MsgType::kManifest) continue;  // stale reply to an abandoned request
+    auto m = DecodeManifest(in.msg.payload);
+    if (!m.ok()) return Status::Corruption("from " + o_.endpoints.requests + ": " + m.status().message());
+    if (m->sequence != in.msg.sequence || m->epoch != in.msg.epoch) {
+      return Status::Corruption("sync MANIFEST from " + o_.endpoints.requests +
+                                ": header and JSON sequence or epoch differ");
+    }
+    if (m->tensors.empty()) return Status::Corruption("sync MANIFEST from " + o_.endpoints.requests + ": no tensors");
+    *json = std::move(in.msg.payload);
+    return *m;
+  }
+}
+
+Result<Outcome> Session::Fetch(const Manifest& man, ItemKind kind, uint32_t index, uint64_t start, uint64_t size,
+                               const PieceSink& sink) {
+  uint64_t next = start, received = start;
+  uint32_t in_flight = 0;
+  auto deadline = Deadline();
+  while (received < size) {
+    while (in_flight < o_.credit && next < size) {
+      Message f;
+      f.type = MsgType::kFetch;
+      f.version = man.version;
+      f.kind = kind;
+      f.index = index;
+      f.offset = next;
+      f.length = static_cast<uint32_t>(std::min<uint64_t>(o_.chunk_bytes, size - next));
+      FERRY_RETURN_IF_ERROR(Send(f, {}));
+      next += f.length;
+      ++in_flight;
+    }
+    Incoming in;
+    FERRY_RETURN_IF_ERROR(Next(deadline, &in));
+    if (in.announce) {
+      if (in.msg.epoch != man.epoch || in.msg.sequence > man.sequence) return Outcome::kNewer;
+      continue;
+    }
+    if (in.msg.type == MsgType::kError) return PublisherError(in.msg);
+    if (in.msg.type != MsgType::kChunk || !(in.msg.version == man.version) || in.msg.kind != kind ||
+        in.msg.index != index || in.msg.offset != received) {
+      continue;  // stale
+    }
+    if (in.msg.epoch != man.epoch) return Outcome::kNewer;  // answered by a restarted publisher
+    const uint64_t expect = std::min<uint64_t>(o_.chunk_bytes, size - received);
+    const auto bytes = Bytes(in.payload);
+    if (bytes.size() != expect) {
+      return Status::Corruption("sync CHUNK from " + o_.endpoints.requests + ": " + std::to_string(bytes.size()) +
+                                " bytes at offset " + std::to_string(received) + ", expected " +
+                                std::to_string(expect));
+    }
+    FERRY_RETURN_IF_ERROR(sink(bytes, received));
+    received += bytes.size();
+    bytes_received_ += bytes.size();
+    --in_flight;
+    deadline = Deadline();
+    if (o_.on_chunk_for_testing) o_.on_chunk_for_testing(in.msg.offset);
+    if (in.msg.sequence > man.sequence) return Outcome::kNewer;
+  }
+  return Outcome::kDone;
+}
+
+Status Session::Ack(const store::Digest& v, const store::Digest& computed, const std::optional<store::Digest>& proven) {
+  Message m;
+  m.version = v;
+  m.computed = computed;
+  m.proven = proven;
+  FERRY_RETURN_IF_ERROR(SendWithId(MsgType::kAck, m));
+  const auto deadline = Deadline();
+  for (;;) {
+    Incoming in;
+    FERRY_RETURN_IF_ERROR(Next(deadline, &in));
+    if (in.announce) continue;
+    if (in.msg.type == MsgType::kError) return PublisherError(in.msg);
+    if (in.msg.type == MsgType::kAcked && in.msg.version == v) return Status::OK();
+  }
+}
+
+}  // namespace ferry::sync::receiver_internal

@@ -4,6 +4,7 @@
 #include <string>
 
 #include "cli/commands.h"
+#include "cli/audit_html.h"
 #include "cli/output.h"
 #include "cli/store_common.h"
 #include "core/mapped_file.h"
@@ -31,7 +32,7 @@ void RunAuditCommand(const AuditFlags& f) {
   if (!report.ok()) Fail("store " + f.db + ": audit: " + report.status().message());
   if (!f.html.empty()) {
     const std::string title = "Ferry audit of " + f.db + (f.run.empty() ? std::string() : " (run " + f.run + ")");
-    Status w = WriteFileAtomic(f.html, store::AuditToHtml(*report, title));
+    Status w = WriteFileAtomic(f.html, AuditToHtml(*report, title));
     if (!w.ok()) Fail(w.WithContext("--html " + f.html));
   }
   if (f.json) {

@@ -51,9 +51,20 @@ void RunConvert(const ConvertFlags& f) {
     progress->Add(done - last);
     last = done;
   };
-  auto summary = Convert(o);
+  ConvertRemedy remedy = ConvertRemedy::kNone;
+  auto summary = Convert(o, &remedy);
   if (progress) progress->Done();
-  if (!summary.ok()) Fail(summary.status());
+  if (!summary.ok()) {
+    switch (remedy) {
+      case ConvertRemedy::kMergedLayout:
+        FailWithHint(summary.status(), summary.status().code(), "use --layout hf (or --layout fused)");
+      case ConvertRemedy::kReplaceOutput:
+        FailWithHint(summary.status(), summary.status().code(), "pass --force to replace it");
+      case ConvertRemedy::kNone:
+        break;
+    }
+    Fail(summary.status());
+  }
   if (f.json) {
     std::printf("%s\n", ConvertSummaryToJson(*summary).c_str());
     return;
@@ -67,8 +78,14 @@ void RunConvert(const ConvertFlags& f) {
               summary->untied_lm_head ? ", lm_head untied" : "", HumanBytes(summary->bytes_written).c_str(),
               summary->seconds);
   if (summary->layout == Layout::kLora) {
-    std::printf("global rank %lld, lora_alpha %g (scaling 1.0; per-module patterns baked into lora_A)\n",
-                static_cast<long long>(summary->global_rank), summary->global_alpha);
+    std::printf("global rank %lld, lora_alpha %.9g (scaling %.9g); per-module scalings baked into lora_A, factors %s",
+                static_cast<long long>(summary->global_rank), summary->global_alpha, summary->global_scaling,
+                std::string(DTypeName(summary->lora_factor_dtype)).c_str());
+    if (summary->lora_inexact_modules > 0) {
+      std::printf(" (%lld modules' scalings are not a power of two apart from the global one)",
+                  static_cast<long long>(summary->lora_inexact_modules));
+    }
+    std::printf("\n");
   }
   for (const auto& file : summary->files) std::printf("  %s\n", file.c_str());
 }

@@ -181,8 +181,11 @@ void PrintEngine(const EngineReport& e) {
   if (!e.findings.empty()) {
     Table t = {{"SEVERITY", "SUBJECT", "FINDING"}};
     for (const EngineFinding& f : e.findings) {
+      std::string finding = f.message;
+      if (f.fix_layout) finding += " [fix: `ferry convert --layout " + std::string(LayoutName(*f.fix_layout)) + "`]";
+      if (f.engine_max_lora_rank > 0) finding += " [vLLM: --max-lora-rank " + std::to_string(f.engine_max_lora_rank) + "]";
       t.push_back({std::string(EngineSeverityName(f.severity)),
-                   std::string(EngineSubjectName(f.subject_kind)) + " " + f.subject, f.message});
+                   std::string(EngineSubjectName(f.subject_kind)) + " " + f.subject, std::move(finding)});
     }
     PrintTable(t, "  ");
   }

@@ -25,7 +25,7 @@ void SetKeysCommand(CLI::App& app) {
     auto kp = sync::GenerateKeyPair();
     if (!kp.ok()) Fail(kp.status());
     Status st = sync::WriteKeyPair(flags->out, *kp, flags->force);
-    if (!st.ok()) Fail(st);
+    if (!st.ok()) FailWithHint(st, StatusCode::kAlreadyExists, "pass --force to replace it");
     std::printf("%s\n", kp->public_key.c_str());
   });
 }

@@ -10,6 +10,13 @@ namespace ferry::cli {
 
 void Fail(const Status& status, int exit_code) { Fail(status.message(), exit_code); }
 
+void FailWithHint(const Status& status, StatusCode when, std::string_view hint, int exit_code) {
+  if (status.code() != when) Fail(status, exit_code);
+  std::string message = status.message();
+  if (message.ends_with('.')) message.pop_back();  // "...instead; use --layout hf", not "instead.; use"
+  Fail(message + "; " + std::string(hint), exit_code);
+}
+
 void Fail(std::string_view message, int exit_code) {
   std::fprintf(stderr, "ferry: error: %.*s\n", static_cast<int>(message.size()), message.data());
   throw CLI::RuntimeError(exit_code);

@@ -13,6 +13,9 @@ namespace ferry::cli {
 // Prints "ferry: error: <message>" to stderr and throws CLI::RuntimeError(exit_code).
 [[noreturn]] void Fail(const Status& status, int exit_code = 1);
 [[noreturn]] void Fail(std::string_view message, int exit_code = 1);
+// As Fail(status), with "; <hint>" after the message when the status has code `when`: the
+// CLI's own advice (a flag to pass), keyed on the library's code, never on its text.
+[[noreturn]] void FailWithHint(const Status& status, StatusCode when, std::string_view hint, int exit_code = 1);
 
 // "1.50 GiB"
 std::string HumanBytes(uint64_t bytes);

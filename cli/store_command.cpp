@@ -22,10 +22,9 @@ struct ImportFlags {
 void RunImport(const ImportFlags& f) {
   store::ImportOptions o;
   o.run = f.run;
-  o.layout = f.layout;
-  if (f.layout != "hf" && f.layout != "fused" && f.layout != "lora") {
-    Fail("--layout '" + f.layout + "' is not one of hf, fused, lora");
-  }
+  auto layout = ParseLayout(f.layout);
+  if (!layout.ok()) Fail("--layout '" + f.layout + "' is not one of hf, fused, lora");
+  o.layout = *layout;
   std::error_code ec;
   if (!std::filesystem::exists(f.path, ec)) Fail(f.path + ": no such file or directory");
   const bool adapter = std::filesystem::is_directory(f.path, ec) &&

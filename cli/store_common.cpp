@@ -68,7 +68,7 @@ Json VersionJson(const store::VersionRecord& v, bool with_tensors) {
   j["sequence"] = v.sequence;
   j["parent"] = OptDigest(v.parent);
   j["kind"] = std::string(store::KindName(v.kind));
-  j["layout"] = v.layout;
+  j["layout"] = std::string(LayoutName(v.layout));
   j["source"] = std::string(store::SourceName(v.source));
   j["time_ns"] = v.time_ns;
   j["time"] = FormatTime(v.time_ns);

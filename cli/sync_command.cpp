@@ -20,6 +20,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "cli/commands.h"
@@ -110,14 +111,16 @@ std::optional<sync::CurveOptions> CurveOrFail(const KeyFlags& f, bool publisher)
 }
 
 // Fails naming the flag unless both endpoints are usable with/without CURVE.
-void CheckEndpointsOrFail(const std::string& flag, const std::string& value, const sync::Endpoints& e, bool curve) {
+// `curve_flags`: the flags that give this side its CURVE keys, named when tcp:// lacks them.
+void CheckEndpointsOrFail(const std::string& flag, const std::string& value, const sync::Endpoints& e, bool curve,
+                          std::string_view curve_flags) {
   Status s = sync::CheckEndpoints(e, curve);
-  if (!s.ok()) Fail(s.WithContext(flag + " " + value));
+  if (!s.ok()) FailWithHint(s.WithContext(flag + " " + value), StatusCode::kFailedPrecondition, curve_flags);
 }
 
-sync::SnapshotLayout ParseLayoutOrFail(const std::string& layout) {
-  if (layout == "hf") return sync::SnapshotLayout::kHf;
-  if (layout == "fused") return sync::SnapshotLayout::kFused;
+Layout ParseLayoutOrFail(const std::string& layout) {
+  if (layout == "hf") return Layout::kHf;
+  if (layout == "fused") return Layout::kFused;
   Fail("--layout '" + layout + "' is not one of hf, fused");
 }
 
@@ -212,8 +215,8 @@ void RunPublish(const PublishFlags& f) {
   if (!watching && f.layout != "hf") Fail("--layout is only used with --watch");
   auto mode = sync::ParsePublishMode(f.mode);
   if (!mode.ok()) Fail(mode.status().WithContext("--mode"));
-  const sync::SnapshotLayout layout = ParseLayoutOrFail(f.layout);
-  if (*mode == sync::PublishMode::kAdapter && layout != sync::SnapshotLayout::kHf) {
+  const Layout layout = ParseLayoutOrFail(f.layout);
+  if (*mode == sync::PublishMode::kAdapter && layout != Layout::kHf) {
     Fail("--mode adapter needs --layout hf (receivers choose their layout with `sync receive --layout`)");
   }
   if (f.poll_ms <= 0) Fail("--poll-ms must be positive");
@@ -221,7 +224,7 @@ void RunPublish(const PublishFlags& f) {
   sync::PublisherOptions o;
   o.endpoints = ParseEndpointOrFail("--bind", f.bind);
   o.curve = CurveOrFail(f.keys, true);
-  CheckEndpointsOrFail("--bind", f.bind, o.endpoints, o.curve.has_value());
+  CheckEndpointsOrFail("--bind", f.bind, o.endpoints, o.curve.has_value(), "give --key and --allow");
   o.mode = *mode;
 
   auto owned = OpenStoreOrFail(f.db, /*writable=*/true, /*create=*/watching);
@@ -292,8 +295,10 @@ struct ReceiveFlags {
 // write, fsync or rename failing, a version that stays corrupt, a precondition) ends it.
 bool IsTransient(const Status& s) { return s.code() == StatusCode::kUnavailable || s.code() == StatusCode::kNotFound; }
 
-[[noreturn]] void FailReceive(const Status& s, const ReceiveFlags& f) {
-  if (f.base.empty() && s.message().find("base_dir") != std::string::npos) {
+[[noreturn]] void FailReceive(const Status& s, const ReceiveFlags& f, const sync::Receiver& receiver) {
+  // Adapter mode without a local base: the activation plan lacks base_dir (kInvalidArgument).
+  if (f.base.empty() && s.code() == StatusCode::kInvalidArgument &&
+      receiver.served_mode() == sync::PublishMode::kAdapter) {
     Fail(s.WithContext("the publisher serves adapters: give --base DIR (the local base model)"));
   }
   Fail(s);
@@ -305,12 +310,11 @@ void RunReceive(const ReceiveFlags& f) {
   o.dir = f.out;
   o.timeout_ms = f.timeout_ms;
   o.keep_versions = f.keep_versions;
-  (void)ParseLayoutOrFail(f.layout);
-  o.layout = f.layout;
+  o.layout = ParseLayoutOrFail(f.layout);
   if (!f.base.empty()) o.base_dir = f.base;
   o.endpoints = ParseEndpointOrFail("--connect", f.connect);
   o.curve = CurveOrFail(f.keys, false);
-  CheckEndpointsOrFail("--connect", f.connect, o.endpoints, o.curve.has_value());
+  CheckEndpointsOrFail("--connect", f.connect, o.endpoints, o.curve.has_value(), "give --key and --server-key");
   const sigset_t set = BlockStopSignals();
   auto r = sync::Receiver::Connect(o);
   if (!r.ok()) Fail(r.status());
@@ -318,7 +322,7 @@ void RunReceive(const ReceiveFlags& f) {
   // A failed sync while following: kUnavailable is warned once per outage, kNotFound waited
   // out quietly; anything else ends `receive`.
   auto on_error = [&](const Status& st) {
-    if (!IsTransient(st)) FailReceive(st, f);
+    if (!IsTransient(st)) FailReceive(st, f, **r);
     if (st.code() == StatusCode::kUnavailable) {
       if (!publisher_lost) std::fprintf(stderr, "ferry: warning: %s\n", st.message().c_str());
       publisher_lost = true;
@@ -331,7 +335,7 @@ void RunReceive(const ReceiveFlags& f) {
   if (s.ok()) {
     PrintSync(*s, f.id, f.json);
   } else {
-    if (f.once) FailReceive(s.status(), f);
+    if (f.once) FailReceive(s.status(), f, **r);
     on_error(s.status());
     if (s.status().code() == StatusCode::kNotFound) {
       std::fprintf(stderr, "ferry: waiting for a version to be published: %s\n", s.status().message().c_str());
@@ -382,7 +386,7 @@ void RunStatus(const StatusFlags& f) {
   for (const auto& e : *events) {
     if (e.receiver.empty()) continue;
     Row& r = rows[e.receiver];
-    const bool lost = e.type == store::Event::Type::kAnomaly && e.detail.find(" lost: ") != std::string::npos;
+    const bool lost = e.type == store::Event::Type::kAnomaly && e.anomaly == store::Event::Anomaly::kReceiverLost;
     if (e.type == store::Event::Type::kAcknowledged) r.ack = e;
     if (!lost) r.last_seen_ns = std::max(r.last_seen_ns, e.time_ns);
     if (lost) {

@@ -98,7 +98,7 @@ void RunShow(const ShowFlags& f) {
   }
   std::printf("version   %s\n", v.id.Hex().c_str());
   std::printf("run       %s (sequence %llu)\n", v.run.c_str(), static_cast<unsigned long long>(v.sequence));
-  std::printf("kind      %s, layout %s, source %s\n", std::string(store::KindName(v.kind)).c_str(), v.layout.c_str(),
+  std::printf("kind      %s, layout %s, source %s\n", std::string(store::KindName(v.kind)).c_str(), std::string(LayoutName(v.layout)).c_str(),
               std::string(store::SourceName(v.source)).c_str());
   std::printf("time      %s\n", FormatTime(v.time_ns).c_str());
   if (v.step) std::printf("step      %lld\n", static_cast<long long>(*v.step));
@@ -311,7 +311,7 @@ void RunMaterialize(const MaterializeFlags& f) {
   o.exact = f.exact;
   o.threads = f.threads;
   auto r = store::Materialize(*s, v.id, f.out, o);
-  if (!r.ok()) Fail(r.status());
+  if (!r.ok()) FailWithHint(r.status(), StatusCode::kAlreadyExists, "pass --force to replace it");
   if (f.json) {
     Json j;
     j["version"] = v.id.Hex();

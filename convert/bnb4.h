@@ -8,7 +8,9 @@
 //   W.weight.nested_absmax, .nested_quant_map only when double-quantized (F32, 256 F32)
 //   W.weight.quant_state.bitsandbytes__nf4    U8 bytes of UTF-8 JSON: quant_type, blocksize, dtype,
 //   (or __fp4)                                shape, and nested_blocksize, nested_offset when nested
-// See ../shared/reference/bnb-4bit.md.
+// Dequantized value of element i: quant_map[code_i] * absmax[i / blocksize], where absmax is,
+// when double-quantized, nested_quant_map[absmax_u8[b]] * nested_absmax[b / nested_blocksize]
+// + nested_offset (bitsandbytes' dequantize_4bit, reproduced bit for bit: fixtures/README.md).
 #pragma once
 
 #include <map>

@@ -16,10 +16,14 @@
 
 #include <nlohmann/json.hpp>
 
-#include "convert/engine_check.h"
+#include "convert/fused_layout.h"
+#include "convert/lora_layout.h"
+#include "convert/model_config.h"
 #include "convert/merge_plan.h"
 #include "convert/peft_config.h"
+#include "core/aux_files.h"
 #include "core/checkpoint.h"
+#include "core/file_util.h"
 #include "core/mapped_file.h"
 #include "core/safetensors.h"
 #include "core/staging_dir.h"
@@ -30,27 +34,6 @@ namespace {
 
 namespace fs = std::filesystem;
 using ojson = nlohmann::ordered_json;
-
-std::string Q(std::string_view s) { return "'" + std::string(s) + "'"; }
-
-bool EndsWith(std::string_view s, std::string_view suffix) {
-  return s.size() >= suffix.size() && s.substr(s.size() - suffix.size()) == suffix;
-}
-
-std::string TorchDTypeName(DType d) {
-  switch (d) {
-    case DType::kF32: return "float32";
-    case DType::kF16: return "float16";
-    case DType::kBF16: return "bfloat16";
-    case DType::kF64: return "float64";
-    default: return std::string(DTypeName(d));
-  }
-}
-
-bool IsWeightFile(const std::string& name) {
-  return EndsWith(name, ".safetensors") || EndsWith(name, ".index.json") || EndsWith(name, ".bin") ||
-         EndsWith(name, ".pt") || EndsWith(name, ".pth");
-}
 
 
 // Converts fp32 values to `dtype` in chunks and appends them to the writer.
@@ -256,32 +239,29 @@ class MergeWriter {
     std::sort(items.begin(), items.end(), [](const Item& a, const Item& b) {
       return a.file != b.file ? a.file < b.file : a.offset < b.offset;
     });
-    // Fused layout: find every q/k/v and gate/up group first (storage order need not put
-    // the first member first), then emit each group where its first member is stored.
-    std::map<std::string, OutputTensor> groups;  // by first member
-    std::set<std::string> consumed;
-    if (opt_.layout == Layout::kFused) {
-      for (const auto& item : items) {
-        auto fused = FuseGroup(item.name);
-        if (!fused.ok()) return fused.status();
-        if (fused->parts.empty()) continue;
-        for (const auto& p : fused->parts) consumed.insert(p);
-        groups.emplace(item.name, std::move(fused).value());
-      }
-    }
-    std::vector<OutputTensor> out;
+    // Output tensors in storage order (an untied lm_head right after its source), then the
+    // fused layout's groups in place of their first member (convert/fused_layout.h).
+    std::vector<TensorSpec> specs;
+    std::map<std::string, uint32_t> shard_of;
     for (const auto& item : items) {
-      if (auto g = groups.find(item.name); g != groups.end()) {
-        g->second.shard = item.file;
-        out.push_back(std::move(g->second));
-        continue;
-      }
-      if (consumed.count(item.name)) continue;
-      out.push_back({item.name, OutDType(item.name), NaturalShape(item.name), {item.name}, item.file});
+      specs.push_back({item.name, OutDType(item.name), NaturalShape(item.name)});
+      shard_of.emplace(item.name, item.file);
       if (plan_.untie && item.name == plan_.tied_source) {
         const std::string& lm = plan_.lm_head_key;
-        out.push_back({lm, OutDType(lm), NaturalShape(lm), {lm}, item.file});
+        specs.push_back({lm, OutDType(lm), NaturalShape(lm)});
+        shard_of.emplace(lm, item.file);
       }
+    }
+    std::vector<LaidOutTensor> laid_out;
+    if (opt_.layout == Layout::kFused) {
+      FERRY_ASSIGN_OR_RETURN(laid_out, FuseLayout(specs, base_.path().string()));
+    } else {
+      for (auto& spec : specs) laid_out.push_back(LaidOutTensor{spec, {spec.name}});
+    }
+    std::vector<OutputTensor> out;
+    for (auto& t : laid_out) {
+      const uint32_t shard = shard_of.at(t.parts.front());
+      out.push_back({std::move(t.spec.name), t.spec.dtype, std::move(t.spec.shape), std::move(t.parts), shard});
     }
     // Renumber shards densely (a fused group may empty a shard).
     uint32_t next = 0, last = UINT32_MAX;
@@ -293,43 +273,6 @@ class MergeWriter {
       t.shard = next - 1;
     }
     return out;
-  }
-
-  // For the fused layout: the q/k/v or gate/up group starting at `name`, or empty parts.
-  Result<OutputTensor> FuseGroup(const std::string& name) const {
-    static const std::vector<std::pair<std::vector<std::string>, std::string>> kGroups = {
-        {{"q_proj", "k_proj", "v_proj"}, "qkv_proj"}, {{"gate_proj", "up_proj"}, "gate_up_proj"}};
-    for (const auto& [members, fused] : kGroups) {
-      for (const char* param : {".weight", ".bias"}) {
-        const std::string first = "." + members[0] + param;
-        if (!EndsWith(name, first)) continue;
-        const std::string prefix = name.substr(0, name.size() - first.size() + 1);
-        OutputTensor t;
-        t.name = prefix + fused + param;
-        int64_t rows = 0;
-        for (const auto& m : members) {
-          const std::string part = prefix + m + param;
-          if (!base_.Contains(part) || plan_.quant_aux.count(part)) return OutputTensor{};
-          const Shape s = NaturalShape(part);
-          const Shape s0 = NaturalShape(name);
-          if (s.empty() || s.size() != s0.size() || !std::equal(s.begin() + 1, s.end(), s0.begin() + 1) ||
-              OutDType(part) != OutDType(name)) {
-            return Status::InvalidArgument(base_.path().string() + ": cannot fuse " + Q(part) + " " + ShapeToString(s) +
-                                           " with " + Q(name) + " " + ShapeToString(s0));
-          }
-          rows += s[0];
-          t.parts.push_back(part);
-        }
-        if (base_.Contains(t.name)) {
-          return Status::InvalidArgument(base_.path().string() + ": has both " + Q(t.name) + " and " + Q(name));
-        }
-        t.shape = NaturalShape(name);
-        t.shape[0] = rows;
-        t.dtype = OutDType(name);
-        return t;
-      }
-    }
-    return OutputTensor{};
   }
 
   // Computes one output part on this thread and hands its bytes to the write pipeline.
@@ -429,188 +372,63 @@ class MergeWriter {
   ConvertSummary summary_;
 };
 
-// ---------------------------------------------------------------------------------
-// lora layout
-
-Status RefuseForEngine(const PeftConfig& cfg, const Checkpoint& base, const Checkpoint& adapter, const MergePlan& plan) {
-  const std::vector<LoraLayoutRefusal> refusals = FindLoraLayoutRefusals(cfg, base, adapter, plan);
-  if (refusals.empty()) return Status::OK();
-  return Status::Unsupported(refusals.front().message + " Use --layout hf (or fused) to merge it instead.");
-}
-
-struct EngineModule {
-  std::string name;  // module name as the base stores it
-  bool embedding = false;
-  int64_t in = 0, out = 0;
-  std::vector<const LoraModule*> parts;  // several when separate adapters are fused
-};
-
-Result<ConvertSummary> WriteLora(const ConvertOptions& opt, const PeftConfig& cfg, const Checkpoint& base,
-                                 const Checkpoint& adapter, const MergePlan& plan, const fs::path& dir) {
-  FERRY_RETURN_IF_ERROR(RefuseForEngine(cfg, base, adapter, plan));
-  std::map<std::string, EngineModule> mods;
-  for (const auto& m : plan.modules) {
-    const std::string name = m.target.substr(0, m.target.size() - std::string(".weight").size());
-    EngineModule& e = mods[name];
-    e.name = name;
-    e.embedding = m.kind == LoraModule::Kind::kEmbedding;
-    const TensorInfo* w = plan.quantized.count(m.target) ? nullptr : base.Info(plan.SourceOf(m.target));
-    Shape ws = w ? w->shape : plan.quantized.at(m.target).shape;
-    e.in = m.in;
-    e.out = e.embedding ? m.out : (m.fan_in_fan_out ? ws[1] : ws[0]);
-    e.parts.push_back(&m);
-  }
-  int64_t rank = 0;
-  for (const auto& [n, e] : mods) {
-    int64_t r = 0;
-    for (const auto* p : e.parts) r += p->rank;
-    rank = std::max(rank, r);
-  }
-  DType out_dtype = DType::kF32;
-  if (!plan.modules.empty()) out_dtype = adapter.Info(plan.modules.front().a_key)->dtype;
-  if (opt.dtype) out_dtype = *opt.dtype;
-  if (!CanWriteFromF32(out_dtype)) out_dtype = DType::kF32;
-
-  std::vector<TensorSpec> specs;
-  for (const auto& [n, e] : mods) {
-    const std::string a = e.embedding ? ".lora_embedding_A" : ".lora_A.weight";
-    const std::string b = e.embedding ? ".lora_embedding_B" : ".lora_B.weight";
-    specs.push_back({"base_model.model." + n + a, out_dtype, {rank, e.in}});
-    specs.push_back({"base_model.model." + n + b, out_dtype, {e.out, rank}});
-  }
-  WriterOptions wopt;
-  wopt.basename = "adapter_model";
-  wopt.sync = opt.sync;
-  FERRY_ASSIGN_OR_RETURN(auto writer, SafetensorsWriter::CreateInDirectory(dir, specs, wopt));
-  std::set<std::string> leaves;
-  for (const auto& [n, e] : mods) {
-    leaves.insert(n.substr(n.rfind('.') + 1));
-    // A' = [s_1 A_1; s_2 A_2; ...; 0], B' = block placement of B_i rows/cols, zero elsewhere.
-    std::vector<float> a_out(static_cast<size_t>(rank * e.in), 0.0f);
-    std::vector<float> b_out(static_cast<size_t>(e.out * rank), 0.0f);
-    int64_t col = 0;
-    for (const LoraModule* p : e.parts) {
-      FERRY_ASSIGN_OR_RETURN(std::vector<float> a, ReadTensorAsF32(adapter, p->a_key));
-      FERRY_ASSIGN_OR_RETURN(std::vector<float> b, ReadTensorAsF32(adapter, p->b_key));
-      const float s = static_cast<float>(p->scaling);
-      for (int64_t k = 0; k < p->rank; ++k) {
-        for (int64_t i = 0; i < e.in; ++i) a_out[static_cast<size_t>((col + k) * e.in + i)] = s * a[static_cast<size_t>(k * e.in + i)];
-      }
-      const int64_t rows = p->out;
-      for (int64_t o = 0; o < rows; ++o) {
-        for (int64_t k = 0; k < p->rank; ++k) {
-          b_out[static_cast<size_t>((p->row_offset + o) * rank + col + k)] =
-              b[static_cast<size_t>((p->b_row_begin + o) * p->rank + k)];
-        }
-      }
-      col += p->rank;
-    }
-    FERRY_RETURN_IF_ERROR(AppendF32As(*writer, a_out, out_dtype));
-    FERRY_RETURN_IF_ERROR(AppendF32As(*writer, b_out, out_dtype));
-  }
-  FERRY_RETURN_IF_ERROR(writer->Finish());
-
-  // A clean config: one global rank, scaling 1 (alpha = r), no patterns, no extras.
-  ojson j = ojson::parse(cfg.raw_json, nullptr, false);
-  if (!j.is_object()) j = ojson::object();
-  j["peft_type"] = "LORA";
-  j["r"] = rank;
-  j["lora_alpha"] = rank;
-  j["use_rslora"] = false;
-  j["use_dora"] = false;
-  j["rank_pattern"] = ojson::object();
-  j["alpha_pattern"] = ojson::object();
-  j["target_modules"] = std::vector<std::string>(leaves.begin(), leaves.end());
-  j["modules_to_save"] = nullptr;
-  j["lora_bias"] = false;
-  j["bias"] = "none";
-  j["trainable_token_indices"] = nullptr;
-  j["exclude_modules"] = nullptr;
-  j["layers_to_transform"] = nullptr;
-  j["layers_pattern"] = nullptr;
-  j["init_lora_weights"] = true;
-  FERRY_RETURN_IF_ERROR(WriteFileAtomic(dir / "adapter_config.json", j.dump(2) + "\n"));
-
-  ConvertSummary s;
-  for (const auto& p : writer->OutputPaths()) s.files.push_back(p.filename().string());
-  s.files.push_back("adapter_config.json");
-  s.tensors_written = static_cast<int64_t>(specs.size());
-  s.tensors_changed = s.tensors_written;
-  s.lora_modules = static_cast<int64_t>(mods.size());
-  s.global_rank = rank;
-  s.global_alpha = static_cast<double>(rank);
-  s.bytes_written = writer->bytes_written();
-  return s;
-}
-
-// Copies the non-weight files of `from` (config, tokenizer, README...) except `skip` into
-// `to`, fsynced when `sync`; their names are appended to `copied`, sorted.
+// Copies the auxiliary files of `from` (core/aux_files.h: config, tokenizer files...) except
+// `skip` into `to`, fsynced when `sync`; their names are appended to `copied`, sorted. A
+// directory that is not there (a base given as a file) has none.
 Status CopyAuxFiles(const fs::path& from, const fs::path& to, const std::set<std::string>& skip, bool sync,
                     std::vector<std::string>& copied) {
   std::error_code ec;
   if (!fs::is_directory(from, ec)) return Status::OK();
-  std::vector<std::string> names;
-  for (const auto& e : fs::directory_iterator(from, ec)) {
-    const std::string n = e.path().filename().string();
-    if (!e.is_regular_file() || n.empty() || n[0] == '.' || IsWeightFile(n) || skip.count(n)) continue;
-    fs::copy_file(e.path(), to / n, fs::copy_options::overwrite_existing, ec);
+  FERRY_ASSIGN_OR_RETURN(std::vector<std::string> names, ListAuxFiles(from));
+  for (const std::string& n : names) {
+    if (skip.count(n)) continue;
+    fs::copy_file(from / n, to / n, fs::copy_options::overwrite_existing, ec);
     if (ec) return Status::IOError((to / n).string() + ": " + ec.message());
-    if (sync) {
-      const int fd = ::open((to / n).c_str(), O_RDONLY | O_CLOEXEC);
-      const bool ok = fd >= 0 && ::fsync(fd) == 0;
-      const int err = errno;
-      if (fd >= 0) ::close(fd);
-      if (!ok) return Status::IOError((to / n).string() + ": fsync failed: " + std::strerror(err));
-    }
-    names.push_back(n);
+    if (sync) FERRY_RETURN_IF_ERROR(SyncFile(to / n));
+    copied.push_back(n);
   }
-  if (ec) return Status::IOError(from.string() + ": " + ec.message());
-  std::sort(names.begin(), names.end());
-  copied.insert(copied.end(), names.begin(), names.end());
   return Status::OK();
 }
 
-Result<ojson> LoadModelConfig(const fs::path& base) {
+// The base's config.json, when there is one, and whether it ties the embeddings.
+struct ModelConfigFile {
+  std::optional<std::string> text;
+  bool tied = false;
+};
+
+Result<ModelConfigFile> LoadModelConfig(const fs::path& base) {
   const fs::path p = base / "config.json";
+  ModelConfigFile out;
   std::error_code ec;
-  if (!fs::is_regular_file(p, ec)) return ojson();
+  if (!fs::is_regular_file(p, ec)) return out;
   FERRY_ASSIGN_OR_RETURN(std::string text, ReadSmallFile(p));
   ojson j = ojson::parse(text, nullptr, false);
   if (j.is_discarded() || !j.is_object()) return Status::Corruption(p.string() + ": not a JSON object");
-  return j;
+  if (j.contains("tie_word_embeddings")) {
+    const auto& t = j["tie_word_embeddings"];
+    if (!t.is_boolean() && !t.is_null()) {
+      return Status::Corruption(p.string() + ": field 'tie_word_embeddings' must be true or false");
+    }
+    out.tied = t.is_boolean() && t.get<bool>();
+  }
+  out.text = std::move(text);
+  return out;
 }
 
-Status WriteModelConfig(ojson j, const MergePlan& plan, const ConvertOptions& opt, const fs::path& dir) {
-  if (j.is_null()) return Status::OK();
-  j.erase("quantization_config");
-  if (plan.untie) j["tie_word_embeddings"] = false;
-  std::optional<DType> dtype = opt.dtype;
-  if (!dtype && !plan.quantized.empty()) dtype = plan.quantized.begin()->second.dtype;
-  if (dtype) {
-    for (const char* k : {"torch_dtype", "dtype"}) {
-      if (j.contains(k)) j[k] = TorchDTypeName(*dtype);
-    }
-  }
-  return WriteFileAtomic(dir / "config.json", j.dump(2) + "\n", opt.sync);
+// config.json beside merged weights (convert/model_config.h).
+Status WriteModelConfig(const ModelConfigFile& config, const MergePlan& plan, const ConvertOptions& opt,
+                        const fs::path& base_dir, const fs::path& dir) {
+  if (!config.text) return Status::OK();
+  ModelConfigEdits edits;
+  edits.untie = plan.untie;
+  edits.dtype = opt.dtype;
+  if (!edits.dtype && !plan.quantized.empty()) edits.dtype = plan.quantized.begin()->second.dtype;
+  FERRY_ASSIGN_OR_RETURN(std::string text,
+                         RewriteModelConfig(*config.text, edits, (base_dir / "config.json").string()));
+  return WriteFileAtomic(dir / "config.json", text, opt.sync);
 }
 
 }  // namespace
-
-std::string_view LayoutName(Layout layout) {
-  switch (layout) {
-    case Layout::kHf: return "hf";
-    case Layout::kFused: return "fused";
-    case Layout::kLora: return "lora";
-  }
-  return "?";
-}
-
-Result<Layout> ParseLayout(std::string_view name) {
-  if (name == "hf") return Layout::kHf;
-  if (name == "fused") return Layout::kFused;
-  if (name == "lora") return Layout::kLora;
-  return Status::InvalidArgument("unknown layout '" + std::string(name) + "' (expected hf, fused or lora)");
-}
 
 Result<uint64_t> ParseByteSize(std::string_view text) {
   std::string t(text);
@@ -630,8 +448,9 @@ Result<uint64_t> ParseByteSize(std::string_view text) {
   return static_cast<uint64_t>(bytes);
 }
 
-Result<ConvertSummary> Convert(const ConvertOptions& opt) {
+Result<ConvertSummary> Convert(const ConvertOptions& opt, ConvertRemedy* remedy) {
   const auto start = std::chrono::steady_clock::now();
+  if (remedy != nullptr) *remedy = ConvertRemedy::kNone;
   std::error_code ec;
   if (!fs::exists(opt.base, ec)) return Status::NotFound(opt.base.string() + ": base model does not exist");
   if (!fs::exists(opt.adapter, ec)) return Status::NotFound(opt.adapter.string() + ": adapter does not exist");
@@ -639,34 +458,52 @@ Result<ConvertSummary> Convert(const ConvertOptions& opt) {
   FERRY_RETURN_IF_ERROR(cfg.CheckMergeable());
   FERRY_ASSIGN_OR_RETURN(Checkpoint adapter, Checkpoint::Open(opt.adapter));
   FERRY_ASSIGN_OR_RETURN(Checkpoint base, Checkpoint::Open(opt.base));
-  FERRY_ASSIGN_OR_RETURN(ojson model_config, LoadModelConfig(fs::is_directory(opt.base) ? opt.base : opt.base.parent_path()));
-  bool tied = false;
-  if (model_config.is_object() && model_config.contains("tie_word_embeddings")) {
-    const auto& t = model_config["tie_word_embeddings"];
-    if (!t.is_boolean() && !t.is_null()) {
-      return Status::Corruption((fs::is_directory(opt.base) ? opt.base : opt.base.parent_path()).string() +
-                                "/config.json: field 'tie_word_embeddings' must be true or false");
-    }
-    tied = t.is_boolean() && t.get<bool>();
-  }
-  FERRY_ASSIGN_OR_RETURN(MergePlan plan, PlanMerge(cfg, adapter, base, tied));
+  const fs::path base_dir = fs::is_directory(opt.base, ec) ? opt.base : opt.base.parent_path();
+  FERRY_ASSIGN_OR_RETURN(ModelConfigFile model_config, LoadModelConfig(base_dir));
+  FERRY_ASSIGN_OR_RETURN(MergePlan plan, PlanMerge(cfg, adapter, base, model_config.tied));
   // Everything is checked: only now create the staging directory.
-  FERRY_ASSIGN_OR_RETURN(StagingDir staging, StagingDir::Create(opt.out, opt.force));
+  auto created = StagingDir::Create(opt.out, opt.force);
+  if (!created.ok()) {
+    if (remedy != nullptr && created.status().code() == StatusCode::kAlreadyExists) *remedy = ConvertRemedy::kReplaceOutput;
+    return created.status();
+  }
+  StagingDir staging = std::move(created).value();
   ConvertSummary summary;
-  const fs::path base_dir = fs::is_directory(opt.base) ? opt.base : opt.base.parent_path();
+  std::vector<std::string> lora_warnings;
   if (opt.layout == Layout::kLora) {
-    FERRY_ASSIGN_OR_RETURN(summary, WriteLora(opt, cfg, base, adapter, plan, staging.path()));
+    LoraLayoutOptions lopt;
+    lopt.dtype = opt.dtype;
+    lopt.sync = opt.sync;
+    auto written = WriteLoraLayout(cfg, base, adapter, plan, lopt, staging.path());
+    if (!written.ok()) {
+      // kUnsupported there is always a refusal (lora_layout.h): merging applies what it cannot.
+      if (remedy != nullptr && written.status().code() == StatusCode::kUnsupported) *remedy = ConvertRemedy::kMergedLayout;
+      return written.status();
+    }
+    LoraLayoutSummary lora = std::move(written).value();
+    summary.files = std::move(lora.files);
+    summary.tensors_written = lora.tensors_written;
+    summary.tensors_changed = lora.tensors_written;
+    summary.lora_modules = lora.modules;
+    summary.global_rank = lora.global_rank;
+    summary.global_alpha = lora.global_alpha;
+    summary.global_scaling = lora.global_scaling;
+    summary.lora_factor_dtype = lora.factor_dtype;
+    summary.lora_inexact_modules = lora.inexact_modules;
+    summary.bytes_written = lora.bytes_written;
+    lora_warnings = std::move(lora.warnings);
     FERRY_RETURN_IF_ERROR(
-        CopyAuxFiles(opt.adapter, staging.path(), {"adapter_config.json", "README.md"}, opt.sync, summary.files));
+        CopyAuxFiles(opt.adapter, staging.path(), {"adapter_config.json"}, opt.sync, summary.files));
   } else {
     FERRY_ASSIGN_OR_RETURN(summary, MergeWriter(opt, base, adapter, plan).Run(staging.path()));
-    FERRY_RETURN_IF_ERROR(WriteModelConfig(model_config, plan, opt, staging.path()));
-    if (model_config.is_object()) summary.files.push_back("config.json");
+    FERRY_RETURN_IF_ERROR(WriteModelConfig(model_config, plan, opt, base_dir, staging.path()));
+    if (model_config.text) summary.files.push_back("config.json");
     FERRY_RETURN_IF_ERROR(CopyAuxFiles(base_dir, staging.path(), {"config.json"}, opt.sync, summary.files));
   }
   summary.layout = opt.layout;
   summary.out = opt.out;
   summary.warnings = plan.warnings;
+  summary.warnings.insert(summary.warnings.end(), lora_warnings.begin(), lora_warnings.end());
   FERRY_RETURN_IF_ERROR(staging.Commit());
   summary.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   return summary;
@@ -685,6 +522,9 @@ std::string ConvertSummaryToJson(const ConvertSummary& s) {
   if (s.layout == Layout::kLora) {
     j["global_rank"] = s.global_rank;
     j["global_alpha"] = s.global_alpha;
+    j["global_scaling"] = s.global_scaling;
+    j["factor_dtype"] = std::string(DTypeName(s.lora_factor_dtype));
+    j["inexact_modules"] = s.lora_inexact_modules;
   }
   j["bytes_written"] = s.bytes_written;
   j["seconds"] = s.seconds;

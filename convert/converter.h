@@ -8,10 +8,12 @@
 //   fused  as hf, with q/k/v stacked on the output axis into self_attn.qkv_proj and gate/up
 //          into mlp.gate_up_proj (the layout vLLM builds internally; Phi-3's native one).
 //   lora   a clean adapter an engine can hot-load: only lora_A/lora_B (and
-//          lora_embedding_A/B) keys, one global rank and scaling with the per-module
-//          rank/alpha patterns baked into lora_A, module names matched to the base (fused
-//          adapters split, separate ones fused as the base stores them). DoRA,
-//          modules_to_save, trainable tokens and lora_B.bias are refused with the reason.
+//          lora_embedding_A/B) keys, one global rank and scaling with what is left of each
+//          module's own scaling (rank/alpha patterns, rsLoRA) baked into lora_A exactly
+//          enough that its merge is the original's (convert/lora_layout.h), module names
+//          matched to the base (fused adapters split, separate ones fused as the base
+//          stores them). DoRA, modules_to_save, trainable tokens and lora_B.bias are
+//          refused with the reason.
 //
 // Merging accumulates in fp32 and rounds once to the output dtype. Tensors are processed
 // one at a time (memory: a few times the largest tensor). The output directory appears only
@@ -27,15 +29,11 @@
 #include <string_view>
 #include <vector>
 
+#include "convert/layout.h"
 #include "core/dtype.h"
 #include "core/status.h"
 
 namespace ferry {
-
-enum class Layout { kHf, kFused, kLora };
-std::string_view LayoutName(Layout layout);
-// "hf", "fused" or "lora"; kInvalidArgument otherwise.
-Result<Layout> ParseLayout(std::string_view name);
 
 struct ConvertOptions {
   std::filesystem::path base;     // base model directory (or file)
@@ -68,15 +66,28 @@ struct ConvertSummary {
   int64_t dequantized = 0;         // 4-bit weights dequantized
   bool untied_lm_head = false;
   int64_t global_rank = 0;         // lora layout
-  double global_alpha = 0;         // lora layout
+  double global_alpha = 0;         // lora layout: lora_alpha = global_scaling * global_rank
+  double global_scaling = 0;       // lora layout
+  DType lora_factor_dtype = DType::kF32;  // lora layout: dtype of lora_A / lora_B
+  int64_t lora_inexact_modules = 0;       // lora layout: modules whose scaling ratio is not a power of two
   uint64_t bytes_written = 0;
   double seconds = 0;
   std::vector<std::string> warnings;
 };
 
+// What a caller can change to make a failed Convert succeed, when one option would (the
+// CLI turns it into the flag to pass).
+enum class ConvertRemedy {
+  kNone,
+  kMergedLayout,   // the adapter holds what only merging applies: layout kHf or kFused
+  kReplaceOutput,  // the output exists: ConvertOptions::force
+};
+
 // Runs a conversion. Errors name the file, tensor or field at fault; on error nothing is
-// left at options.out (an existing directory there is untouched).
-Result<ConvertSummary> Convert(const ConvertOptions& options);
+// left at options.out (an existing directory there is untouched), and `remedy` (when given)
+// says which option would fix it: kMergedLayout with kUnsupported from the lora layout's
+// refusals, kReplaceOutput with kAlreadyExists; kNone otherwise.
+Result<ConvertSummary> Convert(const ConvertOptions& options, ConvertRemedy* remedy = nullptr);
 
 // The summary as a JSON object (for `ferry convert --json`).
 std::string ConvertSummaryToJson(const ConvertSummary& summary);

@@ -14,7 +14,7 @@ namespace {
 using Severity = EngineFinding::Severity;
 using Subject = EngineFinding::Subject;
 
-constexpr const char* kMergeHf = "merge it instead: `ferry convert --layout hf`";
+constexpr const char* kMergeHf = "merge it instead (the hf layout)";
 constexpr int64_t kEngineMaxLoraRanks[] = {1, 8, 16, 32, 64, 128, 256, 320, 512};
 
 std::string Q(std::string_view s) { return "'" + std::string(s) + "'"; }
@@ -93,8 +93,16 @@ class Checker {
   }
 
  private:
-  void Add(Severity severity, Subject kind, std::string subject, std::string message) {
-    findings_.push_back({severity, kind, std::move(subject), std::move(message)});
+  void Add(Severity severity, Subject kind, std::string subject, std::string message,
+           std::optional<Layout> fix = std::nullopt) {
+    findings_.push_back({severity, kind, std::move(subject), std::move(message), fix});
+  }
+
+  // The layout a copy fix names: lora when the copies equal the base, hf when one differs,
+  // none without a base to tell.
+  std::optional<Layout> CopyFixLayout(const std::vector<std::string>& keys) const {
+    if (plan_ == nullptr) return std::nullopt;
+    return FirstDifferentCopy(keys).empty() ? Layout::kLora : Layout::kHf;
   }
 
   void ScanKeys() {
@@ -133,13 +141,13 @@ class Checker {
 
   std::string CopyFix(const std::vector<std::string>& keys) const {
     if (plan_ == nullptr) {
-      return "`ferry convert --layout lora` drops saved copies that equal the base (check with --base); otherwise " +
-             std::string(kMergeHf);
+      return "the lora layout drops saved copies that equal the base (inspecting with the base checks that); "
+             "otherwise " + std::string(kMergeHf);
     }
     const std::string differs = FirstDifferentCopy(keys);
     if (differs.empty()) {
       return std::string(keys.size() == 1 ? "it equals the base tensor" : "they equal the base tensors") +
-             ", so `ferry convert --layout lora` drops " + (keys.size() == 1 ? "it" : "them");
+             ", so the lora layout drops " + (keys.size() == 1 ? "it" : "them");
     }
     return differs + ", so " + kMergeHf;
   }
@@ -147,19 +155,21 @@ class Checker {
   void CheckConfigFields() {
     if (config_.use_dora) {
       Add(Severity::kReject, Subject::kField, "use_dora",
-          "use_dora is true: vLLM \"does not yet support DoRA\" and refuses the adapter; " + std::string(kMergeHf));
+          "use_dora is true: vLLM \"does not yet support DoRA\" and refuses the adapter; " + std::string(kMergeHf),
+          Layout::kHf);
     }
     if (!config_.modules_to_save.empty()) {
       std::vector<std::string> saved;
       if (auto it = groups_.find(KeyCategory::kModulesToSave); it != groups_.end()) saved = it->second.keys;
-      const std::string fix = saved.empty() ? "the adapter holds no saved copies, so `ferry convert --layout lora` "
+      const std::string fix = saved.empty() ? "the adapter holds no saved copies, so the lora layout "
                                               "(which writes modules_to_save null) fixes it"
                                             : CopyFix(saved);
       Add(Severity::kReject, Subject::kField, "modules_to_save",
           "modules_to_save is [" + Join(config_.modules_to_save) +
               "]: vLLM \"only supports modules_to_save being "
               "None\" and refuses the adapter; " +
-              fix);
+              fix,
+          saved.empty() ? std::optional<Layout>(Layout::kLora) : CopyFixLayout(saved));
     }
   }
 
@@ -174,6 +184,7 @@ class Checker {
       const std::string what = Count(group.keys.size(), "tensor") + " " +
                                (group.keys.size() > 1 ? "like " + Q(group.keys.front()) : Q(group.keys.front()));
       std::string message;
+      std::optional<Layout> fix = Layout::kHf;
       switch (category) {
         case KeyCategory::kMagnitude:
           message = what + ": DoRA magnitude vectors (lora_magnitude_vector); vLLM \"does not yet support DoRA\"; " +
@@ -185,6 +196,7 @@ class Checker {
         case KeyCategory::kModulesToSave:
           message = what + ": full tensors of modules_to_save; vLLM \"only supports modules_to_save being None\"; " +
                     CopyFix(group.keys);
+          fix = CopyFixLayout(group.keys);
           break;
         case KeyCategory::kTrainableTokens:
           message = what + ": trainable token rows (trainable_tokens_delta), which vLLM cannot load; " + kMergeHf;
@@ -192,18 +204,21 @@ class Checker {
         case KeyCategory::kBaseLayer:
           message = what + ": saved base-layer copies (.base_layer.); vLLM loads only lora_A / lora_B; " +
                     CopyFix(group.keys);
+          fix = CopyFixLayout(group.keys);
           break;
         case KeyCategory::kOther:
           message = what + ": full tensors (e.g. biases saved with bias=\"all\"); vLLM loads only lora_A / lora_B; " +
                     CopyFix(group.keys);
+          fix = CopyFixLayout(group.keys);
           break;
         case KeyCategory::kNamed:
           message = what +
                     ": the key carries an adapter name; vLLM expects \".lora_A.weight\" right after the module "
-                    "name; `ferry convert --layout lora` writes clean names";
+                    "name; the lora layout writes clean names";
+          fix = Layout::kLora;
           break;
       }
-      Add(Severity::kReject, Subject::kKey, group.keys.front(), std::move(message));
+      Add(Severity::kReject, Subject::kKey, group.keys.front(), std::move(message), fix);
     }
   }
 
@@ -244,7 +259,8 @@ class Checker {
                 " is set: vLLM applies one global scaling (lora_alpha / r); modules with their own "
                 "rank/alpha would be scaled wrongly (" +
                 Count(wrong, "module") + ", e.g. " + example +
-                ") — convert with --layout lora to bake them in: `ferry convert --layout lora`");
+                "); the lora layout bakes each module's scaling into lora_A",
+            Layout::kLora);
       } else {
         Add(Severity::kNote, Subject::kField, f.name,
             std::string(f.name) + " is set but " +
@@ -261,7 +277,8 @@ class Checker {
     Add(Severity::kNote, Subject::kField, "use_rslora",
         "use_rslora is true (scaling lora_alpha / sqrt(r) = " + Num(config_.lora_alpha / std::sqrt(r)) +
             "): older vLLM versions ignore use_rslora and apply lora_alpha / r = " + Num(config_.lora_alpha / r) +
-            "; `ferry convert --layout lora` bakes the scaling into lora_A so every version agrees");
+            "; the lora layout bakes the scaling into lora_A so every version agrees",
+        Layout::kLora);
   }
 
   void CheckRank() {
@@ -277,15 +294,16 @@ class Checker {
     const int64_t after = plan_ != nullptr ? LoraLayoutRank(*plan_) : max_rank;
     const int64_t needed = std::max(max_rank, after);
     std::string message = "largest rank " + std::to_string(max_rank) + " (" + Q(where) +
-                          "): vLLM's --max-lora-rank must be at least " + std::to_string(max_rank);
+                          "): vLLM's max_lora_rank must be at least " + std::to_string(max_rank);
     if (after != max_rank) {
-      message += "; after `ferry convert --layout lora` the rank is " + std::to_string(after) +
+      message += "; in the lora layout the rank is " + std::to_string(after) +
                  " (adapters fused to match the base stack their ranks)";
     }
     if (needed > kEngineLargestMaxLoraRank) {
       Add(Severity::kReject, Subject::kModule, where,
-          message + "; vLLM accepts at most --max-lora-rank " + std::to_string(kEngineLargestMaxLoraRank) +
-              " and refuses it; " + kMergeHf);
+          message + "; vLLM accepts a max_lora_rank of at most " + std::to_string(kEngineLargestMaxLoraRank) +
+              " and refuses it; " + kMergeHf,
+          Layout::kHf);
       return;
     }
     int64_t setting = kEngineLargestMaxLoraRank;
@@ -297,9 +315,10 @@ class Checker {
     }
     message += needed <= kEngineDefaultMaxLoraRank
                    ? "; the default (" + std::to_string(kEngineDefaultMaxLoraRank) + ") is enough"
-                   : "; start vLLM with --max-lora-rank " + std::to_string(setting) + " or more (default " +
+                   : "; start vLLM with a max_lora_rank of " + std::to_string(setting) + " or more (default " +
                          std::to_string(kEngineDefaultMaxLoraRank) + ")";
     Add(Severity::kNote, Subject::kModule, where, std::move(message));
+    if (needed > kEngineDefaultMaxLoraRank) findings_.back().engine_max_lora_rank = setting;
   }
 
   // Names as a list: "'q_proj', 'k_proj'".
@@ -341,9 +360,10 @@ class Checker {
               "): an engine serving this base matches adapter modules against the base's module names and refuses "
               "or ignores " +
               QuoteAll(g.leaves) +
-              "; `ferry convert --layout lora` matches names to the base "
+              "; the lora layout matches names to the base "
               "(fuses them into " +
-              Q(leaf) + ")");
+              Q(leaf) + ")",
+          Layout::kLora);
     }
     for (const auto& [leaf, g] : split) {
       const LoraModule& m = *g.mods.front();
@@ -354,8 +374,9 @@ class Checker {
               QuoteAll(g.leaves) + " separately (e.g. " + Q(m.fused_module) + " lora_B rows [" +
               std::to_string(m.b_row_begin) + ", " + std::to_string(m.b_row_begin + m.out) + ") -> " + Q(m.target) +
               "): an engine serving this base matches adapter modules against the base's module names; "
-              "`ferry convert --layout lora` matches names to the base (splits it: lora_A copied, lora_B split by "
-              "rows)");
+              "the lora layout matches names to the base (splits it: lora_A copied, lora_B split by "
+              "rows)",
+          Layout::kLora);
     }
   }
 

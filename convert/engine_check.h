@@ -3,8 +3,7 @@
 // `ferry inspect` (which reports every finding) and `ferry convert --layout lora` (which
 // refuses what the clean-adapter layout cannot fix).
 //
-// The engine's rules (../shared/reference/peft-lora-format.md, "What inference engines
-// expect (vLLM)"):
+// The engine's rules (vLLM's LoRA loading):
 //   - It loads only "base_model.model.<M>.lora_A.weight", ".lora_B.weight",
 //     ".lora_embedding_A" and ".lora_embedding_B". Any other key (lora_magnitude_vector,
 //     lora_B.bias, modules_to_save copies, base_layer copies, trainable_tokens_delta, keys
@@ -20,10 +19,12 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
 
+#include "convert/layout.h"
 #include "convert/merge_plan.h"
 #include "convert/peft_config.h"
 #include "core/checkpoint.h"
@@ -46,7 +47,13 @@ struct EngineFinding {
   Severity severity = Severity::kNote;
   Subject subject_kind = Subject::kField;
   std::string subject;
-  std::string message;  // what happens, and the `ferry convert --layout ...` that fixes it
+  std::string message;  // what happens, and what fixes it (in words: "the lora layout ...")
+  // The layout of the converter (convert/converter.h) that fixes it: kLora (the clean
+  // adapter) or kHf (merging; kFused fixes it as well). Unset when no conversion fixes it or
+  // it cannot be told without a base.
+  std::optional<Layout> fix_layout;
+  // The vLLM max_lora_rank to start the engine with, when the default is not enough (0 otherwise).
+  int64_t engine_max_lora_rank = 0;
 };
 
 // "reject", "wrong", "note".

@@ -305,7 +305,7 @@ void SortFindings(std::vector<EngineFinding>* findings) {
 // Resolves the adapter onto options.base: fills report->plan and the engine findings.
 Status InspectAgainstBase(const fs::path& base_path, const Checkpoint& adapter, InspectReport* report) {
   std::error_code ec;
-  if (!fs::exists(base_path, ec)) return Status::NotFound(base_path.string() + ": base model (--base) does not exist");
+  if (!fs::exists(base_path, ec)) return Status::NotFound(base_path.string() + ": base model does not exist");
   const PeftConfig& config = report->adapter->config;
   AdapterPlanReport plan_report;
   plan_report.base = base_path;
@@ -447,6 +447,8 @@ Json EngineJson(const EngineReport& e) {
       j[std::string(EngineSubjectName(kind))] = f.subject_kind == kind ? Json(f.subject) : Json(nullptr);
     }
     j["message"] = f.message;
+    j["fix_layout"] = f.fix_layout ? Json(std::string(LayoutName(*f.fix_layout))) : Json(nullptr);
+    j["engine_max_lora_rank"] = f.engine_max_lora_rank > 0 ? Json(f.engine_max_lora_rank) : Json(nullptr);
     findings.push_back(std::move(j));
   }
   Json j = {{"findings", std::move(findings)}, {"counts", std::move(counts)}, {"with_base", e.with_base}};
@@ -533,8 +535,8 @@ Result<InspectReport> Inspect(const fs::path& path, const InspectOptions& option
     return report;
   }
   if (!options.base.empty()) {
-    return Status::InvalidArgument(path.string() + ": --base " + options.base.string() +
-                                   " applies only to a PEFT adapter (a directory with adapter_config.json), and this "
+    return Status::InvalidArgument(path.string() + ": a base model (" + options.base.string() +
+                                   ") applies only to a PEFT adapter (a directory with adapter_config.json), and this "
                                    "is a " + (is_dir ? "model directory" : "tensor file"));
   }
   if (is_dir) {

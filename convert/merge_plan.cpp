@@ -10,10 +10,6 @@ namespace {
 
 std::string Q(std::string_view s) { return "'" + std::string(s) + "'"; }
 
-bool EndsWith(std::string_view s, std::string_view suffix) {
-  return s.size() >= suffix.size() && s.substr(s.size() - suffix.size()) == suffix;
-}
-
 struct Group {
   std::string a, b, bias, emb_a, emb_b, magnitude;
 };
@@ -54,7 +50,7 @@ class Planner {
     if (!tie || base_.Contains(plan_.lm_head_key)) return;
     for (const char* suffix : {"embed_tokens.weight", "wte.weight", "word_embeddings.weight", "embed_in.weight"}) {
       for (const auto& n : base_.names()) {
-        if (EndsWith(n, suffix)) {
+        if (n.ends_with(suffix)) {
           plan_.tied = true;
           plan_.tied_source = n;
           return;
@@ -123,7 +119,7 @@ class Planner {
     const auto& tti = config_.trainable_token_indices;
     if (!tti.by_module.empty()) {
       for (const auto& [name, idx] : tti.by_module) {
-        if (k.module == name || EndsWith(k.module, "." + name)) rows = idx;
+        if (k.module == name || k.module.ends_with("." + name)) rows = idx;
       }
     } else {
       rows = tti.embedding;

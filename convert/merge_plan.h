@@ -2,7 +2,7 @@
 // tensor changes, and how. Shared by `ferry convert` (which executes the plan) and
 // `ferry inspect ADAPTER --base DIR` (which reports it).
 //
-// Rules (peft/tuners/lora/layer.py, model.py; ../shared/reference/peft-lora-format.md):
+// Rules (PEFT's peft/tuners/lora/layer.py and model.py, as the fixtures in fixtures/ record them):
 //   - lora_A/lora_B of module M change "M.weight": W += scaling(M) * B @ A (transposed for
 //     fan_in_fan_out / GPT-2 Conv1D, detected from the base shape as PEFT forces it).
 //   - lora_embedding_A/B change "M.weight" of an embedding: W += scaling * (B @ A)^T.

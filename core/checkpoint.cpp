@@ -67,10 +67,6 @@ Result<LegacyLoader> Loader() {
 
 std::string Quote(std::string_view s) { return "'" + std::string(s) + "'"; }
 
-bool EndsWith(const std::string& s, std::string_view suffix) {
-  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
-}
-
 }  // namespace
 
 void SetLegacyLoader(LegacyLoader loader) {
@@ -94,8 +90,8 @@ Result<std::filesystem::path> FindWeights(const std::filesystem::path& dir) {
     const std::string n = it->path().filename().string();
     std::error_code type_ec;
     if (n.empty() || n[0] == '.' || !it->is_regular_file(type_ec)) continue;  // ".x.tmp-*": unfinished writes
-    if (EndsWith(n, ".safetensors.index.json")) indexes.push_back(it->path());
-    if (EndsWith(n, ".safetensors")) found.push_back(it->path());
+    if (n.ends_with(".safetensors.index.json")) indexes.push_back(it->path());
+    if (n.ends_with(".safetensors")) found.push_back(it->path());
   }
   if (ec) return Status::IOError(dir.string() + ": " + ec.message());
   if (indexes.size() == 1) return indexes[0];
@@ -114,12 +110,12 @@ Result<Checkpoint> Checkpoint::Open(const std::filesystem::path& path) {
     FERRY_ASSIGN_OR_RETURN(file, FindWeights(path));
   }
   const std::string name = file.filename().string();
-  if (EndsWith(name, ".index.json")) {
+  if (name.ends_with(".index.json")) {
     auto c = OpenIndex(file);
     if (c.ok()) c->path_ = path;
     return c;
   }
-  if (EndsWith(name, ".bin") || EndsWith(name, ".pt") || EndsWith(name, ".pth")) {
+  if (name.ends_with(".bin") || name.ends_with(".pt") || name.ends_with(".pth")) {
     auto loader = Loader();
     if (!loader.ok()) return loader.status().WithContext(file.string());
     FERRY_ASSIGN_OR_RETURN(auto tensors, (*loader)(file));

@@ -1,4 +1,5 @@
-// Read-only memory mapping of a whole file, and small helpers for writing files safely.
+// Read-only memory mapping of a whole file. (The file helpers that used to live here, and
+// that many callers reach through this header, are in core/file_util.h.)
 #pragma once
 
 #include <cstddef>
@@ -7,6 +8,7 @@
 #include <span>
 #include <string>
 
+#include "core/file_util.h"
 #include "core/status.h"
 
 namespace ferry {
@@ -42,22 +44,5 @@ class MappedFile {
   size_t size_ = 0;
   std::filesystem::path path_;
 };
-
-// Reads a whole (small) file into a string. `limit` bounds the size accepted.
-Result<std::string> ReadSmallFile(const std::filesystem::path& path, size_t limit = 64u << 20);
-
-// Writes `contents` to `path` atomically: a temporary file in the same directory,
-// fsync (file and directory, unless `sync` is false), rename. On failure nothing is left at
-// `path` or at the temporary name.
-Status WriteFileAtomic(const std::filesystem::path& path, std::string_view contents, bool sync = true);
-
-// fsyncs a directory so that renames inside it are durable.
-Status SyncDirectory(const std::filesystem::path& dir);
-
-// A unique temporary name beside `final_path`: "<dir>/.<name>.tmp-<pid>-<n>".
-std::filesystem::path TempNameFor(const std::filesystem::path& final_path);
-
-// errno to a Status naming `what`.
-Status ErrnoStatus(const std::string& what, int err);
 
 }  // namespace ferry

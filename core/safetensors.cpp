@@ -12,7 +12,9 @@
 
 #include <nlohmann/json.hpp>
 
+#include "core/file_util.h"
 #include "core/json_limits.h"
+#include "core/text.h"
 
 namespace ferry {
 namespace {
@@ -202,8 +204,21 @@ std::string ShardFileName(const std::string& basename, size_t index, size_t coun
   return basename + buf;
 }
 
+// The header is JSON: a name or metadata text that is not UTF-8 (nlohmann's dump would throw)
+// or holds a control character is refused, naming it escaped.
+static Status CheckHeaderText(const std::vector<TensorSpec>& specs,
+                              const std::map<std::string, std::string>& metadata) {
+  for (const auto& [k, v] : metadata) {
+    FERRY_RETURN_IF_ERROR(CheckPrintableUtf8("metadata key", k));
+    FERRY_RETURN_IF_ERROR(CheckPrintableUtf8("metadata value of '" + EscapeForMessage(k) + "'", v));
+  }
+  for (const auto& s : specs) FERRY_RETURN_IF_ERROR(CheckPrintableUtf8("tensor name", s.name));
+  return Status::OK();
+}
+
 Result<std::string> SerializeSafetensorsHeader(const std::vector<TensorSpec>& specs,
                                                const std::map<std::string, std::string>& metadata) {
+  FERRY_RETURN_IF_ERROR(CheckHeaderText(specs, metadata));
   nlohmann::ordered_json j = nlohmann::ordered_json::object();
   if (!metadata.empty()) {
     nlohmann::ordered_json m = nlohmann::ordered_json::object();
@@ -242,10 +257,6 @@ struct SafetensorsWriter::Shard {
 
 namespace {
 constexpr size_t kWriteBuffer = 8u << 20;
-// Largest single write(2). Measured on Linux 6.18 / ext4 (bench/convert_bench.sh, 2.1 GB
-// model): handing the kernel one tensor-sized buffer per call costs 3-6x the system time
-// of the same bytes in 1 MiB calls (2.4-4.7 s vs 0.8 s), so big pieces are split.
-constexpr size_t kMaxWriteCall = size_t{1} << 20;
 
 // Where the data section of the safetensors file open as `fd` starts (8 + its header length
 // prefix), or 0 when the first 8 bytes cannot be read.
@@ -257,16 +268,6 @@ uint64_t SafetensorsDataStart(int fd) {
   return n <= kMaxSafetensorsHeaderBytes ? n + 8 : 0;
 }
 
-Status WriteAll(int fd, const std::byte* p, size_t n, const std::filesystem::path& path) {
-  while (n > 0) {
-    ssize_t w = ::write(fd, p, std::min<size_t>(n, kMaxWriteCall));
-    if (w < 0 && errno == EINTR) continue;
-    if (w < 0) return ErrnoStatus(path.string(), errno);
-    p += w;
-    n -= static_cast<size_t>(w);
-  }
-  return Status::OK();
-}
 }  // namespace
 
 Result<std::unique_ptr<SafetensorsWriter>> SafetensorsWriter::CreateFile(const std::filesystem::path& path,
@@ -293,6 +294,10 @@ Result<std::unique_ptr<SafetensorsWriter>> SafetensorsWriter::CreateInDirectory(
 }
 
 Status SafetensorsWriter::Init(const std::filesystem::path& dir, const std::filesystem::path* single_file) {
+  // Checked before any file is created: every shard's header must be writable.
+  if (Status s = CheckHeaderText(specs_, options_.metadata); !s.ok()) {
+    return s.WithContext(single_file != nullptr ? single_file->string() : dir.string());
+  }
   std::set<std::string_view> names;
   for (const auto& s : specs_) {
     if (s.name == "__metadata__") return Status::InvalidArgument("tensor name '__metadata__' is reserved");
@@ -374,7 +379,7 @@ Status SafetensorsWriter::WriteHeader() {
 
 Status SafetensorsWriter::FlushBuffer() {
   if (buffered_ == 0) return Status::OK();
-  FERRY_RETURN_IF_ERROR(WriteAll(fd_, buffer_.data(), buffered_, shards_[cur_shard_].temp_path));
+  FERRY_RETURN_IF_ERROR(WriteAll(fd_, {buffer_.data(), buffered_}, shards_[cur_shard_].temp_path));
   bytes_written_ += buffered_;
   buffered_ = 0;
   return Status::OK();
@@ -502,7 +507,7 @@ Status SafetensorsWriter::FlushPendingRange() {
       ssize_t n = ::pread(src, buf.data(), std::min<uint64_t>(left, buf.size()), in_off);
       if (n < 0 && errno == EINTR) continue;
       if (n <= 0) return Status::IOError(path.string() + ": short read from source");
-      FERRY_RETURN_IF_ERROR(WriteAll(fd_, buf.data(), static_cast<size_t>(n), path));
+      FERRY_RETURN_IF_ERROR(WriteAll(fd_, {buf.data(), static_cast<size_t>(n)}, path));
       in_off += n;
       left -= static_cast<uint64_t>(n);
     }
@@ -554,7 +559,7 @@ Status SafetensorsWriter::AppendRaw(std::string_view data) {
   // Small pieces go through the buffer; large ones are written straight from the source.
   if (data.size() >= kWriteBuffer / 2) {
     FERRY_RETURN_IF_ERROR(FlushBuffer());
-    FERRY_RETURN_IF_ERROR(WriteAll(fd_, reinterpret_cast<const std::byte*>(data.data()), data.size(),
+    FERRY_RETURN_IF_ERROR(WriteAll(fd_, std::as_bytes(std::span<const char>(data.data(), data.size())),
                                    shards_[cur_shard_].temp_path));
     bytes_written_ += data.size();
     return Status::OK();

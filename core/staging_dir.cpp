@@ -12,7 +12,7 @@ namespace fs = std::filesystem;
 Result<StagingDir> StagingDir::Create(const fs::path& final_path, bool replace_existing) {
   std::error_code ec;
   if (fs::exists(fs::symlink_status(final_path, ec)) && !replace_existing) {
-    return Status::AlreadyExists(final_path.string() + ": output already exists (use --force to replace it)");
+    return Status::AlreadyExists(final_path.string() + ": output already exists (replacing it needs the force option)");
   }
   const fs::path parent = final_path.parent_path().empty() ? fs::path(".") : final_path.parent_path();
   fs::create_directories(parent, ec);

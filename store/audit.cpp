@@ -15,8 +15,6 @@ namespace {
 
 using Json = nlohmann::ordered_json;
 
-std::string Short(const Digest& d) { return d.Hex().substr(0, 12); }
-
 std::string Num(double v, int digits = 4) {
   char buf[48];
   std::snprintf(buf, sizeof buf, "%.*g", digits, v);
@@ -29,17 +27,7 @@ bool IsLoraB(const std::string& name) {
 
 // "version 0123456789ab (run r, seq 3)".
 std::string Describe(const VersionRecord& v) {
-  return "version " + Short(v.id) + " (run " + v.run + ", seq " + std::to_string(v.sequence) + ")";
-}
-
-std::string IsoTime(int64_t time_ns) {
-  const std::time_t secs = static_cast<std::time_t>(time_ns / 1'000'000'000);
-  std::tm tm{};
-  gmtime_r(&secs, &tm);
-  char buf[96];
-  std::snprintf(buf, sizeof buf, "%04d-%02d-%02dT%02d:%02d:%02d.%03dZ", tm.tm_year + 1900, tm.tm_mon + 1, tm.tm_mday,
-                tm.tm_hour, tm.tm_min, tm.tm_sec, static_cast<int>((time_ns / 1'000'000) % 1000));
-  return buf;
+  return "version " + ShortId(v.id) + " (run " + v.run + ", seq " + std::to_string(v.sequence) + ")";
 }
 
 bool IsReceiverEvent(const Event& e) {
@@ -76,8 +64,8 @@ void CheckMergedEqualsBase(const VersionRecord& v, const std::map<Digest, const 
   const TensorRow* nonzero = NonZeroAdapterTensor(*adapter_it->second);
   if (nonzero == nullptr) return;
   out.push_back({AnomalyKind::kMergedEqualsBase, v.id, nonzero->name,
-                 "merged " + Describe(v) + " has the same tensor digests as its base version " + Short(*v.base_version) +
-                     " although adapter version " + Short(*v.adapter_version) + " is non-zero (tensor " +
+                 "merged " + Describe(v) + " has the same tensor digests as its base version " + ShortId(*v.base_version) +
+                     " although adapter version " + ShortId(*v.adapter_version) + " is non-zero (tensor " +
                      nonzero->name + " has l2_norm " + Num(nonzero->l2_norm) +
                      "): the adapter never reached these weights"});
 }
@@ -111,6 +99,18 @@ double Median(std::vector<double> v) {
 }
 
 }  // namespace
+
+std::string ShortId(const Digest& d) { return d.Hex().substr(0, 12); }
+
+std::string IsoTime(int64_t time_ns) {
+  const std::time_t secs = static_cast<std::time_t>(time_ns / 1'000'000'000);
+  std::tm tm{};
+  gmtime_r(&secs, &tm);
+  char buf[96];
+  std::snprintf(buf, sizeof buf, "%04d-%02d-%02dT%02d:%02d:%02d.%03dZ", tm.tm_year + 1900, tm.tm_mon + 1, tm.tm_mday,
+                tm.tm_hour, tm.tm_min, tm.tm_sec, static_cast<int>((time_ns / 1'000'000) % 1000));
+  return buf;
+}
 
 std::string_view AnomalyKindName(AnomalyKind kind) {
   switch (kind) {
@@ -181,7 +181,7 @@ Result<AuditReport> AnalyzeAudit(const std::vector<VersionRecord>& all_versions,
           if (median > 0 && d > options.jump_factor * median) {
             version_anomalies.push_back(
                 {AnomalyKind::kDeltaJump, v->id, "",
-                 "adapter " + Describe(*v) + ": delta norm " + Num(d) + " from version " + Short(prev->second->id) +
+                 "adapter " + Describe(*v) + ": delta norm " + Num(d) + " from version " + ShortId(prev->second->id) +
                      " is " + Num(d / median, 3) + "x the median " + Num(median) + " of the " +
                      std::to_string(history.size()) + " previous deltas (rule: > " + Num(options.jump_factor, 3) +
                      "x)"});
@@ -216,7 +216,7 @@ Result<AuditReport> AnalyzeAudit(const std::vector<VersionRecord>& all_versions,
     if (e->type == Event::Type::kAnomaly) {
       event_anomalies.push_back({AnomalyKind::kRecorded, e->version, "",
                                  "recorded" + (e->receiver.empty() ? std::string() : " by " + e->receiver) +
-                                     " for version " + Short(e->version) + ": " + e->detail});
+                                     " for version " + ShortId(e->version) + ": " + e->detail});
       continue;
     }
     if (!IsReceiverEvent(*e)) continue;
@@ -237,14 +237,14 @@ Result<AuditReport> AnalyzeAudit(const std::vector<VersionRecord>& all_versions,
     const std::string verb = e->type == Event::Type::kActivated ? "activated" : "acknowledged";
     if (!r.known_version || published.count(e->version) == 0) {
       event_anomalies.push_back({AnomalyKind::kUnpublishedAck, e->version, "",
-                                 "receiver " + e->receiver + " " + verb + " version " + Short(e->version) +
+                                 "receiver " + e->receiver + " " + verb + " version " + ShortId(e->version) +
                                      ", which was never published (" +
                                      (r.known_version ? "no published event" : "no version record") + ")"});
     }
     if (e->computed && *e->computed != e->version) {
       event_anomalies.push_back({AnomalyKind::kDigestMismatch, e->version, "",
-                                 "receiver " + e->receiver + " " + verb + " version " + Short(e->version) +
-                                     " but computed digest " + Short(*e->computed) + ": it holds other weights"});
+                                 "receiver " + e->receiver + " " + verb + " version " + ShortId(e->version) +
+                                     " but computed digest " + ShortId(*e->computed) + ": it holds other weights"});
     }
     auto t = timeline_index.find(e->version);
     if (t != timeline_index.end()) {
@@ -287,8 +287,8 @@ Result<double> VersionDeltaNorm(Store& store, const VersionRecord& a, const Vers
     FERRY_ASSIGN_OR_RETURN(Tensor vb, store.ReadTensor(tb, false));
     xa.resize(static_cast<size_t>(va.numel()));
     xb.resize(static_cast<size_t>(vb.numel()));
-    FERRY_RETURN_IF_ERROR(ReadAsF32(va, xa).WithContext("version " + Short(a.id) + " tensor " + ta.name));
-    FERRY_RETURN_IF_ERROR(ReadAsF32(vb, xb).WithContext("version " + Short(b.id) + " tensor " + tb.name));
+    FERRY_RETURN_IF_ERROR(ReadAsF32(va, xa).WithContext("version " + ShortId(a.id) + " tensor " + ta.name));
+    FERRY_RETURN_IF_ERROR(ReadAsF32(vb, xb).WithContext("version " + ShortId(b.id) + " tensor " + tb.name));
     for (size_t i = 0; i < xa.size(); ++i) {
       const double d = static_cast<double>(xb[i]) - static_cast<double>(xa[i]);
       if (std::isfinite(d)) sum += d * d;
@@ -345,183 +345,6 @@ Json VersionSummaryJson(const TimelineEntry& e) {
   j["acknowledged_by"] = e.acknowledged_by;
   j["activated_by"] = e.activated_by;
   return j;
-}
-
-std::string EscapeHtml(std::string_view s) {
-  std::string out;
-  for (char c : s) {
-    switch (c) {
-      case '&': out += "&amp;"; break;
-      case '<': out += "&lt;"; break;
-      case '>': out += "&gt;"; break;
-      case '"': out += "&quot;"; break;
-      case '\'': out += "&#39;"; break;
-      default: out += c;
-    }
-  }
-  return out;
-}
-
-std::string KindColor(VersionKind k) {
-  switch (k) {
-    case VersionKind::kBase: return "#6b7280";
-    case VersionKind::kAdapter: return "#2563eb";
-    case VersionKind::kMerged: return "#7c3aed";
-    case VersionKind::kFull: return "#0d9488";
-  }
-  return "#000";
-}
-
-// Maps [lo, hi] onto [a, b] (the middle when the range is empty).
-struct Scale {
-  double lo, hi, a, b;
-  double operator()(double v) const { return hi > lo ? a + (v - lo) / (hi - lo) * (b - a) : (a + b) / 2; }
-};
-
-std::string TimelineSvg(const AuditReport& r) {
-  constexpr double kWidth = 1100, kLeft = 150, kRight = 30, kRow = 44, kTop = 30;
-  std::vector<std::string> runs;
-  std::vector<std::string> receivers;
-  int64_t tmin = INT64_MAX, tmax = INT64_MIN;
-  for (const auto& e : r.timeline) {
-    if (std::find(runs.begin(), runs.end(), e.version.run) == runs.end()) runs.push_back(e.version.run);
-    tmin = std::min(tmin, e.version.time_ns);
-    tmax = std::max(tmax, e.version.time_ns);
-  }
-  for (const auto& e : r.receivers) {
-    if (std::find(receivers.begin(), receivers.end(), e.receiver) == receivers.end()) receivers.push_back(e.receiver);
-    tmin = std::min(tmin, e.time_ns);
-    tmax = std::max(tmax, e.time_ns);
-  }
-  if (tmin > tmax) return "<p>No versions.</p>\n";
-  std::sort(receivers.begin(), receivers.end());
-  const size_t rows = runs.size() + receivers.size();
-  const double height = kTop + kRow * static_cast<double>(rows) + 40;
-  Scale x{static_cast<double>(tmin), static_cast<double>(tmax), kLeft, kWidth - kRight};
-  auto row_y = [&](size_t i) { return kTop + kRow * (static_cast<double>(i) + 0.5); };
-  std::string s = "<svg class=\"timeline\" xmlns=\"http://www.w3.org/2000/svg\" width=\"" + Num(kWidth) +
-                  "\" height=\"" + Num(height) + "\" viewBox=\"0 0 " + Num(kWidth) + " " + Num(height) + "\">\n";
-  for (size_t i = 0; i < rows; ++i) {
-    const bool is_run = i < runs.size();
-    const std::string label = is_run ? "run " + runs[i] : "receiver " + receivers[i - runs.size()];
-    s += "<line x1=\"" + Num(kLeft) + "\" x2=\"" + Num(kWidth - kRight) + "\" y1=\"" + Num(row_y(i)) + "\" y2=\"" +
-         Num(row_y(i)) + "\" stroke=\"#d1d5db\"/>\n";
-    s += "<text x=\"8\" y=\"" + Num(row_y(i) + 4) + "\" font-size=\"12\" fill=\"#111827\">" + EscapeHtml(label) +
-         "</text>\n";
-  }
-  std::map<Digest, std::pair<double, double>> position;
-  for (const auto& e : r.timeline) {
-    const size_t i = static_cast<size_t>(std::find(runs.begin(), runs.end(), e.version.run) - runs.begin());
-    position[e.version.id] = {x(static_cast<double>(e.version.time_ns)), row_y(i)};
-  }
-  // Activations: a dashed link from the version to the receiver's marker.
-  for (const auto& e : r.receivers) {
-    const size_t i = runs.size() + static_cast<size_t>(std::find(receivers.begin(), receivers.end(), e.receiver) -
-                                                       receivers.begin());
-    const double ex = x(static_cast<double>(e.time_ns)), ey = row_y(i);
-    auto p = position.find(e.version);
-    if (p != position.end()) {
-      s += "<line x1=\"" + Num(p->second.first) + "\" y1=\"" + Num(p->second.second) + "\" x2=\"" + Num(ex) +
-           "\" y2=\"" + Num(ey) + "\" stroke=\"#9ca3af\" stroke-dasharray=\"3 3\"/>\n";
-    }
-    const bool bad = !e.known_version || (e.computed && !e.digest_matched);
-    const std::string color = bad ? "#dc2626" : "#16a34a";
-    const std::string title = "<title>" + EscapeHtml(e.receiver + " " + std::string(EventTypeName(e.type)) + " " +
-                                                     Short(e.version) + " at " + IsoTime(e.time_ns) +
-                                                     (e.computed ? (e.digest_matched ? ", digest matched"
-                                                                                     : ", digest MISMATCH")
-                                                                 : "")) +
-                              "</title>";
-    if (e.type == Event::Type::kActivated) {
-      s += "<rect x=\"" + Num(ex - 6) + "\" y=\"" + Num(ey - 6) + "\" width=\"12\" height=\"12\" fill=\"" + color +
-           "\">" + title + "</rect>\n";
-    } else {
-      s += "<rect x=\"" + Num(ex - 5) + "\" y=\"" + Num(ey - 5) + "\" width=\"10\" height=\"10\" fill=\"white\" stroke=\"" +
-           color + "\" stroke-width=\"2\">" + title + "</rect>\n";
-    }
-  }
-  std::set<Digest> anomalous;
-  for (const auto& a : r.anomalies) anomalous.insert(a.version);
-  for (const auto& e : r.timeline) {
-    const auto [px, py] = position[e.version.id];
-    const bool bad = anomalous.count(e.version.id) != 0;
-    s += "<circle cx=\"" + Num(px) + "\" cy=\"" + Num(py) + "\" r=\"7\" fill=\"" + KindColor(e.version.kind) + "\"" +
-         (bad ? " stroke=\"#dc2626\" stroke-width=\"3\"" : "") + "><title>" +
-         EscapeHtml("seq " + std::to_string(e.version.sequence) + " " + std::string(KindName(e.version.kind)) + " " +
-                    Short(e.version.id) + (e.version.step ? " step " + std::to_string(*e.version.step) : "") + " at " +
-                    IsoTime(e.version.time_ns)) +
-         "</title></circle>\n";
-    s += "<text x=\"" + Num(px) + "\" y=\"" + Num(py - 11) + "\" font-size=\"10\" text-anchor=\"middle\" fill=\"#374151\">" +
-         std::to_string(e.version.sequence) + "</text>\n";
-  }
-  const double axis_y = kTop + kRow * static_cast<double>(rows) + 14;
-  s += "<text x=\"" + Num(kLeft) + "\" y=\"" + Num(axis_y) + "\" font-size=\"11\" fill=\"#6b7280\">" +
-       IsoTime(tmin) + "</text>\n";
-  s += "<text x=\"" + Num(kWidth - kRight) + "\" y=\"" + Num(axis_y) +
-       "\" font-size=\"11\" text-anchor=\"end\" fill=\"#6b7280\">" + IsoTime(tmax) + "</text>\n";
-  s += "</svg>\n";
-  return s;
-}
-
-std::string MetricSvg(const AuditReport& r, const std::string& metric) {
-  constexpr double kW = 520, kH = 260, kL = 64, kR = 16, kT = 28, kB = 40;
-  // x is the step when every point has one, else the sequence number.
-  bool by_step = true;
-  std::vector<std::tuple<double, double, const VersionRecord*>> pts;
-  for (const auto& e : r.timeline) {
-    auto it = e.version.metrics.find(metric);
-    if (it == e.version.metrics.end() || !std::isfinite(it->second)) continue;
-    by_step = by_step && e.version.step.has_value();
-    pts.emplace_back(0, it->second, &e.version);
-  }
-  for (auto& [px, py, v] : pts) {
-    px = by_step ? static_cast<double>(*v->step) : static_cast<double>(v->sequence);
-  }
-  std::sort(pts.begin(), pts.end(), [](const auto& a, const auto& b) { return std::get<0>(a) < std::get<0>(b); });
-  double xlo = 0, xhi = 0, ylo = 0, yhi = 0;
-  if (!pts.empty()) {
-    xlo = xhi = std::get<0>(pts[0]);
-    ylo = yhi = std::get<1>(pts[0]);
-    for (const auto& [px, py, v] : pts) {
-      xlo = std::min(xlo, px), xhi = std::max(xhi, px), ylo = std::min(ylo, py), yhi = std::max(yhi, py);
-    }
-  }
-  Scale sx{xlo, xhi, kL, kW - kR};
-  Scale sy{ylo, yhi, kH - kB, kT};
-  std::string s = "<svg class=\"metric\" xmlns=\"http://www.w3.org/2000/svg\" width=\"" + Num(kW) + "\" height=\"" +
-                  Num(kH) + "\" viewBox=\"0 0 " + Num(kW) + " " + Num(kH) + "\">\n";
-  s += "<text x=\"" + Num(kW / 2) + "\" y=\"16\" font-size=\"13\" text-anchor=\"middle\" font-weight=\"bold\">" +
-       EscapeHtml(metric) + "</text>\n";
-  s += "<rect x=\"" + Num(kL) + "\" y=\"" + Num(kT) + "\" width=\"" + Num(kW - kL - kR) + "\" height=\"" +
-       Num(kH - kT - kB) + "\" fill=\"none\" stroke=\"#d1d5db\"/>\n";
-  for (int i = 0; i <= 4; ++i) {
-    const double yv = ylo + (yhi - ylo) * i / 4.0;
-    const double py = yhi > ylo ? sy(yv) : (i == 2 ? sy(yv) : -1);
-    if (py < 0) continue;
-    s += "<line x1=\"" + Num(kL - 4) + "\" x2=\"" + Num(kW - kR) + "\" y1=\"" + Num(py) + "\" y2=\"" + Num(py) +
-         "\" stroke=\"#f3f4f6\"/>\n";
-    s += "<text x=\"" + Num(kL - 6) + "\" y=\"" + Num(py + 4) + "\" font-size=\"10\" text-anchor=\"end\" fill=\"#6b7280\">" +
-         Num(yv) + "</text>\n";
-  }
-  s += "<text x=\"" + Num(kL) + "\" y=\"" + Num(kH - kB + 16) + "\" font-size=\"10\" fill=\"#6b7280\">" + Num(xlo) +
-       "</text>\n";
-  s += "<text x=\"" + Num(kW - kR) + "\" y=\"" + Num(kH - kB + 16) +
-       "\" font-size=\"10\" text-anchor=\"end\" fill=\"#6b7280\">" + Num(xhi) + "</text>\n";
-  s += "<text x=\"" + Num((kL + kW - kR) / 2) + "\" y=\"" + Num(kH - 8) +
-       "\" font-size=\"11\" text-anchor=\"middle\" fill=\"#374151\">" + (by_step ? "step" : "sequence") + "</text>\n";
-  if (pts.size() > 1) {
-    s += "<polyline fill=\"none\" stroke=\"#2563eb\" stroke-width=\"2\" points=\"";
-    for (const auto& [px, py, v] : pts) s += Num(sx(px), 6) + "," + Num(sy(py), 6) + " ";
-    s += "\"/>\n";
-  }
-  for (const auto& [px, py, v] : pts) {
-    s += "<circle cx=\"" + Num(sx(px), 6) + "\" cy=\"" + Num(sy(py), 6) + "\" r=\"3.5\" fill=\"#1d4ed8\"><title>" +
-         EscapeHtml(metric + " = " + Num(py, 6) + " at " + (by_step ? "step " : "seq ") + Num(px, 10) + " (" +
-                    Short(v->id) + ")") +
-         "</title></circle>\n";
-  }
-  s += "</svg>\n";
-  return s;
 }
 
 }  // namespace
@@ -582,7 +405,7 @@ std::string AuditToText(const AuditReport& r) {
     if (e.delta_norm) metrics += (metrics.empty() ? "" : " ") + std::string("delta_norm=") + Num(*e.delta_norm);
     std::snprintf(line, sizeof line, "  %-10s %4llu %8s  %-12s  %-12s  %-8s  %s\n", v.run.c_str(),
                   static_cast<unsigned long long>(v.sequence), v.step ? std::to_string(*v.step).c_str() : "-",
-                  Short(v.id).c_str(), v.parent ? Short(*v.parent).c_str() : "-", std::string(KindName(v.kind)).c_str(),
+                  ShortId(v.id).c_str(), v.parent ? ShortId(*v.parent).c_str() : "-", std::string(KindName(v.kind)).c_str(),
                   metrics.c_str());
     s += line;
   }
@@ -590,9 +413,9 @@ std::string AuditToText(const AuditReport& r) {
   if (r.receivers.empty()) s += "  none recorded\n";
   for (const auto& e : r.receivers) {
     s += "  " + IsoTime(e.time_ns) + "  " + e.receiver + " " + std::string(EventTypeName(e.type)) + " " +
-         Short(e.version) +
+         ShortId(e.version) +
          (e.known_version ? " (run " + e.run + ", seq " + std::to_string(e.sequence) + ")" : " (unknown version)") +
-         (e.computed ? (e.digest_matched ? ", digest matched" : ", digest MISMATCH: computed " + Short(*e.computed))
+         (e.computed ? (e.digest_matched ? ", digest matched" : ", digest MISMATCH: computed " + ShortId(*e.computed))
                      : ", no digest reported") +
          "\n";
   }
@@ -608,116 +431,10 @@ std::string AuditToText(const AuditReport& r) {
   } else if (r.never_acknowledged.empty()) {
     s += "  none\n";
   }
-  for (const auto& d : r.never_acknowledged) s += "  " + Short(d) + "\n";
+  for (const auto& d : r.never_acknowledged) s += "  " + ShortId(d) + "\n";
   s += "\nAnomalies (" + std::to_string(r.anomalies.size()) + ")\n";
   if (r.anomalies.empty()) s += "  none\n";
   for (const auto& a : r.anomalies) s += "  [" + std::string(AnomalyKindName(a.kind)) + "] " + a.message + "\n";
-  return s;
-}
-
-std::string AuditToHtml(const AuditReport& r, std::string_view title) {
-  std::string s =
-      "<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n<title>" + EscapeHtml(title) +
-      "</title>\n<style>\n"
-      "body{font-family:system-ui,-apple-system,'Segoe UI',sans-serif;margin:24px;color:#111827;max-width:1160px}\n"
-      "h1{font-size:22px}h2{font-size:17px;margin-top:28px;border-bottom:1px solid #e5e7eb}\n"
-      "table{border-collapse:collapse;font-size:12px}td,th{padding:3px 8px;border-bottom:1px solid #f3f4f6;"
-      "text-align:left}\n"
-      "code{font-family:ui-monospace,monospace;font-size:12px}.bad{color:#b91c1c}.ok{color:#15803d}\n"
-      ".anomaly{background:#fef2f2;border-left:4px solid #dc2626;padding:6px 10px;margin:6px 0;font-size:13px}\n"
-      ".plots{display:flex;flex-wrap:wrap;gap:12px}.legend span{margin-right:14px;font-size:12px}\n"
-      "</style>\n</head>\n<body>\n<h1>" +
-      EscapeHtml(title) + "</h1>\n";
-  s += "<p>" + std::to_string(r.timeline.size()) + " versions, " + std::to_string(r.receivers.size()) +
-       " receiver events, <span class=\"" + (r.anomalies.empty() ? "ok" : "bad") + "\">" +
-       std::to_string(r.anomalies.size()) + " anomalies</span>.</p>\n";
-
-  s += "<h2 id=\"anomalies\">Anomalies</h2>\n";
-  if (r.anomalies.empty()) s += "<p class=\"ok\">None.</p>\n";
-  for (const auto& a : r.anomalies) {
-    s += "<div class=\"anomaly\"><b>" + std::string(AnomalyKindName(a.kind)) + "</b>: " + EscapeHtml(a.message) +
-         "</div>\n";
-  }
-
-  s += "<h2 id=\"timeline\">Timeline</h2>\n<p class=\"legend\">";
-  for (auto k : {VersionKind::kBase, VersionKind::kAdapter, VersionKind::kMerged, VersionKind::kFull}) {
-    s += "<span><svg width=\"12\" height=\"12\"><circle cx=\"6\" cy=\"6\" r=\"5\" fill=\"" + KindColor(k) +
-         "\"/></svg> " + std::string(KindName(k)) + "</span>";
-  }
-  s += "<span>&#9632; activated</span><span>&#9633; acknowledged</span><span class=\"bad\">red: unknown version "
-       "or digest mismatch</span></p>\n";
-  s += TimelineSvg(r);
-
-  s += "<h2 id=\"metrics\">Metrics</h2>\n";
-  if (r.metric_names.empty()) s += "<p>No metrics recorded.</p>\n";
-  std::vector<std::string> plots = r.metric_names;
-  bool any_delta = false;
-  for (const auto& e : r.timeline) any_delta = any_delta || e.delta_norm.has_value();
-  s += "<div class=\"plots\">\n";
-  for (const auto& m : plots) s += MetricSvg(r, m);
-  if (any_delta) {
-    AuditReport deltas;
-    for (const auto& e : r.timeline) {
-      if (!e.delta_norm) continue;
-      TimelineEntry d = e;
-      d.version.metrics = {{"adapter delta norm", *e.delta_norm}};
-      deltas.timeline.push_back(std::move(d));
-    }
-    s += MetricSvg(deltas, "adapter delta norm");
-  }
-  s += "</div>\n";
-
-  s += "<h2 id=\"versions\">Versions</h2>\n<table>\n<tr><th>run</th><th>seq</th><th>step</th><th>id</th><th>parent</th>"
-       "<th>kind</th><th>tensors</th><th>bytes</th><th>metrics</th><th>activated by</th></tr>\n";
-  for (const auto& e : r.timeline) {
-    const VersionRecord& v = e.version;
-    std::string metrics;
-    for (const auto& [k, value] : v.metrics) metrics += (metrics.empty() ? "" : ", ") + k + "=" + Num(value, 6);
-    std::string by;
-    for (const auto& x : e.activated_by) by += (by.empty() ? "" : ", ") + x;
-    s += "<tr><td>" + EscapeHtml(v.run) + "</td><td>" + std::to_string(v.sequence) + "</td><td>" +
-         (v.step ? std::to_string(*v.step) : "-") + "</td><td><code>" + Short(v.id) + "</code></td><td><code>" +
-         (v.parent ? Short(*v.parent) : "-") + "</code></td><td>" + std::string(KindName(v.kind)) + "</td><td>" +
-         std::to_string(v.tensors.size()) + "</td><td>" + std::to_string(v.total_bytes) + "</td><td>" +
-         EscapeHtml(metrics) + "</td><td>" + EscapeHtml(by) + "</td></tr>\n";
-  }
-  s += "</table>\n";
-
-  s += "<h2 id=\"receivers\">Receivers</h2>\n";
-  if (r.receivers.empty()) {
-    s += "<p>No receiver events recorded.</p>\n";
-  } else {
-    s += "<table>\n<tr><th>time</th><th>receiver</th><th>event</th><th>version</th><th>run / seq</th><th>digest</th></tr>\n";
-    for (const auto& e : r.receivers) {
-      const std::string digest = !e.computed         ? "<td>not reported</td>"
-                                 : e.digest_matched ? "<td class=\"ok\">matched</td>"
-                                                    : "<td class=\"bad\">MISMATCH (" + Short(*e.computed) + ")</td>";
-      s += "<tr><td>" + IsoTime(e.time_ns) + "</td><td>" + EscapeHtml(e.receiver) + "</td><td>" +
-           std::string(EventTypeName(e.type)) + "</td><td><code>" + Short(e.version) + "</code></td><td>" +
-           (e.known_version ? EscapeHtml(e.run) + " / " + std::to_string(e.sequence)
-                            : std::string("<span class=\"bad\">unknown</span>")) +
-           "</td>" + digest + "</tr>\n";
-    }
-    s += "</table>\n";
-  }
-
-  s += "<h2 id=\"gaps\">Gaps in sequence numbers</h2>\n";
-  if (r.gaps.empty()) s += "<p>None.</p>\n";
-  for (const auto& g : r.gaps) {
-    s += "<p>run " + EscapeHtml(g.run) + ": missing " + std::to_string(g.first_missing) +
-         (g.last_missing != g.first_missing ? ".." + std::to_string(g.last_missing) : "") + "</p>\n";
-  }
-  s += "<h2 id=\"never-acknowledged\">Never acknowledged</h2>\n";
-  if (r.receivers.empty()) {
-    s += "<p>No receiver recorded.</p>\n";
-  } else if (r.never_acknowledged.empty()) {
-    s += "<p>None.</p>\n";
-  } else {
-    s += "<p>";
-    for (const auto& d : r.never_acknowledged) s += "<code>" + Short(d) + "</code> ";
-    s += "</p>\n";
-  }
-  s += "</body>\n</html>\n";
   return s;
 }
 

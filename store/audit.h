@@ -72,7 +72,7 @@ struct Anomaly {
 };
 
 struct TimelineEntry {
-  VersionRecord version;          // tensors and aux are kept (the HTML counts them)
+  VersionRecord version;          // tensors and aux are kept (reports count them)
   std::optional<double> delta_norm;  // adapters after the run's first adapter version
   std::vector<std::string> activated_by;  // receivers with an activated event for it
   std::vector<std::string> acknowledged_by;
@@ -127,10 +127,12 @@ Result<double> VersionDeltaNorm(Store& store, const VersionRecord& a, const Vers
 // The report as JSON (keys: run, timeline, receivers, gaps, never_acknowledged, anomalies).
 // Never throws: bytes that are not UTF-8 (a run filter as the user typed it) become U+FFFD.
 std::string AuditToJson(const AuditReport& report);
-// The report as plain text for a terminal.
+// The report as plain text for a terminal. (The HTML page is the CLI's: cli/audit_html.h.)
 std::string AuditToText(const AuditReport& report);
-// The report as one self-contained HTML page (inline CSS and SVG, no scripts or external
-// resources): timeline of versions with receiver activations, one plot per metric.
-std::string AuditToHtml(const AuditReport& report, std::string_view title);
+
+// How the report names a version in its messages: the first 12 hex characters of its id.
+std::string ShortId(const Digest& id);
+// A time as the report prints it: "2026-11-22T10:04:05.123Z" (UTC, milliseconds).
+std::string IsoTime(int64_t time_ns);
 
 }  // namespace ferry::store

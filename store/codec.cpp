@@ -68,44 +68,7 @@ class Reader {
   std::string what_;
 };
 
-// The length of the well-formed UTF-8 sequence starting at s[i] (1..4), or 0 when s[i]
-// does not start one (RFC 3629, table 3-7 of the Unicode standard).
-size_t Utf8SequenceLength(std::string_view s, size_t i) {
-  const auto byte = [&](size_t k) { return static_cast<unsigned char>(s[k]); };
-  const unsigned char b0 = byte(i);
-  if (b0 < 0x80) return 1;
-  size_t len = 0;
-  unsigned char lo = 0x80, hi = 0xBF;  // the range of the second byte
-  if (b0 >= 0xC2 && b0 <= 0xDF) {
-    len = 2;
-  } else if (b0 == 0xE0) {
-    len = 3;
-    lo = 0xA0;  // no overlong 3-byte forms
-  } else if ((b0 >= 0xE1 && b0 <= 0xEC) || b0 == 0xEE || b0 == 0xEF) {
-    len = 3;
-  } else if (b0 == 0xED) {
-    len = 3;
-    hi = 0x9F;  // no surrogates
-  } else if (b0 == 0xF0) {
-    len = 4;
-    lo = 0x90;  // no overlong 4-byte forms
-  } else if (b0 >= 0xF1 && b0 <= 0xF3) {
-    len = 4;
-  } else if (b0 == 0xF4) {
-    len = 4;
-    hi = 0x8F;  // nothing above U+10FFFF
-  } else {
-    return 0;  // 0x80..0xC1 (continuation or overlong 2-byte lead), 0xF5..0xFF
-  }
-  if (s.size() - i < len) return 0;
-  if (byte(i + 1) < lo || byte(i + 1) > hi) return 0;
-  for (size_t k = 2; k < len; ++k) {
-    if (byte(i + k) < 0x80 || byte(i + k) > 0xBF) return 0;
-  }
-  return len;
-}
-
-bool IsControl(unsigned char c) { return c < 0x20 || c == 0x7F; }
+bool IsControl(unsigned char c) { return IsControlByte(c); }
 
 // j.dump(), or kInternal naming `what` when j holds text that is not UTF-8 (the callers
 // validate first, so this is a missed check, not bad input to report).
@@ -141,7 +104,7 @@ Result<std::string> EncodeVersion(const VersionRecord& r) {
   j["sequence"] = r.sequence;
   j["parent"] = DigestOrNull(r.parent);
   j["kind"] = std::string(KindName(r.kind));
-  j["layout"] = r.layout;
+  j["layout"] = std::string(LayoutName(r.layout));
   j["source"] = std::string(SourceName(r.source));
   j["time_ns"] = r.time_ns;
   j["step"] = r.step ? json(*r.step) : json(nullptr);
@@ -174,7 +137,10 @@ Result<VersionRecord> DecodeVersion(std::string_view text) {
   FERRY_ASSIGN_OR_RETURN(r.kind, ParseEnum(kind, {VersionKind::kBase, VersionKind::kAdapter, VersionKind::kMerged,
                                                   VersionKind::kFull},
                                            &KindName, what + ": field 'kind'"));
-  FERRY_RETURN_IF_ERROR(rd.Get("layout", r.layout));
+  std::string layout;
+  FERRY_RETURN_IF_ERROR(rd.Get("layout", layout));
+  FERRY_ASSIGN_OR_RETURN(r.layout, ParseEnum(layout, {Layout::kHf, Layout::kFused, Layout::kLora}, &LayoutName,
+                                             what + ": field 'layout'"));
   FERRY_RETURN_IF_ERROR(rd.Get("source", source));
   FERRY_ASSIGN_OR_RETURN(r.source, ParseEnum(source, {VersionSource::kConvert, VersionSource::kImport,
                                                       VersionSource::kDaemon, VersionSource::kSync},
@@ -257,6 +223,7 @@ std::string EncodeEvent(const Event& e) {
   j["version"] = e.version.Hex();
   j["computed"] = DigestOrNull(e.computed);
   j["detail"] = e.detail;
+  if (e.anomaly != Event::Anomaly::kUnspecified) j["anomaly"] = std::string(AnomalyName(e.anomaly));
   return j.dump(-1, ' ', /*ensure_ascii=*/false, json::error_handler_t::replace);
 }
 
@@ -274,6 +241,12 @@ Result<Event> DecodeEvent(std::string_view text) {
   FERRY_RETURN_IF_ERROR(rd.GetDigest("version", e.version));
   FERRY_RETURN_IF_ERROR(rd.GetOptionalDigest("computed", e.computed));
   FERRY_RETURN_IF_ERROR(rd.Get("detail", e.detail));
+  if (j.contains("anomaly")) {  // absent in events recorded before it existed
+    std::string anomaly;
+    FERRY_RETURN_IF_ERROR(rd.Get("anomaly", anomaly));
+    FERRY_ASSIGN_OR_RETURN(e.anomaly, ParseEnum(anomaly, {Event::Anomaly::kUnspecified, Event::Anomaly::kReceiverLost},
+                                                &AnomalyName, "event: field 'anomaly'"));
+  }
   return e;
 }
 
@@ -294,87 +267,16 @@ Status ValidateRunName(const std::string& run) {
   return Status::OK();
 }
 
-size_t FirstInvalidUtf8(std::string_view s) {
-  for (size_t i = 0; i < s.size();) {
-    const size_t len = Utf8SequenceLength(s, i);
-    if (len == 0) return i;
-    i += len;
-  }
-  return std::string_view::npos;
-}
-
-std::string EscapeForMessage(std::string_view s) {
-  static constexpr char kHex[] = "0123456789abcdef";
-  std::string out;
-  out.reserve(s.size());
-  for (size_t i = 0; i < s.size();) {
-    const auto c = static_cast<unsigned char>(s[i]);
-    const size_t len = Utf8SequenceLength(s, i);
-    if (c == '\\') {
-      out += "\\\\";
-    } else if (len == 0 || IsControl(c)) {
-      out += "\\x";
-      out += kHex[c >> 4];
-      out += kHex[c & 0xF];
-    } else {
-      out.append(s.substr(i, len));
-      i += len;
-      continue;
-    }
-    ++i;
-  }
-  return out;
-}
-
-Status ValidateAuxFileName(std::string_view name) {
-  const auto quoted = [&] { return "auxiliary file name '" + EscapeForMessage(name) + "'"; };
-  if (name.empty() || name.find('/') != std::string_view::npos || name == "." || name == "..") {
-    return Status::InvalidArgument(quoted() + " is not a plain file name");
-  }
-  if (FirstInvalidUtf8(name) != std::string_view::npos) {
-    return Status::InvalidArgument(quoted() + " is not valid UTF-8");
-  }
-  for (char c : name) {
-    if (IsControl(static_cast<unsigned char>(c))) {
-      return Status::InvalidArgument(quoted() + " contains a control character");
-    }
-  }
-  return Status::OK();
-}
-
-bool IsAuxFileName(std::string_view n) {
-  auto starts = [&](std::string_view p) { return n.size() > p.size() && n.substr(0, p.size()) == p; };
-  auto ends = [&](std::string_view s) { return n.size() >= s.size() && n.substr(n.size() - s.size()) == s; };
-  return n == "config.json" || n == "generation_config.json" || (starts("tokenizer") && ends(".json")) ||
-         n == "special_tokens_map.json" || n == "tokenizer.model" || starts("vocab.") || n == "merges.txt" ||
-         starts("chat_template.") || n == "adapter_config.json";
-}
-
 }  // namespace ferry::store::internal
 
 namespace ferry::store {
 
-Result<std::vector<std::pair<std::string, std::string>>> CollectAuxFiles(const std::filesystem::path& dir) {
-  std::vector<std::pair<std::string, std::string>> out;
-  std::error_code ec;
-  std::filesystem::directory_iterator it(dir, ec);
-  if (ec) return Status::IOError(dir.string() + ": cannot list directory: " + ec.message());
-  for (; it != std::filesystem::directory_iterator(); it.increment(ec)) {
-    if (ec) return Status::IOError(dir.string() + ": cannot list directory: " + ec.message());
-    const std::string name = it->path().filename().string();
-    if (!internal::IsAuxFileName(name)) continue;
-    std::error_code sec;
-    if (!it->is_regular_file(sec)) continue;
-    // The name goes into the version record (JSON) and the version id: a name that cannot be
-    // recorded exactly refuses the whole directory rather than being dropped or mangled.
-    if (Status s = internal::ValidateAuxFileName(name); !s.ok()) {
-      return Status::InvalidArgument(dir.string() + ": " + s.message());
-    }
-    FERRY_ASSIGN_OR_RETURN(std::string contents, ReadSmallFile(it->path(), size_t{256} << 20));
-    out.emplace_back(name, std::move(contents));
+std::string_view AnomalyName(Event::Anomaly a) {
+  switch (a) {
+    case Event::Anomaly::kUnspecified: return "unspecified";
+    case Event::Anomaly::kReceiverLost: return "receiver_lost";
   }
-  std::sort(out.begin(), out.end());
-  return out;
+  return "unknown";
 }
 
 }  // namespace ferry::store

@@ -24,7 +24,7 @@ std::filesystem::path AuxDirOf(const std::filesystem::path& path) {
   return parent.empty() ? std::filesystem::path(".") : parent;
 }
 
-bool LooksLikeAdapter(const Checkpoint& ckpt, const std::vector<std::pair<std::string, std::string>>& aux) {
+bool LooksLikeAdapter(const Checkpoint& ckpt, const AuxFiles& aux) {
   for (const auto& [name, contents] : aux) {
     if (name == "adapter_config.json") return true;
   }
@@ -34,14 +34,14 @@ bool LooksLikeAdapter(const Checkpoint& ckpt, const std::vector<std::pair<std::s
   return false;
 }
 
-std::string AdapterConfigOf(const std::vector<std::pair<std::string, std::string>>& aux) {
+std::string AdapterConfigOf(const AuxFiles& aux) {
   for (const auto& [name, contents] : aux) {
     if (name == "adapter_config.json") return contents;
   }
   return "";
 }
 
-Result<std::vector<std::pair<std::string, std::string>>> AuxOf(const std::filesystem::path& path) {
+Result<AuxFiles> AuxOf(const std::filesystem::path& path) {
   auto aux = CollectAuxFiles(AuxDirOf(path));
   if (!aux.ok()) return aux.status();
   return aux;
@@ -50,13 +50,13 @@ Result<std::vector<std::pair<std::string, std::string>>> AuxOf(const std::filesy
 }  // namespace
 
 Result<VersionRecord> HashCheckpoint(const Checkpoint& ckpt,
-                                     const std::vector<std::pair<std::string, std::string>>& aux_files,
+                                     const AuxFiles& aux_files,
                                      const HashOptions& options) {
   // Names are checked before any byte is hashed or stored: they are recorded (JSON) and
   // hashed into the version id, so one that cannot be recorded exactly refuses the version.
   std::set<std::string> seen;
   for (const auto& [name, contents] : aux_files) {
-    FERRY_RETURN_IF_ERROR(ValidateAuxFileName(name));
+    FERRY_RETURN_IF_ERROR(CheckAuxFileName(name));
     if (!seen.insert(name).second) return Status::InvalidArgument("auxiliary file '" + name + "' is given twice");
   }
   for (const std::string& name : ckpt.names()) {
@@ -157,14 +157,11 @@ Result<ImportResult> RocksStore::Import(const std::filesystem::path& path, const
 }
 
 Result<ImportResult> RocksStore::ImportCheckpoint(const Checkpoint& ckpt,
-                                                  const std::vector<std::pair<std::string, std::string>>& aux_files,
+                                                  const AuxFiles& aux_files,
                                                   const ImportOptions& options) {
   FERRY_RETURN_IF_ERROR(RequireWritable("import"));
   if (Status s = ValidateRunName(options.run); !s.ok()) return Status::InvalidArgument(Where(s.message()));
   // Every other text the version record holds must be UTF-8 too (the record is JSON).
-  if (FirstInvalidUtf8(options.layout) != std::string_view::npos) {
-    return Status::InvalidArgument(Where("layout '" + EscapeForMessage(options.layout) + "' is not valid UTF-8"));
-  }
   for (const auto& [name, value] : options.metrics) {
     if (FirstInvalidUtf8(name) != std::string_view::npos) {
       return Status::InvalidArgument(Where("metric name '" + EscapeForMessage(name) + "' is not valid UTF-8"));

@@ -12,7 +12,9 @@
 #include <vector>
 
 #include "core/status.h"
+#include "core/aux_files.h"
 #include "core/tensor.h"
+#include "core/text.h"
 #include "kernels/hash.h"
 #include "store/store.h"
 
@@ -78,23 +80,10 @@ Result<Event> DecodeEvent(std::string_view json);
 // stored in JSON records), no NUL or control characters.
 Status ValidateRunName(const std::string& run);
 
-// Text that goes into a JSON record must be well-formed UTF-8 (nlohmann::json::dump throws
-// otherwise). Returns the offset of the first byte of `s` that does not start a well-formed
-// sequence (RFC 3629: no overlong forms, no surrogates U+D800..U+DFFF, nothing above
-// U+10FFFF, no truncated sequence), or std::string_view::npos when `s` is well-formed.
-size_t FirstInvalidUtf8(std::string_view s);
-// `s` for an error message, always printable: ASCII other than control characters and
-// well-formed multi-byte UTF-8 as they are, '\\' doubled, every other byte (< 0x20, 0x7F,
-// bytes outside a well-formed sequence) as \xHH. "vocab.\xff" for the bytes 'vocab.' 0xFF.
-std::string EscapeForMessage(std::string_view s);
-// Auxiliary file names are recorded in version records and hashed into the version id:
-// kInvalidArgument ("auxiliary file name '<escaped>' ...") unless `name` is a plain file name
-// (not empty, ".", "..", no '/'), well-formed UTF-8, without control characters (< 0x20, 0x7F).
-Status ValidateAuxFileName(std::string_view name);
-
-using store::CollectAuxFiles;
-// True when `name` is an auxiliary file name of store.h's list.
-bool IsAuxFileName(std::string_view name);
+// Text that goes into a JSON record must be well-formed UTF-8 (core/text.h).
+using ferry::EscapeForMessage;
+using ferry::FirstInvalidUtf8;
+// Auxiliary files and their names: core/aux_files.h (CollectAuxFiles, ValidateAuxFileName).
 
 // What HashCheckpoint computes and calls besides the digests.
 using TensorVisitor = std::function<Status(const Tensor&, const TensorRow&)>;
@@ -115,7 +104,7 @@ struct HashOptions {
 // thread, one tensor per thread at a time (a produced checkpoint: one at a time, in name
 // order, each released before the next is made). The first error in name order is returned.
 Result<VersionRecord> HashCheckpoint(const Checkpoint& ckpt,
-                                     const std::vector<std::pair<std::string, std::string>>& aux_files,
+                                     const AuxFiles& aux_files,
                                      const HashOptions& options);
 
 // Nanoseconds since the Unix epoch.

@@ -34,7 +34,7 @@ class TreeGuard {
 Status MoveIntoPlace(const fs::path& from, const fs::path& out, bool force) {
   std::error_code ec;
   const bool exists = fs::exists(fs::symlink_status(out, ec));
-  if (exists && !force) return Status::AlreadyExists(out.string() + " exists (pass --force to replace it)");
+  if (exists && !force) return Status::AlreadyExists(out.string() + " exists (replacing it needs MaterializeOptions.force)");
   fs::path old;
   if (exists) {
     old = TempNameFor(out);
@@ -145,7 +145,7 @@ Result<MaterializeResult> Materialize(Store& store, const Digest& version, const
   const std::string what = "materialize version " + Short(rec.id) + " (" + std::string(KindName(rec.kind)) + ")";
   std::error_code ec;
   if (fs::exists(fs::symlink_status(out, ec)) && !options.force) {
-    return Status::AlreadyExists(what + ": " + out.string() + " exists (pass --force to replace it)");
+    return Status::AlreadyExists(what + ": " + out.string() + " exists (replacing it needs MaterializeOptions.force)");
   }
   if (rec.kind != VersionKind::kAdapter) {
     if (options.layout != Layout::kHf) {
@@ -158,7 +158,7 @@ Result<MaterializeResult> Materialize(Store& store, const Digest& version, const
   }
   if (!rec.base_version) {
     return Status::FailedPrecondition(what + ": the adapter version records no base_version to merge into "
-                                      "(import it with --base-version)");
+                                      "(ImportOptions.base_version records it when the adapter is imported)");
   }
   auto base = store.GetVersion(rec.base_version->Hex());
   if (!base.ok()) {

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cerrno>
 
+#include "core/file_util.h"
 #include "store/internal.h"
 
 namespace ferry::store::internal {
@@ -18,17 +19,6 @@ constexpr uint64_t kWritebackBytes = uint64_t{64} << 20;
 // Objects kept open (written, not yet fdatasynced) per batch; beyond this the oldest is
 // completed at once, so a checkpoint of many thousand tensors stays within the fd limit.
 constexpr size_t kMaxPending = 128;
-
-Status WriteAll(int fd, const std::byte* p, size_t n, const std::filesystem::path& path) {
-  while (n > 0) {
-    ssize_t w = ::write(fd, p, n);
-    if (w < 0 && errno == EINTR) continue;
-    if (w <= 0) return ErrnoStatus(path.string() + ": write", w < 0 ? errno : EIO);
-    p += w;
-    n -= static_cast<size_t>(w);
-  }
-  return Status::OK();
-}
 
 void StartWriteback(int fd, uint64_t offset, uint64_t length) {
   // Only a hint: errors surface at the fdatasync in Finish.
@@ -192,7 +182,7 @@ Status ObjectBatch::WriteTemp(const std::filesystem::path& final_path, std::span
     uint64_t kicked = 0;
     for (size_t off = 0; off < bytes.size(); off += kChunkBytes) {
       const size_t n = std::min(kChunkBytes, bytes.size() - off);
-      if (Status s = WriteAll(fd, bytes.data() + off, n, tmp); !s.ok()) return fail(s);
+      if (Status s = WriteAll(fd, bytes.subspan(off, n), tmp); !s.ok()) return fail(s);
       if (sync && off + n - kicked >= kWritebackBytes) {
         StartWriteback(fd, kicked, off + n - kicked);
         kicked = off + n;

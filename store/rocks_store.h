@@ -35,7 +35,7 @@ class RocksStore final : public Store {
 
   Result<ImportResult> Import(const std::filesystem::path& path, const ImportOptions& options) override;
   Result<ImportResult> ImportCheckpoint(const Checkpoint& ckpt,
-                                        const std::vector<std::pair<std::string, std::string>>& aux_files,
+                                        const AuxFiles& aux_files,
                                         const ImportOptions& options) override;
   Result<VersionRecord> GetVersion(std::string_view id_or_prefix) override;
   Result<std::vector<VersionRecord>> ListVersions(std::optional<std::string> run) override;

@@ -15,7 +15,8 @@
 //   manifest digest: the same weights (and configs) always get the same id.
 //   Auxiliary files: config.json, generation_config.json, tokenizer*.json,
 //   special_tokens_map.json, tokenizer.model, vocab.*, merges.txt, chat_template.*,
-//   adapter_config.json — whichever exist beside the weights.
+//   adapter_config.json — whichever exist beside the weights, except weight file names
+//   (the one rule, core/aux_files.h, shared with the converter and sync).
 //
 // On-disk layout of a store at DB/:
 //   DB/rocksdb/            RocksDB, column families below
@@ -81,7 +82,8 @@
 //     record is returned (with its original run and sequence) and already_present is set.
 //   - Import(path) sets kind = kAdapter (when options.kind is the default kFull) if the
 //     weights file is adapter_model.* or adapter_config.json is beside it, and then fills
-//     adapter_config. Auxiliary files come from the weights' directory (a file's parent).
+//     adapter_config. Auxiliary files come from the weights' directory (a file's parent), collected
+//     by CollectAuxFiles (core/aux_files.h).
 //     An explicit ImportOptions.parent must be a stored version (kNotFound otherwise);
 //     base_version / adapter_version are recorded as given.
 //   - Statistics: l2_norm sums the squares of the finite elements only (NaN/Inf are counted
@@ -101,8 +103,8 @@
 //   - Events are committed with sync = true; time_ns 0 means "now".
 //   - Text recorded in JSON must be UTF-8. Import/ImportCheckpoint/HashPath refuse, before
 //     anything is stored, with kInvalidArgument: an auxiliary file name that is not a plain
-//     file name, not well-formed UTF-8 or holds a control character (see CollectAuxFiles);
-//     a tensor name, run name, layout or metric name that is not UTF-8 (run names: no
+//     file name, not well-formed UTF-8 or holds a control character (core/aux_files.h);
+//     a tensor name, run name or metric name that is not UTF-8 (run names: no
 //     control characters either); HashPath checks the file and tensor names. An adapter's
 //     adapter_config.json that is not UTF-8 is kCorruption. Event text (receiver, detail)
 //     that is not UTF-8 is stored with U+FFFD instead.
@@ -118,6 +120,8 @@
 #include <string>
 #include <vector>
 
+#include "convert/layout.h"
+#include "core/aux_files.h"
 #include "core/checkpoint.h"
 #include "core/status.h"
 #include "kernels/hash.h"
@@ -184,7 +188,7 @@ struct VersionRecord {
   uint64_t sequence = 0;              // 1, 2, ... within the run, assigned at commit
   std::optional<Digest> parent;       // the run's previous version, unless given
   VersionKind kind = VersionKind::kFull;
-  std::string layout = "hf";          // hf | fused | lora
+  Layout layout = Layout::kHf;
   VersionSource source = VersionSource::kImport;
   int64_t time_ns = 0;                // commit time, Unix epoch
   std::optional<int64_t> step;        // training step
@@ -200,19 +204,27 @@ struct VersionRecord {
 // One thing that happened to a version, recorded by sync and the daemon.
 struct Event {
   enum class Type { kPublished, kAcknowledged, kActivated, kAnomaly };
+  // What an anomaly is, where it is one a program acts on (kUnspecified otherwise).
+  enum class Anomaly {
+    kUnspecified,
+    kReceiverLost,  // a publisher stopped hearing from `receiver`
+  };
   Type type = Type::kPublished;
   int64_t time_ns = 0;
   std::string receiver;               // receiver id for acks/activations
   Digest version;                     // the version concerned
   std::optional<Digest> computed;     // the manifest digest the receiver computed
   std::string detail;                 // free text (anomaly description, endpoint, ...)
+  Anomaly anomaly = Anomaly::kUnspecified;  // kAnomaly events only
 };
 std::string_view EventTypeName(Event::Type t);
+// "unspecified", "receiver_lost".
+std::string_view AnomalyName(Event::Anomaly a);
 
 struct ImportOptions {
   std::string run = "default";
   VersionKind kind = VersionKind::kFull;  // Default: full (adapter when the path is a PEFT adapter)
-  std::string layout = "hf";
+  Layout layout = Layout::kHf;            // Default: hf
   VersionSource source = VersionSource::kImport;
   std::optional<int64_t> step;
   std::optional<Digest> base_version;
@@ -267,7 +279,7 @@ class Store {
   // concurrency as Import. `ckpt.Get` is called from several threads at once, except for a
   // checkpoint made with Checkpoint::FromProducer, whose tensors are made one at a time in
   // name order (each released before the next is asked for).
-  virtual Result<ImportResult> ImportCheckpoint(const Checkpoint& ckpt, const std::vector<std::pair<std::string, std::string>>& aux_files,
+  virtual Result<ImportResult> ImportCheckpoint(const Checkpoint& ckpt, const AuxFiles& aux_files,
                                                 const ImportOptions& options) = 0;
 
   // kNotFound naming the id when absent. `prefix`: a unique hex prefix (>= 6 chars) is accepted.
@@ -318,16 +330,6 @@ class Store {
 // files, each list sorted by name. A receiver that verified every row's digest proves the
 // id of what it holds with this, without hashing the bytes again.
 Digest ManifestDigest(const std::vector<TensorRow>& tensors, const std::vector<AuxFile>& aux);
-
-// The auxiliary files of the list above found in `dir` (name, contents), sorted by name:
-// what Import records beside the weights of a model directory. kIOError naming the
-// directory when it cannot be listed; files over 256 MiB are an error naming the file.
-// A regular file whose name matches the list but is not well-formed UTF-8 or holds a
-// control character (< 0x20, 0x7F) is kInvalidArgument naming the directory and the name
-// escaped ("DIR: auxiliary file name 'vocab.\xff' is not valid UTF-8", "... contains a
-// control character"): such a name cannot be recorded exactly, so the directory is refused
-// rather than recorded without it. Files whose names do not match the list are ignored.
-Result<std::vector<std::pair<std::string, std::string>>> CollectAuxFiles(const std::filesystem::path& dir);
 
 // Hashes the weights at `path` without storing them (what `ferry verify PATH` does): a
 // record with id, tensors and aux files filled in (run/sequence empty). The rows carry no

@@ -8,7 +8,9 @@
 #include <utility>
 #include <vector>
 
+#include "convert/fused_layout.h"
 #include "convert/peft_config.h"
+#include "core/aux_files.h"
 #include "core/checkpoint.h"
 #include "core/mapped_file.h"
 #include "core/safetensors.h"
@@ -25,87 +27,37 @@ constexpr uint64_t kMaxShardBytes = 5'000'000'000;
 
 std::string Q(std::string_view s) { return "'" + std::string(s) + "'"; }
 
-bool EndsWith(std::string_view s, std::string_view suffix) {
-  return s.size() >= suffix.size() && s.substr(s.size() - suffix.size()) == suffix;
-}
-
-bool IsTensorLayout(std::string_view layout) { return layout == "hf" || layout == "fused"; }
-
-// One output tensor: its spec and the input tensors whose bytes it is, concatenated in order.
-struct OutputTensor {
-  TensorSpec spec;
-  std::vector<std::string> parts;
-};
-
-// The output tensors of `ckpt` in the hf layout (every tensor as is) or the fused one: the
-// rules of the snapshot builder's fused layout (and `ferry convert --layout fused`): q/k/v
-// into self_attn.qkv_proj and gate/up into mlp.gate_up_proj, weights and biases, stacked
-// on axis 0 where every member is present. Only metadata is read. Sorted by name.
-Result<std::vector<OutputTensor>> PlanLayout(const Checkpoint& ckpt, bool fuse) {
-  static const std::vector<std::pair<std::vector<std::string>, std::string>> kGroups = {
-      {{"q_proj", "k_proj", "v_proj"}, "qkv_proj"}, {{"gate_proj", "up_proj"}, "gate_up_proj"}};
-  std::map<std::string, OutputTensor> out;
+// The output tensors of `ckpt` in the hf layout (every tensor as is) or the fused one
+// (convert/fused_layout.h: the converter's and the snapshot builder's own planner). Only
+// metadata is read. Sorted by name.
+Result<std::vector<LaidOutTensor>> PlanLayout(const Checkpoint& ckpt, bool fuse) {
+  std::vector<TensorSpec> specs;
   for (const std::string& name : ckpt.names()) {
     const TensorInfo* info = ckpt.Info(name);
     if (info == nullptr) return Status::Internal(ckpt.path().string() + ": tensor " + Q(name) + " has no metadata");
-    out.emplace(name, OutputTensor{TensorSpec{name, info->dtype, info->shape}, {name}});
+    specs.push_back({name, info->dtype, info->shape});
   }
-  if (!fuse) {
-    std::vector<OutputTensor> v;
-    for (auto& [name, o] : out) v.push_back(std::move(o));
-    return v;
+  std::vector<LaidOutTensor> out;
+  if (fuse) {
+    FERRY_ASSIGN_OR_RETURN(out, FuseLayout(specs, ckpt.path().string()));
+  } else {
+    for (auto& spec : specs) out.push_back(LaidOutTensor{spec, {spec.name}});
   }
-  for (const std::string& name : ckpt.names()) {
-    for (const auto& [members, fused] : kGroups) {
-      for (const char* param : {".weight", ".bias"}) {
-        const std::string first = "." + members[0] + param;
-        if (!EndsWith(name, first)) continue;
-        const std::string prefix = name.substr(0, name.size() - first.size() + 1);
-        const TensorInfo& t0 = *ckpt.Info(name);
-        std::vector<std::string> parts;
-        int64_t rows = 0;
-        for (const auto& m : members) {
-          const std::string member = prefix + m + param;
-          const TensorInfo* t = ckpt.Info(member);
-          if (t == nullptr) break;
-          const Shape& s = t->shape;
-          const Shape& s0 = t0.shape;
-          if (s.empty() || s.size() != s0.size() || !std::equal(s.begin() + 1, s.end(), s0.begin() + 1) ||
-              t->dtype != t0.dtype) {
-            return Status::InvalidArgument(ckpt.path().string() + ": cannot fuse " + Q(member) + " " +
-                                           ShapeToString(s) + " " + std::string(DTypeName(t->dtype)) + " with " +
-                                           Q(name) + " " + ShapeToString(s0) + " " + std::string(DTypeName(t0.dtype)));
-          }
-          rows += s[0];
-          parts.push_back(member);
-        }
-        if (parts.size() != members.size()) continue;
-        const std::string fused_name = prefix + fused + param;
-        if (ckpt.Contains(fused_name)) {
-          return Status::InvalidArgument(ckpt.path().string() + ": has both " + Q(fused_name) + " and " + Q(name));
-        }
-        Shape shape = t0.shape;
-        shape[0] = rows;
-        for (const std::string& p : parts) out.erase(p);
-        out.emplace(fused_name, OutputTensor{TensorSpec{fused_name, t0.dtype, std::move(shape)}, std::move(parts)});
-      }
-    }
-  }
-  std::vector<OutputTensor> v;
-  for (auto& [name, o] : out) v.push_back(std::move(o));
-  return v;
+  std::sort(out.begin(), out.end(),
+            [](const LaidOutTensor& a, const LaidOutTensor& b) { return a.spec.name < b.spec.name; });
+  return out;
 }
 
 // Streams the output tensors into `dir` (model.safetensors, or shards and an index): file
 // ranges are copied inside the kernel, in-memory tensors appended, one tensor at a time.
-Status WriteTensors(const Checkpoint& ckpt, const std::vector<OutputTensor>& outputs, const fs::path& dir) {
+Status WriteTensors(const Checkpoint& ckpt, const std::vector<LaidOutTensor>& outputs, const fs::path& dir) {
   std::vector<TensorSpec> specs;
   specs.reserve(outputs.size());
-  for (const OutputTensor& o : outputs) specs.push_back(o.spec);
+  for (const LaidOutTensor& o : outputs) specs.push_back(o.spec);
   WriterOptions options;
   options.max_shard_bytes = kMaxShardBytes;
   FERRY_ASSIGN_OR_RETURN(auto writer, SafetensorsWriter::CreateInDirectory(dir, std::move(specs), options));
-  for (const OutputTensor& o : outputs) {
+  for (const LaidOutTensor& o : outputs) {
     for (const std::string& part : o.parts) {
       const SafetensorsFile::FileRange range = ckpt.RangeOf(part);
       if (range.fd >= 0) {
@@ -120,7 +72,7 @@ Status WriteTensors(const Checkpoint& ckpt, const std::vector<OutputTensor>& out
   return writer->Finish();
 }
 
-Status WriteAux(const std::vector<std::pair<std::string, std::string>>& aux, const fs::path& dir) {
+Status WriteAux(const AuxFiles& aux, const fs::path& dir) {
   for (const auto& [name, contents] : aux) {
     FERRY_RETURN_IF_ERROR(WriteFileAtomic(dir / name, contents));
   }
@@ -131,7 +83,7 @@ Status WriteAux(const std::vector<std::pair<std::string, std::string>>& aux, con
 struct Plan {
   std::optional<Checkpoint> mapped;
   const Checkpoint& tensors() const { return *mapped; }
-  std::vector<std::pair<std::string, std::string>> aux;
+  AuxFiles aux;
 };
 
 // Adapter mode: merges `received` onto plan.base_dir into `hf_dir` (the snapshot builder's
@@ -155,19 +107,21 @@ Result<Plan> Relayout(const fs::path& received) {
   p.mapped.emplace(std::move(ckpt));
   std::error_code ec;
   const fs::path dir = fs::is_directory(received, ec) ? received : received.parent_path();
-  FERRY_ASSIGN_OR_RETURN(p.aux, store::CollectAuxFiles(dir.empty() ? fs::path(".") : dir));
+  FERRY_ASSIGN_OR_RETURN(p.aux, CollectAuxFiles(dir.empty() ? fs::path(".") : dir));
   return p;
 }
+
+std::string LayoutQ(Layout layout) { return Q(LayoutName(layout)); }
 
 Status CheckPlan(const fs::path& received, const ActivationPlan& plan) {
   if (!IsTensorLayout(plan.want_layout)) {
     return Status::InvalidArgument("activation of " + received.string() + ": ActivationPlan.want_layout " +
-                                   Q(plan.want_layout) + " is not 'hf' or 'fused'");
+                                   LayoutQ(plan.want_layout) + " is not 'hf' or 'fused'");
   }
-  if (plan.served_kind == "adapter") {
+  if (plan.served_kind == store::VersionKind::kAdapter) {
     if (!plan.base_dir) {
-      return Status::FailedPrecondition("adapter activation of " + received.string() +
-                                        ": ActivationPlan.base_dir (the local base model) is not set");
+      return Status::InvalidArgument("adapter activation of " + received.string() +
+                                     ": ActivationPlan.base_dir (the local base model) is not set");
     }
     if (!plan.merged_version) {
       return Status::InvalidArgument("adapter activation of " + received.string() +
@@ -175,16 +129,12 @@ Status CheckPlan(const fs::path& received, const ActivationPlan& plan) {
     }
     return Status::OK();
   }
-  if (plan.served_kind != "full" && plan.served_kind != "merged" && plan.served_kind != "base") {
-    return Status::InvalidArgument("activation of " + received.string() + ": ActivationPlan.served_kind " +
-                                   Q(plan.served_kind) + " is not 'full', 'merged', 'base' or 'adapter'");
-  }
   if (!IsTensorLayout(plan.served_layout)) {
     return Status::InvalidArgument("activation of " + received.string() + ": ActivationPlan.served_layout " +
-                                   Q(plan.served_layout) + " cannot be laid out as " + Q(plan.want_layout) +
+                                   LayoutQ(plan.served_layout) + " cannot be laid out as " + LayoutQ(plan.want_layout) +
                                    " (expected 'hf' or 'fused')");
   }
-  if (plan.served_layout == "fused" && plan.want_layout == "hf") {
+  if (plan.served_layout == Layout::kFused && plan.want_layout == Layout::kHf) {
     return Status::InvalidArgument("activation of " + received.string() +
                                    ": served layout 'fused' cannot be laid out as 'hf' (fused tensors are not split)");
   }
@@ -194,7 +144,7 @@ Status CheckPlan(const fs::path& received, const ActivationPlan& plan) {
 }  // namespace
 
 bool NeedsPreparation(const ActivationPlan& plan) {
-  return plan.served_kind == "adapter" || plan.served_layout != plan.want_layout;
+  return plan.served_kind == store::VersionKind::kAdapter || plan.served_layout != plan.want_layout;
 }
 
 Result<Prepared> PrepareActivation(const fs::path& received, const ActivationPlan& plan, const fs::path& out) {
@@ -213,8 +163,8 @@ Result<Prepared> PrepareActivation(const fs::path& received, const ActivationPla
       if (!path->empty()) fs::remove_all(*path, e);
     }
   } remove_merged{&merged_hf};
-  if (plan.served_kind == "adapter") {
-    if (plan.want_layout == "hf") {
+  if (plan.served_kind == store::VersionKind::kAdapter) {
+    if (plan.want_layout == Layout::kHf) {
       FERRY_ASSIGN_OR_RETURN(prepared.id, MergeAdapterInto(received, plan, out));
       prepared.proven = prepared.id;
       return prepared;
@@ -226,7 +176,7 @@ Result<Prepared> PrepareActivation(const fs::path& received, const ActivationPla
   } else {
     FERRY_ASSIGN_OR_RETURN(p, Relayout(received));
   }
-  FERRY_ASSIGN_OR_RETURN(std::vector<OutputTensor> outputs, PlanLayout(p.tensors(), plan.want_layout == "fused"));
+  FERRY_ASSIGN_OR_RETURN(std::vector<LaidOutTensor> outputs, PlanLayout(p.tensors(), plan.want_layout == Layout::kFused));
   FERRY_ASSIGN_OR_RETURN(StagingDir staging, StagingDir::Create(out, /*replace_existing=*/false));
   FERRY_RETURN_IF_ERROR(WriteTensors(p.tensors(), outputs, staging.path()));
   FERRY_RETURN_IF_ERROR(WriteAux(p.aux, staging.path()));

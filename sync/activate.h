@@ -15,20 +15,21 @@
 #include <optional>
 #include <string>
 
+#include "convert/layout.h"
 #include "core/status.h"
 #include "store/store.h"
 
 namespace ferry::sync {
 
 struct ActivationPlan {
-  // What the publisher served (from the MANIFEST): kind "full" | "merged" | "adapter",
-  // layout "hf" | "fused" | "lora".
-  std::string served_kind = "full";
-  std::string served_layout = "hf";
+  // What the publisher served (from the MANIFEST): the version's kind (kAdapter in adapter
+  // mode) and layout. Default: full, hf.
+  store::VersionKind served_kind = store::VersionKind::kFull;
+  Layout served_layout = Layout::kHf;
   // Adapter mode: the publisher's merged version id (hf layout) the local merge must equal.
   std::optional<store::Digest> merged_version;
-  // The layout the receiver wants on disk: "hf" or "fused". Default: hf.
-  std::string want_layout = "hf";
+  // The layout the receiver wants on disk: kHf or kFused. Default: hf.
+  Layout want_layout = Layout::kHf;
   // Adapter mode: the base model directory the receiver keeps (safetensors + config.json,
   // the same base the publisher merged onto). Required in adapter mode.
   std::optional<std::filesystem::path> base_dir;
@@ -52,8 +53,10 @@ struct Prepared {
 //            otherwise), then writes it in want_layout (plus the base's aux files with the
 //            converter's config.json rewrite);
 //   layout:  hf -> fused re-layout of the received tensors (aux files copied).
-// Errors: kFailedPrecondition naming base_dir when adapter mode has no base_dir or the base
-// cannot be read; kInvalidArgument naming the layouts for fused -> hf or an unknown layout.
+// Errors: kInvalidArgument naming ActivationPlan.base_dir when adapter mode has none (the
+// caller's plan lacks the local base), kFailedPrecondition naming base_dir when the base
+// cannot be read; kInvalidArgument naming the layouts for fused -> hf or a lora layout wanted or served
+// outside adapter mode.
 [[nodiscard]] Result<Prepared> PrepareActivation(const std::filesystem::path& received, const ActivationPlan& plan,
                                                  const std::filesystem::path& out);
 

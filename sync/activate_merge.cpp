@@ -18,6 +18,7 @@
 
 #include "convert/merge_plan.h"
 #include "convert/peft_config.h"
+#include "core/aux_files.h"
 #include "core/checkpoint.h"
 #include "core/mapped_file.h"
 #include "core/safetensors.h"
@@ -53,7 +54,7 @@ Status PwriteAll(int fd, const std::byte* p, size_t n, uint64_t offset, const fs
   return Status::OK();
 }
 
-bool TiesWordEmbeddings(const std::vector<std::pair<std::string, std::string>>& aux) {
+bool TiesWordEmbeddings(const AuxFiles& aux) {
   for (const auto& [name, contents] : aux) {
     if (name != "config.json") continue;
     const auto j = nlohmann::json::parse(contents, nullptr, /*allow_exceptions=*/false);
@@ -253,11 +254,11 @@ Result<store::Digest> WriteMergedAdapter(const fs::path& received, const fs::pat
     FERRY_ASSIGN_OR_RETURN(Tensor t, adapter.Get(name));
     source.adapter_tensors.emplace(name, std::move(t));
   }
-  auto aux = store::CollectAuxFiles(base_dir);
+  auto aux = CollectAuxFiles(base_dir);
   if (!aux.ok()) return aux.status().WithContext(what);
   source.aux_files = std::move(*aux);
   SnapshotOptions options;
-  options.layout = SnapshotLayout::kHf;
+  options.layout = Layout::kHf;
   options.threads = threads;
   options.tie_word_embeddings = TiesWordEmbeddings(source.aux_files);
   auto planned = LazySnapshot::Plan(source, options);

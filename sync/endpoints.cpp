@@ -73,7 +73,7 @@ Status CheckEndpoint(std::string_view ep, bool curve) {
   if (ep.starts_with("tcp://")) {
     if (curve) return Status::OK();
     return Status::FailedPrecondition("endpoint " + std::string(ep) +
-                                      ": tcp:// needs CURVE keys (--key, --allow / --server-key); use ipc:// locally");
+                                      ": tcp:// needs CURVE keys (the options' curve); use ipc:// locally");
   }
   return Status::InvalidArgument("endpoint " + std::string(ep) +
                                  ": only ipc://, tcp:// (with CURVE) and inproc:// are supported");

@@ -6,6 +6,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "core/aux_files.h"
 #include "core/json_limits.h"
 
 namespace ferry::sync {
@@ -183,18 +184,28 @@ bool IsValidReceiverId(std::string_view id) {
   return true;
 }
 
-bool IsSafeFileName(std::string_view name) {
-  if (name.empty() || name.size() > kMaxNameBytes || name[0] == '.') return false;
-  for (char c : name) {
-    if (c == '/' || c == '\\' || c == '\0') return false;
+bool IsSafeFileName(std::string_view name) { return name.size() <= kMaxNameBytes && CheckAuxFileName(name).ok(); }
+
+std::string_view PublishModeName(PublishMode mode) {
+  switch (mode) {
+    case PublishMode::kMerged: return "merged";
+    case PublishMode::kAdapter: return "adapter";
+    case PublishMode::kDelta: return "delta";
   }
-  return true;
+  return "unknown";
+}
+
+Result<PublishMode> ParsePublishMode(std::string_view name) {
+  for (PublishMode m : {PublishMode::kMerged, PublishMode::kAdapter, PublishMode::kDelta}) {
+    if (PublishModeName(m) == name) return m;
+  }
+  return Status::InvalidArgument("publish mode \"" + std::string(name) + "\": expected merged, adapter or delta");
 }
 
 Manifest ManifestFor(const store::VersionRecord& r) {
   Manifest m;
   m.version = r.id;
-  m.kind = std::string(store::KindName(r.kind));
+  m.kind = r.kind;
   m.layout = r.layout;
   m.base_version = r.base_version;
   m.tensors = r.tensors;
@@ -207,10 +218,10 @@ std::string EncodeManifest(const Manifest& m) {
   j["version"] = m.version.Hex();
   j["sequence"] = m.sequence;
   j["epoch"] = m.epoch;
-  j["kind"] = m.kind;
-  j["layout"] = m.layout;
-  j["mode"] = m.mode;
-  if (m.mode == "adapter") {
+  j["kind"] = std::string(store::KindName(m.kind));
+  j["layout"] = std::string(LayoutName(m.layout));
+  j["mode"] = std::string(PublishModeName(m.mode));
+  if (m.mode == PublishMode::kAdapter) {
     if (m.base_version) j["base_version"] = m.base_version->Hex();
     if (m.merged_version) j["merged_version"] = m.merged_version->Hex();
   }
@@ -256,21 +267,26 @@ Result<Manifest> DecodeManifest(std::string_view text) {
     }
     return bad("field " + field + " has unknown value \"" + v.substr(0, 32) + "\"");
   };
-  FERRY_ASSIGN_OR_RETURN(m.kind, get_enum("kind", {"full", "base", "merged", "adapter"}));
-  FERRY_ASSIGN_OR_RETURN(m.layout, get_enum("layout", {"hf", "fused", "lora"}));
-  FERRY_ASSIGN_OR_RETURN(m.mode, get_enum("mode", {"merged", "adapter", "delta"}));
-  if (m.mode == "adapter") {
+  // The names are the wire's; the Manifest holds the enums they name.
+  FERRY_ASSIGN_OR_RETURN(const std::string kind, get_enum("kind", {"full", "base", "merged", "adapter"}));
+  FERRY_ASSIGN_OR_RETURN(const std::string layout, get_enum("layout", {"hf", "fused", "lora"}));
+  FERRY_ASSIGN_OR_RETURN(const std::string mode, get_enum("mode", {"merged", "adapter", "delta"}));
+  m.kind = *store::ParseKind(kind);
+  m.layout = *ParseLayout(layout);
+  m.mode = *ParsePublishMode(mode);
+  if (m.mode == PublishMode::kAdapter) {
     FERRY_ASSIGN_OR_RETURN(m.base_version, get_digest(j, "base_version"));
-    if (m.kind == "adapter") {
+    if (m.kind == store::VersionKind::kAdapter) {
       FERRY_ASSIGN_OR_RETURN(m.merged_version, get_digest(j, "merged_version"));
-    } else if (m.kind == "merged" || !(*m.base_version == m.version) || j.contains("merged_version")) {
+    } else if (m.kind == store::VersionKind::kMerged || !(*m.base_version == m.version) ||
+               j.contains("merged_version")) {
       // The only other version adapter mode serves is the base the adapters apply to.
-      return bad("field kind is \"" + m.kind +
+      return bad("field kind is \"" + kind +
                  "\" in adapter mode (must be adapter, or base/full with base_version = version and no "
                  "merged_version: the base itself)");
     }
-  } else if (m.kind == "adapter") {
-    return bad("field kind is \"adapter\" outside adapter mode (mode " + m.mode + ")");
+  } else if (m.kind == store::VersionKind::kAdapter) {
+    return bad("field kind is \"adapter\" outside adapter mode (mode " + mode + ")");
   }
   if (!j.contains("tensors") || !j["tensors"].is_array()) return bad("field tensors missing or not an array");
   if (!j.contains("aux") || !j["aux"].is_array()) return bad("field aux missing or not an array");
@@ -307,9 +323,8 @@ Result<Manifest> DecodeManifest(std::string_view text) {
     if (!a.is_object() || !a.contains("name") || !a["name"].is_string()) return bad("an aux file has no string field name");
     store::AuxFile f;
     f.name = a["name"].get<std::string>();
-    if (!IsSafeFileName(f.name) || f.name.find(".safetensors") != std::string::npos) {
-      return bad("aux file name \"" + f.name.substr(0, 64) + "\" is not a safe file name");
-    }
+    if (f.name.size() > kMaxNameBytes) return bad("aux file name longer than the limit");
+    if (Status s = CheckAuxFileName(f.name); !s.ok()) return bad(s.message());
     if (!aux_names.insert(f.name).second) return bad("aux file " + f.name + " listed twice");
     auto digest = get_digest(a, "digest");
     if (!digest.ok()) return bad("aux " + f.name + ": " + digest.status().message());

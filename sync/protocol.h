@@ -82,6 +82,7 @@
 #include <string_view>
 #include <vector>
 
+#include "convert/layout.h"
 #include "core/status.h"
 #include "store/store.h"
 
@@ -130,14 +131,32 @@ struct Message {
   std::span<const std::byte> bytes;  // CHUNK: view into the received payload frame
 };
 
+// How versions are published (the MANIFEST's "mode"):
+//   kMerged   every tensor of the version is sent; the receiver activates what it received.
+//   kAdapter  the version is an adapter (kind adapter, base_version set); the publisher
+//             also names its merged version (a stored version of kind merged, layout hf,
+//             whose adapter_version is the adapter and base_version the adapter's base);
+//             the receiver merges onto its base and proves the merged id. Or the version
+//             is the base itself (kind base or full), served whole before the first
+//             adapter: a receiver copies the tensors its local base holds (verified) and
+//             fetches the rest, and merges later adapters onto the base it received.
+//   kDelta    as kMerged, but the receiver copies tensors it already holds in its active
+//             version (matched by tensor digest, verified while copying) instead of
+//             fetching them.
+enum class PublishMode { kMerged, kAdapter, kDelta };
+// "merged", "adapter" or "delta".
+std::string_view PublishModeName(PublishMode mode);
+// Parses "merged" | "adapter" | "delta"; kInvalidArgument naming the value otherwise.
+[[nodiscard]] Result<PublishMode> ParsePublishMode(std::string_view name);
+
 // What a receiver needs to fetch, check and activate one version.
 struct Manifest {
   store::Digest version;
   uint64_t sequence = 0;
   uint64_t epoch = 0;
-  std::string kind = "full";    // the stored version's kind: full | base | merged | adapter
-  std::string layout = "hf";    // hf | fused | lora
-  std::string mode = "merged";  // the publication mode: merged | adapter | delta
+  store::VersionKind kind = store::VersionKind::kFull;  // the stored version's kind
+  Layout layout = Layout::kHf;
+  PublishMode mode = PublishMode::kMerged;  // the publication mode
   std::optional<store::Digest> base_version;    // adapter mode only (the base: its own id)
   std::optional<store::Digest> merged_version;  // adapter mode only: the merged hf id to prove
   std::vector<store::TensorRow> tensors;  // name, dtype, shape, digest, nbytes; sorted by name
@@ -166,8 +185,8 @@ std::string EncodeManifest(const Manifest& m);
 
 // Whether `id` is a valid receiver id ([A-Za-z0-9._-]{1,64}).
 bool IsValidReceiverId(std::string_view id);
-// Whether `name` is safe as a file name inside a version directory (no '/', no leading
-// '.', not empty, at most kMaxNameBytes).
+// Whether `name` may be written as an auxiliary file inside a version directory: at most
+// kMaxNameBytes and an auxiliary file name by the one rule (core/aux_files.h CheckAuxFileName).
 bool IsSafeFileName(std::string_view name);
 
 }  // namespace ferry::sync

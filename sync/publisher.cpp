@@ -58,15 +58,6 @@ uint64_t RandomEpoch() {
 
 }  // namespace
 
-std::string_view PublishModeName(PublishMode mode) {
-  switch (mode) {
-    case PublishMode::kMerged: return "merged";
-    case PublishMode::kAdapter: return "adapter";
-    case PublishMode::kDelta: return "delta";
-  }
-  return "unknown";
-}
-
 Result<std::optional<store::Digest>> NewestPublishable(store::Store& store, const std::string& run, PublishMode mode) {
   FERRY_ASSIGN_OR_RETURN(std::vector<store::VersionRecord> versions, store.ListVersions(run));
   for (auto it = versions.rbegin(); it != versions.rend(); ++it) {
@@ -83,13 +74,6 @@ Result<std::optional<store::Digest>> NewestPublishable(store::Store& store, cons
     }
   }
   return std::optional<store::Digest>();
-}
-
-Result<PublishMode> ParsePublishMode(std::string_view name) {
-  for (PublishMode m : {PublishMode::kMerged, PublishMode::kAdapter, PublishMode::kDelta}) {
-    if (PublishModeName(m) == name) return m;
-  }
-  return Status::InvalidArgument("publish mode \"" + std::string(name) + "\": expected merged, adapter or delta");
 }
 
 class Publisher::Impl {
@@ -280,6 +264,7 @@ class Publisher::Impl {
         if (quiet < options_.heartbeat_timeout_ms) continue;
         store::Event e;
         e.type = store::Event::Type::kAnomaly;
+        e.anomaly = store::Event::Anomaly::kReceiverLost;
         e.receiver = id;
         if (peer.info.acknowledged) {
           e.version = *peer.info.acknowledged;
@@ -353,7 +338,7 @@ class Publisher::Impl {
   Result<store::Digest> FindMerged(const store::VersionRecord& rec) {
     FERRY_ASSIGN_OR_RETURN(std::vector<store::VersionRecord> all, store_->ListVersions(std::nullopt));
     for (auto it = all.rbegin(); it != all.rend(); ++it) {
-      if (it->kind == store::VersionKind::kMerged && it->layout == "hf" && it->adapter_version == rec.id &&
+      if (it->kind == store::VersionKind::kMerged && it->layout == Layout::kHf && it->adapter_version == rec.id &&
           it->base_version == rec.base_version) {
         return it->id;
       }
@@ -389,7 +374,7 @@ class Publisher::Impl {
     Manifest man = ManifestFor(rec);
     man.sequence = seq;
     man.epoch = epoch_;
-    man.mode = std::string(PublishModeName(options_.mode));
+    man.mode = options_.mode;
     man.merged_version = p.merged_version;
     if (p.base_itself) man.base_version = rec.id;
     p.manifest_json = std::make_shared<const std::string>(EncodeManifest(man));

@@ -13,26 +13,11 @@
 #include "core/status.h"
 #include "store/store.h"
 #include "sync/endpoints.h"
+#include "sync/protocol.h"
 
 namespace ferry::sync {
 
-// How versions are published (the MANIFEST's "mode"; see sync/protocol.h):
-//   kMerged   every tensor of the version is sent; the receiver activates what it received.
-//   kAdapter  the version is an adapter (kind adapter, base_version set); the publisher
-//             also names its merged version (a stored version of kind merged, layout hf,
-//             whose adapter_version is the adapter and base_version the adapter's base);
-//             the receiver merges onto its base and proves the merged id. Or the version
-//             is the base itself (kind base or full), served whole before the first
-//             adapter: a receiver copies the tensors its local base holds (verified) and
-//             fetches the rest, and merges later adapters onto the base it received.
-//   kDelta    as kMerged, but the receiver copies tensors it already holds in its active
-//             version (matched by tensor digest, verified while copying) instead of
-//             fetching them.
-enum class PublishMode { kMerged, kAdapter, kDelta };
-// "merged", "adapter" or "delta".
-std::string_view PublishModeName(PublishMode mode);
-// Parses "merged" | "adapter" | "delta"; kInvalidArgument naming the value otherwise.
-[[nodiscard]] Result<PublishMode> ParsePublishMode(std::string_view name);
+// PublishMode (how versions are published): sync/protocol.h.
 
 // The newest version of `run` that `mode` can publish: a merged, full or base version, or
 // in adapter mode an adapter whose merged version is recorded or a base version. A run's

@@ -30,7 +30,10 @@ std::string RandomHex() {
 
 // Whether `man` serves a base model: kind base, or in adapter mode the base the adapters
 // apply to (served before the first adapter).
-bool ServesBase(const Manifest& man) { return man.kind == "base" || (man.mode == "adapter" && man.kind != "adapter"); }
+bool ServesBase(const Manifest& man) {
+  return man.kind == store::VersionKind::kBase ||
+         (man.mode == PublishMode::kAdapter && man.kind != store::VersionKind::kAdapter);
+}
 
 ActivationPlan PlanFor(const Manifest& man, const ReceiverOptions& o) {
   ActivationPlan plan;
@@ -39,7 +42,7 @@ ActivationPlan PlanFor(const Manifest& man, const ReceiverOptions& o) {
   plan.merged_version = man.merged_version;
   plan.want_layout = o.layout;
   plan.base_dir = o.base_dir;
-  if (man.kind == "adapter" && man.base_version) {
+  if (man.kind == store::VersionKind::kAdapter && man.base_version) {
     // The publisher's base as this receiver received it (verified, served before the
     // first adapter) is exactly the base the adapter applies to: preferred to --base.
     std::error_code ec;
@@ -110,8 +113,8 @@ Result<std::unique_ptr<Receiver>> Receiver::Connect(ReceiverOptions o) {
   if (o.timeout_ms <= 0) return Status::InvalidArgument("sync receiver: timeout_ms must be positive");
   if (o.max_retries < 0) return Status::InvalidArgument("sync receiver: max_retries must be >= 0");
   if (o.keep_versions < 0) return Status::InvalidArgument("sync receiver: keep_versions must be >= 0");
-  if (o.layout != "hf" && o.layout != "fused") {
-    return Status::InvalidArgument("sync receiver: layout \"" + o.layout + "\" must be hf or fused");
+  if (!IsTensorLayout(o.layout)) {
+    return Status::InvalidArgument("sync receiver: layout \"" + std::string(LayoutName(o.layout)) + "\" must be hf or fused");
   }
   FERRY_RETURN_IF_ERROR(CheckEndpoints(o.endpoints, o.curve.has_value()));
   if (o.curve) {
@@ -156,6 +159,7 @@ Result<SyncResult> Receiver::SyncLatestOnce() {
   for (int round = 0; round < 64; ++round) {
     std::string json;
     FERRY_ASSIGN_OR_RETURN(Manifest man, s.Hello(&json));
+    served_mode_ = man.mode;
     result.version = man.version;
     result.sequence = man.sequence;
     result.epoch = man.epoch;
@@ -164,7 +168,7 @@ Result<SyncResult> Receiver::SyncLatestOnce() {
       result.already_active = true;
     } else {
       std::unique_ptr<ReuseSource> reuse;
-      if (man.mode == "delta" && st.active) {
+      if (man.mode == PublishMode::kDelta && st.active) {
         reuse = OpenActiveReuse(options_.dir, *st.active);
       } else if (ServesBase(man) && options_.base_dir) {
         reuse = OpenBaseReuse(*options_.base_dir);
@@ -192,7 +196,7 @@ Result<SyncResult> Receiver::SyncLatestOnce() {
           }
           return prepared.status();
         }
-        if (plan.served_kind == "adapter" && !(prepared->proven == plan.merged_version)) {
+        if (plan.served_kind == store::VersionKind::kAdapter && !(prepared->proven == plan.merged_version)) {
           std::error_code ec;
           fs::remove_all(tmp, ec);
           return Status::Corruption("sync: the local merge of adapter " + man.version.Hex() + " onto " +

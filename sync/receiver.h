@@ -28,9 +28,11 @@
 #include <optional>
 #include <string>
 
+#include "convert/layout.h"
 #include "core/status.h"
 #include "store/store.h"
 #include "sync/endpoints.h"
+#include "sync/protocol.h"
 
 namespace ferry::sync {
 
@@ -51,9 +53,9 @@ struct ReceiverOptions {
   // fill its disk. 2 keeps the previous version for a generator still loading it. 0: keep
   // everything. Default: 2
   int keep_versions = 2;
-  // The layout activated in DIR/current: "hf" or "fused" (an hf version is re-laid out by
-  // sync/activate.h's PrepareActivation). Default: "hf"
-  std::string layout = "hf";
+  // The layout activated in DIR/current: kHf or kFused (an hf version is re-laid out by
+  // sync/activate.h's PrepareActivation). Default: hf
+  Layout layout = Layout::kHf;
   // The base model directory this receiver keeps (the base the publisher's adapters apply
   // to). Adapter mode merges each adapter onto it, unless this receiver received the
   // publisher's base (served before the first adapter: DIR/versions/<base_version>, which
@@ -128,6 +130,9 @@ class Receiver {
   uint64_t sequence() const { return sequence_; }
   // The epoch of the publisher that served the active version (0: none yet).
   uint64_t epoch() const { return epoch_; }
+  // The publication mode of the last MANIFEST received (unset before one arrived): lets a
+  // caller tell what the publisher serves when a sync fails, without reading the error text.
+  std::optional<PublishMode> served_mode() const { return served_mode_; }
 
  private:
   struct Sockets;
@@ -140,6 +145,7 @@ class Receiver {
   std::unique_ptr<ActiveState> state_;
   uint64_t sequence_ = 0;
   uint64_t epoch_ = 0;
+  std::optional<PublishMode> served_mode_;
   int lock_fd_ = -1;
   bool reset_dealer_ = false;
 };

@@ -125,7 +125,7 @@ Result<ActiveState> LoadActiveState(const fs::path& dir) {
   const nlohmann::json j = nlohmann::json::parse(*text, nullptr, /*allow_exceptions=*/false);
   if (!man.ok() || !j.is_object()) return st;
   st.served = man->version;
-  st.layout = j.value("activated_layout", std::string());
+  if (auto layout = ParseLayout(j.value("activated_layout", std::string())); layout.ok()) st.layout = *layout;
   if (j.contains("proven") && j["proven"].is_string()) {
     auto p = store::Digest::FromHex(j["proven"].get<std::string>());
     if (p.ok()) st.proven = *p;
@@ -134,12 +134,12 @@ Result<ActiveState> LoadActiveState(const fs::path& dir) {
 }
 
 Status WriteActivationRecord(const fs::path& dir, const std::string& manifest_json, const store::Digest& activated,
-                             const std::string& layout, const std::optional<store::Digest>& proven) {
+                             Layout layout, const std::optional<store::Digest>& proven) {
   nlohmann::json record = nlohmann::json::parse(manifest_json, nullptr, /*allow_exceptions=*/false);
   record["activated_as"] = activated.Hex();
   record["activated_ns"] =
       std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::system_clock::now().time_since_epoch()).count();
-  record["activated_layout"] = layout;
+  record["activated_layout"] = std::string(LayoutName(layout));
   if (proven) record["proven"] = proven->Hex();
   const fs::path path = dir / "manifests" / (activated.Hex() + ".json");
   return LocalIO(WriteFileAtomic(path, record.dump()));

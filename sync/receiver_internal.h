@@ -27,6 +27,7 @@
 #include <vector>
 #include <zmq.hpp>
 
+#include "convert/layout.h"
 #include "core/checkpoint.h"
 #include "core/status.h"
 #include "store/store.h"
@@ -228,7 +229,7 @@ Result<int> LockDirectory(const std::filesystem::path& dir, const std::string& r
 struct ActiveState {
   std::optional<store::Digest> active;  // DIR/current
   std::optional<store::Digest> served;  // the served version it was activated from
-  std::string layout;                   // the layout it was activated in
+  std::optional<Layout> layout;         // the layout it was activated in
   std::optional<store::Digest> proven;  // adapter mode
 };
 // Reads DIR/current and its activation record (fields it cannot read stay unset).
@@ -237,7 +238,7 @@ Result<ActiveState> LoadActiveState(const std::filesystem::path& dir);
 // Writes DIR/manifests/<activated>.json: the MANIFEST JSON received (`manifest_json`) plus
 // activated_as, activated_ns (now), activated_layout and (adapter mode) proven.
 Status WriteActivationRecord(const std::filesystem::path& dir, const std::string& manifest_json,
-                             const store::Digest& activated, const std::string& layout,
+                             const store::Digest& activated, Layout layout,
                              const std::optional<store::Digest>& proven);
 
 // Points DIR/current at versions/<v>: a symlink made under a temporary name, rename(2)d

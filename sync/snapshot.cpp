@@ -6,9 +6,10 @@
 #include <span>
 #include <thread>
 
-#include <nlohmann/json.hpp>
-
+#include "convert/fused_layout.h"
 #include "convert/merge_plan.h"
+#include "convert/model_config.h"
+#include "core/aux_files.h"
 #include "kernels/lora_merge.h"
 
 namespace ferry::sync {
@@ -19,10 +20,6 @@ constexpr std::string_view kSourceOrigin = "<snapshot source>";
 constexpr std::string_view kAdapterOrigin = "<snapshot adapter>";
 
 std::string Q(std::string_view s) { return "'" + std::string(s) + "'"; }
-
-bool EndsWith(std::string_view s, std::string_view suffix) {
-  return s.size() >= suffix.size() && s.substr(s.size() - suffix.size()) == suffix;
-}
 
 // Removes every ".<segment>." occurrence of `segment`, keeping one dot.
 void DropSegment(std::string& name, std::string_view segment) {
@@ -157,77 +154,36 @@ class Merger {
   int threads_;
 };
 
-// The fused layout: q/k/v stack into qkv_proj and gate/up into gate_up_proj (weights and
-// biases) on axis 0, where every member is present (as `ferry convert --layout fused`).
-// Rewrites `outputs` (name -> info) and returns fused name -> member names, in order.
+// The fused layout (convert/fused_layout.h, the converter's own planner) over `outputs`
+// (name -> info): rewrites it and returns fused name -> member names, in order.
 Result<std::map<std::string, std::vector<std::string>>> PlanFusedLayout(std::map<std::string, TensorInfo>& outputs) {
-  static const std::vector<std::pair<std::vector<std::string>, std::string>> kGroups = {
-      {{"q_proj", "k_proj", "v_proj"}, "qkv_proj"}, {{"gate_proj", "up_proj"}, "gate_up_proj"}};
+  std::vector<TensorSpec> specs;
+  for (const auto& [name, info] : outputs) specs.push_back({name, info.dtype, info.shape});
+  FERRY_ASSIGN_OR_RETURN(std::vector<LaidOutTensor> laid_out, FuseLayout(specs, "snapshot source"));
   std::map<std::string, std::vector<std::string>> fused_members;
-  std::vector<std::string> names;
-  for (const auto& [name, info] : outputs) names.push_back(name);
-  for (const std::string& name : names) {
-    for (const auto& [members, fused] : kGroups) {
-      for (const char* param : {".weight", ".bias"}) {
-        const std::string first = "." + members[0] + param;
-        if (!EndsWith(name, first)) continue;
-        const std::string prefix = name.substr(0, name.size() - first.size() + 1);
-        const TensorInfo& t0 = outputs.at(name);
-        std::vector<std::string> parts;
-        int64_t rows = 0;
-        for (const auto& m : members) {
-          auto it = outputs.find(prefix + m + param);
-          if (it == outputs.end()) break;
-          const Shape& s = it->second.shape;
-          const Shape& s0 = t0.shape;
-          if (s.empty() || s.size() != s0.size() || !std::equal(s.begin() + 1, s.end(), s0.begin() + 1) ||
-              it->second.dtype != t0.dtype) {
-            return Status::InvalidArgument("snapshot source: cannot fuse " + Q(it->first) + " " + ShapeToString(s) +
-                                           " with " + Q(name) + " " + ShapeToString(s0));
-          }
-          rows += s[0];
-          parts.push_back(it->first);
-        }
-        if (parts.size() != members.size()) continue;
-        const std::string fused_name = prefix + fused + param;
-        if (outputs.count(fused_name)) {
-          return Status::InvalidArgument("snapshot source: has both " + Q(fused_name) + " and " + Q(name));
-        }
-        TensorInfo info = t0;
-        info.name = fused_name;
-        info.shape[0] = rows;
-        FERRY_ASSIGN_OR_RETURN(const uint64_t nbytes, CheckedByteSize(info.dtype, info.shape));
-        info.begin = 0;
-        info.end = nbytes;
-        for (const auto& part : parts) outputs.erase(part);
-        outputs.emplace(fused_name, std::move(info));
-        fused_members.emplace(fused_name, std::move(parts));
-      }
-    }
+  for (LaidOutTensor& t : laid_out) {
+    if (t.parts.size() == 1 && t.parts.front() == t.spec.name) continue;
+    TensorInfo info = outputs.at(t.parts.front());
+    info.name = t.spec.name;
+    info.shape = t.spec.shape;
+    FERRY_ASSIGN_OR_RETURN(const uint64_t nbytes, CheckedByteSize(info.dtype, info.shape));
+    info.begin = 0;
+    info.end = nbytes;
+    for (const auto& part : t.parts) outputs.erase(part);
+    outputs.emplace(t.spec.name, std::move(info));
+    fused_members.emplace(t.spec.name, std::move(t.parts));
   }
   return fused_members;
 }
 
-// config.json as `ferry convert` writes it beside merged weights.
-Result<std::string> RewriteModelConfig(const std::string& text, bool untie) {
-  using ojson = nlohmann::ordered_json;
-  ojson j = ojson::parse(text, nullptr, false);
-  if (j.is_discarded() || !j.is_object()) return Status::Corruption("snapshot aux file config.json: not a JSON object");
-  j.erase("quantization_config");
-  if (untie) j["tie_word_embeddings"] = false;
-  return j.dump(2) + "\n";
-}
-
-Result<std::vector<std::pair<std::string, std::string>>> SortedAux(
-    const std::vector<std::pair<std::string, std::string>>& aux) {
-  std::vector<std::pair<std::string, std::string>> out = aux;
-  std::sort(out.begin(), out.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
+// Auxiliary files sorted by name, each by the one rule (core/aux_files.h) and at most once.
+Result<AuxFiles> SortedAux(const AuxFiles& aux) {
+  AuxFiles out = aux;
+  std::sort(out.begin(), out.end(), [](const AuxFileData& a, const AuxFileData& b) { return a.name < b.name; });
   for (size_t i = 0; i < out.size(); ++i) {
-    const std::string& name = out[i].first;
-    if (name.empty() || name.find('/') != std::string::npos || name == "." || name == "..") {
-      return Status::InvalidArgument("snapshot aux file " + Q(name) + " is not a plain file name");
-    }
-    if (i > 0 && out[i - 1].first == name) {
+    const std::string& name = out[i].name;
+    if (Status s = CheckAuxFileName(name); !s.ok()) return s.WithContext("snapshot");
+    if (i > 0 && out[i - 1].name == name) {
       return Status::InvalidArgument("snapshot aux file " + Q(name) + " is given twice");
     }
   }
@@ -246,9 +202,9 @@ int ThreadsOf(const SnapshotOptions& options) {
 // Everything BuildSnapshot decides before it makes a tensor; LazySnapshot's producer makes
 // tensors from it on demand.
 struct SnapshotPlanState {
-  std::vector<std::pair<std::string, std::string>> aux;
+  AuxFiles aux;
   bool merging = false;
-  SnapshotLayout layout = SnapshotLayout::kHf;
+  Layout layout = Layout::kHf;
   Checkpoint base;     // the normalised source tensors (views of the caller's)
   Checkpoint adapter;  // adapter tensors (views)
   std::optional<MergePlan> plan;
@@ -287,6 +243,10 @@ namespace {
 
 // Plans the snapshot of `source`: every check BuildSnapshot makes, no tensor made.
 Result<std::shared_ptr<SnapshotPlanState>> PlanSnapshot(const SnapshotSource& source, const SnapshotOptions& options) {
+  if (!IsTensorLayout(options.layout)) {
+    return Status::InvalidArgument("snapshot: layout " + std::string(LayoutName(options.layout)) +
+                                   " holds no merged weights (a snapshot is hf or fused)");
+  }
   auto p = std::make_shared<SnapshotPlanState>();
   FERRY_ASSIGN_OR_RETURN(p->aux, SortedAux(source.aux_files));
   FERRY_ASSIGN_OR_RETURN(Normalised in, Normalise(source));
@@ -333,11 +293,13 @@ Result<std::shared_ptr<SnapshotPlanState>> PlanSnapshot(const SnapshotSource& so
     p->merger = std::make_unique<Merger>(p->base, p->adapter, plan, ThreadsOf(options));
     for (auto& [name, contents] : p->aux) {
       if (name == "config.json") {
-        FERRY_ASSIGN_OR_RETURN(contents, RewriteModelConfig(contents, plan.untie));
+        ModelConfigEdits edits;
+        edits.untie = plan.untie;
+        FERRY_ASSIGN_OR_RETURN(contents, RewriteModelConfig(contents, edits, "snapshot aux file config.json"));
       }
     }
   }
-  if (options.layout == SnapshotLayout::kFused) {
+  if (options.layout == Layout::kFused) {
     FERRY_ASSIGN_OR_RETURN(p->fused, PlanFusedLayout(p->outputs));
   }
   for (const auto& [name, info] : p->outputs) p->bytes += info.nbytes();
@@ -345,19 +307,15 @@ Result<std::shared_ptr<SnapshotPlanState>> PlanSnapshot(const SnapshotSource& so
 }
 
 // RecordSnapshot's adjustments of the caller's import options.
-store::ImportOptions RecordOptions(bool merged, SnapshotLayout layout, const store::ImportOptions& options) {
+store::ImportOptions RecordOptions(bool merged, Layout layout, const store::ImportOptions& options) {
   store::ImportOptions opts = options;
   if (merged && opts.kind == store::VersionKind::kFull) opts.kind = store::VersionKind::kMerged;
   if (opts.source == store::VersionSource::kImport) opts.source = store::VersionSource::kDaemon;
-  opts.layout = std::string(SnapshotLayoutName(layout));
+  opts.layout = layout;
   return opts;
 }
 
 }  // namespace
-
-std::string_view SnapshotLayoutName(SnapshotLayout layout) {
-  return layout == SnapshotLayout::kFused ? "fused" : "hf";
-}
 
 Result<std::shared_ptr<const Snapshot>> BuildSnapshot(const SnapshotSource& source, const SnapshotOptions& options) {
   FERRY_ASSIGN_OR_RETURN(std::shared_ptr<SnapshotPlanState> p, PlanSnapshot(source, options));
@@ -406,8 +364,8 @@ Result<std::unique_ptr<const LazySnapshot>> LazySnapshot::Plan(const SnapshotSou
   return std::unique_ptr<const LazySnapshot>(std::move(lazy));
 }
 
-const std::vector<std::pair<std::string, std::string>>& LazySnapshot::aux_files() const { return state_->aux; }
-SnapshotLayout LazySnapshot::layout() const { return state_->layout; }
+const AuxFiles& LazySnapshot::aux_files() const { return state_->aux; }
+Layout LazySnapshot::layout() const { return state_->layout; }
 bool LazySnapshot::merged() const { return state_->merging; }
 uint64_t LazySnapshot::bytes() const { return state_->bytes; }
 

@@ -13,7 +13,7 @@
 //      (convert/merge_plan.h resolves the adapter; fp32 accumulation, one rounding to the
 //      base dtype; bit-identical to the converter's hf output). The snapshot never aliases
 //      the source: changing or freeing the source after BuildSnapshot returns cannot change
-//      it (the trl #2856 bug: state_dict() tensors aliasing live, later unmerged parameters).
+//      it (a bug TRL once had: state_dict() tensors aliasing live, later unmerged parameters).
 //   3. The fused layout stacks q/k/v into self_attn.qkv_proj and gate/up into
 //      mlp.gate_up_proj on the output axis (as `ferry convert --layout fused`).
 //   4. Every tensor digest and the manifest digest (= the store's version id) are computed
@@ -39,6 +39,7 @@
 #include <utility>
 #include <vector>
 
+#include "convert/layout.h"
 #include "convert/peft_config.h"
 #include "core/checkpoint.h"
 #include "core/status.h"
@@ -58,15 +59,13 @@ struct SnapshotSource {
   std::map<std::string, Tensor> adapter_tensors;
   // Auxiliary files (name, contents) recorded with the weights: config.json,
   // generation_config.json, tokenizer files. Plain file names, each at most once.
-  std::vector<std::pair<std::string, std::string>> aux_files;
+  AuxFiles aux_files;
 };
 
-enum class SnapshotLayout { kHf, kFused };
-// "hf" or "fused" (the store records it as the version's layout).
-std::string_view SnapshotLayoutName(SnapshotLayout layout);
-
 struct SnapshotOptions {
-  SnapshotLayout layout = SnapshotLayout::kHf;  // Default: hf
+  // kHf or kFused (the store records it as the version's layout); kLora is kInvalidArgument.
+  // Default: hf.
+  Layout layout = Layout::kHf;
   int threads = 0;                  // merge threads. Default: 0 = all hardware threads.
   // The base model ties lm_head to the input embedding (config.json's tie_word_embeddings).
   // Default: false.
@@ -85,8 +84,8 @@ class Snapshot {
   const std::map<std::string, store::Digest>& digests() const { return digests_; }
   // Auxiliary files, sorted by name (config.json rewritten as `ferry convert` writes it when
   // an adapter was merged: quantization_config removed, tie_word_embeddings false if untied).
-  const std::vector<std::pair<std::string, std::string>>& aux_files() const { return aux_files_; }
-  SnapshotLayout layout() const { return layout_; }
+  const AuxFiles& aux_files() const { return aux_files_; }
+  Layout layout() const { return layout_; }
   // True when an adapter was merged in.
   bool merged() const { return merged_; }
   // Total tensor bytes.
@@ -99,8 +98,8 @@ class Snapshot {
   Checkpoint checkpoint_;
   store::Digest manifest_id_;
   std::map<std::string, store::Digest> digests_;
-  std::vector<std::pair<std::string, std::string>> aux_files_;
-  SnapshotLayout layout_ = SnapshotLayout::kHf;
+  AuxFiles aux_files_;
+  Layout layout_ = Layout::kHf;
   bool merged_ = false;
   uint64_t bytes_ = 0;
 };
@@ -108,7 +107,7 @@ class Snapshot {
 // Builds a snapshot of `source` (see the top of this file). Errors (nothing is returned):
 // kInvalidArgument naming the tensor for two source names that normalise to the same name,
 // a LoRA tensor among the source tensors without an adapter config, q/k/v (gate/up) that
-// cannot be stacked, or a bad aux file name; PlanMerge's and CheckMergeable's errors for
+// cannot be stacked, a bad aux file name (core/aux_files.h), or the lora layout; PlanMerge's and CheckMergeable's errors for
 // the adapter; kUnsupported for 4-bit quantised bases; kCorruption for an unreadable
 // config.json when an adapter is merged. REQUIRES: nobody writes the source tensors during
 // the call.
@@ -139,8 +138,8 @@ class LazySnapshot {
   // The output tensors (names sorted), made on each Get.
   const Checkpoint& checkpoint() const { return checkpoint_; }
   // As Snapshot::aux_files().
-  const std::vector<std::pair<std::string, std::string>>& aux_files() const;
-  SnapshotLayout layout() const;
+  const AuxFiles& aux_files() const;
+  Layout layout() const;
   bool merged() const;
   uint64_t bytes() const;
 
@@ -163,7 +162,7 @@ struct AdapterSnapshot {
   // The manifest id of the publisher's merged snapshot (BuildSnapshot of the same source
   // and options): the receiver's local merge must have exactly this id.
   store::Digest expected_merged_id;
-  SnapshotLayout layout = SnapshotLayout::kHf;
+  Layout layout = Layout::kHf;
 };
 
 // Copies the adapter tensors of `source` (which must have an adapter config; kInvalidArgument

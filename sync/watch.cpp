@@ -61,7 +61,7 @@ Result<std::vector<std::string>> ListSubdirs(const fs::path& dir) {
   return names;
 }
 
-bool TieWordEmbeddings(const std::vector<std::pair<std::string, std::string>>& aux) {
+bool TieWordEmbeddings(const AuxFiles& aux) {
   for (const auto& [name, contents] : aux) {
     if (name != "config.json") continue;
     auto j = nlohmann::json::parse(contents, nullptr, /*allow_exceptions=*/false);
@@ -266,7 +266,7 @@ Status CheckpointWatcher::ImportAdapter(const fs::path& dir, WatchedCheckpoint& 
   store::ImportOptions ao;
   ao.run = options_.run;
   ao.kind = store::VersionKind::kAdapter;
-  ao.layout = "lora";
+  ao.layout = Layout::kLora;
   ao.step = out.step;
   ao.base_version = base_version_;
   FERRY_ASSIGN_OR_RETURN(store::ImportResult imported, store_->Import(dir, ao));

@@ -61,7 +61,7 @@ struct WatchOptions {
   std::filesystem::path dir;                    // the directory the trainer saves checkpoints into (must exist)
   std::string base;                             // a stored version id (or unique prefix), or a base model directory
   std::string run = "default";                  // run the versions are recorded in. Default: "default"
-  SnapshotLayout layout = SnapshotLayout::kHf;  // layout of the merged snapshots. Default: hf
+  Layout layout = Layout::kHf;  // layout of the merged snapshots (hf or fused). Default: hf
   int threads = 0;                              // merge threads. Default: 0 = all hardware threads
 };
 
@@ -124,7 +124,7 @@ class CheckpointWatcher {
   WatchOptions options_;
   store::Digest base_version_;
   std::map<std::string, Tensor> base_tensors_;
-  std::vector<std::pair<std::string, std::string>> base_aux_;
+  AuxFiles base_aux_;
   bool tie_word_embeddings_ = false;
   std::set<std::string> done_;                  // names handled or skipped
   std::map<std::string, Fingerprint> pending_;  // names seen, with their last fingerprint

@@ -70,6 +70,33 @@ TEST_F(ConvertCli, ErrorsExitOneNameTheFileAndLeaveNothing) {
   EXPECT_NE(shard.err.find("--max-shard-size"), std::string::npos) << shard.err;
 }
 
+// The library names the option that fixes a refusal (ConvertRemedy); the CLI names the flag.
+TEST_F(ConvertCli, RefusalsNameTheFlagThatFixesThem) {
+  const fs::path d = kCases / "mistral_dora_f32";
+  auto dora = RunFerry({"convert", "--base", (d / "base").string(), "--adapter", (d / "adapter").string(), "--out",
+                        (dir_ / "lora").string(), "--layout", "lora"});
+  EXPECT_EQ(dora.exit_code, 1);
+  EXPECT_NE(dora.err.find("convert to the hf or fused layout instead; use --layout hf (or --layout fused)"),
+            std::string::npos)
+      << dora.err;
+  EXPECT_TRUE(fs::is_empty(dir_));
+
+  // A refusal of every layout (peft_type) gets no layout advice.
+  const fs::path ia3 = kCases / "refuse_ia3";
+  auto other = RunFerry({"convert", "--base", (kCases / "llama_lora_all_linear_f32" / "base").string(), "--adapter",
+                         (ia3 / "adapter").string(), "--out", (dir_ / "lora").string(), "--layout", "lora"});
+  EXPECT_EQ(other.exit_code, 1);
+  EXPECT_EQ(other.err.find("--layout"), std::string::npos) << other.err;
+
+  fs::create_directories(dir_ / "taken");
+  auto taken = RunFerry({"convert", "--base", (d / "base").string(), "--adapter", (d / "adapter").string(), "--out",
+                         (dir_ / "taken").string()});
+  EXPECT_EQ(taken.exit_code, 1);
+  EXPECT_NE(taken.err.find("output already exists (replacing it needs the force option); pass --force to replace it"),
+            std::string::npos)
+      << taken.err;
+}
+
 std::string FileBytes(const fs::path& p) {
   std::ifstream in(p, std::ios::binary);
   return std::string(std::istreambuf_iterator<char>(in), {});

@@ -61,6 +61,22 @@ TEST(InspectBaseCli, TablesShowTargetsAndFindings) {
   auto dora = RunFerry({"inspect", (d / "adapter").string(), "--no-tensors"});
   ASSERT_EQ(dora.exit_code, 0) << dora.err;
   EXPECT_TRUE(Contains(dora.out, "reject    field use_dora")) << dora.out;
+  // The library says what fixes it (fix_layout); the CLI names the command and flag.
+  EXPECT_TRUE(Contains(dora.out, "merge it instead (the hf layout) [fix: `ferry convert --layout hf`]")) << dora.out;
+  auto dora_json = RunFerry({"inspect", (d / "adapter").string(), "--no-tensors", "--json"});
+  ASSERT_EQ(dora_json.exit_code, 0) << dora_json.err;
+  bool fix_hf = false;
+  const auto dora_j = nlohmann::json::parse(dora_json.out);  // kept alive: the loop views into it
+  for (const auto& f : dora_j["engine"]["findings"]) {
+    fix_hf = fix_hf || (f["field"] == "use_dora" && f["fix_layout"] == "hf");
+  }
+  EXPECT_TRUE(fix_hf) << dora_json.out;
+
+  const fs::path q = kCases / "qwen2_patterns_f16";
+  auto patterns = RunFerry({"inspect", (q / "adapter").string(), "--no-tensors"});
+  ASSERT_EQ(patterns.exit_code, 0) << patterns.err;
+  EXPECT_TRUE(Contains(patterns.out, "bakes each module's scaling into lora_A [fix: `ferry convert --layout lora`]"))
+      << patterns.out;
 }
 
 TEST(InspectBaseCli, AdapterForAnotherModelExitsOneNamingBothTensors) {
@@ -77,17 +93,16 @@ TEST(InspectBaseCli, AdapterForAnotherModelExitsOneNamingBothTensors) {
   EXPECT_EQ(j["issues"].size(), 1u);
 }
 
-TEST(InspectBaseCli, BaseOnANonAdapterPathExitsOneNamingTheFlag) {
+TEST(InspectBaseCli, BaseOnANonAdapterPathExitsOneNamingTheBase) {
   const fs::path base = kCases / "llama_lora_all_linear_f32" / "base";
   auto r = RunFerry({"inspect", base.string(), "--base", base.string()});
   EXPECT_EQ(r.exit_code, 1);
-  EXPECT_TRUE(Contains(r.err, "--base")) << r.err;
-  EXPECT_TRUE(Contains(r.err, base.string())) << r.err;
+  EXPECT_TRUE(Contains(r.err, "a base model (" + base.string() + ") applies only to a PEFT adapter")) << r.err;
   EXPECT_TRUE(r.out.empty()) << r.out;
 
   auto file = RunFerry({"inspect", (base / "model.safetensors").string(), "--base", base.string()});
   EXPECT_EQ(file.exit_code, 1);
-  EXPECT_TRUE(Contains(file.err, "--base")) << file.err;
+  EXPECT_TRUE(Contains(file.err, "applies only to a PEFT adapter")) << file.err;
   EXPECT_TRUE(Contains(file.err, "tensor file")) << file.err;
 }
 

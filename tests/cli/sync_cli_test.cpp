@@ -262,11 +262,14 @@ TEST_F(SyncCliTest, TcpWithoutKeysIsRefused) {
   EXPECT_EQ(r.exit_code, 1);
   EXPECT_NE(r.err.find("--bind tcp://127.0.0.1:5555"), std::string::npos) << r.err;
   EXPECT_NE(r.err.find("tcp:// needs CURVE keys"), std::string::npos) << r.err;
+  // The library names no flag; the CLI adds the ones that give each side its keys.
+  EXPECT_NE(r.err.find("; give --key and --allow"), std::string::npos) << r.err;
   auto rc = RunFerry({"sync", "receive", "--once", "--connect", "tcp://127.0.0.1:5555", "--out",
                       (root_ / "gen").string(), "--id", "gen-1"});
   EXPECT_EQ(rc.exit_code, 1);
   EXPECT_NE(rc.err.find("--connect tcp://127.0.0.1:5555"), std::string::npos) << rc.err;
   EXPECT_NE(rc.err.find("tcp:// needs CURVE keys"), std::string::npos) << rc.err;
+  EXPECT_NE(rc.err.find("; give --key and --server-key"), std::string::npos) << rc.err;
   EXPECT_FALSE(fs::exists(root_ / "gen"));
 }
 

@@ -14,6 +14,7 @@
 #include "convert/engine_check.h"
 #include "convert/inspect.h"
 #include "core/safetensors.h"
+#include "tests/temp_dir.h"
 
 namespace ferry {
 namespace {
@@ -98,7 +99,8 @@ TEST(InspectBase, AllLinearLlamaTargetsEachModulesWeight) {
   const EngineFinding& rank = r.engine->findings[0];
   EXPECT_EQ(rank.severity, Severity::kNote);
   EXPECT_TRUE(Contains(rank.message, "largest rank 8")) << rank.message;
-  EXPECT_TRUE(Contains(rank.message, "--max-lora-rank must be at least 8")) << rank.message;
+  EXPECT_TRUE(Contains(rank.message, "vLLM's max_lora_rank must be at least 8")) << rank.message;
+  EXPECT_EQ(rank.engine_max_lora_rank, 0) << "the default 16 is enough";
   EXPECT_EQ(r.engine->lora_layout_possible, true);
   EXPECT_EQ(r.engine->lora_layout_rank, 8);
 }
@@ -154,7 +156,8 @@ TEST(InspectBase, SeparateAdaptersOntoFusedBaseLandOnRowRanges) {
   ASSERT_EQ(qkv.size(), 1u);
   EXPECT_TRUE(Contains(qkv[0].message, "6 adapter modules named 'k_proj', 'q_proj', 'v_proj'")) << qkv[0].message;
   EXPECT_TRUE(Contains(qkv[0].message, "'qkv_proj'")) << qkv[0].message;
-  EXPECT_TRUE(Contains(qkv[0].message, "`ferry convert --layout lora`")) << qkv[0].message;
+  EXPECT_TRUE(Contains(qkv[0].message, "the lora layout matches names to the base")) << qkv[0].message;
+  EXPECT_EQ(qkv[0].fix_layout, Layout::kLora);
   auto gate_up = Findings(r, Severity::kNote, Subject::kModule, "model.layers.0.mlp.gate_proj");
   ASSERT_EQ(gate_up.size(), 1u);
   EXPECT_TRUE(Contains(gate_up[0].message, "'gate_up_proj'")) << gate_up[0].message;
@@ -162,7 +165,8 @@ TEST(InspectBase, SeparateAdaptersOntoFusedBaseLandOnRowRanges) {
   auto rank = Findings(r, Severity::kNote, Subject::kModule, "model.layers.0.mlp.down_proj");
   ASSERT_EQ(rank.size(), 1u);
   EXPECT_TRUE(Contains(rank[0].message, "the rank is 24")) << rank[0].message;
-  EXPECT_TRUE(Contains(rank[0].message, "--max-lora-rank 32 or more")) << rank[0].message;
+  EXPECT_TRUE(Contains(rank[0].message, "start vLLM with a max_lora_rank of 32 or more")) << rank[0].message;
+  EXPECT_EQ(rank[0].engine_max_lora_rank, 32);
 }
 
 TEST(InspectBase, FusedAdapterOntoSeparateBaseIsSplit) {
@@ -187,7 +191,8 @@ TEST(InspectBase, FusedAdapterOntoSeparateBaseIsSplit) {
   auto split = Findings(r, Severity::kNote, Subject::kModule, l + "qkv_proj");
   ASSERT_EQ(split.size(), 1u);
   EXPECT_TRUE(Contains(split[0].message, "stores 'q_proj', 'k_proj', 'v_proj' separately")) << split[0].message;
-  EXPECT_TRUE(Contains(split[0].message, "`ferry convert --layout lora`")) << split[0].message;
+  EXPECT_TRUE(Contains(split[0].message, "the lora layout matches names to the base")) << split[0].message;
+  EXPECT_EQ(split[0].fix_layout, Layout::kLora);
 }
 
 TEST(InspectBase, PatternsAreScaledWronglyByTheEngine) {
@@ -201,7 +206,8 @@ TEST(InspectBase, PatternsAreScaledWronglyByTheEngine) {
     EXPECT_TRUE(Contains(rank[0].message, "rank_pattern")) << rank[0].message;
     EXPECT_TRUE(Contains(rank[0].message, "vLLM applies one global scaling (lora_alpha / r)")) << rank[0].message;
     EXPECT_TRUE(Contains(rank[0].message, "(5 modules")) << rank[0].message;
-    EXPECT_TRUE(Contains(rank[0].message, "--layout lora")) << rank[0].message;
+    EXPECT_TRUE(Contains(rank[0].message, "the lora layout bakes each module's scaling into lora_A")) << rank[0].message;
+    EXPECT_EQ(rank[0].fix_layout, Layout::kLora);
     auto alpha = Findings(r, Severity::kWrong, Subject::kField, "alpha_pattern");
     ASSERT_EQ(alpha.size(), 1u);
     EXPECT_TRUE(Contains(alpha[0].message, "(3 modules")) << alpha[0].message;
@@ -214,7 +220,8 @@ TEST(InspectBase, DoraIsRejected) {
   auto field = Findings(r, Severity::kReject, Subject::kField, "use_dora");
   ASSERT_EQ(field.size(), 1u);
   EXPECT_TRUE(Contains(field[0].message, "does not yet support DoRA")) << field[0].message;
-  EXPECT_TRUE(Contains(field[0].message, "`ferry convert --layout hf`")) << field[0].message;
+  EXPECT_TRUE(Contains(field[0].message, "merge it instead (the hf layout)")) << field[0].message;
+  EXPECT_EQ(field[0].fix_layout, Layout::kHf);
   auto keys = Findings(r, Severity::kReject, Subject::kKey,
                        "base_model.model.model.layers.0.mlp.down_proj.lora_magnitude_vector");
   ASSERT_EQ(keys.size(), 1u);
@@ -237,7 +244,8 @@ TEST(InspectBase, ModulesToSaveIsRejectedAndReplacesBaseTensors) {
   EXPECT_TRUE(Contains(field[0].message, "only supports modules_to_save being None")) << field[0].message;
   // The saved tensors are randomised: only merging helps.
   EXPECT_TRUE(Contains(field[0].message, "differs from base tensor 'lm_head.weight'")) << field[0].message;
-  EXPECT_TRUE(Contains(field[0].message, "--layout hf")) << field[0].message;
+  EXPECT_TRUE(Contains(field[0].message, "merge it instead (the hf layout)")) << field[0].message;
+  EXPECT_EQ(field[0].fix_layout, Layout::kHf);
   auto keys = Findings(r, Severity::kReject, Subject::kKey, "base_model.model.lm_head.weight");
   ASSERT_EQ(keys.size(), 1u);
   EXPECT_TRUE(Contains(keys[0].message, "2 tensors")) << keys[0].message;
@@ -260,7 +268,8 @@ TEST(InspectBase, ModulesToSaveIsRejectedAndReplacesBaseTensors) {
   EXPECT_FALSE(no_base.plan.has_value());
   auto plain = Findings(no_base, Severity::kReject, Subject::kField, "modules_to_save");
   ASSERT_EQ(plain.size(), 1u);
-  EXPECT_TRUE(Contains(plain[0].message, "check with --base")) << plain[0].message;
+  EXPECT_TRUE(Contains(plain[0].message, "inspecting with the base checks that")) << plain[0].message;
+  EXPECT_FALSE(plain[0].fix_layout.has_value()) << "without the base the fix cannot be told";
 }
 
 TEST(InspectBase, TiedLmHeadIsUntied) {
@@ -287,8 +296,8 @@ TEST(InspectBase, TiedLmHeadIsUntied) {
   EXPECT_TRUE(p.replacements[0].equals_base);
   auto copy = Findings(r, Severity::kReject, Subject::kKey, "base_model.model.lm_head.base_layer.weight");
   ASSERT_EQ(copy.size(), 1u);
-  EXPECT_TRUE(Contains(copy[0].message, "equals the base tensor, so `ferry convert --layout lora` drops it"))
-      << copy[0].message;
+  EXPECT_TRUE(Contains(copy[0].message, "equals the base tensor, so the lora layout drops it")) << copy[0].message;
+  EXPECT_EQ(copy[0].fix_layout, Layout::kLora);
   EXPECT_EQ(r.engine->lora_layout_possible, true);
 
   // The JSON says so too.
@@ -369,13 +378,14 @@ TEST(InspectBase, RsloraIsANote) {
   EXPECT_TRUE(Contains(f[0].message, "lora_alpha / r = 2")) << f[0].message;
 }
 
-TEST(InspectBase, BaseOnANonAdapterNamesTheFlag) {
+TEST(InspectBase, BaseOnANonAdapterNamesTheBase) {
   InspectOptions options;
   options.base = kCases / "llama_lora_all_linear_f32" / "base";
   auto r = Inspect(kCases / "llama_lora_all_linear_f32" / "base", options);
   ASSERT_FALSE(r.ok());
   EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
-  EXPECT_TRUE(Contains(r.status().message(), "--base")) << r.status().message();
+  EXPECT_TRUE(Contains(r.status().message(), "a base model (" + options.base.string() + ") applies only to a PEFT adapter"))
+      << r.status().message();
   EXPECT_TRUE(Contains(r.status().message(), "model directory")) << r.status().message();
 
   options.base = kCases / "no_such_base";
@@ -413,12 +423,11 @@ TEST(InspectBase, JsonHasPlanAndEngineSections) {
 class EngineLimits : public ::testing::Test {
  protected:
   void SetUp() override {
-    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-    dir_ = fs::path(::testing::TempDir()) / (std::string("ferry_inspect_base_") + info->name());
-    fs::remove_all(dir_);
-    fs::create_directories(dir_);
+    tmp_ = std::make_unique<ferry::testing::ScopedTempDir>("ferry_inspect_base_");
+    dir_ = tmp_->path();
   }
-  void TearDown() override { fs::remove_all(dir_); }
+  void TearDown() override { tmp_.reset(); }
+  std::unique_ptr<ferry::testing::ScopedTempDir> tmp_;
 
   // An adapter with one module "model.layers.0.self_attn.q_proj" of rank `rank` (in 16,
   // out 16) whose LoRA keys carry `infix` (e.g. ".default").
@@ -450,8 +459,9 @@ TEST_F(EngineLimits, RankAboveTheDefaultNamesTheSetting) {
   auto f = Findings(*r, Severity::kNote, Subject::kModule, "model.layers.0.self_attn.q_proj");
   ASSERT_EQ(f.size(), 1u);
   EXPECT_TRUE(Contains(f[0].message, "largest rank 24")) << f[0].message;
-  EXPECT_TRUE(Contains(f[0].message, "--max-lora-rank must be at least 24")) << f[0].message;
-  EXPECT_TRUE(Contains(f[0].message, "start vLLM with --max-lora-rank 32 or more (default 16)")) << f[0].message;
+  EXPECT_TRUE(Contains(f[0].message, "vLLM's max_lora_rank must be at least 24")) << f[0].message;
+  EXPECT_TRUE(Contains(f[0].message, "start vLLM with a max_lora_rank of 32 or more (default 16)")) << f[0].message;
+  EXPECT_EQ(f[0].engine_max_lora_rank, 32);
 }
 
 TEST_F(EngineLimits, RankAboveTheLargestSettingIsRejected) {
@@ -461,7 +471,8 @@ TEST_F(EngineLimits, RankAboveTheLargestSettingIsRejected) {
   auto f = Findings(*r, Severity::kReject, Subject::kModule, "model.layers.0.self_attn.q_proj");
   ASSERT_EQ(f.size(), 1u);
   EXPECT_TRUE(Contains(f[0].message, "largest rank 600")) << f[0].message;
-  EXPECT_TRUE(Contains(f[0].message, "at most --max-lora-rank 512")) << f[0].message;
+  EXPECT_TRUE(Contains(f[0].message, "vLLM accepts a max_lora_rank of at most 512")) << f[0].message;
+  EXPECT_EQ(f[0].fix_layout, Layout::kHf);
 }
 
 TEST_F(EngineLimits, KeysWithAnAdapterNameAreRejected) {
@@ -473,7 +484,8 @@ TEST_F(EngineLimits, KeysWithAnAdapterNameAreRejected) {
   ASSERT_EQ(f.size(), 1u);
   EXPECT_TRUE(Contains(f[0].message, "2 tensors")) << f[0].message;
   EXPECT_TRUE(Contains(f[0].message, "adapter name")) << f[0].message;
-  EXPECT_TRUE(Contains(f[0].message, "--layout lora")) << f[0].message;
+  EXPECT_TRUE(Contains(f[0].message, "the lora layout writes clean names")) << f[0].message;
+  EXPECT_EQ(f[0].fix_layout, Layout::kLora);
 }
 
 TEST_F(EngineLimits, NonLoraAdapterIsRejectedByPeftType) {

@@ -14,6 +14,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/safetensors.h"
+#include "tests/temp_dir.h"
 
 namespace ferry {
 namespace {
@@ -25,12 +26,11 @@ using nlohmann::json;
 class InspectTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-    dir_ = fs::path(::testing::TempDir()) / (std::string("ferry_inspect_") + info->name());
-    fs::remove_all(dir_);
-    fs::create_directories(dir_);
+    tmp_ = std::make_unique<ferry::testing::ScopedTempDir>("ferry_inspect_");
+    dir_ = tmp_->path();
   }
-  void TearDown() override { fs::remove_all(dir_); }
+  void TearDown() override { tmp_.reset(); }
+  std::unique_ptr<ferry::testing::ScopedTempDir> tmp_;
 
   static void WriteText(const fs::path& path, const std::string& text) { std::ofstream(path) << text; }
 

@@ -6,6 +6,7 @@
 #include <string>
 
 #include <gtest/gtest.h>
+#include "tests/temp_dir.h"
 
 namespace ferry {
 namespace {
@@ -368,9 +369,8 @@ TEST(PeftConfigMalformedTest, LimitsAreEnforced) {
 
 TEST(PeftConfigLoadTest, LoadsFromDirectoryAndNamesMissingFile) {
   namespace fs = std::filesystem;
-  const fs::path dir = fs::path(::testing::TempDir()) / "peft_config_load_test";
-  fs::remove_all(dir);
-  fs::create_directories(dir);
+  ferry::testing::ScopedTempDir tmp("ferry_peft_config_load_");
+  const fs::path dir = tmp.path();
   auto missing = LoadPeftConfig(dir);
   ASSERT_FALSE(missing.ok());
   EXPECT_EQ(missing.status().code(), StatusCode::kNotFound);
@@ -384,7 +384,6 @@ TEST(PeftConfigLoadTest, LoadsFromDirectoryAndNamesMissingFile) {
   auto good = LoadPeftConfig(dir / "adapter_config.json");
   ASSERT_TRUE(good.ok()) << good.status().ToString();
   EXPECT_EQ(good->r, 4);
-  fs::remove_all(dir);
 }
 
 // ---------------------------------------------------------------------------------

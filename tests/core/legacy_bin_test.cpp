@@ -8,6 +8,7 @@
 #include <fstream>
 
 #include "core/checkpoint.h"
+#include "tests/temp_dir.h"
 
 namespace ferry {
 namespace {
@@ -39,14 +40,13 @@ TEST_F(LegacyBin, MatchesSafetensorsCopyBitForBit) {
 }
 
 TEST_F(LegacyBin, GarbageIsCorruptionNamingTheFile) {
-  auto dir = std::filesystem::path(::testing::TempDir()) / "legacy_garbage";
-  std::filesystem::create_directories(dir);
+  ferry::testing::ScopedTempDir tmp("ferry_legacy_garbage_");
+  const std::filesystem::path dir = tmp.path();
   { std::ofstream(dir / "adapter_model.bin") << "this is not a zip file"; }
   auto c = Checkpoint::Open(dir);
   ASSERT_FALSE(c.ok());
   EXPECT_EQ(c.status().code(), StatusCode::kCorruption);
   EXPECT_NE(c.status().message().find((dir / "adapter_model.bin").string()), std::string::npos) << c.status().message();
-  std::filesystem::remove_all(dir);
 }
 
 // In a freshly executed child process: the loader is process-wide state, and a forked child

@@ -266,6 +266,53 @@ TEST(SafetensorsWriter, BadSpecsAreRefusedBeforeAnyFileExists) {
   EXPECT_TRUE(Listing(dir.path()).empty());
 }
 
+// Names go into the JSON header: text that is not UTF-8 (nlohmann's dump would throw) or
+// holds a control character is refused before any file exists, naming it escaped.
+TEST(SafetensorsWriter, NamesThatAreNotPrintableUtf8AreRefusedNamingThemEscaped) {
+  TempDir dir;
+  const fs::path path = dir.path() / "m.safetensors";
+  struct Bad {
+    std::string name;
+    std::string message;
+  };
+  const std::vector<Bad> bad = {
+      {"layer.\xff.weight", "tensor name 'layer.\\xff.weight' is not valid UTF-8"},
+      {"x\xc0\xaf", "tensor name 'x\\xc0\\xaf' is not valid UTF-8"},            // overlong '/'
+      {"q\xed\xa0\x80", "tensor name 'q\\xed\\xa0\\x80' is not valid UTF-8"},  // a surrogate
+      {"lm\x01head", "tensor name 'lm\\x01head' contains a control character"},
+      {std::string("a\0b", 3), "tensor name 'a\\x00b' contains a control character"},
+      {"tab\there\x7f", "tensor name 'tab\\x09here\\x7f' contains a control character"},
+  };
+  for (const Bad& b : bad) {
+    auto file = SafetensorsWriter::CreateFile(path, {{"ok", DType::kF32, {1}}, {b.name, DType::kF32, {2}}});
+    ASSERT_FALSE(file.ok()) << b.message;
+    EXPECT_EQ(file.status().code(), StatusCode::kInvalidArgument) << b.message;
+    EXPECT_EQ(file.status().message(), path.string() + ": " + b.message);
+    auto in_dir = SafetensorsWriter::CreateInDirectory(dir.path(), {{b.name, DType::kF32, {2}}});
+    ASSERT_FALSE(in_dir.ok()) << b.message;
+    EXPECT_EQ(in_dir.status().message(), dir.path().string() + ": " + b.message);
+    auto header = SerializeSafetensorsHeader({{b.name, DType::kF32, {2}}}, {{"format", "pt"}});
+    ASSERT_FALSE(header.ok()) << b.message;
+    EXPECT_EQ(header.status().message(), b.message);
+  }
+  WriterOptions meta;
+  meta.metadata = {{"format", "pt"}, {"note", "caf\xe9"}};
+  auto bad_meta = SafetensorsWriter::CreateFile(path, {{"ok", DType::kF32, {1}}}, meta);
+  EXPECT_EQ(bad_meta.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(bad_meta.status().message(), path.string() + ": metadata value of 'note' 'caf\\xe9' is not valid UTF-8");
+  EXPECT_TRUE(Listing(dir.path()).empty());
+  // Well-formed multi-byte UTF-8 is a name like any other.
+  const std::string unicode = "emb.\xe6\x97\xa5\xf0\x9f\x98\x80";
+  auto ok = SafetensorsWriter::CreateFile(path, {{unicode, DType::kU8, {1}}});
+  ASSERT_TRUE(ok.ok()) << ok.status().ToString();
+  const std::byte one{1};
+  ASSERT_TRUE((*ok)->Append({&one, 1}).ok());
+  ASSERT_TRUE((*ok)->Finish().ok());
+  auto back = Checkpoint::Open(path);
+  ASSERT_TRUE(back.ok()) << back.status().ToString();
+  EXPECT_TRUE(back->Contains(unicode));
+}
+
 TEST(SafetensorsWriter, FinishWithUnwrittenTensorLeavesNothing) {
   TempDir dir;
   const fs::path path = dir.path() / "m.safetensors";

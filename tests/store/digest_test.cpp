@@ -193,7 +193,7 @@ TEST(ManifestDigest, EqualsHandBuiltManifestAndIgnoresOrder) {
 
 TEST(ManifestDigest, ChangesWithAnyAuxFileChange) {
   auto ckpt = Checkpoint::FromTensors("mem", {{"w", F32({1}, {1})}});
-  auto id = [&](std::vector<std::pair<std::string, std::string>> aux) {
+  auto id = [&](AuxFiles aux) {
     auto r = internal::HashCheckpoint(ckpt, aux, internal::HashOptions{});
     EXPECT_TRUE(r.ok()) << r.status().ToString();
     return r->id;

@@ -54,18 +54,14 @@ std::map<std::string, Tensor> OwnedCopies(const fs::path& path) {
 }
 
 // The fixture base directory's auxiliary files: every file but the weights and the README.
-std::vector<std::pair<std::string, std::string>> DirAux(const fs::path& dir) {
-  std::vector<std::pair<std::string, std::string>> aux;
-  for (const auto& e : fs::directory_iterator(dir)) {
-    const std::string n = e.path().filename().string();
-    if (n.ends_with(".safetensors") || n == "README.md") continue;
-    aux.emplace_back(n, ReadText(e.path()));
-  }
-  return aux;
+AuxFiles DirAux(const fs::path& dir) {
+  auto aux = CollectAuxFiles(dir);
+  EXPECT_TRUE(aux.ok()) << aux.status().ToString();
+  return aux.ok() ? *aux : AuxFiles{};
 }
 
 // BuildSnapshot of `case_dir`'s base + adapter (+ the base's aux files): the publisher's side.
-std::shared_ptr<const Snapshot> PublisherSnapshot(const fs::path& case_dir, SnapshotLayout layout, bool tied = false) {
+std::shared_ptr<const Snapshot> PublisherSnapshot(const fs::path& case_dir, Layout layout, bool tied = false) {
   SnapshotSource s;
   s.tensors = OwnedCopies(case_dir / "base");
   s.adapter_tensors = OwnedCopies(case_dir / "adapter");
@@ -113,10 +109,10 @@ store::Digest IdOf(const fs::path& dir) {
   return rec.ok() ? rec->id : store::Digest{};
 }
 
-ActivationPlan AdapterPlan(const store::Digest& merged, const fs::path& base_dir, const std::string& want) {
+ActivationPlan AdapterPlan(const store::Digest& merged, const fs::path& base_dir, Layout want) {
   ActivationPlan p;
-  p.served_kind = "adapter";
-  p.served_layout = "lora";
+  p.served_kind = store::VersionKind::kAdapter;
+  p.served_layout = Layout::kLora;
   p.merged_version = merged;
   p.base_dir = base_dir;
   p.want_layout = want;
@@ -156,34 +152,38 @@ void ExpectMatches(const fs::path& got_path, const fs::path& ref) {
 }
 
 TEST(ActivateTest, NeedsPreparationTruthTable) {
+  using K = store::VersionKind;
   struct Row {
-    const char* kind;
-    const char* served;
-    const char* want;
+    K kind;
+    Layout served;
+    Layout want;
     bool needs;
   };
   const Row rows[] = {
-      {"full", "hf", "hf", false},     {"merged", "hf", "hf", false},      {"full", "fused", "fused", false},
-      {"full", "hf", "fused", true},   {"merged", "hf", "fused", true},    {"full", "fused", "hf", true},
-      {"adapter", "lora", "hf", true}, {"adapter", "lora", "fused", true}, {"adapter", "hf", "hf", true},
+      {K::kFull, Layout::kHf, Layout::kHf, false},         {K::kMerged, Layout::kHf, Layout::kHf, false},
+      {K::kFull, Layout::kFused, Layout::kFused, false},   {K::kFull, Layout::kHf, Layout::kFused, true},
+      {K::kMerged, Layout::kHf, Layout::kFused, true},     {K::kFull, Layout::kFused, Layout::kHf, true},
+      {K::kAdapter, Layout::kLora, Layout::kHf, true},     {K::kAdapter, Layout::kLora, Layout::kFused, true},
+      {K::kAdapter, Layout::kHf, Layout::kHf, true},
   };
   for (const Row& r : rows) {
     ActivationPlan p;
     p.served_kind = r.kind;
     p.served_layout = r.served;
     p.want_layout = r.want;
-    EXPECT_EQ(NeedsPreparation(p), r.needs) << r.kind << " " << r.served << " -> " << r.want;
+    EXPECT_EQ(NeedsPreparation(p), r.needs)
+        << store::KindName(r.kind) << " " << LayoutName(r.served) << " -> " << LayoutName(r.want);
   }
   EXPECT_FALSE(NeedsPreparation(ActivationPlan{})) << "the defaults (full, hf -> hf) need nothing";
 }
 
 TEST(ActivateTest, AdapterMergedOntoLocalBaseHashesToThePublishersMergedId) {
   TempDir tmp;
-  auto ref = PublisherSnapshot(kCase, SnapshotLayout::kHf);
+  auto ref = PublisherSnapshot(kCase, Layout::kHf);
   ASSERT_NE(ref, nullptr);
   const fs::path received = ReceivedAdapter(tmp.path(), kCase);
   const fs::path out = tmp.path() / "active";
-  auto prepared = PrepareActivation(received, AdapterPlan(ref->manifest_id(), kCase / "base", "hf"), out);
+  auto prepared = PrepareActivation(received, AdapterPlan(ref->manifest_id(), kCase / "base", Layout::kHf), out);
   ASSERT_TRUE(prepared.ok()) << prepared.status().ToString();
 
   EXPECT_EQ(IdOf(out), ref->manifest_id());
@@ -214,14 +214,13 @@ TEST(ActivateTest, SixteenBitAndShardedBasesProveThePublishersMergedId) {
     const fs::path case_dir = kCases / name;
     TempDir tmp;
     const store::Digest converted = IdOf(Converted(tmp.path(), case_dir, Layout::kHf, "converted"));
-    if (std::string(name) != "llama_sharded_bf16") {  // DirAux would count the shard index as an aux file
-      auto ref = PublisherSnapshot(case_dir, SnapshotLayout::kHf);
-      ASSERT_NE(ref, nullptr);
-      EXPECT_EQ(ref->manifest_id(), converted);
-    }
+    // DirAux is the one aux rule (core/aux_files.h): a shard index is not an aux file.
+    auto ref = PublisherSnapshot(case_dir, Layout::kHf);
+    ASSERT_NE(ref, nullptr);
+    EXPECT_EQ(ref->manifest_id(), converted);
     const fs::path received = ReceivedAdapter(tmp.path(), case_dir);
     const fs::path out = tmp.path() / "active";
-    auto prepared = PrepareActivation(received, AdapterPlan(converted, case_dir / "base", "hf"), out);
+    auto prepared = PrepareActivation(received, AdapterPlan(converted, case_dir / "base", Layout::kHf), out);
     ASSERT_TRUE(prepared.ok()) << prepared.status().ToString();
     EXPECT_EQ(prepared->proven, std::optional<store::Digest>(converted));
     EXPECT_EQ(IdOf(out), converted);
@@ -231,14 +230,14 @@ TEST(ActivateTest, SixteenBitAndShardedBasesProveThePublishersMergedId) {
 
 TEST(ActivateTest, AdapterIntoFusedLayoutProvesTheHfIdAndMatchesConvertFused) {
   TempDir tmp;
-  auto hf = PublisherSnapshot(kCase, SnapshotLayout::kHf);
-  auto fused = PublisherSnapshot(kCase, SnapshotLayout::kFused);
+  auto hf = PublisherSnapshot(kCase, Layout::kHf);
+  auto fused = PublisherSnapshot(kCase, Layout::kFused);
   ASSERT_NE(hf, nullptr);
   ASSERT_NE(fused, nullptr);
   ASSERT_NE(hf->manifest_id(), fused->manifest_id());
   const fs::path received = ReceivedAdapter(tmp.path(), kCase);
   const fs::path out = tmp.path() / "active";
-  auto prepared = PrepareActivation(received, AdapterPlan(hf->manifest_id(), kCase / "base", "fused"), out);
+  auto prepared = PrepareActivation(received, AdapterPlan(hf->manifest_id(), kCase / "base", Layout::kFused), out);
   ASSERT_TRUE(prepared.ok()) << prepared.status().ToString();
   ASSERT_TRUE(prepared->proven.has_value());
   EXPECT_EQ(*prepared->proven, hf->manifest_id());
@@ -255,12 +254,12 @@ TEST(ActivateTest, TiedLmHeadAdapterMatchesTheConvertersUntiedOutput) {
   const fs::path tied_case = kCases / "llama_tied_lmhead_lora_f32";
   TempDir tmp;
   const store::Digest converted = IdOf(Converted(tmp.path(), tied_case, Layout::kHf, "converted"));
-  auto ref = PublisherSnapshot(tied_case, SnapshotLayout::kHf, /*tied=*/true);
+  auto ref = PublisherSnapshot(tied_case, Layout::kHf, /*tied=*/true);
   ASSERT_NE(ref, nullptr);
   ASSERT_EQ(ref->manifest_id(), converted);
   const fs::path received = ReceivedAdapter(tmp.path(), tied_case);
   const fs::path out = tmp.path() / "active";
-  auto prepared = PrepareActivation(received, AdapterPlan(converted, tied_case / "base", "hf"), out);
+  auto prepared = PrepareActivation(received, AdapterPlan(converted, tied_case / "base", Layout::kHf), out);
   ASSERT_TRUE(prepared.ok()) << prepared.status().ToString();
   EXPECT_EQ(IdOf(out), converted);
   EXPECT_NE(ReadText(out / "config.json").find("\"tie_word_embeddings\": false"), std::string::npos);
@@ -285,7 +284,7 @@ fs::path WrongBase(const fs::path& root) {
 
 TEST(ActivateTest, WrongBaseIsCorruptionNamingBothIdsAndTheBaseAndLeavesNothing) {
   TempDir tmp;
-  auto ref = PublisherSnapshot(kCase, SnapshotLayout::kHf);
+  auto ref = PublisherSnapshot(kCase, Layout::kHf);
   ASSERT_NE(ref, nullptr);
   const fs::path received = ReceivedAdapter(tmp.path(), kCase);
   const fs::path wrong = WrongBase(tmp.path());
@@ -300,15 +299,15 @@ TEST(ActivateTest, WrongBaseIsCorruptionNamingBothIdsAndTheBaseAndLeavesNothing)
   ASSERT_NE((*local)->manifest_id(), ref->manifest_id());
 
   const fs::path out = tmp.path() / "active";
-  for (const char* want : {"hf", "fused"}) {
+  for (Layout want : {Layout::kHf, Layout::kFused}) {
     auto prepared = PrepareActivation(received, AdapterPlan(ref->manifest_id(), wrong, want), out);
-    ASSERT_FALSE(prepared.ok()) << want;
+    ASSERT_FALSE(prepared.ok()) << LayoutName(want);
     EXPECT_EQ(prepared.status().code(), StatusCode::kCorruption) << prepared.status().ToString();
     const std::string msg = prepared.status().message();
     EXPECT_NE(msg.find(ref->manifest_id().Hex()), std::string::npos) << msg;
     EXPECT_NE(msg.find((*local)->manifest_id().Hex()), std::string::npos) << msg;
     EXPECT_NE(msg.find(wrong.string()), std::string::npos) << msg;
-    EXPECT_EQ(Entries(tmp.path()), (std::set<std::string>{"received", "wrong_base"})) << want;
+    EXPECT_EQ(Entries(tmp.path()), (std::set<std::string>{"received", "wrong_base"})) << LayoutName(want);
   }
 }
 
@@ -318,15 +317,15 @@ TEST(ActivateTest, AdapterWithoutAUsableBaseDirIsFailedPrecondition) {
   const fs::path out = tmp.path() / "active";
   const store::Digest some{1, 2};
 
-  ActivationPlan no_base = AdapterPlan(some, kCase / "base", "hf");
+  ActivationPlan no_base = AdapterPlan(some, kCase / "base", Layout::kHf);
   no_base.base_dir.reset();
   auto r1 = PrepareActivation(received, no_base, out);
   ASSERT_FALSE(r1.ok());
-  EXPECT_EQ(r1.status().code(), StatusCode::kFailedPrecondition) << r1.status().ToString();
+  EXPECT_EQ(r1.status().code(), StatusCode::kInvalidArgument) << r1.status().ToString();
   EXPECT_NE(r1.status().message().find("base_dir"), std::string::npos) << r1.status().message();
 
   const fs::path missing = tmp.path() / "no-such-base";
-  auto r2 = PrepareActivation(received, AdapterPlan(some, missing, "hf"), out);
+  auto r2 = PrepareActivation(received, AdapterPlan(some, missing, Layout::kHf), out);
   ASSERT_FALSE(r2.ok());
   EXPECT_EQ(r2.status().code(), StatusCode::kFailedPrecondition) << r2.status().ToString();
   EXPECT_NE(r2.status().message().find(missing.string()), std::string::npos) << r2.status().message();
@@ -334,7 +333,7 @@ TEST(ActivateTest, AdapterWithoutAUsableBaseDirIsFailedPrecondition) {
   // A base directory without weights cannot be read either.
   const fs::path empty = tmp.path() / "empty-base";
   fs::create_directories(empty);
-  auto r3 = PrepareActivation(received, AdapterPlan(some, empty, "hf"), out);
+  auto r3 = PrepareActivation(received, AdapterPlan(some, empty, Layout::kHf), out);
   ASSERT_FALSE(r3.ok());
   EXPECT_EQ(r3.status().code(), StatusCode::kFailedPrecondition) << r3.status().ToString();
   EXPECT_NE(r3.status().message().find(empty.string()), std::string::npos) << r3.status().message();
@@ -345,7 +344,7 @@ TEST(ActivateTest, AdapterWithoutAUsableBaseDirIsFailedPrecondition) {
 TEST(ActivateTest, AdapterWithoutMergedVersionIsInvalidArgument) {
   TempDir tmp;
   const fs::path received = ReceivedAdapter(tmp.path(), kCase);
-  ActivationPlan p = AdapterPlan(store::Digest{}, kCase / "base", "hf");
+  ActivationPlan p = AdapterPlan(store::Digest{}, kCase / "base", Layout::kHf);
   p.merged_version.reset();
   auto r = PrepareActivation(received, p, tmp.path() / "active");
   ASSERT_FALSE(r.ok());
@@ -359,24 +358,24 @@ TEST(ActivateTest, FusedToHfAndUnknownLayoutsAreInvalidArgument) {
   const fs::path received = Converted(tmp.path(), kCase, Layout::kFused, "received");
   const fs::path out = tmp.path() / "active";
   ActivationPlan p;
-  p.served_kind = "merged";
-  p.served_layout = "fused";
-  p.want_layout = "hf";
+  p.served_kind = store::VersionKind::kMerged;
+  p.served_layout = Layout::kFused;
+  p.want_layout = Layout::kHf;
   auto r = PrepareActivation(received, p, out);
   ASSERT_FALSE(r.ok());
   EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument) << r.status().ToString();
   EXPECT_NE(r.status().message().find("'fused'"), std::string::npos) << r.status().message();
   EXPECT_NE(r.status().message().find("'hf'"), std::string::npos) << r.status().message();
 
-  p.served_layout = "hf";
-  p.want_layout = "lora";
+  p.served_layout = Layout::kHf;
+  p.want_layout = Layout::kLora;
   r = PrepareActivation(received, p, out);
   ASSERT_FALSE(r.ok());
   EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument) << r.status().ToString();
   EXPECT_NE(r.status().message().find("want_layout 'lora'"), std::string::npos) << r.status().message();
 
-  p.served_layout = "lora";
-  p.want_layout = "fused";
+  p.served_layout = Layout::kLora;
+  p.want_layout = Layout::kFused;
   r = PrepareActivation(received, p, out);
   ASSERT_FALSE(r.ok());
   EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument) << r.status().ToString();
@@ -386,13 +385,13 @@ TEST(ActivateTest, FusedToHfAndUnknownLayoutsAreInvalidArgument) {
 
 TEST(ActivateTest, ExistingOutIsAlreadyExistsAndUntouched) {
   TempDir tmp;
-  auto ref = PublisherSnapshot(kCase, SnapshotLayout::kHf);
+  auto ref = PublisherSnapshot(kCase, Layout::kHf);
   ASSERT_NE(ref, nullptr);
   const fs::path received = ReceivedAdapter(tmp.path(), kCase);
   const fs::path out = tmp.path() / "active";
   fs::create_directories(out);
   ASSERT_TRUE(WriteFileAtomic(out / "marker", "keep me").ok());
-  auto r = PrepareActivation(received, AdapterPlan(ref->manifest_id(), kCase / "base", "hf"), out);
+  auto r = PrepareActivation(received, AdapterPlan(ref->manifest_id(), kCase / "base", Layout::kHf), out);
   ASSERT_FALSE(r.ok());
   EXPECT_EQ(r.status().code(), StatusCode::kAlreadyExists) << r.status().ToString();
   EXPECT_NE(r.status().message().find(out.string()), std::string::npos) << r.status().message();
@@ -407,9 +406,9 @@ TEST(ActivateTest, HfToFusedRestacksTheReceivedTensorsAsConvertFused) {
   const fs::path reference = Converted(tmp.path(), kCase, Layout::kFused, "reference");
   const fs::path out = tmp.path() / "active";
   ActivationPlan p;
-  p.served_kind = "merged";
-  p.served_layout = "hf";
-  p.want_layout = "fused";
+  p.served_kind = store::VersionKind::kMerged;
+  p.served_layout = Layout::kHf;
+  p.want_layout = Layout::kFused;
   auto prepared = PrepareActivation(received, p, out);
   ASSERT_TRUE(prepared.ok()) << prepared.status().ToString();
   EXPECT_FALSE(prepared->proven.has_value());
@@ -419,7 +418,7 @@ TEST(ActivateTest, HfToFusedRestacksTheReceivedTensorsAsConvertFused) {
   s.tensors = OwnedCopies(received);
   s.aux_files = DirAux(received);
   SnapshotOptions o;
-  o.layout = SnapshotLayout::kFused;
+  o.layout = Layout::kFused;
   auto fused = BuildSnapshot(s, o);
   ASSERT_TRUE(fused.ok()) << fused.status().ToString();
   EXPECT_EQ(IdOf(out), (*fused)->manifest_id());
@@ -443,12 +442,12 @@ TEST(ActivateTest, HfToFusedRestacksTheReceivedTensorsAsConvertFused) {
 
 TEST(ActivateTest, BadAdapterOrBadReceivedWeightsLeaveNothingAtOut) {
   TempDir tmp;
-  auto ref = PublisherSnapshot(kCase, SnapshotLayout::kHf);
+  auto ref = PublisherSnapshot(kCase, Layout::kHf);
   ASSERT_NE(ref, nullptr);
   const fs::path received = ReceivedAdapter(tmp.path(), kCase);
   ASSERT_TRUE(WriteFileAtomic(received / "adapter_config.json", "{ not json").ok());
   const fs::path out = tmp.path() / "active";
-  auto r = PrepareActivation(received, AdapterPlan(ref->manifest_id(), kCase / "base", "hf"), out);
+  auto r = PrepareActivation(received, AdapterPlan(ref->manifest_id(), kCase / "base", Layout::kHf), out);
   ASSERT_FALSE(r.ok());
   EXPECT_EQ(r.status().code(), StatusCode::kCorruption) << r.status().ToString();
   EXPECT_NE(r.status().message().find("adapter_config.json"), std::string::npos) << r.status().message();
@@ -460,8 +459,8 @@ TEST(ActivateTest, BadAdapterOrBadReceivedWeightsLeaveNothingAtOut) {
   bytes.resize(bytes.size() - 100);
   ASSERT_TRUE(WriteFileAtomic(model_dir / "model.safetensors", bytes).ok());
   ActivationPlan p;
-  p.served_layout = "hf";
-  p.want_layout = "fused";
+  p.served_layout = Layout::kHf;
+  p.want_layout = Layout::kFused;
   r = PrepareActivation(model_dir, p, out);
   ASSERT_FALSE(r.ok());
   EXPECT_EQ(r.status().code(), StatusCode::kCorruption) << r.status().ToString();

@@ -35,13 +35,13 @@ class BaseFirstTest : public ::testing::Test {
     auto s = store::Store::Open(tmp_.path() / "db", {.create_if_missing = true});
     ASSERT_TRUE(s.ok()) << s.status().ToString();
     owned_ = std::move(*s);
-    shared_ = std::make_unique<SerializedStore>(owned_.get());
+    shared_ = owned_.get();  // the watcher and the publisher share it: Store is thread-safe
     WatchOptions o;
     o.dir = watched();
     o.base = (kCase / "base").string();
     o.run = "rl";
     o.threads = 2;
-    auto w = CheckpointWatcher::Create(shared_.get(), o);
+    auto w = CheckpointWatcher::Create(shared_, o);
     ASSERT_TRUE(w.ok()) << w.status().ToString();
     watcher_ = std::move(*w);
     auto base = store::HashPath(kCase / "base");
@@ -51,7 +51,7 @@ class BaseFirstTest : public ::testing::Test {
   void TearDown() override {
     publisher_.reset();
     watcher_.reset();
-    shared_.reset();
+    shared_ = nullptr;
     owned_.reset();
   }
 
@@ -64,7 +64,7 @@ class BaseFirstTest : public ::testing::Test {
     PublisherOptions po;
     po.endpoints = endpoints_;
     po.mode = mode;
-    auto p = Publisher::Start(shared_.get(), po);
+    auto p = Publisher::Start(shared_, po);
     ASSERT_TRUE(p.ok()) << p.status().ToString();
     publisher_ = std::move(*p);
   }
@@ -132,7 +132,7 @@ class BaseFirstTest : public ::testing::Test {
 
   testing::ScopedTempDir tmp_{"ferry-basefirst-test-"};
   std::unique_ptr<store::Store> owned_;
-  std::unique_ptr<SerializedStore> shared_;
+  store::Store* shared_ = nullptr;
   std::unique_ptr<CheckpointWatcher> watcher_;
   std::unique_ptr<Publisher> publisher_;
   Endpoints endpoints_;

@@ -334,7 +334,7 @@ TEST_F(LimitsTest, FollowingPublisherServesTheNewestVersionItsModeCanPublish) {
   auto man = DecodeManifest(body.to_string());
   ASSERT_TRUE(man.ok()) << man.status().message();
   EXPECT_EQ(man->version, adapter->record.id);
-  EXPECT_EQ(man->mode, "adapter");
+  EXPECT_EQ(man->mode, PublishMode::kAdapter);
 }
 
 }  // namespace

@@ -78,8 +78,8 @@ SnapshotSource FixtureSource() {
 }
 
 // The auxiliary files the store collects beside the fixture's base weights.
-std::vector<std::pair<std::string, std::string>> BaseAux() {
-  std::vector<std::pair<std::string, std::string>> aux;
+AuxFiles BaseAux() {
+  AuxFiles aux;
   for (const char* n : {"config.json", "generation_config.json", "special_tokens_map.json", "tokenizer.json",
                         "tokenizer_config.json"}) {
     aux.emplace_back(n, ReadText(kCase / "base" / n));
@@ -87,7 +87,7 @@ std::vector<std::pair<std::string, std::string>> BaseAux() {
   return aux;
 }
 
-std::shared_ptr<const Snapshot> Build(const SnapshotSource& s, SnapshotLayout layout = SnapshotLayout::kHf) {
+std::shared_ptr<const Snapshot> Build(const SnapshotSource& s, Layout layout = Layout::kHf) {
   SnapshotOptions o;
   o.layout = layout;
   o.threads = 2;
@@ -120,7 +120,7 @@ TEST(SnapshotTest, MergedEqualsPeftMergeWithGeneratorNames) {
   auto snap = Build(src);
   ASSERT_NE(snap, nullptr);
   EXPECT_TRUE(snap->merged());
-  EXPECT_EQ(snap->layout(), SnapshotLayout::kHf);
+  EXPECT_EQ(snap->layout(), Layout::kHf);
   ExpectMatches(*snap, kCase / "merged");
   EXPECT_EQ(snap->checkpoint().size(), 21u);
   for (const auto& name : snap->checkpoint().names()) {
@@ -192,8 +192,8 @@ TEST(SnapshotTest, UnmergedSnapshotCopiesAndMatchesTheStoresHashOfTheBaseDirecto
   for (const auto& row : rec->tensors) EXPECT_EQ(snap->digests().at(row.name), row.digest) << row.name;
   // Aux files are kept verbatim when nothing is merged.
   ASSERT_EQ(snap->aux_files().size(), 5u);
-  EXPECT_EQ(snap->aux_files()[0].first, "config.json");
-  EXPECT_EQ(snap->aux_files()[0].second, ReadText(kCase / "base" / "config.json"));
+  EXPECT_EQ(snap->aux_files()[0].name, "config.json");
+  EXPECT_EQ(snap->aux_files()[0].contents, ReadText(kCase / "base" / "config.json"));
 }
 
 TEST(SnapshotTest, PeftWrappedNamesAreNormalised) {
@@ -285,10 +285,10 @@ TEST(SnapshotTest, TwoNamesNormalisingToOneAreRefused) {
 TEST(SnapshotTest, FusedLayoutStacksTheHfTensors) {
   SnapshotSource src = FixtureSource();
   auto hf = Build(src);
-  auto fused = Build(src, SnapshotLayout::kFused);
+  auto fused = Build(src, Layout::kFused);
   ASSERT_NE(hf, nullptr);
   ASSERT_NE(fused, nullptr);
-  EXPECT_EQ(fused->layout(), SnapshotLayout::kFused);
+  EXPECT_EQ(fused->layout(), Layout::kFused);
   EXPECT_EQ(fused->checkpoint().size(), 21u - 2 * 5 + 2 * 2);
   EXPECT_EQ(fused->bytes(), hf->bytes());
   EXPECT_NE(fused->manifest_id(), hf->manifest_id());
@@ -362,7 +362,7 @@ TEST(SnapshotTest, RecordSnapshotStoresTheVersionUnderTheManifestId) {
   ASSERT_TRUE(st.ok()) << st.status().ToString();
   SnapshotSource src = FixtureSource();
   src.aux_files = BaseAux();
-  auto snap = Build(src, SnapshotLayout::kFused);
+  auto snap = Build(src, Layout::kFused);
   ASSERT_NE(snap, nullptr);
   store::ImportOptions io;
   io.run = "rl";
@@ -373,7 +373,7 @@ TEST(SnapshotTest, RecordSnapshotStoresTheVersionUnderTheManifestId) {
   EXPECT_EQ(rec->record.id, snap->manifest_id());
   EXPECT_EQ(rec->record.kind, store::VersionKind::kMerged);
   EXPECT_EQ(rec->record.source, store::VersionSource::kDaemon);
-  EXPECT_EQ(rec->record.layout, "fused");
+  EXPECT_EQ(rec->record.layout, Layout::kFused);
   EXPECT_EQ(rec->record.run, "rl");
   EXPECT_EQ(rec->record.sequence, 1u);
   EXPECT_EQ(rec->record.step, std::optional<int64_t>(7));
@@ -491,7 +491,7 @@ TEST(SnapshotTest, AdapterErrorsFromThePlanNameTheTensor) {
 TEST(LazySnapshotTest, SameIdAsBuildSnapshotAndMakesOnlyWhatChanges) {
   SnapshotSource src = FixtureSource();
   src.aux_files = BaseAux();
-  for (SnapshotLayout layout : {SnapshotLayout::kHf, SnapshotLayout::kFused}) {
+  for (Layout layout : {Layout::kHf, Layout::kFused}) {
     auto snap = Build(src, layout);
     ASSERT_NE(snap, nullptr);
     SnapshotOptions o;
@@ -607,18 +607,12 @@ TEST(LazySnapshotTest, RecordHoldsOneMergedTensorAtATime) {
 // and the same snapshot recorded lazily, have exactly the store id of `ferry convert`'s
 // output for the same base and adapter, in both layouts. The converter's output is an
 // independent execution of the same plan.
-class SnapshotVsConverterTest : public ::testing::TestWithParam<std::tuple<std::string, SnapshotLayout>> {};
+class SnapshotVsConverterTest : public ::testing::TestWithParam<std::tuple<std::string, Layout>> {};
 
-std::vector<std::pair<std::string, std::string>> AuxBeside(const fs::path& dir) {
-  std::vector<std::pair<std::string, std::string>> aux;
-  for (const auto& e : fs::directory_iterator(dir)) {
-    const std::string n = e.path().filename().string();
-    const bool is_aux = n == "config.json" || n == "generation_config.json" || n == "special_tokens_map.json" ||
-                        n == "tokenizer.model" || n == "merges.txt" || (n.rfind("tokenizer", 0) == 0 && n.size() > 5 &&
-                        n.substr(n.size() - 5) == ".json") || n.rfind("vocab.", 0) == 0 || n.rfind("chat_template.", 0) == 0;
-    if (is_aux) aux.emplace_back(n, ReadText(e.path()));
-  }
-  return aux;
+AuxFiles AuxBeside(const fs::path& dir) {
+  auto aux = CollectAuxFiles(dir);
+  EXPECT_TRUE(aux.ok()) << aux.status().ToString();
+  return aux.ok() ? *aux : AuxFiles{};
 }
 
 TEST_P(SnapshotVsConverterTest, IdEqualsConvertedOutput) {
@@ -641,7 +635,7 @@ TEST_P(SnapshotVsConverterTest, IdEqualsConvertedOutput) {
   co.base = dir / "base";
   co.adapter = dir / "adapter";
   co.out = tmp.path() / "converted";
-  co.layout = layout == SnapshotLayout::kFused ? Layout::kFused : Layout::kHf;
+  co.layout = layout;
   co.threads = 2;
   auto conv = Convert(co);
   ASSERT_TRUE(conv.ok()) << conv.status().ToString();
@@ -663,7 +657,7 @@ TEST_P(SnapshotVsConverterTest, IdEqualsConvertedOutput) {
   ASSERT_TRUE(rec.ok()) << rec.status().ToString();
   EXPECT_EQ(rec->record.id, converted->id);
   EXPECT_EQ(rec->record.kind, store::VersionKind::kMerged);
-  EXPECT_EQ(rec->record.layout, layout == SnapshotLayout::kFused ? "fused" : "hf");
+  EXPECT_EQ(rec->record.layout, layout);
   EXPECT_EQ(rec->record.total_bytes, (*lazy)->bytes());
 }
 
@@ -675,9 +669,9 @@ INSTANTIATE_TEST_SUITE_P(
                                          "llama_rslora_bf16", "llama_sharded_bf16", "llama_tied_lmhead_lora_f32",
                                          "llama_trainable_tokens_f32", "mistral_dora_f32", "phi3_lora_f32",
                                          "qwen2_bias_all_f32", "qwen2_patterns_f16"),
-                       ::testing::Values(SnapshotLayout::kHf, SnapshotLayout::kFused)),
+                       ::testing::Values(Layout::kHf, Layout::kFused)),
     [](const auto& param_info) {
-      return std::get<0>(param_info.param) + (std::get<1>(param_info.param) == SnapshotLayout::kFused ? "_fused" : "_hf");
+      return std::get<0>(param_info.param) + (std::get<1>(param_info.param) == Layout::kFused ? "_fused" : "_hf");
     });
 
 }  // namespace

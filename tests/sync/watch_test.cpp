@@ -144,7 +144,7 @@ TEST_F(WatchTest, NewAdapterBecomesMergedVersionEqualToPeftMerge) {
   EXPECT_EQ(merged->step, 100);
   EXPECT_EQ(merged->adapter_version, c.adapter_version);
   EXPECT_EQ(merged->base_version, base->id);
-  EXPECT_EQ(merged->layout, "hf");
+  EXPECT_EQ(merged->layout, Layout::kHf);
 
   auto adapter = store_->GetVersion(c.adapter_version->Hex());
   ASSERT_TRUE(adapter.ok()) << adapter.status().ToString();
@@ -326,7 +326,7 @@ class ThrowingStore final : public store::Store {
     return inner_->Import(path, options);
   }
   Result<store::ImportResult> ImportCheckpoint(const Checkpoint& ckpt,
-                                               const std::vector<std::pair<std::string, std::string>>& aux_files,
+                                               const AuxFiles& aux_files,
                                                const store::ImportOptions& options) override {
     return inner_->ImportCheckpoint(ckpt, aux_files, options);
   }

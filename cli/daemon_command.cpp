@@ -416,13 +416,13 @@ void PrintMetricsLine(const Flags& f, const fs::path& file, uint64_t number, con
     std::fflush(stdout);
     return;
   }
-  const auto j = nlohmann::ordered_json::parse(line, nullptr, /*allow_exceptions=*/false);
-  if (j.is_discarded() || !j.is_object()) return warn("not a JSON object");
+  auto j = control::ParseMetricsLine(line);
+  if (!j.ok()) return warn(j.status().message());
   if (f.json) {
-    std::printf("%s\n", JsonText(j).c_str());
+    std::printf("%s\n", line.c_str());
   } else {
     std::string out;
-    for (const auto& [k, v] : j.items()) {
+    for (const auto& [k, v] : j->items()) {
       if (!out.empty()) out += "  ";
       out += k + " " + (v.is_string() ? v.get<std::string>() : JsonText(v));
     }

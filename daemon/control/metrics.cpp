@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstring>
 #include <functional>
+#include <iterator>
 #include <set>
 
 #include <nlohmann/json.hpp>
@@ -96,10 +97,21 @@ std::string EscapeLabelValue(std::string_view value) {
   return out;
 }
 
-Result<std::string> MetricsToPrometheus(std::string_view line, std::string_view run) {
-  const OrderedJson j = OrderedJson::parse(line.begin(), line.end(), nullptr, /*allow_exceptions=*/false);
+Result<OrderedJson> ParseMetricsLine(std::string_view line) {
+  const OrderedJson::parser_callback_t shallow = [](int depth, OrderedJson::parse_event_t event, OrderedJson&) {
+    return !(depth >= 1 &&
+             (event == OrderedJson::parse_event_t::object_start || event == OrderedJson::parse_event_t::array_start));
+  };
+  OrderedJson j = OrderedJson::parse(line.begin(), line.end(), shallow, /*allow_exceptions=*/false);
   if (j.is_discarded()) return Status::Corruption("not JSON");
   if (!j.is_object()) return Status::Corruption(std::string("a JSON ") + j.type_name() + ", not an object");
+  // The parser leaves some discarded values in place (an object's, with ordered_json).
+  for (auto it = j.begin(); it != j.end();) it = it->is_discarded() ? j.erase(it) : std::next(it);
+  return j;
+}
+
+Result<std::string> MetricsToPrometheus(std::string_view line, std::string_view run) {
+  FERRY_ASSIGN_OR_RETURN(const OrderedJson j, ParseMetricsLine(line));
   const std::string run_label = "run=\"" + EscapeLabelValue(run) + "\"";
   std::set<std::string> names;
   std::string out;

@@ -23,6 +23,8 @@
 #include <string_view>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
 #include "core/status.h"
 
 namespace ferry::control {
@@ -31,6 +33,11 @@ namespace ferry::control {
 [[nodiscard]] std::string PrometheusMetricName(std::string_view field);
 // `value` escaped for use between the quotes of a label value.
 [[nodiscard]] std::string EscapeLabelValue(std::string_view value);
+
+// One metrics.jsonl line as a JSON object in the line's order, with nested values (arrays,
+// objects: no metric is one) left out, so a hostile line cannot nest deeply. kCorruption
+// when the line is not a JSON object.
+[[nodiscard]] Result<nlohmann::ordered_json> ParseMetricsLine(std::string_view line);
 
 // The Prometheus text for one metrics.jsonl line (mapping above), every family labelled
 // run="`run`". kCorruption when the line is not a JSON object (the caller names file and

@@ -15,6 +15,8 @@ constexpr std::array<ControlCommand, 5> kCommands = {ControlCommand::kStatus, Co
                                                      ControlCommand::kResume, ControlCommand::kSnapshot,
                                                      ControlCommand::kStop};
 constexpr std::array<std::string_view, 3> kRequestFields = {"v", "id", "command"};
+// Replies nested deeper than this are refused.
+constexpr int kMaxReplyDepth = 16;
 // Hostile text is shown at most this long in messages and error replies.
 constexpr size_t kMaxShownBytes = 64;
 
@@ -176,7 +178,7 @@ Result<std::string> SerializeReply(const ControlReply& reply) {
     if (reply.error.ok()) return Status::Internal("control reply: an error reply needs a non-OK status");
     OrderedJson e;
     e["code"] = std::string(StatusCodeName(reply.error.code()));
-    if (!reply.error_field.empty()) e["field"] = reply.error_field;
+    if (reply.error_field) e["field"] = *reply.error_field;
     e["message"] = reply.error.message();
     j["error"] = std::move(e);
   }
@@ -187,8 +189,21 @@ Result<ControlReply> ParseReply(std::string_view message) {
   if (message.size() > kMaxTransportBytes) {
     return Status::Corruption("control reply: " + std::to_string(message.size()) + " bytes, over the 1 MiB limit");
   }
-  Json j = Json::parse(message.begin(), message.end(), nullptr, /*allow_exceptions=*/false);
+  // A reply's fields are shallow; deeper nesting is refused so that printing it cannot recurse deeply.
+  bool too_deep = false;
+  const Json::parser_callback_t depth_limit = [&too_deep](int depth, Json::parse_event_t event, Json&) {
+    if ((event == Json::parse_event_t::object_start || event == Json::parse_event_t::array_start) &&
+        depth >= kMaxReplyDepth) {
+      too_deep = true;
+      return false;
+    }
+    return true;
+  };
+  Json j = Json::parse(message.begin(), message.end(), depth_limit, /*allow_exceptions=*/false);
   if (j.is_discarded() || !j.is_object()) return Status::Corruption("control reply: not a JSON object");
+  if (too_deep) {
+    return Status::Corruption("control reply: nested deeper than " + std::to_string(kMaxReplyDepth) + " levels");
+  }
   const auto bad = [](std::string_view field, std::string_view what) {
     return Status::Corruption("control reply: field \"" + std::string(field) + "\": " + std::string(what));
   };

@@ -80,7 +80,7 @@ struct ControlRequest {
 // What a refused request's error reply carries besides its Status (filled by ParseRequest).
 struct RequestFault {
   std::optional<uint64_t> id;  // the request's id when it could be read
-  std::string field;           // the field at fault; "message" for the whole message
+  std::string field;           // the field at fault ("" is a field's name too); "message" for the whole message
 };
 
 // Parses one request message under the rules above. On refusal the Status names the field
@@ -97,7 +97,7 @@ struct ControlReply {
   bool ok = true;
   nlohmann::json fields = nlohmann::json::object();  // ok: the command's fields
   Status error;                                      // !ok: the code and message
-  std::string error_field;                           // !ok: the field at fault, "" when none
+  std::optional<std::string> error_field;            // !ok: the field at fault (may be ""), if any
 };
 
 // The reply's JSON text ({"v":1,"id":...,"ok":...} first, then the fields or "error").
@@ -106,7 +106,7 @@ struct ControlReply {
 [[nodiscard]] Result<std::string> SerializeReply(const ControlReply& reply);
 
 // Parses a reply (client side): kCorruption naming the field when it is not a reply as
-// defined above (over 1 MiB, not a JSON object, v not 1, id not an unsigned integer or
+// defined above (over 1 MiB, not a JSON object, nested over 16 levels, v not 1, id not an unsigned integer or
 // null, ok not a boolean, an error reply without a known code or a message).
 [[nodiscard]] Result<ControlReply> ParseReply(std::string_view message);
 

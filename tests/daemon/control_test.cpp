@@ -65,6 +65,7 @@ TEST(ControlProtocol, EveryRefusalNamesItsField) {
       {"\"status\"", StatusCode::kInvalidArgument, "message", std::nullopt},
       {"{\"v\":1,\"id\":1,\"command\":\"st\xff\"}", StatusCode::kInvalidArgument, "message", std::nullopt},
       {R"({"v":1,"id":3,"command":"status","extra":1})", StatusCode::kInvalidArgument, "extra", 3},
+      {R"({"v":1,"id":3,"command":"status","":1})", StatusCode::kInvalidArgument, "", 3},
       {R"({"v":1,"id":3,"command":"status","extra":{"a":[1]}})", StatusCode::kInvalidArgument, "extra", 3},
       {R"({"v":1,"id":3,"command":"status","x":)" + deep + "}", StatusCode::kInvalidArgument, "x", 3},
       {R"({"v":1,"id":3,"command":"status","command":"stop"})", StatusCode::kInvalidArgument, "command", 3},
@@ -158,6 +159,7 @@ TEST(ControlProtocol, ReplyRefusals) {
       {R"({"v":1,"id":1,"ok":false,"error":{"code":"nope","message":"m"}})", "\"error.code\""},
       {R"({"v":1,"id":1,"ok":false,"error":{"code":"ok","message":"m"}})", "\"error.code\""},
       {R"({"v":1,"id":1,"ok":false,"error":{"code":"internal"}})", "\"error.message\""},
+      {R"({"v":1,"id":1,"ok":true,"x":)" + std::string(5000, '[') + std::string(5000, ']') + "}", "nested deeper"},
   };
   for (const auto& [text, field] : bad) {
     auto r = ParseReply(text);
@@ -323,6 +325,9 @@ TEST_F(ControlSocketTest, BadMessagesGetErrorRepliesWhileAGoodClientIsServed) {
   r = raw.ErrorReplyTo({R"({"v":1,"id":78,"command":"status","x":1})"});
   EXPECT_EQ(r.error_field, "x");
   EXPECT_EQ(r.id, 78u);
+
+  r = raw.ErrorReplyTo({R"({"v":1,"id":78,"command":"status","":1})"});
+  EXPECT_EQ(r.error_field, "");  // an empty name is a field's name too
 
   r = raw.ErrorReplyTo({R"({"v":3,"id":79,"command":"status"})"});
   EXPECT_EQ(r.error.code(), StatusCode::kUnsupported);
@@ -568,6 +573,13 @@ TEST(Prometheus, NamesAndLabelValuesAreEscaped) {
                               "# TYPE ferry_generator_info gauge",
                               R"(ferry_generator_info{run="my\"run\\",version="v\"1"} 1)",
                           }));
+}
+
+TEST(Prometheus, NestedValuesAreLeftOutOfAParsedLine) {
+  const std::string deep = std::string(30000, '[') + std::string(30000, ']');
+  auto j = ParseMetricsLine(R"({"step":1,"deep":)" + deep + R"(,"o":{"a":1},"reward":0.5})");
+  ASSERT_TRUE(j.ok()) << j.status().ToString();
+  EXPECT_EQ(j->dump(), R"({"step":1,"reward":0.5})");
 }
 
 TEST(Prometheus, ALineThatIsNotAnObjectIsRefused) {

@@ -137,7 +137,8 @@ Json CallOrFail(const Flags& f, ControlCommand command) {
   if (reply.status().code() == StatusCode::kUnavailable) {
     if (holder) {
       Fail("ferryd pid " + std::to_string(*holder) + " holds " + DirText(f) +
-           " but its control socket did not answer (" + reply.status().message() + ")");
+           " but its control socket did not answer within " + std::to_string(f.timeout_ms) +
+           " ms (hung, or still starting)");
     }
     Fail(reply.status(), kExitNotRunning);
   }
@@ -513,8 +514,8 @@ void SetDaemonCommand(CLI::App& app) {
   auto* daemon = app.add_subcommand("daemon", "Operate ferryd, the GRPO daemon: start, status, pause, resume, "
                                               "snapshot, stop, metrics, logs");
   daemon->require_subcommand(1);
+  // One Flags per subcommand: each has its own defaults (--timeout-ms differs).
   auto flags = std::make_shared<Flags>();
-
   auto* start = daemon->add_subcommand("start", "Run `ferryd train` on a run directory (foreground, or --detach)");
   start->add_option("--config", flags->config, "The run's TOML config")->required();
   AddDir(start, *flags);
@@ -527,6 +528,7 @@ void SetDaemonCommand(CLI::App& app) {
   start->add_flag("--json", flags->json, "With --detach: print {pid, dir, log} as JSON");
   start->callback([flags] { RunStart(*flags); });
 
+  flags = std::make_shared<Flags>();
   auto* status = daemon->add_subcommand(
       "status", "The daemon's status; without a daemon: \"stopped\" with the last logged step (exit 3)");
   AddControl(status, *flags, 5000);
@@ -541,23 +543,27 @@ void SetDaemonCommand(CLI::App& app) {
   for (const Simple& s : {Simple{"pause", "Finish the current step and hold", ControlCommand::kPause},
                           Simple{"resume", "Continue a paused run", ControlCommand::kResume}}) {
     auto* c = daemon->add_subcommand(s.name, s.help);
-    AddControl(c, *flags, 10000);
-    c->add_flag("--json", flags->json, "Print ferryd's reply as JSON");
+    auto own = std::make_shared<Flags>();
+    AddControl(c, *own, 10000);
+    c->add_flag("--json", own->json, "Print ferryd's reply as JSON");
     const ControlCommand command = s.command;
-    c->callback([flags, command] { RunSimple(*flags, command); });
+    c->callback([own, command] { RunSimple(*own, command); });
   }
 
+  flags = std::make_shared<Flags>();
   auto* snapshot = daemon->add_subcommand("snapshot", "Checkpoint now; prints the checkpoint's version id");
   AddControl(snapshot, *flags, 600000);
   snapshot->add_flag("--json", flags->json, "Print ferryd's reply (version, checkpoint, step) as JSON");
   snapshot->callback([flags] { RunSnapshot(*flags); });
 
+  flags = std::make_shared<Flags>();
   auto* stop = daemon->add_subcommand("stop", "Finish the step, checkpoint and exit; waits for the exit");
   AddControl(stop, *flags, 10000);
   stop->add_flag("--no-wait", flags->no_wait, "Return once ferryd has accepted the stop");
   stop->add_flag("--json", flags->json, "Print ferryd's reply as JSON");
   stop->callback([flags] { RunStop(*flags); });
 
+  flags = std::make_shared<Flags>();
   auto* metrics = daemon->add_subcommand("metrics", "The run's logged metrics (DIR/metrics.jsonl)");
   AddDir(metrics, *flags);
   metrics->add_flag("--follow", flags->follow, "Keep printing new steps while a ferryd runs for DIR");
@@ -572,6 +578,7 @@ void SetDaemonCommand(CLI::App& app) {
       ->default_str("500");
   metrics->callback([flags] { RunMetrics(*flags); });
 
+  flags = std::make_shared<Flags>();
   auto* logs = daemon->add_subcommand("logs", "A detached ferryd's output (DIR/ferryd.log)");
   AddDir(logs, *flags);
   logs->add_flag("--follow", flags->follow, "Keep printing new lines while a ferryd runs for DIR");

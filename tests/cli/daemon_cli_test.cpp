@@ -9,11 +9,13 @@
 #include <sstream>
 #include <string>
 #include <vector>
+#include <zmq.hpp>
 
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
 #include "daemon/control/run_lock.h"
+#include "daemon/control/server.h"
 #include "tests/cli/cli_runner.h"
 #include "tests/temp_dir.h"
 
@@ -204,6 +206,26 @@ TEST_F(DaemonCliTest, BadInputIsAClearErrorAndANonZeroExit) {
 
   r = RunFerry({"daemon", "snapshot", "--bogus"});
   EXPECT_EQ(r.exit_code, 1);
+}
+
+TEST_F(DaemonCliTest, AHungDaemonIsNamedAfterStatusOwnTimeout) {
+  // This process plays a ferryd that holds the lock and whose socket never answers.
+  auto lock = control::RunLock::Acquire(run_);
+  ASSERT_TRUE(lock.ok()) << lock.status().ToString();
+  auto endpoint = control::ControlEndpoint(run_);
+  ASSERT_TRUE(endpoint.ok());
+  zmq::context_t ctx;
+  zmq::socket_t silent(ctx, zmq::socket_type::router);
+  silent.set(zmq::sockopt::linger, 0);
+  silent.bind(*endpoint);
+  // status's default timeout is its own (5 s), not another subcommand's.
+  auto r = RunFerry(Args({"daemon", "status"}));
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.err.find("ferryd pid " + std::to_string(::getpid()) + " holds " + run_.string() +
+                       " but its control socket did not answer"),
+            std::string::npos)
+      << r.err;
+  EXPECT_NE(r.err.find("within 5000 ms"), std::string::npos) << r.err;
 }
 
 TEST_F(DaemonCliTest, ForegroundStartPassesFerrydsExitCodeThrough) {

@@ -20,5 +20,7 @@ void SetAuditCommand(CLI::App& app);
 // Weight sync over ZeroMQ (sync/): `sync publish|receive|status`, `keys generate`.
 void SetSyncCommand(CLI::App& app);
 void SetKeysCommand(CLI::App& app);
+// Operating ferryd (daemon/control/): `daemon start|status|pause|resume|snapshot|stop|metrics|logs`.
+void SetDaemonCommand(CLI::App& app);
 
 }  // namespace ferry::cli

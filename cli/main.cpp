@@ -16,6 +16,7 @@ int main(int argc, char** argv) {
   ferry::cli::SetAuditCommand(app);
   ferry::cli::SetSyncCommand(app);
   ferry::cli::SetKeysCommand(app);
+  ferry::cli::SetDaemonCommand(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::RuntimeError& e) {

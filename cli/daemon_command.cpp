@@ -1,0 +1,589 @@
+// `ferry daemon ...`: operating ferryd (the GRPO daemon) over its control socket
+// (daemon/control/protocol.h) and from its run directory's files (daemon/control/run_dir.h).
+//   start    --config FILE [--dir DIR] [--max-steps N] [--detach [--wait-s S]] [--json]
+//            runs `ferryd train --config FILE --dir DIR [--max-steps N]` (ferryd next to this
+//            executable, or $FERRY_FERRYD): in the foreground (its exit code is ferry's), or
+//            detached (new session, output appended to DIR/ferryd.log; prints the pid once the
+//            control socket answers, fails when ferryd exits first)
+//   status   [--json]                  the daemon's status; without one: state "stopped" from
+//                                      DIR/metrics.jsonl and the newest checkpoint, exit 3
+//   pause | resume | snapshot | stop   (snapshot prints the version id; stop waits for the
+//                                      daemon to exit unless --no-wait)
+//   metrics  [--follow] [--prometheus [--output FILE]] [--json] [--run NAME]
+//   logs     [--follow]
+// Every subcommand takes --dir DIR (default: the current directory). Control commands also
+// take --connect tcp://HOST:PORT --key PREFIX --server-key FILE (CURVE) and --timeout-ms.
+// Exit codes: 0 done, 1 error, 3 no ferryd is running for DIR.
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "cli/commands.h"
+#include "cli/output.h"
+#include "daemon/control/client.h"
+#include "daemon/control/metrics.h"
+#include "daemon/control/run_dir.h"
+#include "daemon/control/run_lock.h"
+#include "sync/keys.h"
+
+namespace ferry::cli {
+namespace {
+
+namespace fs = std::filesystem;
+using Json = nlohmann::json;
+using control::ControlCommand;
+
+constexpr int kExitNotRunning = 3;
+
+struct Flags {
+  std::string dir = ".";
+  bool json = false;
+  // Control socket.
+  std::string connect, key, server_key;
+  int timeout_ms = 10000;
+  // start
+  std::string config;
+  bool detach = false;
+  int64_t max_steps = 0;
+  int wait_s = 120;
+  // stop
+  bool no_wait = false;
+  // metrics, logs
+  bool follow = false, prometheus = false;
+  std::string output, run;
+  int poll_ms = 500;
+};
+
+void AddDir(CLI::App* c, Flags& f) {
+  c->add_option("--dir", f.dir, "The run directory (default: the current directory)");
+}
+
+void AddControl(CLI::App* c, Flags& f, int default_timeout_ms) {
+  AddDir(c, f);
+  f.timeout_ms = default_timeout_ms;
+  c->add_option("--connect", f.connect,
+                "ferryd's control endpoint, tcp://HOST:PORT (needs --key and --server-key); default: the ipc socket "
+                "in DIR/.ferryd/");
+  c->add_option("--key", f.key, "CURVE keypair prefix (PREFIX.key / PREFIX.pub) of this client, for tcp://");
+  c->add_option("--server-key", f.server_key, "ferryd's CURVE public key file, for tcp://");
+  c->add_option("--timeout-ms", f.timeout_ms, "How long to wait for ferryd's reply")
+      ->default_str(std::to_string(default_timeout_ms));
+}
+
+std::string DirText(const Flags& f) { return f.dir; }
+
+control::ControlClientOptions ClientOptionsOrFail(const Flags& f) {
+  if (f.timeout_ms <= 0) Fail("--timeout-ms must be positive");
+  control::ControlClientOptions o;
+  o.run_dir = f.dir;
+  o.endpoint = f.connect;
+  if (f.key.empty()) {
+    if (!f.server_key.empty()) Fail("--server-key needs --key");
+    return o;
+  }
+  if (f.server_key.empty()) Fail("--key needs --server-key FILE (ferryd's public key)");
+  sync::CurveOptions c;
+  auto sec = sync::ReadSecretKey(f.key + ".key");
+  if (!sec.ok()) Fail(sec.status());
+  auto pub = sync::ReadPublicKey(f.key + ".pub");
+  if (!pub.ok()) Fail(pub.status());
+  auto server = sync::ReadPublicKey(f.server_key);
+  if (!server.ok()) Fail(server.status());
+  c.secret_key = *sec;
+  c.public_key = *pub;
+  c.server_public_key = *server;
+  o.curve = c;
+  return o;
+}
+
+// The pid holding DIR's lock, or nullopt when no ferryd runs there.
+std::optional<pid_t> HolderOrFail(const Flags& f) {
+  auto pid = control::RunLock::Holder(f.dir);
+  if (pid.ok()) return *pid;
+  if (pid.status().code() == StatusCode::kNotFound) return std::nullopt;
+  Fail(pid.status());
+}
+
+// Calls `command` on the daemon of `f`. Exits 3 when no ferryd runs for DIR; exits 1 naming
+// the pid when one holds DIR but does not answer.
+Json CallOrFail(const Flags& f, ControlCommand command) {
+  const auto options = ClientOptionsOrFail(f);
+  std::optional<pid_t> holder;
+  if (f.connect.empty()) {
+    holder = HolderOrFail(f);
+    if (!holder) Fail("no ferryd is running for " + DirText(f), kExitNotRunning);
+  }
+  auto client = control::ControlClient::Connect(options);
+  Result<Json> reply = client.ok() ? (*client)->Call(command, std::chrono::milliseconds(f.timeout_ms))
+                                   : Result<Json>(client.status());
+  if (reply.ok()) return std::move(*reply);
+  if (reply.status().code() == StatusCode::kUnavailable) {
+    if (holder) {
+      Fail("ferryd pid " + std::to_string(*holder) + " holds " + DirText(f) +
+           " but its control socket did not answer within " + std::to_string(f.timeout_ms) +
+           " ms (hung, or still starting)");
+    }
+    Fail(reply.status(), kExitNotRunning);
+  }
+  Fail(reply.status());
+}
+
+void PrintJson(const Json& j) {
+  std::printf("%s\n", JsonText(j).c_str());
+  std::fflush(stdout);
+}
+
+std::string ValueText(const Json& v) { return v.is_string() ? v.get<std::string>() : JsonText(v); }
+
+// Known status fields first, in the protocol's order, then any others.
+void PrintStatusText(const Json& j) {
+  static const char* kOrder[] = {"state", "pid", "step", "total_steps", "epoch", "generator_version",
+                                 "last_checkpoint", "reward", "reward_trend", "learning_rate",
+                                 "steps_per_second", "uptime_seconds"};
+  std::vector<std::string> shown;
+  for (const char* k : kOrder) {
+    if (auto it = j.find(k); it != j.end()) {
+      std::printf("%-18s %s\n", (std::string(k) + ":").c_str(), ValueText(*it).c_str());
+      shown.emplace_back(k);
+    }
+  }
+  for (const auto& [k, v] : j.items()) {
+    if (std::find(shown.begin(), shown.end(), k) == shown.end()) {
+      std::printf("%-18s %s\n", (k + ":").c_str(), ValueText(v).c_str());
+    }
+  }
+  std::fflush(stdout);
+}
+
+// What the run directory says when no daemon answers.
+Json StoppedStatus(const Flags& f) {
+  Json j;
+  j["state"] = "stopped";
+  j["pid"] = nullptr;
+  auto checkpoint = control::NewestCheckpoint(f.dir);
+  if (!checkpoint.ok()) Fail(checkpoint.status());
+  j["last_checkpoint"] = checkpoint->has_value() ? Json((*checkpoint)->name) : Json(nullptr);
+  auto metrics = control::LastMetrics(f.dir);
+  if (!metrics.ok()) Fail(metrics.status());
+  for (const char* k : {"step", "epoch", "generator_version", "reward", "learning_rate"}) {
+    const Json* v = nullptr;
+    if (metrics->has_value()) {
+      if (auto it = (*metrics)->value.find(k); it != (*metrics)->value.end()) v = &*it;
+    }
+    j[k] = v != nullptr ? *v : Json(nullptr);
+  }
+  return j;
+}
+
+void RunStatusCommand(const Flags& f) {
+  if (f.connect.empty() && !HolderOrFail(f)) {
+    const Json j = StoppedStatus(f);
+    f.json ? PrintJson(j) : PrintStatusText(j);
+    throw CLI::RuntimeError(kExitNotRunning);
+  }
+  const Json j = CallOrFail(f, ControlCommand::kStatus);
+  f.json ? PrintJson(j) : PrintStatusText(j);
+}
+
+void RunSimple(const Flags& f, ControlCommand command) {
+  const Json j = CallOrFail(f, command);
+  if (f.json) return PrintJson(j);
+  const auto state = j.find("state");
+  std::printf("%s\n", state != j.end() ? ValueText(*state).c_str() : "ok");
+  std::fflush(stdout);
+}
+
+void RunSnapshot(const Flags& f) {
+  const Json j = CallOrFail(f, ControlCommand::kSnapshot);
+  const auto version = j.find("version");
+  if (version == j.end() || !version->is_string()) Fail("ferryd's snapshot reply carries no version id");
+  if (f.json) return PrintJson(j);
+  std::printf("%s\n", version->get_ref<const std::string&>().c_str());
+  std::fflush(stdout);
+}
+
+void RunStop(const Flags& f) {
+  const std::optional<pid_t> holder = f.connect.empty() ? HolderOrFail(f) : std::nullopt;
+  const int64_t pid = holder.value_or(0);
+  const Json j = CallOrFail(f, ControlCommand::kStop);
+  if (!f.no_wait && f.connect.empty()) {
+    // The lock goes when the process does, however it ends.
+    while (HolderOrFail(f)) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  const bool stopped = !f.no_wait && f.connect.empty();
+  if (f.json) {
+    Json out = j;
+    if (stopped) out["state"] = "stopped";
+    if (pid != 0 && !out.contains("pid")) out["pid"] = pid;
+    return PrintJson(out);
+  }
+  if (stopped) {
+    std::printf("stopped%s\n", pid != 0 ? (" (pid " + std::to_string(pid) + ")").c_str() : "");
+  } else {
+    const auto state = j.find("state");
+    std::printf("%s\n", state != j.end() ? ValueText(*state).c_str() : "stopping");
+  }
+  std::fflush(stdout);
+}
+
+// ---- start ----
+
+std::string FerrydPathOrFail() {
+  if (const char* env = std::getenv("FERRY_FERRYD"); env != nullptr && *env != '\0') {
+    if (::access(env, X_OK) != 0) Fail(std::string("FERRY_FERRYD=") + env + ": not an executable file");
+    return env;
+  }
+  std::error_code ec;
+  const fs::path self = fs::read_symlink("/proc/self/exe", ec);
+  if (ec) Fail("cannot find this executable's directory (/proc/self/exe): " + ec.message());
+  const fs::path ferryd = self.parent_path() / "ferryd";
+  if (::access(ferryd.c_str(), X_OK) != 0) {
+    Fail("ferryd not found at " + ferryd.string() +
+         " (it is installed next to ferry and needs LibTorch; set FERRY_FERRYD to run another)");
+  }
+  return ferryd.string();
+}
+
+std::string LogTail(const fs::path& log, size_t lines) {
+  std::ifstream in(log);
+  std::vector<std::string> all;
+  std::string line;
+  while (std::getline(in, line)) {
+    all.push_back(line);
+    if (all.size() > lines) all.erase(all.begin());
+  }
+  std::string out;
+  for (const auto& l : all) out += "  " + l + "\n";
+  return out;
+}
+
+void RunStart(const Flags& f) {
+  std::error_code ec;
+  if (!fs::is_regular_file(f.config, ec)) Fail("--config " + f.config + ": no such file");
+  if (f.max_steps < 0) Fail("--max-steps must be positive");
+  if (f.wait_s <= 0) Fail("--wait-s must be positive");
+  if (auto holder = HolderOrFail(f)) {
+    Fail(DirText(f) + " is in use by ferryd pid " + std::to_string(*holder));
+  }
+  const std::string ferryd = FerrydPathOrFail();
+  const fs::path dir = fs::absolute(f.dir).lexically_normal();
+  std::vector<std::string> args = {ferryd, "train", "--config", fs::absolute(f.config).lexically_normal().string(),
+                                   "--dir", dir.string()};
+  if (f.max_steps > 0) {
+    args.push_back("--max-steps");
+    args.push_back(std::to_string(f.max_steps));
+  }
+  std::vector<char*> argv;
+  for (auto& a : args) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  std::fflush(stdout);
+  std::fflush(stderr);
+  if (!f.detach) {
+    ::execv(ferryd.c_str(), argv.data());
+    Fail("cannot run " + ferryd + ": " + std::strerror(errno));
+  }
+
+  fs::create_directories(dir, ec);
+  if (ec) Fail(dir.string() + ": cannot create the run directory: " + ec.message());
+  const fs::path log = dir / control::kLogFileName;
+  const int log_fd = ::open(log.c_str(), O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC, 0644);
+  if (log_fd < 0) Fail(log.string() + ": cannot open: " + std::strerror(errno));
+  const int null_fd = ::open("/dev/null", O_RDONLY | O_CLOEXEC);
+  int report[2];
+  if (null_fd < 0 || ::pipe2(report, O_CLOEXEC) != 0) Fail(std::string("cannot start ferryd: ") + std::strerror(errno));
+  const pid_t pid = ::fork();
+  if (pid < 0) Fail(std::string("cannot fork: ") + std::strerror(errno));
+  if (pid == 0) {
+    // The child: only async-signal-safe calls until exec.
+    ::setsid();
+    ::dup2(null_fd, STDIN_FILENO);
+    ::dup2(log_fd, STDOUT_FILENO);
+    ::dup2(log_fd, STDERR_FILENO);
+    ::execv(ferryd.c_str(), argv.data());
+    const int err = errno;
+    (void)!::write(report[1], &err, sizeof(err));
+    ::_exit(127);
+  }
+  ::close(report[1]);
+  ::close(log_fd);
+  ::close(null_fd);
+  int exec_errno = 0;
+  ssize_t n;
+  while ((n = ::read(report[0], &exec_errno, sizeof(exec_errno))) < 0 && errno == EINTR) {
+  }
+  ::close(report[0]);
+  if (n == static_cast<ssize_t>(sizeof(exec_errno))) {
+    ::waitpid(pid, nullptr, 0);
+    Fail("cannot run " + ferryd + ": " + std::strerror(exec_errno));
+  }
+
+  Flags probe = f;
+  probe.dir = dir.string();
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(f.wait_s);
+  for (;;) {
+    int status = 0;
+    if (::waitpid(pid, &status, WNOHANG) == pid) {
+      const std::string how = WIFEXITED(status) ? "with code " + std::to_string(WEXITSTATUS(status))
+                                                : "on signal " + std::to_string(WTERMSIG(status));
+      Fail("ferryd pid " + std::to_string(pid) + " exited " + how + " before its control socket answered; " +
+           log.string() + " ends with:\n" + LogTail(log, 10));
+    }
+    control::ControlClientOptions o;
+    o.run_dir = dir;
+    if (auto client = control::ControlClient::Connect(o); client.ok()) {
+      if (auto reply = (*client)->Call(ControlCommand::kStatus, std::chrono::milliseconds(500)); reply.ok()) break;
+    }
+    if (std::chrono::steady_clock::now() >= deadline) {
+      Fail("ferryd pid " + std::to_string(pid) + " is running but its control socket did not answer within " +
+           std::to_string(f.wait_s) + " s (see " + log.string() + ")");
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  if (f.json) {
+    PrintJson(Json{{"pid", pid}, {"dir", dir.string()}, {"log", log.string()}});
+  } else {
+    std::printf("%d\n", static_cast<int>(pid));
+    std::fprintf(stderr, "ferry: ferryd pid %d is running in %s (log: %s)\n", static_cast<int>(pid),
+                 dir.c_str(), log.c_str());
+  }
+  std::fflush(stdout);
+}
+
+// ---- metrics, logs ----
+
+std::string RunLabel(const Flags& f) {
+  if (!f.run.empty()) return f.run;
+  fs::path p = fs::absolute(f.dir).lexically_normal();
+  if (p.filename().empty()) p = p.parent_path();
+  return p.filename().string();
+}
+
+// Writes `text` to `path` through a temporary file renamed over it.
+void WriteAtomicOrFail(const fs::path& path, const std::string& text) {
+  const fs::path tmp = path.string() + ".tmp." + std::to_string(::getpid());
+  {
+    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
+    out << text;
+    out.flush();
+    if (!out) {
+      std::error_code ec;
+      fs::remove(tmp, ec);
+      Fail(tmp.string() + ": cannot write");
+    }
+  }
+  std::error_code ec;
+  fs::rename(tmp, path, ec);
+  if (ec) {
+    fs::remove(tmp, ec);
+    Fail(path.string() + ": cannot replace: " + ec.message());
+  }
+}
+
+// Prints one metrics line as --json / --prometheus / text ask; a line that is not a JSON
+// object is reported on stderr (naming file and line) and skipped.
+void PrintMetricsLine(const Flags& f, const fs::path& file, uint64_t number, const std::string& line,
+                      const std::string& run) {
+  if (line.find_first_not_of(" \t\r") == std::string::npos) return;
+  const auto warn = [&](const std::string& what) {
+    std::fprintf(stderr, "ferry: warning: %s line %llu: %s; skipped\n", file.c_str(),
+                 static_cast<unsigned long long>(number), what.c_str());
+  };
+  if (f.prometheus) {
+    auto text = control::MetricsToPrometheus(line, run);
+    if (!text.ok()) return warn(text.status().message());
+    if (!f.output.empty()) {
+      WriteAtomicOrFail(f.output, *text);
+    } else {
+      std::printf("%s", text->c_str());
+      if (f.follow) std::printf("\n");
+    }
+    std::fflush(stdout);
+    return;
+  }
+  auto j = control::ParseMetricsLine(line);
+  if (!j.ok()) return warn(j.status().message());
+  if (f.json) {
+    std::printf("%s\n", line.c_str());
+  } else {
+    std::string out;
+    for (const auto& [k, v] : j->items()) {
+      if (!out.empty()) out += "  ";
+      out += k + " " + (v.is_string() ? v.get<std::string>() : JsonText(v));
+    }
+    std::printf("%s\n", out.c_str());
+  }
+  std::fflush(stdout);
+}
+
+void RunMetrics(const Flags& f) {
+  if (!f.output.empty() && !f.prometheus) Fail("--output is only used with --prometheus");
+  if (f.json && f.prometheus) Fail("--json and --prometheus exclude each other");
+  if (f.poll_ms <= 0) Fail("--poll-ms must be positive");
+  const fs::path file = fs::path(f.dir) / control::kMetricsFileName;
+  const std::string run = RunLabel(f);
+  std::error_code ec;
+  if (!f.follow) {
+    if (!fs::exists(file, ec)) Fail(file.string() + ": no such file (ferryd has not logged a step yet)");
+    if (f.prometheus) {
+      auto last = control::LastMetrics(f.dir);
+      if (!last.ok()) Fail(last.status());
+      if (!last->has_value()) Fail(file.string() + ": no complete line yet");
+      auto text = control::MetricsToPrometheus((*last)->text, run);
+      if (!text.ok()) Fail(text.status().WithContext(file.string() + " line " + std::to_string((*last)->number)));
+      if (!f.output.empty()) {
+        WriteAtomicOrFail(f.output, *text);
+      } else {
+        std::printf("%s", text->c_str());
+      }
+      std::fflush(stdout);
+      return;
+    }
+  }
+  control::FileTail tail(file);
+  uint64_t number = 0;
+  for (;;) {
+    // Whether a daemon runs is read before the file, so nothing it wrote before exiting is missed.
+    const bool running = f.follow && HolderOrFail(f).has_value();
+    for (;;) {
+      auto update = tail.Poll();
+      if (!update.ok()) Fail(update.status());
+      if (update->rewritten) {
+        std::fprintf(stderr, "ferry: %s was truncated or replaced (a resumed run?); continuing from its first changed line\n",
+                     file.c_str());
+        number = 0;  // line numbers restart; replayed lines are counted below
+      }
+      for (const std::string& line : update->lines) PrintMetricsLine(f, file, ++number, line, run);
+      if (update->lines.empty()) break;
+    }
+    if (!running) return;
+    std::this_thread::sleep_for(std::chrono::milliseconds(f.poll_ms));
+  }
+}
+
+void RunLogs(const Flags& f) {
+  if (f.poll_ms <= 0) Fail("--poll-ms must be positive");
+  const fs::path file = fs::path(f.dir) / control::kLogFileName;
+  std::error_code ec;
+  if (!f.follow && !fs::exists(file, ec)) {
+    Fail(file.string() + ": no such file (a ferryd started with `ferry daemon start --detach` writes it)");
+  }
+  control::FileTail tail(file, /*remember_lines=*/false);
+  for (;;) {
+    const bool running = f.follow && HolderOrFail(f).has_value();
+    for (;;) {
+      auto update = tail.Poll();
+      if (!update.ok()) Fail(update.status());
+      if (update->rewritten) std::fprintf(stderr, "ferry: %s was truncated or replaced; reading it again\n", file.c_str());
+      for (const std::string& line : update->lines) std::printf("%s\n", line.c_str());
+      std::fflush(stdout);
+      if (update->lines.empty()) break;
+    }
+    if (!running) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(f.poll_ms));
+  }
+  if (!f.follow) {
+    // A last line without its newline yet.
+    std::ifstream in(file, std::ios::binary);
+    std::string all((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    const size_t nl = all.rfind('\n');
+    const std::string rest = nl == std::string::npos ? all : all.substr(nl + 1);
+    if (!rest.empty() && rest.size() <= control::FileTail::kMaxPendingBytes) std::printf("%s\n", rest.c_str());
+  }
+}
+
+}  // namespace
+
+void SetDaemonCommand(CLI::App& app) {
+  auto* daemon = app.add_subcommand("daemon", "Operate ferryd, the GRPO daemon: start, status, pause, resume, "
+                                              "snapshot, stop, metrics, logs");
+  daemon->require_subcommand(1);
+  // One Flags per subcommand: each has its own defaults (--timeout-ms differs).
+  auto flags = std::make_shared<Flags>();
+  auto* start = daemon->add_subcommand("start", "Run `ferryd train` on a run directory (foreground, or --detach)");
+  start->add_option("--config", flags->config, "The run's TOML config")->required();
+  AddDir(start, *flags);
+  start->add_option("--max-steps", flags->max_steps, "Passed to ferryd: stop after N steps");
+  start->add_flag("--detach", flags->detach,
+                  "Run as a daemon (new session, output appended to DIR/ferryd.log); print its pid once its control "
+                  "socket answers");
+  start->add_option("--wait-s", flags->wait_s, "With --detach: how long to wait for the control socket")
+      ->default_str("120");
+  start->add_flag("--json", flags->json, "With --detach: print {pid, dir, log} as JSON");
+  start->callback([flags] { RunStart(*flags); });
+
+  flags = std::make_shared<Flags>();
+  auto* status = daemon->add_subcommand(
+      "status", "The daemon's status; without a daemon: \"stopped\" with the last logged step (exit 3)");
+  AddControl(status, *flags, 5000);
+  status->add_flag("--json", flags->json, "Print the status as one JSON object");
+  status->callback([flags] { RunStatusCommand(*flags); });
+
+  struct Simple {
+    const char* name;
+    const char* help;
+    ControlCommand command;
+  };
+  for (const Simple& s : {Simple{"pause", "Finish the current step and hold", ControlCommand::kPause},
+                          Simple{"resume", "Continue a paused run", ControlCommand::kResume}}) {
+    auto* c = daemon->add_subcommand(s.name, s.help);
+    auto own = std::make_shared<Flags>();
+    AddControl(c, *own, 10000);
+    c->add_flag("--json", own->json, "Print ferryd's reply as JSON");
+    const ControlCommand command = s.command;
+    c->callback([own, command] { RunSimple(*own, command); });
+  }
+
+  flags = std::make_shared<Flags>();
+  auto* snapshot = daemon->add_subcommand("snapshot", "Checkpoint now; prints the checkpoint's version id");
+  AddControl(snapshot, *flags, 600000);
+  snapshot->add_flag("--json", flags->json, "Print ferryd's reply (version, checkpoint, step) as JSON");
+  snapshot->callback([flags] { RunSnapshot(*flags); });
+
+  flags = std::make_shared<Flags>();
+  auto* stop = daemon->add_subcommand("stop", "Finish the step, checkpoint and exit; waits for the exit");
+  AddControl(stop, *flags, 10000);
+  stop->add_flag("--no-wait", flags->no_wait, "Return once ferryd has accepted the stop");
+  stop->add_flag("--json", flags->json, "Print ferryd's reply as JSON");
+  stop->callback([flags] { RunStop(*flags); });
+
+  flags = std::make_shared<Flags>();
+  auto* metrics = daemon->add_subcommand("metrics", "The run's logged metrics (DIR/metrics.jsonl)");
+  AddDir(metrics, *flags);
+  metrics->add_flag("--follow", flags->follow, "Keep printing new steps while a ferryd runs for DIR");
+  metrics->add_flag("--prometheus", flags->prometheus,
+                    "The Prometheus text format (the last step; with --follow, a block per step)");
+  metrics->add_option("--output", flags->output,
+                      "With --prometheus: write FILE (replaced atomically per step) instead of stdout, e.g. for "
+                      "node_exporter's textfile collector");
+  metrics->add_option("--run", flags->run, "The run label for --prometheus (default: DIR's name)");
+  metrics->add_flag("--json", flags->json, "Print the JSON lines as they are");
+  metrics->add_option("--poll-ms", flags->poll_ms, "With --follow: how often to look for new lines")
+      ->default_str("500");
+  metrics->callback([flags] { RunMetrics(*flags); });
+
+  flags = std::make_shared<Flags>();
+  auto* logs = daemon->add_subcommand("logs", "A detached ferryd's output (DIR/ferryd.log)");
+  AddDir(logs, *flags);
+  logs->add_flag("--follow", flags->follow, "Keep printing new lines while a ferryd runs for DIR");
+  logs->add_option("--poll-ms", flags->poll_ms, "With --follow: how often to look for new lines")->default_str("500");
+  logs->callback([flags] { RunLogs(*flags); });
+}
+
+}  // namespace ferry::cli

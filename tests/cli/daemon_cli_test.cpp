@@ -1,0 +1,246 @@
+// `ferry daemon ...` end to end, against fake_ferryd (tests/daemon/fake_ferryd.cpp), a
+// scripted stand-in for ferryd built from ferry_control: it serves a status, counts pause,
+// resume and stop, and exits on stop.
+#include <signal.h>
+#include <stdlib.h>
+
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <vector>
+#include <zmq.hpp>
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "daemon/control/run_lock.h"
+#include "daemon/control/server.h"
+#include "tests/cli/cli_runner.h"
+#include "tests/temp_dir.h"
+
+namespace ferry {
+namespace {
+
+namespace fs = std::filesystem;
+using Json = nlohmann::json;
+using testing::RunFerry;
+
+constexpr const char* kVersion = "00112233445566778899aabbccddeeff";
+
+std::string Slurp(const fs::path& p) {
+  std::ifstream in(p);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+class DaemonCliTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    ::setenv("FERRY_FERRYD", FAKE_FERRYD_PATH, 1);
+    run_ = tmp_.path() / "run";
+    config_ = tmp_.path() / "fake.json";
+    std::ofstream(config_) << Json{{"status",
+                                    {{"step", 12},
+                                     {"total_steps", 800},
+                                     {"epoch", 0.25},
+                                     {"generator_version", kVersion},
+                                     {"last_checkpoint", "checkpoint-10"},
+                                     {"reward", 0.75}}},
+                                   {"snapshot_version", kVersion}}
+                                  .dump();
+  }
+  void TearDown() override {
+    // A fake left running by a failed test is killed, so nothing outlives the test.
+    if (auto pid = control::RunLock::Holder(run_); pid.ok()) ::kill(*pid, SIGKILL);
+    ::unsetenv("FERRY_FERRYD");
+  }
+  std::vector<std::string> Args(std::vector<std::string> args) {
+    args.push_back("--dir");
+    args.push_back(run_.string());
+    return args;
+  }
+  testing::ScopedTempDir tmp_{"ferry_daemon_cli_"};
+  fs::path run_, config_;
+};
+
+TEST_F(DaemonCliTest, DetachedDaemonIsControlledByEveryCommand) {
+  auto start = RunFerry(Args({"daemon", "start", "--config", config_.string(), "--detach"}));
+  ASSERT_EQ(start.exit_code, 0) << start.err;
+  const int pid = std::stoi(start.out);
+  auto holder = control::RunLock::Holder(run_);
+  ASSERT_TRUE(holder.ok()) << holder.status().ToString();
+  EXPECT_EQ(*holder, pid);
+
+  auto status = RunFerry(Args({"daemon", "status", "--json"}));
+  ASSERT_EQ(status.exit_code, 0) << status.err;
+  Json j = Json::parse(status.out);
+  EXPECT_EQ(j["pid"], pid);
+  EXPECT_EQ(j["state"], "running");
+  EXPECT_EQ(j["step"], 12);
+  EXPECT_EQ(j["total_steps"], 800);
+  EXPECT_EQ(j["generator_version"], kVersion);
+  EXPECT_EQ(j["last_checkpoint"], "checkpoint-10");
+
+  auto again = RunFerry(Args({"daemon", "start", "--config", config_.string(), "--detach"}));
+  EXPECT_EQ(again.exit_code, 1);
+  EXPECT_NE(again.err.find("is in use by ferryd pid " + std::to_string(pid)), std::string::npos) << again.err;
+
+  auto pause = RunFerry(Args({"daemon", "pause"}));
+  ASSERT_EQ(pause.exit_code, 0) << pause.err;
+  EXPECT_EQ(pause.out, "paused\n");
+  status = RunFerry(Args({"daemon", "status", "--json"}));
+  EXPECT_EQ(Json::parse(status.out)["state"], "paused");
+  auto resume = RunFerry(Args({"daemon", "resume", "--json"}));
+  ASSERT_EQ(resume.exit_code, 0) << resume.err;
+  EXPECT_EQ(Json::parse(resume.out)["state"], "running");
+  auto snapshot = RunFerry(Args({"daemon", "snapshot"}));
+  ASSERT_EQ(snapshot.exit_code, 0) << snapshot.err;
+  EXPECT_EQ(snapshot.out, std::string(kVersion) + "\n");
+
+  auto stop = RunFerry(Args({"daemon", "stop"}));
+  ASSERT_EQ(stop.exit_code, 0) << stop.err;
+  EXPECT_EQ(stop.out, "stopped (pid " + std::to_string(pid) + ")\n");
+  // stop waited for the exit: the lock is free and the fake wrote its counts.
+  EXPECT_EQ(control::RunLock::Holder(run_).status().code(), StatusCode::kNotFound);
+  const Json counts = Json::parse(Slurp(run_ / "fake_counts.json"));
+  EXPECT_EQ(counts["pause"], 1);
+  EXPECT_EQ(counts["resume"], 1);
+  EXPECT_EQ(counts["snapshot"], 1);
+  EXPECT_EQ(counts["stop"], 1);
+  EXPECT_EQ(counts["status"], 3);  // two `status` commands and start's readiness probe
+
+  auto logs = RunFerry(Args({"daemon", "logs"}));
+  ASSERT_EQ(logs.exit_code, 0) << logs.err;
+  EXPECT_NE(logs.out.find("fake_ferryd train --config " + config_.string() + " --dir " + run_.string()),
+            std::string::npos)
+      << logs.out;
+  EXPECT_NE(logs.out.find("fake_ferryd: stopped\n"), std::string::npos) << logs.out;
+
+  auto gone = RunFerry(Args({"daemon", "pause"}));
+  EXPECT_EQ(gone.exit_code, 3);
+  EXPECT_NE(gone.err.find("no ferryd is running for " + run_.string()), std::string::npos) << gone.err;
+}
+
+TEST_F(DaemonCliTest, StatusWithoutADaemonReadsTheRunDirectory) {
+  fs::create_directories(run_ / "checkpoint-20");
+  fs::create_directories(run_ / "checkpoint-40");
+  fs::create_directories(run_ / "checkpoint-60.tmp");
+  std::ofstream(run_ / "metrics.jsonl")
+      << R"({"step":30,"reward":0.5,"learning_rate":0.001,"generator_version":"aa"})" << "\n"
+      << R"({"step":40,"reward":0.625,"learning_rate":0.0005,"epoch":1.5,"generator_version":")" << kVersion
+      << "\"}\n"
+      << R"({"step":41,"rew)";  // being written
+  auto r = RunFerry(Args({"daemon", "status", "--json"}));
+  EXPECT_EQ(r.exit_code, 3) << r.err;
+  const Json j = Json::parse(r.out);
+  EXPECT_EQ(j["state"], "stopped");
+  EXPECT_TRUE(j["pid"].is_null());
+  EXPECT_EQ(j["step"], 40);
+  EXPECT_EQ(j["reward"], 0.625);
+  EXPECT_EQ(j["learning_rate"], 0.0005);
+  EXPECT_EQ(j["epoch"], 1.5);
+  EXPECT_EQ(j["generator_version"], kVersion);
+  EXPECT_EQ(j["last_checkpoint"], "checkpoint-40");
+
+  auto text = RunFerry(Args({"daemon", "status"}));
+  EXPECT_EQ(text.exit_code, 3);
+  EXPECT_NE(text.out.find("state:             stopped\n"), std::string::npos) << text.out;
+}
+
+TEST_F(DaemonCliTest, MetricsInThePrometheusFormat) {
+  fs::create_directories(run_);
+  std::ofstream(run_ / "metrics.jsonl")
+      << R"({"step":1,"reward":0.25})" << "\n"
+      << R"({"step":2,"reward":0.5,"completions/mean_length":3.5,"kl":0.001,"generator_version":")" << kVersion
+      << R"(","note":"x"})" << "\n";
+  auto r = RunFerry(Args({"daemon", "metrics", "--prometheus", "--run", "add"}));
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(r.out,
+            "# TYPE ferry_step gauge\n"
+            "ferry_step{run=\"add\"} 2\n"
+            "# TYPE ferry_reward gauge\n"
+            "ferry_reward{run=\"add\"} 0.5\n"
+            "# TYPE ferry_completions_mean_length gauge\n"
+            "ferry_completions_mean_length{run=\"add\"} 3.5\n"
+            "# TYPE ferry_kl gauge\n"
+            "ferry_kl{run=\"add\"} 0.001\n"
+            "# TYPE ferry_generator_info gauge\n"
+            "ferry_generator_info{run=\"add\",version=\"" + std::string(kVersion) + "\"} 1\n");
+
+  // The run label defaults to the directory's name; --output replaces a file.
+  const fs::path prom = tmp_.path() / "ferry.prom";
+  r = RunFerry(Args({"daemon", "metrics", "--prometheus", "--output", prom.string()}));
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_TRUE(r.out.empty());
+  EXPECT_NE(Slurp(prom).find("ferry_step{run=\"run\"} 2\n"), std::string::npos) << Slurp(prom);
+
+  r = RunFerry(Args({"daemon", "metrics", "--json"}));
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(Json::parse(r.out.substr(0, r.out.find('\n'))), Json::parse(R"({"step":1,"reward":0.25})"));
+}
+
+TEST_F(DaemonCliTest, BadInputIsAClearErrorAndANonZeroExit) {
+  auto r = RunFerry(Args({"daemon", "metrics"}));
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.err.find((run_ / "metrics.jsonl").string() + ": no such file"), std::string::npos) << r.err;
+
+  fs::create_directories(run_);
+  std::ofstream(run_ / "metrics.jsonl") << "{\"step\":1}\nnot json\n";
+  r = RunFerry(Args({"daemon", "metrics", "--prometheus"}));
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.err.find("metrics.jsonl line 2"), std::string::npos) << r.err;
+
+  r = RunFerry(Args({"daemon", "start", "--config", (tmp_.path() / "absent.toml").string()}));
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.err.find("absent.toml: no such file"), std::string::npos) << r.err;
+
+  r = RunFerry(Args({"daemon", "status", "--connect", "tcp://127.0.0.1:5999"}));
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.err.find("tcp:// needs CURVE keys"), std::string::npos) << r.err;
+
+  r = RunFerry(Args({"daemon", "pause", "--key", "k"}));
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.err.find("--key needs --server-key"), std::string::npos) << r.err;
+
+  r = RunFerry({"daemon", "snapshot", "--bogus"});
+  EXPECT_EQ(r.exit_code, 1);
+}
+
+TEST_F(DaemonCliTest, AHungDaemonIsNamedAfterStatusOwnTimeout) {
+  // This process plays a ferryd that holds the lock and whose socket never answers.
+  auto lock = control::RunLock::Acquire(run_);
+  ASSERT_TRUE(lock.ok()) << lock.status().ToString();
+  auto endpoint = control::ControlEndpoint(run_);
+  ASSERT_TRUE(endpoint.ok());
+  zmq::context_t ctx;
+  zmq::socket_t silent(ctx, zmq::socket_type::router);
+  silent.set(zmq::sockopt::linger, 0);
+  silent.bind(*endpoint);
+  // status's default timeout is its own (5 s), not another subcommand's.
+  auto r = RunFerry(Args({"daemon", "status"}));
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.err.find("ferryd pid " + std::to_string(::getpid()) + " holds " + run_.string() +
+                       " but its control socket did not answer"),
+            std::string::npos)
+      << r.err;
+  EXPECT_NE(r.err.find("within 5000 ms"), std::string::npos) << r.err;
+}
+
+TEST_F(DaemonCliTest, ForegroundStartPassesFerrydsExitCodeThrough) {
+  std::ofstream(config_) << R"({"exit_code": 7})";
+  auto r = RunFerry(Args({"daemon", "start", "--config", config_.string(), "--max-steps", "5"}));
+  EXPECT_EQ(r.exit_code, 7) << r.err;
+  EXPECT_EQ(r.out, "fake_ferryd train --config " + config_.string() + " --dir " + run_.string() +
+                       " --max-steps 5\n");
+
+  // Detached, a ferryd that exits before answering is reported with its log.
+  r = RunFerry(Args({"daemon", "start", "--config", config_.string(), "--detach"}));
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.err.find("exited with code 7 before its control socket answered"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("ferryd.log ends with:\n  fake_ferryd train"), std::string::npos) << r.err;
+}
+
+}  // namespace
+}  // namespace ferry

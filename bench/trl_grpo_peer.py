@@ -31,7 +31,9 @@ optimizer step), steps_per_s (timed steps / their summed time), generated_tokens
 steps, EOS included, as TRL's completion mask counts them), generated_tokens_per_s, peak_rss_bytes (ru_maxrss),
 reward_log ([step, reward] for each logged step: TRL's mean reward over the steps since the previous log),
 trl_step_time_log ([step, step_time] for each logged step: TRL's own metric, the mean over the logged steps),
-train_runtime_s, eval_before / eval_after (with --eval-dataset), versions.
+train_runtime_s, load_average (at the end), omp_wait_policy (the environment's; on a loaded machine, PASSIVE
+keeps spinning OpenMP threads from slowing every step many times over), eval_before / eval_after (with
+--eval-dataset: held-out greedy exact accuracy and digit reward, untimed), versions.
 
 Nothing is written outside a temporary directory, which is deleted at exit.
 """
@@ -291,6 +293,7 @@ def _run(a, tmp):
         "trl_step_time_log": timer.step_time_log,
         "train_runtime_s": out.metrics.get("train_runtime"),
         "load_average": list(os.getloadavg()),
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
         "versions": {"torch": torch.__version__, "trl": trl.__version__, "transformers": transformers.__version__,
                      "peft": peft.__version__, "python": sys.version.split()[0]},
     }

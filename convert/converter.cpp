@@ -68,16 +68,6 @@ Status AppendF32As(SafetensorsWriter& w, std::span<const float> values, DType dt
   return Status::OK();
 }
 
-// Rounds fp32 values to `dtype` and back (a no-op for F32).
-Status RoundTo(DType dtype, std::vector<float>& v) {
-  if (dtype == DType::kF32) return Status::OK();
-  const size_t esize = static_cast<size_t>(DTypeBits(dtype) / 8);
-  std::vector<std::byte> tmp(v.size() * esize);
-  FERRY_RETURN_IF_ERROR(WriteFromF32(v, dtype, tmp));
-  FERRY_ASSIGN_OR_RETURN(Tensor t, Tensor::Wrap(dtype, {static_cast<int64_t>(v.size())}, tmp, nullptr));
-  return ReadAsF32(t, v);
-}
-
 // Runs writer operations on a background thread, in submission order, so that writing
 // tensor N (a copy into the page cache) overlaps computing tensor N+1. At most `kDepth`
 // operations wait; Submit blocks beyond that. The first error sticks: later operations are
@@ -403,16 +393,11 @@ class MergeWriter {
   // The merged fp32 values of a base-space tensor.
   Result<std::vector<float>> Compute(const std::string& name) {
     const Shape shape = NaturalShape(name);
-    FERRY_ASSIGN_OR_RETURN(int64_t n, CheckedNumel(shape));
     std::vector<float> w;
     if (auto r = plan_.replacements.find(name); r != plan_.replacements.end()) {
       FERRY_ASSIGN_OR_RETURN(w, ReadTensorAsF32(adapter_, r->second));
     } else if (auto q = plan_.quantized.find(name); q != plan_.quantized.end()) {
-      w.resize(static_cast<size_t>(n));
-      FERRY_RETURN_IF_ERROR(Dequantize4bitWeight(base_, q->second, w));
-      // bitsandbytes hands out the dequantized weight in the quant state's dtype: that rounded
-      // tensor is the base the adapter was trained against.
-      FERRY_RETURN_IF_ERROR(RoundTo(q->second.dtype, w));
+      FERRY_ASSIGN_OR_RETURN(w, Dequantize4bitAsLoaded(base_, q->second));
     } else {
       FERRY_ASSIGN_OR_RETURN(w, ReadTensorAsF32(base_, plan_.SourceOf(name)));
     }
@@ -580,18 +565,23 @@ Result<ojson> LoadModelConfig(const fs::path& base) {
   return j;
 }
 
-Status WriteModelConfig(ojson j, const MergePlan& plan, const ConvertOptions& opt, const fs::path& dir) {
-  if (j.is_null()) return Status::OK();
+// What a merge does to config.json (MergedModelConfig).
+std::string EditModelConfig(ojson j, bool untie, std::optional<DType> dtype) {
   j.erase("quantization_config");
-  if (plan.untie) j["tie_word_embeddings"] = false;
-  std::optional<DType> dtype = opt.dtype;
-  if (!dtype && !plan.quantized.empty()) dtype = plan.quantized.begin()->second.dtype;
+  if (untie) j["tie_word_embeddings"] = false;
   if (dtype) {
     for (const char* k : {"torch_dtype", "dtype"}) {
       if (j.contains(k)) j[k] = TorchDTypeName(*dtype);
     }
   }
-  return WriteFileAtomic(dir / "config.json", j.dump(2) + "\n", opt.sync);
+  return j.dump(2) + "\n";
+}
+
+Status WriteModelConfig(ojson j, const MergePlan& plan, const ConvertOptions& opt, const fs::path& dir) {
+  if (j.is_null()) return Status::OK();
+  std::optional<DType> dtype = opt.dtype;
+  if (!dtype && !plan.quantized.empty()) dtype = plan.quantized.begin()->second.dtype;
+  return WriteFileAtomic(dir / "config.json", EditModelConfig(std::move(j), plan.untie, dtype), opt.sync);
 }
 
 }  // namespace
@@ -610,6 +600,12 @@ Result<Layout> ParseLayout(std::string_view name) {
   if (name == "fused") return Layout::kFused;
   if (name == "lora") return Layout::kLora;
   return Status::InvalidArgument("unknown layout '" + std::string(name) + "' (expected hf, fused or lora)");
+}
+
+Result<std::string> MergedModelConfig(std::string_view text, bool untie, std::optional<DType> dtype) {
+  ojson j = ojson::parse(text, nullptr, false);
+  if (j.is_discarded() || !j.is_object()) return Status::Corruption("config.json: not a JSON object");
+  return EditModelConfig(std::move(j), untie, dtype);
 }
 
 Result<uint64_t> ParseByteSize(std::string_view text) {

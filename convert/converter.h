@@ -78,6 +78,14 @@ struct ConvertSummary {
 // left at options.out (an existing directory there is untouched).
 Result<ConvertSummary> Convert(const ConvertOptions& options);
 
+// config.json's text as Convert writes it beside merged weights (hf and fused layouts), made
+// from the base's `text`: quantization_config removed, tie_word_embeddings false when
+// `untie`, torch_dtype / dtype (where present) set to `dtype` when given (Convert passes
+// ConvertOptions::dtype, else a 4-bit base's quant-state dtype); printed with 2-space indents
+// and a final newline. kCorruption ("config.json: not a JSON object") otherwise. Sync's
+// snapshots write the same file through this.
+Result<std::string> MergedModelConfig(std::string_view text, bool untie, std::optional<DType> dtype);
+
 // The summary as a JSON object (for `ferry convert --json`).
 std::string ConvertSummaryToJson(const ConvertSummary& summary);
 

@@ -8,6 +8,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "convert/bnb4.h"
+#include "convert/converter.h"
 #include "convert/merge_plan.h"
 #include "kernels/lora_merge.h"
 
@@ -116,6 +118,15 @@ class Merger {
   // unchanged one copied when `copy_unchanged`, else the source tensor itself.
   Result<Tensor> Make(const std::string& name, bool copy_unchanged) {
     const std::string source = plan_.SourceOf(name);
+    if (auto q = plan_.quantized.find(name); q != plan_.quantized.end()) {
+      // A 4-bit weight: dequantised as the converter does (convert/bnb4.h), merged, rounded
+      // once to the quant state's dtype.
+      FERRY_ASSIGN_OR_RETURN(std::vector<float> w, Compute(name, q->second.shape));
+      FERRY_ASSIGN_OR_RETURN(Tensor out, Tensor::Empty(q->second.dtype, q->second.shape));
+      Status s = WriteFromF32(w, q->second.dtype, std::span<std::byte>(out.mutable_data(), out.nbytes()));
+      if (!s.ok()) return s.WithContext("snapshot: tensor " + Q(name));
+      return out;
+    }
     FERRY_ASSIGN_OR_RETURN(Tensor base, base_.Get(source));
     if (!plan_.Changes(name)) return copy_unchanged ? CopyTensor(base) : Result<Tensor>(std::move(base));
     if (const LoraModule* m = plan_.FusableDelta(name, base.dtype(), base.shape())) {
@@ -132,7 +143,7 @@ class Merger {
       return Status::Unsupported("snapshot source: tensor " + Q(source) + " is " + std::string(DTypeName(base.dtype())) +
                                  " and cannot be merged (only F32, F16, BF16 and F64 weights can)");
     }
-    FERRY_ASSIGN_OR_RETURN(std::vector<float> w, Compute(name, base));
+    FERRY_ASSIGN_OR_RETURN(std::vector<float> w, Compute(name, base.shape()));
     FERRY_ASSIGN_OR_RETURN(Tensor out, Tensor::Empty(base.dtype(), base.shape()));
     Status s = WriteFromF32(w, base.dtype(), std::span<std::byte>(out.mutable_data(), out.nbytes()));
     if (!s.ok()) return s.WithContext("snapshot: tensor " + Q(name));
@@ -140,14 +151,17 @@ class Merger {
   }
 
  private:
-  Result<std::vector<float>> Compute(const std::string& name, const Tensor& base) {
+  // The merged fp32 values of output tensor `name` (the converter's MergeWriter::Compute).
+  Result<std::vector<float>> Compute(const std::string& name, const Shape& shape) {
     std::vector<float> w;
     if (auto r = plan_.replacements.find(name); r != plan_.replacements.end()) {
       FERRY_ASSIGN_OR_RETURN(w, ReadTensorAsF32(adapter_, r->second));
+    } else if (auto q = plan_.quantized.find(name); q != plan_.quantized.end()) {
+      FERRY_ASSIGN_OR_RETURN(w, Dequantize4bitAsLoaded(base_, q->second));
     } else {
       FERRY_ASSIGN_OR_RETURN(w, ReadTensorAsF32(base_, plan_.SourceOf(name)));
     }
-    FERRY_RETURN_IF_ERROR(ApplyPlanEdits(plan_, adapter_, name, base.shape(), w, threads_));
+    FERRY_RETURN_IF_ERROR(ApplyPlanEdits(plan_, adapter_, name, shape, w, threads_));
     return w;
   }
 
@@ -208,14 +222,13 @@ Result<std::map<std::string, std::vector<std::string>>> PlanFusedLayout(std::map
   return fused_members;
 }
 
-// config.json as `ferry convert` writes it beside merged weights.
-Result<std::string> RewriteModelConfig(const std::string& text, bool untie) {
-  using ojson = nlohmann::ordered_json;
-  ojson j = ojson::parse(text, nullptr, false);
-  if (j.is_discarded() || !j.is_object()) return Status::Corruption("snapshot aux file config.json: not a JSON object");
-  j.erase("quantization_config");
-  if (untie) j["tie_word_embeddings"] = false;
-  return j.dump(2) + "\n";
+// config.json as `ferry convert` writes it beside merged (or dequantised) weights.
+Result<std::string> RewriteModelConfig(const std::string& text, const MergePlan& plan) {
+  std::optional<DType> dtype;
+  if (!plan.quantized.empty()) dtype = plan.quantized.begin()->second.dtype;
+  auto rewritten = MergedModelConfig(text, plan.untie, dtype);
+  if (!rewritten.ok()) return rewritten.status().WithContext("snapshot aux file");
+  return rewritten;
 }
 
 Result<std::vector<std::pair<std::string, std::string>>> SortedAux(
@@ -292,10 +305,22 @@ Result<std::shared_ptr<SnapshotPlanState>> PlanSnapshot(const SnapshotSource& so
   FERRY_ASSIGN_OR_RETURN(Normalised in, Normalise(source));
   p->merging = source.adapter_config.has_value();
   p->layout = options.layout;
-  auto add_output = [&](const std::string& name, const std::string& from) {
+  // An output tensor: the source tensor `from`'s dtype and shape, or for a 4-bit weight the
+  // dtype and shape it is dequantised to.
+  auto add_output = [&](const std::string& name, const std::string& from) -> Status {
     TensorInfo info = *p->base.Info(from);
     info.name = name;
+    if (p->plan) {
+      if (auto q = p->plan->quantized.find(from); q != p->plan->quantized.end()) {
+        info.dtype = q->second.dtype;
+        info.shape = q->second.shape;
+        FERRY_ASSIGN_OR_RETURN(const uint64_t nbytes, CheckedByteSize(info.dtype, info.shape));
+        info.begin = 0;
+        info.end = nbytes;
+      }
+    }
     p->outputs.emplace(name, std::move(info));
+    return Status::OK();
   };
   if (!p->merging) {
     if (!in.adapter.empty()) {
@@ -303,7 +328,28 @@ Result<std::shared_ptr<SnapshotPlanState>> PlanSnapshot(const SnapshotSource& so
                                      " given without an adapter config");
     }
     p->base = Checkpoint::FromTensors(std::string(kSourceOrigin), std::move(in.base));
-    for (const std::string& name : p->base.names()) add_output(name, name);
+    // A 4-bit base alone is dequantised as a merge onto it would be (an empty plan but for
+    // the quantised weights): the same tensors as `ferry convert` with an adapter that
+    // changes nothing.
+    auto quantized = FindQuantized4bit(p->base);
+    if (!quantized.ok()) return InMemoryContext(quantized.status());
+    if (!quantized->empty()) {
+      p->plan.emplace();
+      p->plan->quant_aux = QuantAuxKeys(*quantized);
+      p->plan->quantized = std::move(quantized).value();
+      p->adapter = Checkpoint::FromTensors(std::string(kAdapterOrigin), {});
+      p->merger = std::make_unique<Merger>(p->base, p->adapter, *p->plan, ThreadsOf(options));
+    }
+    for (const std::string& name : p->base.names()) {
+      if (!p->plan || !p->plan->quant_aux.count(name)) FERRY_RETURN_IF_ERROR(add_output(name, name));
+    }
+    if (p->plan) {
+      for (auto& [name, contents] : p->aux) {
+        if (name == "config.json") {
+          FERRY_ASSIGN_OR_RETURN(contents, RewriteModelConfig(contents, *p->plan));
+        }
+      }
+    }
   } else {
     const PeftConfig& cfg = *source.adapter_config;
     FERRY_RETURN_IF_ERROR(cfg.CheckMergeable());
@@ -313,14 +359,10 @@ Result<std::shared_ptr<SnapshotPlanState>> PlanSnapshot(const SnapshotSource& so
     if (!planned.ok()) return InMemoryContext(planned.status());
     p->plan = std::move(planned).value();
     const MergePlan& plan = *p->plan;
-    if (!plan.quantized.empty()) {
-      return Status::Unsupported("snapshot source: tensor " + Q(plan.quantized.begin()->first) +
-                                 " is a 4-bit quantised weight; snapshot unquantised parameters");
-    }
     for (const std::string& name : p->base.names()) {
-      if (!plan.quant_aux.count(name)) add_output(name, plan.SourceOf(name));
+      if (!plan.quant_aux.count(name)) FERRY_RETURN_IF_ERROR(add_output(name, plan.SourceOf(name)));
     }
-    if (plan.untie) add_output(plan.lm_head_key, plan.SourceOf(plan.lm_head_key));
+    if (plan.untie) FERRY_RETURN_IF_ERROR(add_output(plan.lm_head_key, plan.SourceOf(plan.lm_head_key)));
     // Every tensor the plan changes can be written back in its dtype (checked before any
     // tensor is made, so a streamed snapshot fails before it writes anything).
     for (const auto& [name, info] : p->outputs) {
@@ -333,7 +375,7 @@ Result<std::shared_ptr<SnapshotPlanState>> PlanSnapshot(const SnapshotSource& so
     p->merger = std::make_unique<Merger>(p->base, p->adapter, plan, ThreadsOf(options));
     for (auto& [name, contents] : p->aux) {
       if (name == "config.json") {
-        FERRY_ASSIGN_OR_RETURN(contents, RewriteModelConfig(contents, plan.untie));
+        FERRY_ASSIGN_OR_RETURN(contents, RewriteModelConfig(contents, plan));
       }
     }
   }

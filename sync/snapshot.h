@@ -14,6 +14,14 @@
 //      base dtype; bit-identical to the converter's hf output). The snapshot never aliases
 //      the source: changing or freeing the source after BuildSnapshot returns cannot change
 //      it (the trl #2856 bug: state_dict() tensors aliasing live, later unmerged parameters).
+//   2b. A bitsandbytes 4-bit base (NF4/FP4, double quant or not: convert/bnb4.h) is read as
+//      the converter reads it: each packed weight is dequantised with its quant state
+//      (Dequantize4bitAsLoaded: rounded to the quant state's dtype), merged, and written in
+//      that dtype and its unpacked shape; the quant-state companions (absmax, quant_map,
+//      nested_*, quant_state.*) are dropped and config.json loses quantization_config (its
+//      torch_dtype/dtype become the quant state's), bit-identical to `ferry convert`. A
+//      4-bit base without an adapter is dequantised the same way (what `ferry convert`
+//      writes for an adapter that changes nothing).
 //   3. The fused layout stacks q/k/v into self_attn.qkv_proj and gate/up into
 //      mlp.gate_up_proj on the output axis (as `ferry convert --layout fused`).
 //   4. Every tensor digest and the manifest digest (= the store's version id) are computed
@@ -84,7 +92,7 @@ class Snapshot {
   // Tensor digests (store.h), by name.
   const std::map<std::string, store::Digest>& digests() const { return digests_; }
   // Auxiliary files, sorted by name (config.json rewritten as `ferry convert` writes it when
-  // an adapter was merged: quantization_config removed, tie_word_embeddings false if untied).
+  // an adapter was merged or a 4-bit base dequantised: MergedModelConfig, convert/converter.h).
   const std::vector<std::pair<std::string, std::string>>& aux_files() const { return aux_files_; }
   SnapshotLayout layout() const { return layout_; }
   // True when an adapter was merged in.
@@ -109,9 +117,10 @@ class Snapshot {
 // kInvalidArgument naming the tensor for two source names that normalise to the same name,
 // a LoRA tensor among the source tensors without an adapter config, q/k/v (gate/up) that
 // cannot be stacked, or a bad aux file name; PlanMerge's and CheckMergeable's errors for
-// the adapter; kUnsupported for 4-bit quantised bases; kCorruption for an unreadable
-// config.json when an adapter is merged. REQUIRES: nobody writes the source tensors during
-// the call.
+// the adapter; FindQuantized4bit's errors (kCorruption, kUnsupported) for a 4-bit weight
+// whose companion tensors are missing or malformed; kCorruption for an unreadable config.json
+// when an adapter is merged or a 4-bit base dequantised. REQUIRES: nobody writes the source
+// tensors during the call.
 Result<std::shared_ptr<const Snapshot>> BuildSnapshot(const SnapshotSource& source, const SnapshotOptions& options);
 
 // Records `snapshot` as a version in `store`. options.kind kFull (the default) becomes

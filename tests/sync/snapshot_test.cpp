@@ -674,11 +674,90 @@ INSTANTIATE_TEST_SUITE_P(
                                          "llama_lora_bias_f32", "llama_modules_to_save_f32", "llama_regex_targets_f32",
                                          "llama_rslora_bf16", "llama_sharded_bf16", "llama_tied_lmhead_lora_f32",
                                          "llama_trainable_tokens_f32", "mistral_dora_f32", "phi3_lora_f32",
-                                         "qwen2_bias_all_f32", "qwen2_patterns_f16"),
+                                         "qwen2_bias_all_f32", "qwen2_patterns_f16", "llama_nf4", "llama_nf4_dq",
+                                         "llama_fp4", "llama_fp4_dq"),
                        ::testing::Values(SnapshotLayout::kHf, SnapshotLayout::kFused)),
     [](const auto& param_info) {
       return std::get<0>(param_info.param) + (std::get<1>(param_info.param) == SnapshotLayout::kFused ? "_fused" : "_hf");
     });
+
+// A 4-bit base alone: every packed weight dequantised exactly as bitsandbytes'
+// dequantize_4bit does (the fixture's base_dequant/, made by bitsandbytes itself), the quant
+// companions dropped, everything else copied; config.json as the converter writes it, and
+// the whole snapshot equal to `ferry convert` of the base with an adapter that changes
+// nothing (no LoRA tensors).
+class QuantizedBaseSnapshotTest : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(QuantizedBaseSnapshotTest, DequantisedBaseEqualsBitsandbytesAndTheConverter) {
+  const fs::path dir = fs::path(FERRY_FIXTURES_DIR) / "cases" / GetParam();
+  SnapshotSource src;
+  src.tensors = OwnedCopies(dir / "base");
+  src.aux_files = AuxBeside(dir / "base");
+  auto snap = BuildSnapshot(src, {});
+  ASSERT_TRUE(snap.ok()) << snap.status().ToString();
+  EXPECT_FALSE((*snap)->merged());
+
+  Checkpoint dequant = Checkpoint::Open(dir / "base_dequant").value();
+  ASSERT_EQ((*snap)->checkpoint().names(), dequant.names());
+  for (const auto& name : dequant.names()) {
+    EXPECT_EQ((*snap)->digests().at(name), store::TensorDigest(dequant.Get(name).value())) << name;
+  }
+  std::string config;
+  for (const auto& [name, contents] : (*snap)->aux_files()) {
+    if (name == "config.json") config = contents;
+  }
+  ASSERT_FALSE(config.empty());
+  EXPECT_EQ(config.find("quantization_config"), std::string::npos) << config;
+  EXPECT_NE(ReadText(dir / "base" / "config.json").find("quantization_config"), std::string::npos);
+
+  // The converter with an adapter of no tensors writes the same version.
+  TempDir tmp;
+  const fs::path empty = tmp.path() / "empty_adapter";
+  fs::create_directories(empty);
+  ASSERT_TRUE(WriteFileAtomic(empty / "adapter_config.json",
+                              R"({"peft_type": "LORA", "r": 8, "lora_alpha": 16, "target_modules": ["q_proj"]})")
+                  .ok());
+  auto writer = SafetensorsWriter::CreateFile(empty / "adapter_model.safetensors", {});
+  ASSERT_TRUE(writer.ok()) << writer.status().ToString();
+  ASSERT_TRUE((*writer)->Finish().ok());
+  ConvertOptions co;
+  co.base = dir / "base";
+  co.adapter = empty;
+  co.out = tmp.path() / "converted";
+  co.threads = 2;
+  auto conv = Convert(co);
+  ASSERT_TRUE(conv.ok()) << conv.status().ToString();
+  auto converted = store::HashPath(co.out);
+  ASSERT_TRUE(converted.ok()) << converted.status().ToString();
+  EXPECT_EQ((*snap)->manifest_id(), converted->id);
+
+  // Streamed: the same version.
+  auto lazy = LazySnapshot::Plan(src, {});
+  ASSERT_TRUE(lazy.ok()) << lazy.status().ToString();
+  auto st = OpenTestStore(tmp.path());
+  ASSERT_TRUE(st.ok()) << st.status().ToString();
+  auto rec = (*lazy)->Record(**st, {});
+  ASSERT_TRUE(rec.ok()) << rec.status().ToString();
+  EXPECT_EQ(rec->record.id, converted->id);
+  EXPECT_EQ(rec->record.kind, store::VersionKind::kFull);
+}
+
+INSTANTIATE_TEST_SUITE_P(Fixtures, QuantizedBaseSnapshotTest,
+                         ::testing::Values("llama_nf4", "llama_nf4_dq", "llama_fp4", "llama_fp4_dq"),
+                         [](const auto& param_info) { return param_info.param; });
+
+// A 4-bit weight whose companion tensors are missing is refused by name before anything is made.
+TEST(QuantizedBaseRefusalTest, MissingCompanionIsRefusedByName) {
+  const fs::path dir = fs::path(FERRY_FIXTURES_DIR) / "cases" / "llama_nf4_dq";
+  SnapshotSource src;
+  src.tensors = OwnedCopies(dir / "base");
+  const std::string absmax = "model.layers.0.self_attn.q_proj.weight.absmax";
+  ASSERT_EQ(src.tensors.erase(absmax), 1u);
+  auto lazy = LazySnapshot::Plan(src, {});
+  ASSERT_FALSE(lazy.ok());
+  EXPECT_EQ(lazy.status().code(), StatusCode::kCorruption) << lazy.status().ToString();
+  EXPECT_NE(lazy.status().message().find(absmax), std::string::npos) << lazy.status().ToString();
+}
 
 }  // namespace
 }  // namespace ferry::sync

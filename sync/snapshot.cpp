@@ -469,6 +469,39 @@ Result<store::ImportResult> RecordSnapshot(store::Store& store, const Snapshot& 
   return result;
 }
 
+Result<store::ImportResult> RecordSnapshotDigests(store::Store& store, const Snapshot& snapshot,
+                                                  const store::ImportOptions& options) {
+  const std::string what = "snapshot " + snapshot.manifest_id().Hex();
+  if (!snapshot.merged()) {
+    return Status::InvalidArgument(what + " merged no adapter: record it with RecordSnapshot (its bytes)");
+  }
+  if (!options.base_version) return Status::InvalidArgument(what + ": recording it by digests needs a base_version");
+  if (!options.adapter_version) {
+    return Status::InvalidArgument(what + ": recording it by digests needs an adapter_version");
+  }
+  std::vector<store::TensorRow> rows;
+  rows.reserve(snapshot.digests().size());
+  for (const auto& [name, digest] : snapshot.digests()) {
+    const TensorInfo* info = snapshot.checkpoint().Info(name);
+    if (info == nullptr) return Status::Internal(what + ": tensor " + Q(name) + " has a digest but no tensor");
+    store::TensorRow row;
+    row.name = name;
+    row.dtype = info->dtype;
+    row.shape = info->shape;
+    row.digest = digest;
+    row.nbytes = info->nbytes();
+    rows.push_back(std::move(row));
+  }
+  FERRY_ASSIGN_OR_RETURN(store::ImportResult result,
+                         store.RecordDerived(rows, snapshot.aux_files(),
+                                             RecordOptions(snapshot.merged(), snapshot.layout(), options)));
+  if (result.record.id != snapshot.manifest_id()) {
+    return Status::Internal(what + " was recorded as version " + result.record.id.Hex() +
+                            ": the manifest digests disagree");
+  }
+  return result;
+}
+
 Result<AdapterSnapshot> BuildAdapterSnapshot(const SnapshotSource& source, const SnapshotOptions& options) {
   if (!source.adapter_config) {
     return Status::InvalidArgument("snapshot source: adapter-only publication needs an adapter config");

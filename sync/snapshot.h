@@ -130,6 +130,22 @@ Result<std::shared_ptr<const Snapshot>> BuildSnapshot(const SnapshotSource& sour
 Result<store::ImportResult> RecordSnapshot(store::Store& store, const Snapshot& snapshot,
                                            const store::ImportOptions& options);
 
+// Records a merged `snapshot` as a DERIVED version (store.h, "Derived versions"): its rows
+// (name, dtype, shape, nbytes and the digests BuildSnapshot computed: nothing is re-hashed;
+// no statistics) and aux files, no tensor bytes: recording a training step adds the
+// adapter's bytes (its own version), not a model's. `ferry versions materialize` rebuilds
+// the bytes from the base and adapter versions with the converter, bit-identical to the
+// snapshot when the adapter version holds the adapter tensors and config the snapshot merged
+// (e.g. the adapter_model.safetensors + adapter_config.json the trainer saved and imported)
+// and the base version the base tensors and aux files it started from.
+// options.base_version and options.adapter_version are required (kInvalidArgument naming the
+// missing one) and must be recorded (Store::RecordDerived's errors); kind and source are
+// adjusted as RecordSnapshot adjusts them. kInvalidArgument for a snapshot that merged no
+// adapter. The version id equals snapshot.manifest_id() (kInternal otherwise);
+// bytes_written counts only new aux files (0 when the run already holds them).
+Result<store::ImportResult> RecordSnapshotDigests(store::Store& store, const Snapshot& snapshot,
+                                                  const store::ImportOptions& options);
+
 // A snapshot planned but not made, for models too big to hold merged in memory (the
 // `--watch` path): Plan makes every check BuildSnapshot makes and fixes every output
 // tensor's name, dtype and shape, but makes no tensor; checkpoint().Get(name) makes one on

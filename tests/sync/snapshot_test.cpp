@@ -21,6 +21,7 @@
 #include "convert/converter.h"
 #include "core/mapped_file.h"
 #include "core/safetensors.h"
+#include "store/materialize.h"
 
 namespace ferry::sync {
 namespace {
@@ -757,6 +758,110 @@ TEST(QuantizedBaseRefusalTest, MissingCompanionIsRefusedByName) {
   ASSERT_FALSE(lazy.ok());
   EXPECT_EQ(lazy.status().code(), StatusCode::kCorruption) << lazy.status().ToString();
   EXPECT_NE(lazy.status().message().find(absmax), std::string::npos) << lazy.status().ToString();
+}
+
+// A daemon's step recorded by digests (RecordSnapshotDigests): base and adapter imported as
+// the trainer saved them, the merged snapshot recorded without a tensor byte, and
+// `ferry versions materialize` (store::Materialize) rebuilding exactly the snapshot's bytes
+// from base + adapter: F32, BF16 and 4-bit (NF4 double quant, FP4) bases.
+class DerivedSnapshotTest : public ::testing::TestWithParam<std::string> {};
+
+int64_t CountFiles(const fs::path& dir) {
+  std::error_code ec;
+  if (!fs::exists(dir, ec)) return 0;
+  int64_t n = 0;
+  for (const auto& e : fs::recursive_directory_iterator(dir)) n += e.is_regular_file() ? 1 : 0;
+  return n;
+}
+
+TEST_P(DerivedSnapshotTest, RecordedByDigestsAndMaterializedWithTheSameId) {
+  const fs::path dir = fs::path(FERRY_FIXTURES_DIR) / "cases" / GetParam();
+  TempDir tmp;
+  auto st = OpenTestStore(tmp.path());
+  ASSERT_TRUE(st.ok()) << st.status().ToString();
+  store::Store& s = **st;
+  store::ImportOptions b;
+  b.run = "rl";
+  b.kind = store::VersionKind::kBase;
+  auto base = s.Import(dir / "base", b);
+  ASSERT_TRUE(base.ok()) << base.status().ToString();
+  store::ImportOptions a;
+  a.run = "rl";
+  a.base_version = base->record.id;
+  a.step = 1;
+  auto adapter = s.Import(dir / "adapter", a);
+  ASSERT_TRUE(adapter.ok()) << adapter.status().ToString();
+  ASSERT_EQ(adapter->record.kind, store::VersionKind::kAdapter);
+
+  SnapshotSource src;
+  src.tensors = OwnedCopies(dir / "base");
+  src.adapter_tensors = OwnedCopies(dir / "adapter");
+  src.adapter_config = LoadPeftConfig(dir / "adapter").value();
+  src.aux_files = AuxBeside(dir / "base");
+  auto snap = Build(src);
+  ASSERT_NE(snap, nullptr);
+
+  const int64_t objects_before = CountFiles(tmp.path() / "db" / "objects");
+  store::ImportOptions io;
+  io.run = "rl";
+  io.step = 1;
+  io.base_version = base->record.id;
+  io.adapter_version = adapter->record.id;
+  io.metrics = {{"reward", 0.25}};
+  auto rec = RecordSnapshotDigests(s, *snap, io);
+  ASSERT_TRUE(rec.ok()) << rec.status().ToString();
+  EXPECT_EQ(CountFiles(tmp.path() / "db" / "objects"), objects_before) << "no tensor object is written";
+  EXPECT_FALSE(rec->already_present);
+  EXPECT_EQ(rec->record.id, snap->manifest_id());
+  EXPECT_TRUE(rec->record.derived);
+  EXPECT_EQ(rec->record.kind, store::VersionKind::kMerged);
+  EXPECT_EQ(rec->record.source, store::VersionSource::kDaemon);
+  EXPECT_EQ(rec->record.layout, "hf");
+  EXPECT_EQ(rec->record.total_bytes, snap->bytes());
+  EXPECT_EQ(rec->record.metrics.at("reward"), 0.25);
+  // At most the rewritten config.json is new; another step adds no byte.
+  EXPECT_LE(rec->objects_written, 1);
+
+  const fs::path out = tmp.path() / "materialized";
+  auto mat = store::Materialize(s, snap->manifest_id(), out, {});
+  ASSERT_TRUE(mat.ok()) << mat.status().ToString();
+  auto rebuilt = store::HashPath(out);
+  ASSERT_TRUE(rebuilt.ok()) << rebuilt.status().ToString();
+  EXPECT_EQ(rebuilt->id, snap->manifest_id());
+  for (const auto& row : rebuilt->tensors) EXPECT_EQ(snap->digests().at(row.name), row.digest) << row.name;
+}
+
+INSTANTIATE_TEST_SUITE_P(Fixtures, DerivedSnapshotTest,
+                         ::testing::Values("llama_lora_all_linear_f32", "llama_rslora_bf16", "llama_nf4_dq",
+                                           "llama_fp4"),
+                         [](const auto& param_info) { return param_info.param; });
+
+TEST(DerivedSnapshotRefusalTest, RefusesWhatCannotBeRecordedByDigests) {
+  TempDir tmp;
+  auto st = OpenTestStore(tmp.path()).value();
+  auto snap = Build(FixtureSource());
+  ASSERT_NE(snap, nullptr);
+  store::ImportOptions io;
+  io.adapter_version = store::Digest{1, 2};
+  auto r = RecordSnapshotDigests(*st, *snap, io);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument) << r.status().ToString();
+  EXPECT_NE(r.status().message().find("needs a base_version"), std::string::npos) << r.status().ToString();
+  io.base_version = store::Digest{3, 4};
+  r = RecordSnapshotDigests(*st, *snap, io);  // neither is recorded
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), StatusCode::kNotFound) << r.status().ToString();
+  EXPECT_NE(r.status().message().find(store::Digest{3, 4}.Hex()), std::string::npos) << r.status().ToString();
+
+  SnapshotSource plain;
+  plain.tensors = OwnedCopies(kCase / "base");
+  auto unmerged = Build(plain);
+  ASSERT_NE(unmerged, nullptr);
+  r = RecordSnapshotDigests(*st, *unmerged, io);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument) << r.status().ToString();
+  EXPECT_NE(r.status().message().find("merged no adapter"), std::string::npos) << r.status().ToString();
+  EXPECT_TRUE(st->ListVersions(std::nullopt).value().empty());
 }
 
 }  // namespace

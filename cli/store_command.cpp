@@ -75,15 +75,18 @@ void RunImport(const ImportFlags& f) {
     j["bytes_written"] = r->bytes_written;
     j["objects_written"] = r->objects_written;
     j["already_present"] = r->already_present;
+    j["was_derived"] = r->was_derived;
     std::printf("%s\n", JsonText(j, 2).c_str());
     return;
   }
   std::printf("%s\n", v.id.Hex().c_str());
   std::fprintf(stderr, "%s %s as %s version %s (run %s, seq %llu): %zu tensors, %s, %s written%s\n",
-               r->already_present ? "already stored:" : "imported", f.path.c_str(),
+               r->was_derived ? "stored the bytes of derived version:"
+                              : (r->already_present ? "already stored:" : "imported"),
+               f.path.c_str(),
                std::string(store::KindName(v.kind)).c_str(), ShortId(v.id).c_str(), v.run.c_str(),
                static_cast<unsigned long long>(v.sequence), v.tensors.size(), HumanBytes(v.total_bytes).c_str(),
-               HumanBytes(r->bytes_written).c_str(), r->already_present ? " (nothing new)" : "");
+               HumanBytes(r->bytes_written).c_str(), r->already_present && !r->was_derived ? " (nothing new)" : "");
 }
 
 }  // namespace

@@ -80,6 +80,7 @@ Json VersionJson(const store::VersionRecord& v, bool with_tensors) {
   j["metrics"] = std::move(metrics);
   j["tensor_count"] = v.tensors.size();
   j["total_bytes"] = v.total_bytes;
+  j["derived"] = v.derived;
   if (!with_tensors) return j;
   if (!v.adapter_config.empty()) j["adapter_config"] = v.adapter_config;
   Json tensors = Json::array();

@@ -69,11 +69,18 @@ void RunList(const ListFlags& f) {
   }
   std::printf("%-12s  %-12s %5s %8s  %-8s  %-8s  %10s  %-20s  %s\n", "id", "run", "seq", "step", "kind", "source",
               "size", "time", "metrics");
+  bool any_derived = false;
   for (const auto* v : shown) {
+    any_derived = any_derived || v->derived;
     std::printf("%-12s  %-12s %5llu %8s  %-8s  %-8s  %10s  %-20s  %s\n", ShortId(v->id).c_str(), v->run.c_str(),
                 static_cast<unsigned long long>(v->sequence), v->step ? std::to_string(*v->step).c_str() : "-",
-                std::string(store::KindName(v->kind)).c_str(), std::string(store::SourceName(v->source)).c_str(),
-                HumanBytes(v->total_bytes).c_str(), FormatTime(v->time_ns).c_str(), Metrics(*v).c_str());
+                (std::string(store::KindName(v->kind)) + (v->derived ? "*" : "")).c_str(),
+                std::string(store::SourceName(v->source)).c_str(), HumanBytes(v->total_bytes).c_str(),
+                FormatTime(v->time_ns).c_str(), Metrics(*v).c_str());
+  }
+  if (any_derived) {
+    std::printf("* derived: recorded by its digests only; `ferry versions materialize` rebuilds it from its base "
+                "and adapter\n");
   }
 }
 
@@ -105,6 +112,10 @@ void RunShow(const ShowFlags& f) {
   if (v.parent) std::printf("parent    %s\n", v.parent->Hex().c_str());
   if (v.base_version) std::printf("base      %s\n", v.base_version->Hex().c_str());
   if (v.adapter_version) std::printf("adapter   %s\n", v.adapter_version->Hex().c_str());
+  if (v.derived) {
+    std::printf("derived   no tensor bytes stored: the merge of its adapter onto its base "
+                "(`ferry versions materialize` rebuilds it)\n");
+  }
   if (!v.metrics.empty()) std::printf("metrics   %s\n", Metrics(v).c_str());
   std::printf("size      %s in %zu tensors\n", HumanBytes(v.total_bytes).c_str(), v.tensors.size());
   size_t width = 6;
@@ -268,20 +279,29 @@ void RunVerify(const VerifyFlags& f) {
     for (const auto& t : r.corrupted) {
       problems.push_back("version " + ShortId(r.version) + ": tensor " + t + " is corrupted");
     }
+    for (const auto& d : r.dependencies) problems.push_back("derived version " + ShortId(r.version) + ": " + d);
   }
   if (f.json) {
     Json j = Json::array();
     for (const auto& r : *reports) {
-      j.push_back({{"version", r.version.Hex()}, {"ok", r.ok()}, {"missing", r.missing}, {"corrupted", r.corrupted}});
+      j.push_back({{"version", r.version.Hex()},
+                   {"ok", r.ok()},
+                   {"derived", r.derived},
+                   {"missing", r.missing},
+                   {"corrupted", r.corrupted},
+                   {"dependencies", r.dependencies}});
     }
     std::printf("%s\n", JsonText(j, 2).c_str());
   } else {
     for (const auto& r : *reports) {
-      std::printf("%s  %s\n", ShortId(r.version).c_str(),
-                  r.ok() ? "ok"
-                         : (std::to_string(r.corrupted.size()) + " corrupted, " + std::to_string(r.missing.size()) +
-                            " missing")
-                               .c_str());
+      std::string state = r.ok() ? "ok" : std::to_string(r.corrupted.size()) + " corrupted, " +
+                                              std::to_string(r.missing.size()) + " missing";
+      if (r.derived) {
+        state += r.dependencies.empty() ? " (derived: base and adapter intact)"
+                                        : " (derived: " + std::to_string(r.dependencies.size()) +
+                                              " problems in its base or adapter)";
+      }
+      std::printf("%s  %s\n", ShortId(r.version).c_str(), state.c_str());
     }
   }
   if (bad == 0) {
@@ -316,6 +336,7 @@ void RunMaterialize(const MaterializeFlags& f) {
     Json j;
     j["version"] = v.id.Hex();
     j["kind"] = std::string(store::KindName(v.kind));
+    j["derived"] = v.derived;
     j["out"] = f.out;
     j["layout"] = std::string(LayoutName(*layout));
     j["merged"] = r->merged;
@@ -324,6 +345,12 @@ void RunMaterialize(const MaterializeFlags& f) {
     j["tensors_within_tolerance"] = r->tensors_within_tolerance;
     j["max_abs_diff"] = r->max_abs_diff;
     std::printf("%s\n", JsonText(j, 2).c_str());
+    return;
+  }
+  if (v.derived) {
+    std::printf("wrote %s: derived version %s rebuilt from base %s + adapter %s (layout %s); its id matches\n",
+                f.out.c_str(), ShortId(v.id).c_str(), ShortId(*v.base_version).c_str(),
+                ShortId(*v.adapter_version).c_str(), std::string(LayoutName(v.layout)).c_str());
     return;
   }
   std::printf("wrote %s: %s version %s%s (layout %s)\n", f.out.c_str(), std::string(store::KindName(v.kind)).c_str(),
@@ -414,7 +441,9 @@ void SetVersionsCommand(CLI::App& app) {
       "An adapter version is merged into its base version with the converter (ferry convert's maths). When the store\n"
       "records a merged version of the same base and adapter, the result is checked against it: identical digests,\n"
       "or values within atol 1e-6 + rtol 1e-5 or 1 ULP (a merge by another implementation rounds differently).\n"
-      "A mismatch exits 1 naming the tensors and leaves nothing at --out. Other kinds are exported as stored (hf).");
+      "A mismatch exits 1 naming the tensors and leaves nothing at --out. A derived merged version (recorded by its\n"
+      "digests only) is rebuilt from its base and adapter versions the same way and must have exactly its id.\n"
+      "Other kinds are exported as stored (hf).");
   mat->callback([mf] { RunMaterialize(*mf); });
 
   auto gf = std::make_shared<GcFlags>();

@@ -177,4 +177,17 @@ Status Dequantize4bitWeight(const Checkpoint& c, const QuantState4bit& qs, std::
   return Status::OK();
 }
 
+Result<std::vector<float>> Dequantize4bitAsLoaded(const Checkpoint& c, const QuantState4bit& qs) {
+  FERRY_ASSIGN_OR_RETURN(int64_t n, CheckedNumel(qs.shape));
+  std::vector<float> w(static_cast<size_t>(n));
+  FERRY_RETURN_IF_ERROR(Dequantize4bitWeight(c, qs, w));
+  if (qs.dtype == DType::kF32) return w;
+  // Round to the quant state's dtype and back.
+  std::vector<std::byte> rounded(w.size() * static_cast<size_t>(DTypeBits(qs.dtype) / 8));
+  FERRY_RETURN_IF_ERROR(WriteFromF32(w, qs.dtype, rounded));
+  FERRY_ASSIGN_OR_RETURN(Tensor t, Tensor::Wrap(qs.dtype, {n}, rounded, nullptr));
+  FERRY_RETURN_IF_ERROR(ReadAsF32(t, w));
+  return w;
+}
+
 }  // namespace ferry

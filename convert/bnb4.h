@@ -48,4 +48,10 @@ std::set<std::string> QuantAuxKeys(const std::map<std::string, QuantState4bit>& 
 // does: double-quantized absmax first, then code[nibble] * absmax[block].
 Status Dequantize4bitWeight(const Checkpoint& ckpt, const QuantState4bit& qs, std::span<float> out);
 
+// The weight as bitsandbytes hands it to the model it is loaded into, as fp32 values:
+// Dequantize4bitWeight, then rounded once to the quant state's dtype (qs.dtype). This is the
+// base an adapter was trained against and what every Ferry merge onto a 4-bit base starts
+// from (the converter and sync's snapshots). Errors as Dequantize4bitWeight's.
+Result<std::vector<float>> Dequantize4bitAsLoaded(const Checkpoint& ckpt, const QuantState4bit& qs);
+
 }  // namespace ferry

@@ -51,16 +51,6 @@ Status AppendF32As(SafetensorsWriter& w, std::span<const float> values, DType dt
   return Status::OK();
 }
 
-// Rounds fp32 values to `dtype` and back (a no-op for F32).
-Status RoundTo(DType dtype, std::vector<float>& v) {
-  if (dtype == DType::kF32) return Status::OK();
-  const size_t esize = static_cast<size_t>(DTypeBits(dtype) / 8);
-  std::vector<std::byte> tmp(v.size() * esize);
-  FERRY_RETURN_IF_ERROR(WriteFromF32(v, dtype, tmp));
-  FERRY_ASSIGN_OR_RETURN(Tensor t, Tensor::Wrap(dtype, {static_cast<int64_t>(v.size())}, tmp, nullptr));
-  return ReadAsF32(t, v);
-}
-
 // Runs writer operations on a background thread, in submission order, so that writing
 // tensor N (a copy into the page cache) overlaps computing tensor N+1. At most `kDepth`
 // operations wait; Submit blocks beyond that. The first error sticks: later operations are
@@ -346,16 +336,11 @@ class MergeWriter {
   // The merged fp32 values of a base-space tensor.
   Result<std::vector<float>> Compute(const std::string& name) {
     const Shape shape = NaturalShape(name);
-    FERRY_ASSIGN_OR_RETURN(int64_t n, CheckedNumel(shape));
     std::vector<float> w;
     if (auto r = plan_.replacements.find(name); r != plan_.replacements.end()) {
       FERRY_ASSIGN_OR_RETURN(w, ReadTensorAsF32(adapter_, r->second));
     } else if (auto q = plan_.quantized.find(name); q != plan_.quantized.end()) {
-      w.resize(static_cast<size_t>(n));
-      FERRY_RETURN_IF_ERROR(Dequantize4bitWeight(base_, q->second, w));
-      // bitsandbytes hands out the dequantized weight in the quant state's dtype: that rounded
-      // tensor is the base the adapter was trained against.
-      FERRY_RETURN_IF_ERROR(RoundTo(q->second.dtype, w));
+      FERRY_ASSIGN_OR_RETURN(w, Dequantize4bitAsLoaded(base_, q->second));
     } else {
       FERRY_ASSIGN_OR_RETURN(w, ReadTensorAsF32(base_, plan_.SourceOf(name)));
     }

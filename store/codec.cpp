@@ -119,6 +119,7 @@ Result<std::string> EncodeVersion(const VersionRecord& r) {
   j["aux"] = aux;
   j["tensor_count"] = r.tensors.size();
   j["total_bytes"] = r.total_bytes;
+  if (r.derived) j["derived"] = true;  // absent: stored (records older than derived versions too)
   return Dump(j, "version record");
 }
 
@@ -178,6 +179,7 @@ Result<VersionRecord> DecodeVersion(std::string_view text) {
     r.aux.push_back(std::move(f));
   }
   FERRY_RETURN_IF_ERROR(rd.Get("total_bytes", r.total_bytes));
+  if (j.contains("derived")) FERRY_RETURN_IF_ERROR(rd.Get("derived", r.derived));
   return r;
 }
 

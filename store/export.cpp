@@ -18,6 +18,13 @@ Status RocksStore::Export(const Digest& version, const std::filesystem::path& ou
   std::shared_lock gc_lock(gc_mu_);  // gc must not remove the objects being copied
   FERRY_ASSIGN_OR_RETURN(VersionRecord rec, LoadVersion(MakeView().options(), version));
   const std::string what = "export of version " + rec.id.Hex() + " to " + out.string();
+  if (rec.derived) {
+    for (const TensorRow& row : rec.tensors) {
+      if (!objects_.Present(ObjectStore::Kind::kTensor, row.digest, row.nbytes)) {
+        return Status::FailedPrecondition(Where(what + ": " + DerivedMessage(rec)));
+      }
+    }
+  }
   auto staging = StagingDir::Create(out, force);
   if (!staging.ok()) return Status(staging.status().code(), Where(what + ": " + staging.status().message()));
   const std::filesystem::path tmp = staging->path();

@@ -225,6 +225,20 @@ Result<ImportResult> RocksStore::ImportCheckpoint(const Checkpoint& ckpt,
   if (exists) {
     FERRY_ASSIGN_OR_RETURN(result.record, LoadVersion(MakeView().options(), rec.id));
     result.already_present = true;
+    if (!result.record.derived) return result;
+    // A derived version's bytes: now stored, the record kept but no longer derived.
+    result.record.derived = false;
+    result.was_derived = true;
+    rocksdb::WriteBatch wb;
+    FERRY_ASSIGN_OR_RETURN(std::string encoded, EncodeVersion(result.record));
+    wb.Put(cfs_[kVersions], DigestKey(rec.id), encoded);
+    for (const TensorRow& row : rec.tensors) {  // the rows gain the statistics computed here
+      FERRY_ASSIGN_OR_RETURN(encoded, EncodeTensorRow(row));
+      wb.Put(cfs_[kTensors], TensorKey(rec.id, row.name), encoded);
+      wb.Put(cfs_[kObjects], DigestKey(row.digest), U64Le(row.nbytes));
+    }
+    result.record.tensors = rec.tensors;
+    FERRY_RETURN_IF_ERROR(Write(wb, "store the bytes of derived version " + rec.id.Hex()));
     return result;
   }
   FERRY_ASSIGN_OR_RETURN(auto last, LastOfRun(options.run));

@@ -107,6 +107,10 @@ Result<VersionRecord> HashCheckpoint(const Checkpoint& ckpt,
                                      const AuxFiles& aux_files,
                                      const HashOptions& options);
 
+// "version V is derived from base B + adapter A; materialize it" (full ids): what reads and
+// exports of a derived version's missing bytes say.
+std::string DerivedMessage(const VersionRecord& r);
+
 // Nanoseconds since the Unix epoch.
 int64_t NowNs();
 

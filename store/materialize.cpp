@@ -85,7 +85,7 @@ Status CheckAgainst(Store& store, const fs::path& dir, const VersionRecord& reco
     } else if (r.shape != t.shape || r.dtype != t.dtype) {
       problems.push_back(t.name + " (" + std::string(DTypeName(t.dtype)) + " " + ShapeToString(t.shape) +
                          ", recorded " + std::string(DTypeName(r.dtype)) + " " + ShapeToString(r.shape) + ")");
-    } else if (options.exact) {
+    } else if (options.exact || recorded.derived) {  // a derived version IS the converter's merge
       problems.push_back(t.name + " (digest " + Short(t.digest) + ", recorded " + Short(r.digest) + ")");
     } else {
       to_compare.push_back(t.name);
@@ -134,6 +134,69 @@ Status CheckAgainst(Store& store, const fs::path& dir, const VersionRecord& reco
   return Status::Corruption(msg);
 }
 
+// A derived version (store.h): its base and adapter exported into a temporary directory
+// beside `out`, merged by the converter in the recorded layout, hashed; the result must be
+// the version itself.
+Result<MaterializeResult> MaterializeDerived(Store& store, const VersionRecord& rec, const fs::path& out,
+                                             const MaterializeOptions& options, MaterializeResult& result) {
+  const std::string what = "materialize derived version " + rec.id.Hex() + " (base " +
+                           (rec.base_version ? rec.base_version->Hex() : "?") + " + adapter " +
+                           (rec.adapter_version ? rec.adapter_version->Hex() : "?") + ")";
+  if (options.layout != Layout::kHf) {
+    return Status::InvalidArgument(what + ": layout " + std::string(LayoutName(options.layout)) +
+                                   " applies only to adapter versions; a merged version is written as recorded "
+                                   "(layout " + std::string(LayoutName(rec.layout)) + ")");
+  }
+  const Layout layout = rec.layout;
+  if (!rec.base_version || !rec.adapter_version) {
+    return Status::Corruption(what + ": the record names no base or adapter version");
+  }
+  std::error_code ec;
+  fs::path parent = out.parent_path();
+  if (parent.empty()) parent = ".";
+  if (!fs::is_directory(parent, ec)) {
+    return Status::NotFound(what + ": directory " + parent.string() + " does not exist");
+  }
+  const fs::path work = TempNameFor(out);
+  if (!fs::create_directory(work, ec) || ec) {
+    return Status::IOError(what + ": cannot create " + work.string() + ": " + ec.message());
+  }
+  TreeGuard guard(work);
+  FERRY_RETURN_IF_ERROR(store.Export(*rec.base_version, work / "base", false).WithContext(what));
+  FERRY_RETURN_IF_ERROR(store.Export(*rec.adapter_version, work / "adapter", false).WithContext(what));
+  ConvertOptions c;
+  c.base = work / "base";
+  c.adapter = work / "adapter";
+  c.out = work / "result";
+  c.layout = layout;
+  c.threads = options.threads;
+  auto summary = Convert(c);
+  if (!summary.ok()) return summary.status().WithContext(what);
+  auto hashed = HashPath(work / "result");
+  if (!hashed.ok()) return hashed.status().WithContext(what);
+  const VersionRecord& rebuilt = *hashed;
+  if (rebuilt.id != rec.id) {
+    std::string differ;
+    std::map<std::string, Digest> want;
+    for (const auto& t : rec.tensors) want[t.name] = t.digest;
+    int64_t n = 0;
+    for (const auto& t : rebuilt.tensors) {
+      auto it = want.find(t.name);
+      if (it != want.end() && it->second == t.digest) continue;
+      if (n++ < 3) differ += (differ.empty() ? "" : ", ") + t.name;
+    }
+    return Status::Corruption(what + ": the merge of its base and adapter has id " + rebuilt.id.Hex() + ", not " +
+                              rec.id.Hex() + (n > 0 ? " (" + std::to_string(n) + " tensors differ: " + differ +
+                                                          (n > 3 ? ", ..." : "") + ")"
+                                                    : " (the auxiliary files differ)"));
+  }
+  result.merged = true;
+  result.checked_against = rec.id;
+  result.tensors_identical = static_cast<int64_t>(rec.tensors.size());
+  FERRY_RETURN_IF_ERROR(MoveIntoPlace(work / "result", out, options.force).WithContext(what));
+  return result;
+}
+
 }  // namespace
 
 Result<MaterializeResult> Materialize(Store& store, const Digest& version, const fs::path& out,
@@ -147,6 +210,7 @@ Result<MaterializeResult> Materialize(Store& store, const Digest& version, const
   if (fs::exists(fs::symlink_status(out, ec)) && !options.force) {
     return Status::AlreadyExists(what + ": " + out.string() + " exists (replacing it needs MaterializeOptions.force)");
   }
+  if (rec.derived) return MaterializeDerived(store, rec, out, options, result);
   if (rec.kind != VersionKind::kAdapter) {
     if (options.layout != Layout::kHf) {
       return Status::InvalidArgument(what + ": layout " + std::string(LayoutName(options.layout)) +

@@ -11,7 +11,15 @@
 //   from another implementation, e.g. PEFT, that rounds differently) and must agree within
 //   |a - b| <= atol + rtol * |b| or max_ulp ULPs. Any other difference (a missing, extra,
 //   re-shaped or out-of-tolerance tensor) is kCorruption naming the tensors, and nothing is
-//   left at `out`.
+//   left at `out`. A recorded merged version that is derived is compared by digest only
+//   (its bytes are defined as this very merge).
+//   derived versions (store.h, "Derived versions"): the base_version and adapter_version are
+//   exported into a temporary directory beside `out` and merged by the converter in the
+//   version's recorded layout (hf or fused); the result is hashed (HashPath) and its id must
+//   be exactly the version's: kCorruption naming both ids (and the first tensors that
+//   differ) otherwise, and nothing is left at `out`. A damaged base or adapter object fails
+//   the export with kCorruption naming that version and the derived one. options.layout
+//   must be hf (the recorded layout is used); tolerances do not apply.
 #pragma once
 
 #include <cstdint>
@@ -41,8 +49,9 @@ struct MaterializeOptions {
 struct MaterializeResult {
   VersionRecord version;                // the version materialised
   std::filesystem::path out;
-  bool merged = false;                  // an adapter merged into its base
-  std::optional<Digest> checked_against;  // the recorded merged version compared with
+  bool merged = false;                  // an adapter merged into its base (derived versions too)
+  std::optional<Digest> checked_against;  // the recorded merged version compared with (a
+                                          // derived version: itself, by id)
   int64_t tensors_identical = 0;        // digests equal to the recorded merged version
   int64_t tensors_within_tolerance = 0; // digests differ, values within tolerance
   double max_abs_diff = 0;              // over the tolerance-checked tensors

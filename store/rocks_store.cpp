@@ -4,6 +4,7 @@
 #include <stdlib.h>
 
 #include <algorithm>
+#include <deque>
 #include <map>
 
 #include <rocksdb/options.h>
@@ -307,6 +308,23 @@ Result<Tensor> RocksStore::ReadTensor(const TensorRow& row, bool verify) {
   };
   auto file = MappedFile::Open(path);
   if (!file.ok()) {
+    if (file.status().code() == StatusCode::kNotFound) {
+      // Absent because only derived versions hold it: they have no objects of their own.
+      const View view = MakeView();
+      std::optional<VersionRecord> derived;
+      bool only_derived = true;
+      for (const Digest& id : VersionsHolding(row.name, row.digest)) {
+        auto rec = LoadVersion(view.options(), id);
+        if (!rec.ok() || !rec->derived) {
+          only_derived = false;
+          break;
+        }
+        if (!derived) derived = std::move(*rec);
+      }
+      if (derived && only_derived) {
+        return Status::FailedPrecondition(Where("tensor '" + row.name + "': " + DerivedMessage(*derived)));
+      }
+    }
     return Status(file.status().code(), Where(describe() + ": object " + path.string() + ": " +
                                               file.status().message()));
   }
@@ -351,17 +369,17 @@ Result<std::vector<VerifyReport>> RocksStore::Verify(std::optional<Digest> versi
   }
   // An object shared by many versions is hashed once per call.
   std::map<Digest, StatusCode> tensor_state, aux_state;
-  std::vector<VerifyReport> reports;
-  for (const VersionRecord& r : records) {
-    VerifyReport rep;
-    rep.version = r.id;
-    for (const TensorRow& row : r.tensors) {
-      auto [it, fresh] = tensor_state.try_emplace(row.digest, StatusCode::kOk);
-      if (fresh) it->second = objects_.CheckTensor(row).code();
-      if (it->second == StatusCode::kNotFound) {
-        rep.missing.push_back(row.name);
-      } else if (it->second != StatusCode::kOk) {
-        rep.corrupted.push_back(row.name);
+  // Fills missing/corrupted of `rep` from `r`'s objects (a derived version's tensors have none).
+  auto check = [&](const VersionRecord& r, VerifyReport& rep) {
+    if (!r.derived) {
+      for (const TensorRow& row : r.tensors) {
+        auto [it, fresh] = tensor_state.try_emplace(row.digest, StatusCode::kOk);
+        if (fresh) it->second = objects_.CheckTensor(row).code();
+        if (it->second == StatusCode::kNotFound) {
+          rep.missing.push_back(row.name);
+        } else if (it->second != StatusCode::kOk) {
+          rep.corrupted.push_back(row.name);
+        }
       }
     }
     for (const AuxFile& a : r.aux) {
@@ -371,6 +389,46 @@ Result<std::vector<VerifyReport>> RocksStore::Verify(std::optional<Digest> versi
         rep.missing.push_back(a.name);
       } else if (it->second != StatusCode::kOk) {
         rep.corrupted.push_back(a.name);
+      }
+    }
+  };
+  std::map<Digest, const VersionRecord*> by_id;
+  for (const VersionRecord& r : records) by_id[r.id] = &r;
+  std::deque<VersionRecord> dependencies;  // loaded for a derived version verified alone
+  std::vector<VerifyReport> reports;
+  for (const VersionRecord& r : records) {
+    VerifyReport rep;
+    rep.version = r.id;
+    rep.derived = r.derived;
+    check(r, rep);
+    if (r.derived) {
+      // Its bytes are its base's and adapter's: those must be recorded and intact.
+      for (const auto& [role, id] : {std::pair<const char*, std::optional<Digest>>{"base", r.base_version},
+                                     std::pair<const char*, std::optional<Digest>>{"adapter", r.adapter_version}}) {
+        const std::string who = std::string(role) + " version " + (id ? id->Hex() : "?");
+        const VersionRecord* dep = nullptr;
+        if (id) {
+          if (auto it = by_id.find(*id); it != by_id.end()) {
+            dep = it->second;
+          } else {
+            auto loaded = LoadVersion(MakeView().options(), *id);
+            if (loaded.ok()) {
+              dependencies.push_back(std::move(*loaded));
+              dep = &dependencies.back();
+              by_id[*id] = dep;
+            } else if (loaded.status().code() != StatusCode::kNotFound) {
+              return loaded.status();
+            }
+          }
+        }
+        if (dep == nullptr) {
+          rep.dependencies.push_back(who + ": not in the store");
+          continue;
+        }
+        VerifyReport dep_rep;
+        check(*dep, dep_rep);
+        for (const auto& name : dep_rep.missing) rep.dependencies.push_back(who + ": '" + name + "' is missing");
+        for (const auto& name : dep_rep.corrupted) rep.dependencies.push_back(who + ": '" + name + "' is corrupted");
       }
     }
     reports.push_back(std::move(rep));

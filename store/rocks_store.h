@@ -1,6 +1,6 @@
 // RocksStore: the Store of store.h over RocksDB and the object directories. Internal; the
 // implementation is split by concern: rocks_store.cpp (open, reads, events, verify),
-// import.cpp, export.cpp, gc.cpp.
+// import.cpp, derived.cpp, export.cpp, gc.cpp.
 #pragma once
 
 #include <atomic>
@@ -37,6 +37,9 @@ class RocksStore final : public Store {
   Result<ImportResult> ImportCheckpoint(const Checkpoint& ckpt,
                                         const AuxFiles& aux_files,
                                         const ImportOptions& options) override;
+  Result<ImportResult> RecordDerived(const std::vector<TensorRow>& tensors,
+                                     const AuxFiles& aux_files,
+                                     const ImportOptions& options) override;
   Result<VersionRecord> GetVersion(std::string_view id_or_prefix) override;
   Result<std::vector<VersionRecord>> ListVersions(std::optional<std::string> run) override;
   Result<std::vector<std::string>> ListRuns() override;

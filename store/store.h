@@ -63,6 +63,32 @@
 //   - Refresh calls of a read-only store, one at a time.
 // Everything else (hashing and writing objects, reads, events, verify) runs in parallel.
 //
+// Derived versions (RecordDerived): a merged version recorded by its digests only. Its record
+// (id, tensor rows with digest/dtype/shape/nbytes, aux files, kind merged, base_version,
+// adapter_version, step, metrics, ...) and its auxiliary files are committed as any
+// version's, with "derived": true in the record, but no tensor object is written and no
+// "objects" row added: its bytes are DEFINED as the merge of adapter_version onto
+// base_version by the converter (ferry::Convert, layout hf or fused as recorded), which is
+// what sync's snapshots compute bit for bit. Its id is the manifest digest of its rows and
+// aux files, as for any version: a derived version and a full import of the same bytes are
+// the same version. Recording a training step so adds the adapter's bytes, not a model's.
+//   - RecordDerived requires kind merged, base_version and adapter_version, both already
+//     recorded; the adapter must be of kind adapter, the base not derived itself.
+//   - Materialize (store/materialize.h) rebuilds the bytes from base + adapter and requires
+//     the rebuilt id to equal the version's.
+//   - Importing the full bytes of a derived version later (Import/ImportCheckpoint of a
+//     checkpoint with its id) stores its objects and turns it into a stored version: the
+//     record (run, sequence, step, ...) is kept, "derived" becomes false (ImportResult::
+//     was_derived). Recording a derived version that is already stored changes nothing.
+//   - Verify reports a derived version as such: its tensors have no objects to re-hash; its
+//     aux files are checked, and its base and adapter versions must be recorded with every
+//     stored byte intact (VerifyReport::dependencies names each that is not).
+//   - ReadTensor of a row whose object is absent and that only derived versions hold, and
+//     Export of a derived version whose objects are not all present, are kFailedPrecondition
+//     "version V is derived from base B + adapter A; materialize it".
+//   - GarbageCollect keeps the base and adapter of every kept version (the rule below).
+//   - Records written before derived versions existed have no "derived" field: not derived.
+//
 // Decisions the implementation (store/*.cpp) makes where the above leaves room:
 //   - Aux digests in the manifest are 16 bytes big-endian hi then lo, like tensor digests.
 //     Version keys and object keys are the digest in that same byte order, so key order is
@@ -199,6 +225,9 @@ struct VersionRecord {
   std::vector<TensorRow> tensors;     // sorted by name
   std::vector<AuxFile> aux;           // sorted by name
   uint64_t total_bytes = 0;
+  // Recorded by its digests only (see "Derived versions" above): no tensor object was
+  // written; its bytes are the merge of adapter_version onto base_version.
+  bool derived = false;
 };
 
 // One thing that happened to a version, recorded by sync and the daemon.
@@ -237,7 +266,10 @@ struct ImportOptions {
 
 struct ImportResult {
   VersionRecord record;
-  bool already_present = false;  // the same version id was already stored (nothing new written)
+  bool already_present = false;  // the same version id was already stored (nothing new written,
+                                 // unless was_derived)
+  bool was_derived = false;      // the id was recorded as a derived version: this import stored
+                                 // its objects and the record is no longer derived
   uint64_t bytes_written = 0;    // new object bytes this import wrote (0 when everything was stored;
                                  // an object another import was writing at the same time counts there)
   int64_t objects_written = 0;
@@ -247,7 +279,13 @@ struct VerifyReport {
   Digest version;
   std::vector<std::string> missing;     // tensors whose object file is gone
   std::vector<std::string> corrupted;   // object bytes whose digest differs from the record
-  bool ok() const { return missing.empty() && corrupted.empty(); }
+  // A derived version: its tensors have no objects (none are re-hashed or reported missing);
+  // `dependencies` names each of its base and adapter versions that is not recorded or not
+  // intact ("base version <id>: not in the store", "adapter version <id>: tensor 'x' is
+  // corrupted", ...). Always empty for stored versions.
+  bool derived = false;
+  std::vector<std::string> dependencies;
+  bool ok() const { return missing.empty() && corrupted.empty() && dependencies.empty(); }
 };
 
 struct StoreOptions {
@@ -282,6 +320,20 @@ class Store {
   virtual Result<ImportResult> ImportCheckpoint(const Checkpoint& ckpt, const AuxFiles& aux_files,
                                                 const ImportOptions& options) = 0;
 
+  // Records a merged version by its digests only: a derived version (see "Derived versions"
+  // above). `tensors` are its rows: name, dtype, shape, digest and nbytes (= the byte size of
+  // dtype and shape), statistics as given (zeros when unknown); any order, names unique.
+  // `aux_files` (name, contents) are stored as Import stores them. options.kind must be
+  // kMerged and options.base_version / adapter_version given (kInvalidArgument naming what
+  // is wrong, as for a row's nbytes, a duplicate or non-UTF-8 name, a layout other than hf or
+  // fused), and both recorded (kNotFound naming the id), the adapter of kind adapter, the base
+  // not derived, an adapter recording another base_version: kInvalidArgument. Writes no
+  // tensor object (bytes_written counts the aux files only); commits as Import does
+  // (already_present when the id is recorded, derived or not). Thread-safe, as Import.
+  virtual Result<ImportResult> RecordDerived(const std::vector<TensorRow>& tensors,
+                                             const AuxFiles& aux_files,
+                                             const ImportOptions& options) = 0;
+
   // kNotFound naming the id when absent. `prefix`: a unique hex prefix (>= 6 chars) is accepted.
   // Thread-safe; never waits for an import or event.
   virtual Result<VersionRecord> GetVersion(std::string_view id_or_prefix) = 0;
@@ -293,7 +345,8 @@ class Store {
   virtual Result<std::optional<Digest>> Latest(const std::string& run) = 0;
 
   // A stored tensor's bytes (memory-mapped object file), checked against its digest when
-  // `verify` is set (kCorruption naming the version and tensor otherwise). Thread-safe;
+  // `verify` is set (kCorruption naming the version and tensor otherwise). A row of a derived
+  // version whose object is absent: kFailedPrecondition (see "Derived versions"). Thread-safe;
   // never waits for an import. The mapping stays valid after a GarbageCollect removes the
   // object; a call during one may fail with kNotFound for a version being removed.
   virtual Result<Tensor> ReadTensor(const TensorRow& row, bool verify) = 0;
@@ -305,8 +358,9 @@ class Store {
   // running GarbageCollect.
   virtual Result<std::vector<VerifyReport>> Verify(std::optional<Digest> version) = 0;
 
-  // Writes a version out as a loadable directory (safetensors + aux files), atomically.
-  // Thread-safe, as Verify.
+  // Writes a version out as a loadable directory (safetensors + aux files), atomically. A
+  // derived version whose objects are not all present: kFailedPrecondition, nothing written
+  // (store::Materialize rebuilds it). Thread-safe, as Verify.
   virtual Status Export(const Digest& version, const std::filesystem::path& out, bool force) = 0;
 
   // Records an event (synced). Thread-safe: events appended from several threads at once

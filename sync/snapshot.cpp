@@ -6,6 +6,9 @@
 #include <span>
 #include <thread>
 
+#include <nlohmann/json.hpp>
+
+#include "convert/bnb4.h"
 #include "convert/fused_layout.h"
 #include "convert/merge_plan.h"
 #include "convert/model_config.h"
@@ -113,6 +116,15 @@ class Merger {
   // unchanged one copied when `copy_unchanged`, else the source tensor itself.
   Result<Tensor> Make(const std::string& name, bool copy_unchanged) {
     const std::string source = plan_.SourceOf(name);
+    if (auto q = plan_.quantized.find(name); q != plan_.quantized.end()) {
+      // A 4-bit weight: dequantised as the converter does (convert/bnb4.h), merged, rounded
+      // once to the quant state's dtype.
+      FERRY_ASSIGN_OR_RETURN(std::vector<float> w, Compute(name, q->second.shape));
+      FERRY_ASSIGN_OR_RETURN(Tensor out, Tensor::Empty(q->second.dtype, q->second.shape));
+      Status s = WriteFromF32(w, q->second.dtype, std::span<std::byte>(out.mutable_data(), out.nbytes()));
+      if (!s.ok()) return s.WithContext("snapshot: tensor " + Q(name));
+      return out;
+    }
     FERRY_ASSIGN_OR_RETURN(Tensor base, base_.Get(source));
     if (!plan_.Changes(name)) return copy_unchanged ? CopyTensor(base) : Result<Tensor>(std::move(base));
     if (const LoraModule* m = plan_.FusableDelta(name, base.dtype(), base.shape())) {
@@ -129,7 +141,7 @@ class Merger {
       return Status::Unsupported("snapshot source: tensor " + Q(source) + " is " + std::string(DTypeName(base.dtype())) +
                                  " and cannot be merged (only F32, F16, BF16 and F64 weights can)");
     }
-    FERRY_ASSIGN_OR_RETURN(std::vector<float> w, Compute(name, base));
+    FERRY_ASSIGN_OR_RETURN(std::vector<float> w, Compute(name, base.shape()));
     FERRY_ASSIGN_OR_RETURN(Tensor out, Tensor::Empty(base.dtype(), base.shape()));
     Status s = WriteFromF32(w, base.dtype(), std::span<std::byte>(out.mutable_data(), out.nbytes()));
     if (!s.ok()) return s.WithContext("snapshot: tensor " + Q(name));
@@ -137,14 +149,17 @@ class Merger {
   }
 
  private:
-  Result<std::vector<float>> Compute(const std::string& name, const Tensor& base) {
+  // The merged fp32 values of output tensor `name` (the converter's MergeWriter::Compute).
+  Result<std::vector<float>> Compute(const std::string& name, const Shape& shape) {
     std::vector<float> w;
     if (auto r = plan_.replacements.find(name); r != plan_.replacements.end()) {
       FERRY_ASSIGN_OR_RETURN(w, ReadTensorAsF32(adapter_, r->second));
+    } else if (auto q = plan_.quantized.find(name); q != plan_.quantized.end()) {
+      FERRY_ASSIGN_OR_RETURN(w, Dequantize4bitAsLoaded(base_, q->second));
     } else {
       FERRY_ASSIGN_OR_RETURN(w, ReadTensorAsF32(base_, plan_.SourceOf(name)));
     }
-    FERRY_RETURN_IF_ERROR(ApplyPlanEdits(plan_, adapter_, name, base.shape(), w, threads_));
+    FERRY_RETURN_IF_ERROR(ApplyPlanEdits(plan_, adapter_, name, shape, w, threads_));
     return w;
   }
 
@@ -252,10 +267,22 @@ Result<std::shared_ptr<SnapshotPlanState>> PlanSnapshot(const SnapshotSource& so
   FERRY_ASSIGN_OR_RETURN(Normalised in, Normalise(source));
   p->merging = source.adapter_config.has_value();
   p->layout = options.layout;
-  auto add_output = [&](const std::string& name, const std::string& from) {
+  // An output tensor: the source tensor `from`'s dtype and shape, or for a 4-bit weight the
+  // dtype and shape it is dequantised to.
+  auto add_output = [&](const std::string& name, const std::string& from) -> Status {
     TensorInfo info = *p->base.Info(from);
     info.name = name;
+    if (p->plan) {
+      if (auto q = p->plan->quantized.find(from); q != p->plan->quantized.end()) {
+        info.dtype = q->second.dtype;
+        info.shape = q->second.shape;
+        FERRY_ASSIGN_OR_RETURN(const uint64_t nbytes, CheckedByteSize(info.dtype, info.shape));
+        info.begin = 0;
+        info.end = nbytes;
+      }
+    }
     p->outputs.emplace(name, std::move(info));
+    return Status::OK();
   };
   if (!p->merging) {
     if (!in.adapter.empty()) {
@@ -263,7 +290,31 @@ Result<std::shared_ptr<SnapshotPlanState>> PlanSnapshot(const SnapshotSource& so
                                      " given without an adapter config");
     }
     p->base = Checkpoint::FromTensors(std::string(kSourceOrigin), std::move(in.base));
-    for (const std::string& name : p->base.names()) add_output(name, name);
+    // A 4-bit base alone is dequantised as a merge onto it would be (an empty plan but for
+    // the quantised weights): the same tensors as `ferry convert` with an adapter that
+    // changes nothing.
+    auto quantized = FindQuantized4bit(p->base);
+    if (!quantized.ok()) return InMemoryContext(quantized.status());
+    if (!quantized->empty()) {
+      p->plan.emplace();
+      p->plan->quant_aux = QuantAuxKeys(*quantized);
+      p->plan->quantized = std::move(quantized).value();
+      p->adapter = Checkpoint::FromTensors(std::string(kAdapterOrigin), {});
+      p->merger = std::make_unique<Merger>(p->base, p->adapter, *p->plan, ThreadsOf(options));
+    }
+    for (const std::string& name : p->base.names()) {
+      if (!p->plan || !p->plan->quant_aux.count(name)) FERRY_RETURN_IF_ERROR(add_output(name, name));
+    }
+    if (p->plan) {
+      for (auto& [name, contents] : p->aux) {
+        if (name == "config.json") {
+          ModelConfigEdits edits;
+          edits.untie = p->plan->untie;
+          if (!p->plan->quantized.empty()) edits.dtype = p->plan->quantized.begin()->second.dtype;
+          FERRY_ASSIGN_OR_RETURN(contents, RewriteModelConfig(contents, edits, "snapshot aux file config.json"));
+        }
+      }
+    }
   } else {
     const PeftConfig& cfg = *source.adapter_config;
     FERRY_RETURN_IF_ERROR(cfg.CheckMergeable());
@@ -273,14 +324,10 @@ Result<std::shared_ptr<SnapshotPlanState>> PlanSnapshot(const SnapshotSource& so
     if (!planned.ok()) return InMemoryContext(planned.status());
     p->plan = std::move(planned).value();
     const MergePlan& plan = *p->plan;
-    if (!plan.quantized.empty()) {
-      return Status::Unsupported("snapshot source: tensor " + Q(plan.quantized.begin()->first) +
-                                 " is a 4-bit quantised weight; snapshot unquantised parameters");
-    }
     for (const std::string& name : p->base.names()) {
-      if (!plan.quant_aux.count(name)) add_output(name, plan.SourceOf(name));
+      if (!plan.quant_aux.count(name)) FERRY_RETURN_IF_ERROR(add_output(name, plan.SourceOf(name)));
     }
-    if (plan.untie) add_output(plan.lm_head_key, plan.SourceOf(plan.lm_head_key));
+    if (plan.untie) FERRY_RETURN_IF_ERROR(add_output(plan.lm_head_key, plan.SourceOf(plan.lm_head_key)));
     // Every tensor the plan changes can be written back in its dtype (checked before any
     // tensor is made, so a streamed snapshot fails before it writes anything).
     for (const auto& [name, info] : p->outputs) {
@@ -295,6 +342,7 @@ Result<std::shared_ptr<SnapshotPlanState>> PlanSnapshot(const SnapshotSource& so
       if (name == "config.json") {
         ModelConfigEdits edits;
         edits.untie = plan.untie;
+        if (!plan.quantized.empty()) edits.dtype = plan.quantized.begin()->second.dtype;
         FERRY_ASSIGN_OR_RETURN(contents, RewriteModelConfig(contents, edits, "snapshot aux file config.json"));
       }
     }
@@ -381,6 +429,39 @@ Result<store::ImportResult> RecordSnapshot(store::Store& store, const Snapshot& 
   if (result.record.id != snapshot.manifest_id()) {
     return Status::Internal("snapshot " + snapshot.manifest_id().Hex() + " was recorded as version " +
                             result.record.id.Hex() + ": the manifest digests disagree");
+  }
+  return result;
+}
+
+Result<store::ImportResult> RecordSnapshotDigests(store::Store& store, const Snapshot& snapshot,
+                                                  const store::ImportOptions& options) {
+  const std::string what = "snapshot " + snapshot.manifest_id().Hex();
+  if (!snapshot.merged()) {
+    return Status::InvalidArgument(what + " merged no adapter: record it with RecordSnapshot (its bytes)");
+  }
+  if (!options.base_version) return Status::InvalidArgument(what + ": recording it by digests needs a base_version");
+  if (!options.adapter_version) {
+    return Status::InvalidArgument(what + ": recording it by digests needs an adapter_version");
+  }
+  std::vector<store::TensorRow> rows;
+  rows.reserve(snapshot.digests().size());
+  for (const auto& [name, digest] : snapshot.digests()) {
+    const TensorInfo* info = snapshot.checkpoint().Info(name);
+    if (info == nullptr) return Status::Internal(what + ": tensor " + Q(name) + " has a digest but no tensor");
+    store::TensorRow row;
+    row.name = name;
+    row.dtype = info->dtype;
+    row.shape = info->shape;
+    row.digest = digest;
+    row.nbytes = info->nbytes();
+    rows.push_back(std::move(row));
+  }
+  FERRY_ASSIGN_OR_RETURN(store::ImportResult result,
+                         store.RecordDerived(rows, snapshot.aux_files(),
+                                             RecordOptions(snapshot.merged(), snapshot.layout(), options)));
+  if (result.record.id != snapshot.manifest_id()) {
+    return Status::Internal(what + " was recorded as version " + result.record.id.Hex() +
+                            ": the manifest digests disagree");
   }
   return result;
 }

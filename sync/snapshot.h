@@ -14,6 +14,14 @@
 //      base dtype; bit-identical to the converter's hf output). The snapshot never aliases
 //      the source: changing or freeing the source after BuildSnapshot returns cannot change
 //      it (a bug TRL once had: state_dict() tensors aliasing live, later unmerged parameters).
+//   2b. A bitsandbytes 4-bit base (NF4/FP4, double quant or not: convert/bnb4.h) is read as
+//      the converter reads it: each packed weight is dequantised with its quant state
+//      (Dequantize4bitAsLoaded: rounded to the quant state's dtype), merged, and written in
+//      that dtype and its unpacked shape; the quant-state companions (absmax, quant_map,
+//      nested_*, quant_state.*) are dropped and config.json loses quantization_config (its
+//      torch_dtype/dtype become the quant state's), bit-identical to `ferry convert`. A
+//      4-bit base without an adapter is dequantised the same way (what `ferry convert`
+//      writes for an adapter that changes nothing).
 //   3. The fused layout stacks q/k/v into self_attn.qkv_proj and gate/up into
 //      mlp.gate_up_proj on the output axis (as `ferry convert --layout fused`).
 //   4. Every tensor digest and the manifest digest (= the store's version id) are computed
@@ -83,7 +91,7 @@ class Snapshot {
   // Tensor digests (store.h), by name.
   const std::map<std::string, store::Digest>& digests() const { return digests_; }
   // Auxiliary files, sorted by name (config.json rewritten as `ferry convert` writes it when
-  // an adapter was merged: quantization_config removed, tie_word_embeddings false if untied).
+  // an adapter was merged or a 4-bit base dequantised: MergedModelConfig, convert/converter.h).
   const AuxFiles& aux_files() const { return aux_files_; }
   Layout layout() const { return layout_; }
   // True when an adapter was merged in.
@@ -107,10 +115,11 @@ class Snapshot {
 // Builds a snapshot of `source` (see the top of this file). Errors (nothing is returned):
 // kInvalidArgument naming the tensor for two source names that normalise to the same name,
 // a LoRA tensor among the source tensors without an adapter config, q/k/v (gate/up) that
-// cannot be stacked, a bad aux file name (core/aux_files.h), or the lora layout; PlanMerge's and CheckMergeable's errors for
-// the adapter; kUnsupported for 4-bit quantised bases; kCorruption for an unreadable
-// config.json when an adapter is merged. REQUIRES: nobody writes the source tensors during
-// the call.
+// cannot be stacked, a bad aux file name (core/aux_files.h), or the lora layout; PlanMerge's and
+// CheckMergeable's errors for the adapter; FindQuantized4bit's errors (kCorruption, kUnsupported)
+// for a 4-bit weight whose companion tensors are missing or malformed; kCorruption for an
+// unreadable config.json when an adapter is merged or a 4-bit base dequantised. REQUIRES: nobody
+// writes the source tensors during the call.
 Result<std::shared_ptr<const Snapshot>> BuildSnapshot(const SnapshotSource& source, const SnapshotOptions& options);
 
 // Records `snapshot` as a version in `store`. options.kind kFull (the default) becomes
@@ -119,6 +128,22 @@ Result<std::shared_ptr<const Snapshot>> BuildSnapshot(const SnapshotSource& sour
 // snapshot.manifest_id() (kInternal otherwise). Store errors pass through.
 Result<store::ImportResult> RecordSnapshot(store::Store& store, const Snapshot& snapshot,
                                            const store::ImportOptions& options);
+
+// Records a merged `snapshot` as a DERIVED version (store.h, "Derived versions"): its rows
+// (name, dtype, shape, nbytes and the digests BuildSnapshot computed: nothing is re-hashed;
+// no statistics) and aux files, no tensor bytes: recording a training step adds the
+// adapter's bytes (its own version), not a model's. `ferry versions materialize` rebuilds
+// the bytes from the base and adapter versions with the converter, bit-identical to the
+// snapshot when the adapter version holds the adapter tensors and config the snapshot merged
+// (e.g. the adapter_model.safetensors + adapter_config.json the trainer saved and imported)
+// and the base version the base tensors and aux files it started from.
+// options.base_version and options.adapter_version are required (kInvalidArgument naming the
+// missing one) and must be recorded (Store::RecordDerived's errors); kind and source are
+// adjusted as RecordSnapshot adjusts them. kInvalidArgument for a snapshot that merged no
+// adapter. The version id equals snapshot.manifest_id() (kInternal otherwise);
+// bytes_written counts only new aux files (0 when the run already holds them).
+Result<store::ImportResult> RecordSnapshotDigests(store::Store& store, const Snapshot& snapshot,
+                                                  const store::ImportOptions& options);
 
 // A snapshot planned but not made, for models too big to hold merged in memory (the
 // `--watch` path): Plan makes every check BuildSnapshot makes and fixes every output

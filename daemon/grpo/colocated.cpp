@@ -4,7 +4,7 @@
 
 namespace ferry::grpo {
 
-WeightPublisher::WeightPublisher(Checkpoint base, AuxFileList aux_files, bool tie_word_embeddings,
+WeightPublisher::WeightPublisher(Checkpoint base, AuxFiles aux_files, bool tie_word_embeddings,
                                  sync::SnapshotChannel* channel, int threads)
     : base_(std::move(base)),
       aux_files_(std::move(aux_files)),

@@ -24,6 +24,7 @@
 #include <string>
 #include <vector>
 
+#include "core/aux_files.h"
 #include "core/checkpoint.h"
 #include "core/status.h"
 #include "daemon/runtime/generator.h"
@@ -35,9 +36,6 @@
 
 namespace ferry::grpo {
 
-// The auxiliary files a snapshot carries (config.json, tokenizer files), as sync takes them.
-using AuxFileList = decltype(sync::SnapshotSource{}.aux_files);
-
 // Trainer side. Thread-compatible.
 class WeightPublisher {
  public:
@@ -45,7 +43,7 @@ class WeightPublisher {
   // into each snapshot); `aux_files`: the base directory's auxiliary files (config.json,
   // tokenizer files), recorded with every snapshot as the converter writes them. REQUIRES:
   // `channel` outlives the publisher.
-  WeightPublisher(Checkpoint base, AuxFileList aux_files, bool tie_word_embeddings, sync::SnapshotChannel* channel,
+  WeightPublisher(Checkpoint base, AuxFiles aux_files, bool tie_word_embeddings, sync::SnapshotChannel* channel,
                   int threads);
 
   // Builds the merged snapshot of the base and `adapter` as it is now and publishes it.
@@ -61,7 +59,7 @@ class WeightPublisher {
   Result<sync::Handoff> Build(const runtime::LoraAdapter* adapter);
 
   Checkpoint base_;
-  AuxFileList aux_files_;
+  AuxFiles aux_files_;
   bool tie_word_embeddings_ = false;
   sync::SnapshotChannel* channel_;
   int threads_ = 0;

@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstring>
 
+#include "core/aux_files.h"
 #include "core/checkpoint.h"
 #include "core/mapped_file.h"
 #include "daemon/grpo/trainer_internal.h"
@@ -71,7 +72,7 @@ Status RecordStep(Trainer::State& s, const sync::Handoff& h, const Metrics& metr
   // The adapter's bytes, then the merged version by its digests (rebuilt from base + adapter).
   FERRY_ASSIGN_OR_RETURN(auto tensors, s.adapter->ExportTensors());
   Checkpoint ckpt = Checkpoint::FromTensors("adapter of step " + std::to_string(s.step), std::move(tensors));
-  AuxFileList aux = {{"adapter_config.json", s.adapter->ConfigJson(s.config.model_name_or_path.string())}};
+  AuxFiles aux = {{"adapter_config.json", s.adapter->ConfigJson(s.config.model_name_or_path.string())}};
   store::ImportOptions ao;
   ao.run = s.config.store.run;
   ao.kind = store::VersionKind::kAdapter;
@@ -230,7 +231,7 @@ Result<std::unique_ptr<Trainer>> Trainer::Create(const TrainOptions& options) {
   s->channel = std::make_unique<sync::SnapshotChannel>(s->store.get(), c.store.run);
   FERRY_ASSIGN_OR_RETURN(fs::path weights, FindWeights(c.model_name_or_path));
   FERRY_ASSIGN_OR_RETURN(Checkpoint base_ckpt, Checkpoint::Open(weights));
-  FERRY_ASSIGN_OR_RETURN(AuxFileList aux, store::CollectAuxFiles(c.model_name_or_path));
+  FERRY_ASSIGN_OR_RETURN(AuxFiles aux, CollectAuxFiles(c.model_name_or_path));
   s->publisher = std::make_unique<WeightPublisher>(std::move(base_ckpt), std::move(aux),
                                                    s->model->config().tie_word_embeddings, s->channel.get(),
                                                    static_cast<int>(run::ResolvedThreads(c)));

@@ -10,7 +10,10 @@
 #include <string>
 #include <vector>
 
+#include "convert/converter.h"
+#include "core/aux_files.h"
 #include "core/checkpoint.h"
+#include "store/store.h"
 #include "tests/cli/cli_runner.h"
 
 namespace ferry {
@@ -294,6 +297,102 @@ TEST_F(StoreCli, HelpAndUsageErrors) {
   EXPECT_EQ(base.exit_code, 1);
   EXPECT_NE(base.err.find("--base-version"), std::string::npos) << base.err;
   EXPECT_NE(base.err.find("abcdef01"), std::string::npos) << base.err;
+}
+
+// A merged version recorded by its digests only (store::Store::RecordDerived, as the daemon
+// records a step): listed and shown as derived, verified through its base and adapter,
+// rebuilt by `ferry versions materialize` with exactly its id, which `ferry verify` names.
+TEST_F(StoreCli, DerivedVersionIsMaterializedWithItsIdAndVerified) {
+  auto b = RunFerry({"store", "import", (kCase / "base").string(), "--db", db_, "--kind", "base", "--run", "r1"});
+  ASSERT_EQ(b.exit_code, 0) << b.err;
+  base_ = b.out.substr(0, 32);
+  adapter_ = Json({"store", "import", (kCase / "adapter").string(), "--db", db_, "--run", "r1", "--base-version",
+                   base_, "--step", "1", "--json"})["id"];
+  std::string derived;
+  {
+    ConvertOptions c;
+    c.base = kCase / "base";
+    c.adapter = kCase / "adapter";
+    c.out = dir_ / "conv";
+    c.threads = 2;
+    ASSERT_TRUE(Convert(c).ok());
+    auto rec = store::HashPath(c.out);
+    ASSERT_TRUE(rec.ok()) << rec.status().ToString();
+    auto aux = CollectAuxFiles(c.out);
+    ASSERT_TRUE(aux.ok()) << aux.status().ToString();
+    fs::remove_all(c.out);
+    store::StoreOptions so;
+    so.sync_objects = false;
+    auto s = store::Store::Open(db_, so);
+    ASSERT_TRUE(s.ok()) << s.status().ToString();
+    store::ImportOptions o;
+    o.run = "r1";
+    o.kind = store::VersionKind::kMerged;
+    o.source = store::VersionSource::kDaemon;
+    o.step = 1;
+    o.base_version = store::Digest::FromHex(base_).value();
+    o.adapter_version = store::Digest::FromHex(adapter_).value();
+    auto r = (*s)->RecordDerived(rec->tensors, *aux, o);
+    ASSERT_TRUE(r.ok()) << r.status().ToString();
+    derived = r->record.id.Hex();
+  }
+  auto list = Json({"versions", "list", "--db", db_, "--json"});
+  ASSERT_EQ(list.size(), 3u);
+  EXPECT_EQ(list[0]["derived"], false);
+  EXPECT_EQ(list[1]["derived"], false);
+  EXPECT_EQ(list[2]["id"], derived);
+  EXPECT_EQ(list[2]["derived"], true);
+  EXPECT_EQ(list[2]["kind"], "merged");
+  auto show = Json({"versions", "show", derived, "--db", db_, "--json"});
+  EXPECT_EQ(show["derived"], true);
+  EXPECT_EQ(show["adapter_version"], adapter_);
+  auto text = RunFerry({"versions", "list", "--db", db_});
+  EXPECT_NE(text.out.find("merged*"), std::string::npos) << text.out;
+  EXPECT_NE(text.out.find("* derived"), std::string::npos) << text.out;
+
+  auto verify = Json({"versions", "verify", "--db", db_, "--json"});
+  ASSERT_EQ(verify.size(), 3u);
+  for (const auto& r : verify) {
+    EXPECT_EQ(r["ok"], true) << r.dump();
+    EXPECT_EQ(r["derived"], r["version"] == derived) << r.dump();
+  }
+
+  const fs::path out = dir_ / "mat";
+  auto m = RunFerry({"versions", "materialize", derived.substr(0, 10), "--db", db_, "--out", out.string()});
+  ASSERT_EQ(m.exit_code, 0) << m.err;
+  EXPECT_NE(m.out.find("derived version " + derived.substr(0, 12) + " rebuilt from base " + base_.substr(0, 12) +
+                       " + adapter " + adapter_.substr(0, 12)),
+            std::string::npos)
+      << m.out;
+  auto v = RunFerry({"verify", out.string(), "--db", db_});
+  EXPECT_EQ(v.exit_code, 0) << v.err;
+  EXPECT_NE(v.out.find("is version " + derived.substr(0, 12)), std::string::npos) << v.out;
+
+  // A damaged adapter object: materialize fails naming both ids and leaves nothing.
+  auto adapter = Json({"versions", "show", adapter_, "--db", db_, "--json"});
+  const std::string digest = adapter["tensors"][0]["digest"];
+  const fs::path object = fs::path(db_) / "objects" / digest.substr(0, 2) / digest.substr(2);
+  fs::permissions(object, fs::perms::owner_write, fs::perm_options::add);
+  {
+    std::fstream f(object, std::ios::in | std::ios::out | std::ios::binary);
+    char c = 0;
+    f.read(&c, 1);
+    c = static_cast<char>(c ^ 0x01);
+    f.seekp(0);
+    f.write(&c, 1);
+  }
+  const fs::path out2 = dir_ / "mat2";
+  auto bad = RunFerry({"versions", "materialize", derived, "--db", db_, "--out", out2.string()});
+  EXPECT_EQ(bad.exit_code, 1);
+  EXPECT_NE(bad.err.find(derived), std::string::npos) << bad.err;
+  EXPECT_NE(bad.err.find(adapter_), std::string::npos) << bad.err;
+  EXPECT_NE(bad.err.find("corrupted"), std::string::npos) << bad.err;
+  EXPECT_FALSE(fs::exists(out2));
+  auto unverified = RunFerry({"versions", "verify", derived, "--db", db_});
+  EXPECT_EQ(unverified.exit_code, 1);
+  EXPECT_NE(unverified.err.find("derived version " + derived.substr(0, 12) + ": adapter version " + adapter_),
+            std::string::npos)
+      << unverified.err;
 }
 
 }  // namespace

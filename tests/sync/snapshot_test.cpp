@@ -21,6 +21,7 @@
 #include "convert/converter.h"
 #include "core/mapped_file.h"
 #include "core/safetensors.h"
+#include "store/materialize.h"
 
 namespace ferry::sync {
 namespace {
@@ -668,11 +669,194 @@ INSTANTIATE_TEST_SUITE_P(
                                          "llama_lora_bias_f32", "llama_modules_to_save_f32", "llama_regex_targets_f32",
                                          "llama_rslora_bf16", "llama_sharded_bf16", "llama_tied_lmhead_lora_f32",
                                          "llama_trainable_tokens_f32", "mistral_dora_f32", "phi3_lora_f32",
-                                         "qwen2_bias_all_f32", "qwen2_patterns_f16"),
+                                         "qwen2_bias_all_f32", "qwen2_patterns_f16", "llama_nf4", "llama_nf4_dq",
+                                         "llama_fp4", "llama_fp4_dq"),
                        ::testing::Values(Layout::kHf, Layout::kFused)),
     [](const auto& param_info) {
       return std::get<0>(param_info.param) + (std::get<1>(param_info.param) == Layout::kFused ? "_fused" : "_hf");
     });
+
+// A 4-bit base alone: every packed weight dequantised exactly as bitsandbytes'
+// dequantize_4bit does (the fixture's base_dequant/, made by bitsandbytes itself), the quant
+// companions dropped, everything else copied; config.json as the converter writes it, and
+// the whole snapshot equal to `ferry convert` of the base with an adapter that changes
+// nothing (no LoRA tensors).
+class QuantizedBaseSnapshotTest : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(QuantizedBaseSnapshotTest, DequantisedBaseEqualsBitsandbytesAndTheConverter) {
+  const fs::path dir = fs::path(FERRY_FIXTURES_DIR) / "cases" / GetParam();
+  SnapshotSource src;
+  src.tensors = OwnedCopies(dir / "base");
+  src.aux_files = AuxBeside(dir / "base");
+  auto snap = BuildSnapshot(src, {});
+  ASSERT_TRUE(snap.ok()) << snap.status().ToString();
+  EXPECT_FALSE((*snap)->merged());
+
+  Checkpoint dequant = Checkpoint::Open(dir / "base_dequant").value();
+  ASSERT_EQ((*snap)->checkpoint().names(), dequant.names());
+  for (const auto& name : dequant.names()) {
+    EXPECT_EQ((*snap)->digests().at(name), store::TensorDigest(dequant.Get(name).value())) << name;
+  }
+  std::string config;
+  for (const auto& [name, contents] : (*snap)->aux_files()) {
+    if (name == "config.json") config = contents;
+  }
+  ASSERT_FALSE(config.empty());
+  EXPECT_EQ(config.find("quantization_config"), std::string::npos) << config;
+  EXPECT_NE(ReadText(dir / "base" / "config.json").find("quantization_config"), std::string::npos);
+
+  // The converter with an adapter of no tensors writes the same version.
+  TempDir tmp;
+  const fs::path empty = tmp.path() / "empty_adapter";
+  fs::create_directories(empty);
+  ASSERT_TRUE(WriteFileAtomic(empty / "adapter_config.json",
+                              R"({"peft_type": "LORA", "r": 8, "lora_alpha": 16, "target_modules": ["q_proj"]})")
+                  .ok());
+  auto writer = SafetensorsWriter::CreateFile(empty / "adapter_model.safetensors", {});
+  ASSERT_TRUE(writer.ok()) << writer.status().ToString();
+  ASSERT_TRUE((*writer)->Finish().ok());
+  ConvertOptions co;
+  co.base = dir / "base";
+  co.adapter = empty;
+  co.out = tmp.path() / "converted";
+  co.threads = 2;
+  auto conv = Convert(co);
+  ASSERT_TRUE(conv.ok()) << conv.status().ToString();
+  auto converted = store::HashPath(co.out);
+  ASSERT_TRUE(converted.ok()) << converted.status().ToString();
+  EXPECT_EQ((*snap)->manifest_id(), converted->id);
+
+  // Streamed: the same version.
+  auto lazy = LazySnapshot::Plan(src, {});
+  ASSERT_TRUE(lazy.ok()) << lazy.status().ToString();
+  auto st = OpenTestStore(tmp.path());
+  ASSERT_TRUE(st.ok()) << st.status().ToString();
+  auto rec = (*lazy)->Record(**st, {});
+  ASSERT_TRUE(rec.ok()) << rec.status().ToString();
+  EXPECT_EQ(rec->record.id, converted->id);
+  EXPECT_EQ(rec->record.kind, store::VersionKind::kFull);
+}
+
+INSTANTIATE_TEST_SUITE_P(Fixtures, QuantizedBaseSnapshotTest,
+                         ::testing::Values("llama_nf4", "llama_nf4_dq", "llama_fp4", "llama_fp4_dq"),
+                         [](const auto& param_info) { return param_info.param; });
+
+// A 4-bit weight whose companion tensors are missing is refused by name before anything is made.
+TEST(QuantizedBaseRefusalTest, MissingCompanionIsRefusedByName) {
+  const fs::path dir = fs::path(FERRY_FIXTURES_DIR) / "cases" / "llama_nf4_dq";
+  SnapshotSource src;
+  src.tensors = OwnedCopies(dir / "base");
+  const std::string absmax = "model.layers.0.self_attn.q_proj.weight.absmax";
+  ASSERT_EQ(src.tensors.erase(absmax), 1u);
+  auto lazy = LazySnapshot::Plan(src, {});
+  ASSERT_FALSE(lazy.ok());
+  EXPECT_EQ(lazy.status().code(), StatusCode::kCorruption) << lazy.status().ToString();
+  EXPECT_NE(lazy.status().message().find(absmax), std::string::npos) << lazy.status().ToString();
+}
+
+// A daemon's step recorded by digests (RecordSnapshotDigests): base and adapter imported as
+// the trainer saved them, the merged snapshot recorded without a tensor byte, and
+// `ferry versions materialize` (store::Materialize) rebuilding exactly the snapshot's bytes
+// from base + adapter: F32, BF16 and 4-bit (NF4 double quant, FP4) bases.
+class DerivedSnapshotTest : public ::testing::TestWithParam<std::string> {};
+
+int64_t CountFiles(const fs::path& dir) {
+  std::error_code ec;
+  if (!fs::exists(dir, ec)) return 0;
+  int64_t n = 0;
+  for (const auto& e : fs::recursive_directory_iterator(dir)) n += e.is_regular_file() ? 1 : 0;
+  return n;
+}
+
+TEST_P(DerivedSnapshotTest, RecordedByDigestsAndMaterializedWithTheSameId) {
+  const fs::path dir = fs::path(FERRY_FIXTURES_DIR) / "cases" / GetParam();
+  TempDir tmp;
+  auto st = OpenTestStore(tmp.path());
+  ASSERT_TRUE(st.ok()) << st.status().ToString();
+  store::Store& s = **st;
+  store::ImportOptions b;
+  b.run = "rl";
+  b.kind = store::VersionKind::kBase;
+  auto base = s.Import(dir / "base", b);
+  ASSERT_TRUE(base.ok()) << base.status().ToString();
+  store::ImportOptions a;
+  a.run = "rl";
+  a.base_version = base->record.id;
+  a.step = 1;
+  auto adapter = s.Import(dir / "adapter", a);
+  ASSERT_TRUE(adapter.ok()) << adapter.status().ToString();
+  ASSERT_EQ(adapter->record.kind, store::VersionKind::kAdapter);
+
+  SnapshotSource src;
+  src.tensors = OwnedCopies(dir / "base");
+  src.adapter_tensors = OwnedCopies(dir / "adapter");
+  src.adapter_config = LoadPeftConfig(dir / "adapter").value();
+  src.aux_files = AuxBeside(dir / "base");
+  auto snap = Build(src);
+  ASSERT_NE(snap, nullptr);
+
+  const int64_t objects_before = CountFiles(tmp.path() / "db" / "objects");
+  store::ImportOptions io;
+  io.run = "rl";
+  io.step = 1;
+  io.base_version = base->record.id;
+  io.adapter_version = adapter->record.id;
+  io.metrics = {{"reward", 0.25}};
+  auto rec = RecordSnapshotDigests(s, *snap, io);
+  ASSERT_TRUE(rec.ok()) << rec.status().ToString();
+  EXPECT_EQ(CountFiles(tmp.path() / "db" / "objects"), objects_before) << "no tensor object is written";
+  EXPECT_FALSE(rec->already_present);
+  EXPECT_EQ(rec->record.id, snap->manifest_id());
+  EXPECT_TRUE(rec->record.derived);
+  EXPECT_EQ(rec->record.kind, store::VersionKind::kMerged);
+  EXPECT_EQ(rec->record.source, store::VersionSource::kDaemon);
+  EXPECT_EQ(rec->record.layout, Layout::kHf);
+  EXPECT_EQ(rec->record.total_bytes, snap->bytes());
+  EXPECT_EQ(rec->record.metrics.at("reward"), 0.25);
+  // At most the rewritten config.json is new; another step adds no byte.
+  EXPECT_LE(rec->objects_written, 1);
+
+  const fs::path out = tmp.path() / "materialized";
+  auto mat = store::Materialize(s, snap->manifest_id(), out, {});
+  ASSERT_TRUE(mat.ok()) << mat.status().ToString();
+  auto rebuilt = store::HashPath(out);
+  ASSERT_TRUE(rebuilt.ok()) << rebuilt.status().ToString();
+  EXPECT_EQ(rebuilt->id, snap->manifest_id());
+  for (const auto& row : rebuilt->tensors) EXPECT_EQ(snap->digests().at(row.name), row.digest) << row.name;
+}
+
+INSTANTIATE_TEST_SUITE_P(Fixtures, DerivedSnapshotTest,
+                         ::testing::Values("llama_lora_all_linear_f32", "llama_rslora_bf16", "llama_nf4_dq",
+                                           "llama_fp4"),
+                         [](const auto& param_info) { return param_info.param; });
+
+TEST(DerivedSnapshotRefusalTest, RefusesWhatCannotBeRecordedByDigests) {
+  TempDir tmp;
+  auto st = OpenTestStore(tmp.path()).value();
+  auto snap = Build(FixtureSource());
+  ASSERT_NE(snap, nullptr);
+  store::ImportOptions io;
+  io.adapter_version = store::Digest{1, 2};
+  auto r = RecordSnapshotDigests(*st, *snap, io);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument) << r.status().ToString();
+  EXPECT_NE(r.status().message().find("needs a base_version"), std::string::npos) << r.status().ToString();
+  io.base_version = store::Digest{3, 4};
+  r = RecordSnapshotDigests(*st, *snap, io);  // neither is recorded
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), StatusCode::kNotFound) << r.status().ToString();
+  EXPECT_NE(r.status().message().find(store::Digest{3, 4}.Hex()), std::string::npos) << r.status().ToString();
+
+  SnapshotSource plain;
+  plain.tensors = OwnedCopies(kCase / "base");
+  auto unmerged = Build(plain);
+  ASSERT_NE(unmerged, nullptr);
+  r = RecordSnapshotDigests(*st, *unmerged, io);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument) << r.status().ToString();
+  EXPECT_NE(r.status().message().find("merged no adapter"), std::string::npos) << r.status().ToString();
+  EXPECT_TRUE(st->ListVersions(std::nullopt).value().empty());
+}
 
 }  // namespace
 }  // namespace ferry::sync

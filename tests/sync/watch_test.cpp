@@ -330,6 +330,11 @@ class ThrowingStore final : public store::Store {
                                                const store::ImportOptions& options) override {
     return inner_->ImportCheckpoint(ckpt, aux_files, options);
   }
+  Result<store::ImportResult> RecordDerived(const std::vector<store::TensorRow>& tensors,
+                                            const AuxFiles& aux_files,
+                                            const store::ImportOptions& options) override {
+    return inner_->RecordDerived(tensors, aux_files, options);
+  }
   Result<store::VersionRecord> GetVersion(std::string_view id) override { return inner_->GetVersion(id); }
   Result<std::vector<store::VersionRecord>> ListVersions(std::optional<std::string> run) override {
     return inner_->ListVersions(std::move(run));

@@ -186,6 +186,12 @@ Status CausalLM::Init(const ModelConfig& config, const Checkpoint& weights, cons
     return Status::Unsupported(where + ": '" + embed_name + "' is " + std::string(DTypeName(embed_info->dtype)) +
                                ": the runtime computes in F32, BF16 or F16");
   }
+  if (dtype_ == at::kHalf && options.device.is_cpu()) {
+    // LibTorch's CPU kernels have no F16 matmul: refuse here instead of failing in the forward.
+    return Status::Unsupported(where +
+                               ": F16 compute on the CPU is not available (LibTorch has no CPU F16 matmul); "
+                               "load with ModelOptions::dtype float32 or bfloat16, or on a GPU");
+  }
 
   auto dense = [&](const std::string& name, std::vector<int64_t> shape) -> Result<at::Tensor> {
     const TensorInfo* info = weights.Info(name);

@@ -1,13 +1,33 @@
-// ferryd train: a GRPO run in the foreground (daemon/grpo/trainer.h).
+// ferryd train: a GRPO run (daemon/grpo/trainer.h), operated through its control socket
+// (daemon/control: `ferry daemon status|pause|resume|snapshot|stop`) and signals:
+//   - the run directory is locked first (DIR/ferryd.lock names this pid: a second ferryd on
+//     the same directory is refused), then the control socket is bound
+//     (ipc://DIR/.ferryd/control, a private directory);
+//   - between steps the loop honours pause (hold until resume or stop), snapshot (write a
+//     checkpoint now, reply with the generator's version id) and stop (checkpoint, exit 0);
+//   - SIGTERM and a first SIGINT mean stop; a second SIGINT exits at once (130): every
+//     checkpoint is written under a temporary name and renamed when whole, so the newest
+//     complete one is intact and a restart resumes from it.
 #include <nlohmann/json.hpp>
 
-#include <chrono>
-#include <cmath>
-#include <cstdio>
+#include <signal.h>
 #include <unistd.h>
 
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <condition_variable>
+#include <cstdio>
+#include <deque>
+#include <future>
+#include <mutex>
+
+#include "daemon/control/protocol.h"
+#include "daemon/control/run_lock.h"
+#include "daemon/control/server.h"
 #include "daemon/ferryd/commands.h"
 #include "daemon/grpo/trainer.h"
+#include "daemon/run/config.h"
 
 namespace ferry::ferryd {
 namespace {
@@ -39,10 +59,199 @@ std::string ProgressLine(const nlohmann::json& j, int64_t total, double per_step
   return line;
 }
 
+// Signals: SIGTERM / the first SIGINT ask for a stop; a second SIGINT exits at once.
+std::atomic<int> g_stop_signals{0};
+
+void OnStopSignal(int sig) {
+  const int n = g_stop_signals.fetch_add(1) + 1;
+  if (sig == SIGINT && n >= 2) {
+    static const char kMsg[] = "ferryd: second interrupt: exiting now (the newest checkpoint is intact)\n";
+    (void)!::write(STDERR_FILENO, kMsg, sizeof(kMsg) - 1);
+    ::_exit(130);
+  }
+}
+
+void InstallSignalHandlers() {
+  struct sigaction sa {};
+  sa.sa_handler = OnStopSignal;
+  sigemptyset(&sa.sa_mask);
+  ::sigaction(SIGTERM, &sa, nullptr);
+  ::sigaction(SIGINT, &sa, nullptr);
+}
+
+// The state the control socket reads and steers. The handler runs on the server's thread,
+// the training loop on this one.
+class RunControl {
+ public:
+  enum class State { kRunning, kPaused, kStopping };
+
+  explicit RunControl(int64_t total_steps) : total_steps_(total_steps), started_(Clock::now()) {}
+
+  Result<nlohmann::json> Handle(const control::ControlRequest& req) {
+    std::unique_lock<std::mutex> lock(mu_);
+    switch (req.command) {
+      case control::ControlCommand::kStatus: return StatusLocked();
+      case control::ControlCommand::kPause:
+        if (state_ == State::kRunning) state_ = State::kPaused;
+        cv_.notify_all();
+        return nlohmann::json{{"state", StateName(state_)}};
+      case control::ControlCommand::kResume:
+        if (state_ == State::kPaused) state_ = State::kRunning;
+        cv_.notify_all();
+        return nlohmann::json{{"state", StateName(state_)}};
+      case control::ControlCommand::kStop:
+        state_ = State::kStopping;
+        cv_.notify_all();
+        return nlohmann::json{{"state", StateName(state_)}};
+      case control::ControlCommand::kSnapshot: {
+        if (state_ == State::kStopping) {
+          return Status::FailedPrecondition("the run is stopping; its final checkpoint is being written");
+        }
+        auto promise = std::make_shared<std::promise<Result<nlohmann::json>>>();
+        auto future = promise->get_future();
+        snapshots_.push_back(promise);
+        cv_.notify_all();
+        lock.unlock();
+        // The loop answers after the current step (a step takes seconds, a checkpoint less).
+        if (future.wait_for(std::chrono::minutes(30)) != std::future_status::ready) {
+          return Status::Unavailable("no checkpoint within 30 minutes (the current step has not finished)");
+        }
+        return future.get();
+      }
+    }
+    return Status::InvalidArgument("unknown command");
+  }
+
+  // Called by the loop before each step: writes requested snapshots, holds while paused;
+  // false when the run must stop.
+  bool BeforeStep(grpo::Trainer& trainer) {
+    std::unique_lock<std::mutex> lock(mu_);
+    for (;;) {
+      if (g_stop_signals.load() > 0 && state_ != State::kStopping) {
+        state_ = State::kStopping;
+        std::fprintf(stderr, "ferryd: stop requested by a signal: finishing with a checkpoint\n");
+      }
+      while (!snapshots_.empty()) {
+        auto promise = snapshots_.front();
+        snapshots_.pop_front();
+        lock.unlock();
+        auto path = trainer.SaveCheckpoint();
+        lock.lock();
+        if (path.ok()) {
+          last_checkpoint_ = path->filename().string();
+          promise->set_value(nlohmann::json{{"version", trainer.generator_version()},
+                                            {"checkpoint", last_checkpoint_},
+                                            {"step", trainer.step()}});
+        } else {
+          promise->set_value(path.status());
+        }
+      }
+      if (state_ == State::kStopping) return false;
+      if (state_ == State::kRunning) return true;
+      cv_.wait_for(lock, std::chrono::milliseconds(200));
+    }
+  }
+
+  void AfterStep(const grpo::Trainer& trainer, const grpo::StepResult& r) {
+    std::lock_guard<std::mutex> lock(mu_);
+    step_ = r.step;
+    generator_version_ = r.generator_version;
+    (void)trainer;
+    if (auto it = r.metrics.find("epoch"); it != r.metrics.end()) epoch_ = it->second;
+    if (auto it = r.metrics.find("learning_rate"); it != r.metrics.end()) learning_rate_ = it->second;
+    if (auto it = r.metrics.find("reward"); it != r.metrics.end() && std::isfinite(it->second)) {
+      rewards_.push_back(it->second);
+      if (rewards_.size() > 20) rewards_.pop_front();
+    }
+    step_times_.push_back(Clock::now());
+    if (step_times_.size() > 20) step_times_.pop_front();
+  }
+
+  void Started(const grpo::Trainer& trainer, const std::string& last_checkpoint) {
+    std::lock_guard<std::mutex> lock(mu_);
+    step_ = trainer.step();
+    generator_version_ = trainer.generator_version();
+    last_checkpoint_ = last_checkpoint;
+  }
+
+  void Checkpointed(const std::filesystem::path& p) {
+    std::lock_guard<std::mutex> lock(mu_);
+    last_checkpoint_ = p.filename().string();
+  }
+
+  // Fails every snapshot still waiting (the run ended).
+  void Finish(const Status& why) {
+    std::lock_guard<std::mutex> lock(mu_);
+    state_ = State::kStopping;
+    for (auto& p : snapshots_) p->set_value(why.ok() ? Status::Unavailable("the run has ended") : why);
+    snapshots_.clear();
+  }
+
+ private:
+  using Clock = std::chrono::steady_clock;
+
+  static const char* StateName(State s) {
+    switch (s) {
+      case State::kRunning: return "running";
+      case State::kPaused: return "paused";
+      case State::kStopping: return "stopping";
+    }
+    return "?";
+  }
+
+  nlohmann::json StatusLocked() const {
+    nlohmann::json j;
+    j["pid"] = static_cast<int64_t>(::getpid());
+    j["state"] = StateName(state_);
+    j["step"] = step_;
+    j["total_steps"] = total_steps_;
+    j["epoch"] = epoch_;
+    j["generator_version"] = generator_version_;
+    j["last_checkpoint"] = last_checkpoint_.empty() ? nlohmann::json(nullptr) : nlohmann::json(last_checkpoint_);
+    j["reward"] = rewards_.empty() ? nlohmann::json(nullptr) : nlohmann::json(rewards_.back());
+    if (rewards_.size() >= 20) {
+      double recent = 0, before = 0;
+      for (size_t i = 0; i < 10; ++i) before += rewards_[i];
+      for (size_t i = 10; i < 20; ++i) recent += rewards_[i];
+      j["reward_trend"] = (recent - before) / 10.0;
+    } else {
+      j["reward_trend"] = nullptr;
+    }
+    j["learning_rate"] = learning_rate_;
+    j["steps_per_second"] =
+        step_times_.size() >= 2
+            ? static_cast<double>(step_times_.size() - 1) /
+                  std::chrono::duration<double>(step_times_.back() - step_times_.front()).count()
+            : 0.0;
+    j["uptime_seconds"] = std::chrono::duration<double>(Clock::now() - started_).count();
+    return j;
+  }
+
+  const int64_t total_steps_;
+  const Clock::time_point started_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  State state_ = State::kRunning;
+  std::deque<std::shared_ptr<std::promise<Result<nlohmann::json>>>> snapshots_;
+  int64_t step_ = 0;
+  double epoch_ = 0;
+  double learning_rate_ = 0;
+  std::string generator_version_;
+  std::string last_checkpoint_;
+  std::deque<double> rewards_;  // reward per step, newest last (20 kept)
+  std::deque<Clock::time_point> step_times_;
+};
+
 Status RunTrain(const TrainFlags& f) {
+  InstallSignalHandlers();
+  // The run directory, locked before anything is written into it.
+  FERRY_ASSIGN_OR_RETURN(run::RunConfig config, run::LoadRunConfig(f.config));
+  const fs::path dir = fs::absolute(f.dir.empty() ? config.output_dir : f.dir);
+  FERRY_ASSIGN_OR_RETURN(control::RunLock lock, control::RunLock::Acquire(dir));
+
   grpo::TrainOptions o;
   o.config = f.config;
-  o.dir = f.dir;
+  o.dir = dir;
   if (f.max_steps > 0) o.max_steps = f.max_steps;
   const auto start = std::chrono::steady_clock::now();
   int64_t total = 0;
@@ -62,15 +271,31 @@ Status RunTrain(const TrainFlags& f) {
   FERRY_ASSIGN_OR_RETURN(std::unique_ptr<grpo::Trainer> trainer, grpo::Trainer::Create(o));
   total = trainer->total_steps();
   first_step = trainer->step();
+  RunControl control(total);
+  control.Started(*trainer, first_step > 0 ? "checkpoint-" + std::to_string(first_step) : "");
+  control::ControlServerOptions so;
+  so.run_dir = dir;
+  FERRY_ASSIGN_OR_RETURN(std::unique_ptr<control::ControlServer> server,
+                         control::ControlServer::Start(
+                             so, [&control](const control::ControlRequest& r) { return control.Handle(r); }));
+  std::fprintf(stderr, "ferryd: pid %d, control socket %s\n", static_cast<int>(::getpid()), server->endpoint().c_str());
   std::fprintf(stderr, "ferryd: training %s for %lld steps (from step %lld) in %s\n",
                trainer->config().model_name_or_path.string().c_str(), static_cast<long long>(total),
                static_cast<long long>(first_step), trainer->dir().string().c_str());
-  FERRY_RETURN_IF_ERROR(trainer->Run());
+  grpo::RunHooks hooks;
+  hooks.before_step = [&] { return control.BeforeStep(*trainer); };
+  hooks.after_step = [&](const grpo::StepResult& r) { control.AfterStep(*trainer, r); };
+  hooks.on_checkpoint = [&](const fs::path& p) { control.Checkpointed(p); };
+  const Status run = trainer->Run(hooks);
+  control.Finish(run);
+  server->Stop();
+  FERRY_RETURN_IF_ERROR(run);
   const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   std::fprintf(stderr, "ferryd: done: %lld steps in %.1f s; metrics in %s, checkpoints in %s, store in %s\n",
                static_cast<long long>(trainer->step() - first_step), elapsed,
                (trainer->dir() / "metrics.jsonl").string().c_str(), trainer->dir().string().c_str(),
-               (trainer->config().store.path.empty() ? trainer->dir() / "store" : trainer->config().store.path).string().c_str());
+               trainer->store_dir().string().c_str());
+  (void)lock;
   return Status::OK();
 }
 

@@ -87,7 +87,7 @@ Status RecordStep(Trainer::State& s, const sync::Handoff& h, const Metrics& metr
   mo.base_version = s.base_version;
   mo.adapter_version = adapter.record.id;
   mo.metrics = metrics;
-  FERRY_RETURN_IF_ERROR(sync::RecordSnapshot(*s.store, *h.snapshot, mo).status());
+  FERRY_RETURN_IF_ERROR(sync::RecordSnapshotDigests(*s.store, *h.snapshot, mo).status());
   return Status::OK();
 }
 
@@ -146,9 +146,11 @@ Trainer::~Trainer() {
 }
 
 int64_t Trainer::step() const { return s_->step; }
+const std::string& Trainer::generator_version() const { return s_->generator_version; }
 int64_t Trainer::total_steps() const { return s_->total_steps; }
 const run::RunConfig& Trainer::config() const { return s_->config; }
 const fs::path& Trainer::dir() const { return s_->dir; }
+const fs::path& Trainer::store_dir() const { return s_->store_dir; }
 
 Result<std::unique_ptr<Trainer>> Trainer::Create(const TrainOptions& options) {
   auto s = std::make_unique<State>();
@@ -219,7 +221,11 @@ Result<std::unique_ptr<Trainer>> Trainer::Create(const TrainOptions& options) {
   // The store: the base once, then each step.
   store::StoreOptions so;
   so.create_if_missing = true;
-  const fs::path store_dir = c.store.path.empty() ? s->dir / "store" : c.store.path;
+  // The run directory's store unless [store] path names another (the config's default,
+  // <output_dir>/store, follows --dir).
+  const bool default_store = c.store.path.empty() || c.store.path == (c.output_dir / "store").lexically_normal();
+  s->store_dir = default_store ? s->dir / "store" : c.store.path;
+  const fs::path& store_dir = s->store_dir;
   FERRY_ASSIGN_OR_RETURN(s->store, store::Store::Open(store_dir, so));
   store::ImportOptions bo;
   bo.run = c.store.run;
@@ -362,22 +368,31 @@ Result<StepResult> Trainer::Step() {
   return out;
 }
 
-Status Trainer::Run() {
+Status Trainer::Run(const RunHooks& hooks) {
   State& s = *s_;
   const int64_t save_every = Interval(s.config.save_steps, s.total_steps);
+  auto save = [&]() -> Status {
+    FERRY_ASSIGN_OR_RETURN(fs::path p, SaveCheckpoint());
+    if (hooks.on_checkpoint) hooks.on_checkpoint(p);
+    return Status::OK();
+  };
   while (s.step < s.total_steps) {
-    FERRY_RETURN_IF_ERROR(Step().status());
+    if (hooks.before_step && !hooks.before_step()) break;
+    FERRY_ASSIGN_OR_RETURN(StepResult r, Step());
+    if (hooks.after_step) hooks.after_step(r);
     if (save_every > 0 && s.step % save_every == 0) {
-      FERRY_RETURN_IF_ERROR(SaveCheckpoint().status());
+      FERRY_RETURN_IF_ERROR(save());
     }
   }
   if (s.last_saved != s.step) {
-    FERRY_RETURN_IF_ERROR(SaveCheckpoint().status());
+    FERRY_RETURN_IF_ERROR(save());
   }
   return Status::OK();
 }
 
 Result<fs::path> Trainer::SaveCheckpoint() {
+  const fs::path existing = s_->dir / ("checkpoint-" + std::to_string(s_->step));
+  if (s_->last_saved == s_->step && s_->step > 0 && fs::exists(existing)) return existing;
   FERRY_ASSIGN_OR_RETURN(fs::path p, WriteCheckpoint(*s_));
   s_->last_saved = s_->step;
   if (s_->options.on_message) s_->options.on_message("saved " + p.string());

@@ -59,6 +59,20 @@ struct TrainOptions {
   std::function<void(const std::string& message)> on_message;
 };
 
+struct StepResult;
+
+// What a caller (ferryd's control loop) hooks into Trainer::Run. Each hook is optional and is
+// called on the thread running Run.
+struct RunHooks {
+  // Called before each step; returning false ends the run early (the final checkpoint is still
+  // written). May block (a paused run) and may call SaveCheckpoint (a requested snapshot).
+  std::function<bool()> before_step;
+  // Called after each step.
+  std::function<void(const StepResult&)> after_step;
+  // Called after each checkpoint Run writes.
+  std::function<void(const std::filesystem::path&)> on_checkpoint;
+};
+
 struct StepResult {
   int64_t step = 0;                        // optimizer steps taken so far (1 after the first)
   std::map<std::string, double> metrics;   // this step's, TRL's names
@@ -78,16 +92,21 @@ class Trainer {
 
   // One optimizer step (see the top of this file).
   Result<StepResult> Step();
-  // Steps until the run's total (or max_steps), saving checkpoints every save_steps and at the
-  // end.
-  Status Run();
+  // Steps until the run's total (or max_steps, or until hooks.before_step says stop), saving
+  // checkpoints every save_steps and at the end.
+  Status Run(const RunHooks& hooks = {});
   // Writes checkpoint-<step>/ now; returns its path.
   Result<std::filesystem::path> SaveCheckpoint();
 
   int64_t step() const;
+  // The id (32 hex) of the snapshot the generator acknowledged last: the merged weights after
+  // step(), or the base before the first step.
+  const std::string& generator_version() const;
   int64_t total_steps() const;
   const run::RunConfig& config() const;
   const std::filesystem::path& dir() const;
+  // The run's store directory (DIR/store unless the config names another).
+  const std::filesystem::path& store_dir() const;
 
   struct State;
   // The trainer's state, for tests that check its models and generator directly.

@@ -70,6 +70,7 @@ struct Trainer::State {
   std::unique_ptr<run::DatasetSampler> sampler;
   std::unique_ptr<run::RewardScorer> rewards;
 
+  std::filesystem::path store_dir;
   std::unique_ptr<store::Store> store;
   store::Digest base_version;
   std::unique_ptr<sync::SnapshotChannel> channel;

@@ -17,6 +17,7 @@
 #include "daemon/grpo/trainer.h"
 #include "daemon/grpo/trainer_internal.h"
 #include "daemon/runtime/model.h"
+#include "store/materialize.h"
 #include "store/store.h"
 #include "tests/daemon/runtime_test_util.h"
 
@@ -215,7 +216,18 @@ void ExpectGeneratorRunsConvertedCheckpoints(at::ScalarType dtype) {
     EXPECT_EQ(v->step, line["step"].get<int64_t>());
     ASSERT_TRUE(v->adapter_version.has_value());
     EXPECT_EQ(v->base_version->Hex(), base->id.Hex());
+    // Recorded by its digests only: a step adds the adapter's bytes, not a model's.
+    EXPECT_TRUE(v->derived);
   }
+  // ... and rebuilt bit-identically from base + adapter.
+  const std::string last = lines.back()["generator_version"].get<std::string>();
+  auto id = store::Digest::FromHex(last);
+  ASSERT_TRUE(id.ok());
+  auto m = store::Materialize(**st, *id, tmp.path() / "materialized", store::MaterializeOptions{});
+  ASSERT_TRUE(m.ok()) << m.status().ToString();
+  auto rebuilt = store::HashPath(tmp.path() / "materialized");
+  ASSERT_TRUE(rebuilt.ok());
+  EXPECT_EQ(rebuilt->id.Hex(), last);
 }
 
 TEST(GrpoTrainerTest, GeneratorRunsTheConvertersMergeOfEachCheckpointF32) {

@@ -152,9 +152,30 @@ Result<fs::path> WriteCheckpoint(Trainer::State& s) {
   return final_path;
 }
 
+// metrics.jsonl keeps only the lines of steps <= `step` (those a restored checkpoint covers:
+// the steps after it are run again and logged again).
+Status TruncateMetrics(const fs::path& dir, int64_t step) {
+  const fs::path metrics = dir / "metrics.jsonl";
+  std::ifstream in(metrics);
+  if (!in) return Status::OK();
+  std::string line, kept;
+  while (std::getline(in, line)) {
+    json j = json::parse(line, nullptr, false);
+    if (j.is_object() && j.contains("step") && j["step"].is_number_integer() && j["step"].get<int64_t>() <= step) {
+      kept += line + "\n";
+    }
+  }
+  in.close();
+  return WriteFileAtomic(metrics, kept);
+}
+
 Result<int64_t> RestoreNewestCheckpoint(Trainer::State& s) {
   auto all = ListCheckpoints(s.dir);
-  if (all.empty()) return int64_t{0};
+  if (all.empty()) {
+    // A run killed before its first checkpoint starts again from step 0.
+    FERRY_RETURN_IF_ERROR(TruncateMetrics(s.dir, 0));
+    return int64_t{0};
+  }
   const auto& [step, d] = all.back();
   const std::string where = (d / "trainer_state.json").string();
   FERRY_ASSIGN_OR_RETURN(std::string text, ReadSmallFile(d / "trainer_state.json", 64u << 20));
@@ -232,21 +253,7 @@ Result<int64_t> RestoreNewestCheckpoint(Trainer::State& s) {
   } catch (const json::exception& e) {
     return Status::Corruption(where + ": " + e.what());
   }
-  // metrics.jsonl keeps only the lines of steps the checkpoint covers: the steps after it are
-  // run again and logged again.
-  const fs::path metrics = s.dir / "metrics.jsonl";
-  std::ifstream in(metrics);
-  if (in) {
-    std::string line, kept;
-    while (std::getline(in, line)) {
-      json j = json::parse(line, nullptr, false);
-      if (j.is_object() && j.contains("step") && j["step"].is_number_integer() && j["step"].get<int64_t>() <= step) {
-        kept += line + "\n";
-      }
-    }
-    in.close();
-    FERRY_RETURN_IF_ERROR(WriteFileAtomic(metrics, kept));
-  }
+  FERRY_RETURN_IF_ERROR(TruncateMetrics(s.dir, step));
   return step;
 }
 

@@ -94,23 +94,29 @@ struct RunFiles {
   fs::path dir;
 };
 
-RunFiles MakeRun(const fs::path& root, at::ScalarType dtype, int64_t max_steps = 3, int64_t save_steps = 1) {
+// `model_src`: a model directory (with its tokenizer) to train instead of a tiny random one.
+RunFiles MakeRun(const fs::path& root, at::ScalarType dtype, int64_t max_steps = 3, int64_t save_steps = 1,
+                 const fs::path& model_src = {}) {
   RunFiles r;
   r.model = root / "model";
-  testing::TinyModelSpec spec;
+  if (!model_src.empty()) {
+    fs::copy(model_src, r.model, fs::copy_options::recursive);
+  } else {
+    testing::TinyModelSpec spec;
     spec.vocab = 14;
-  spec.hidden = 32;
-  spec.intermediate = 64;
-  spec.dtype = dtype;
-  spec.std = 0.1;
-  EXPECT_TRUE(testing::WriteTinyModel(r.model, spec).ok());
-  json cfg = json::parse(ReadText(r.model / "config.json"));
-  cfg["bos_token_id"] = 12;
-  cfg["eos_token_id"] = 13;
-  WriteText(r.model / "config.json", cfg.dump(2));
-  WriteText(r.model / "tokenizer.json", DigitTokenizerJson());
-  WriteText(r.model / "tokenizer_config.json",
-            R"({"bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<eos>", "add_bos_token": false})");
+    spec.hidden = 32;
+    spec.intermediate = 64;
+    spec.dtype = dtype;
+    spec.std = 0.1;
+    EXPECT_TRUE(testing::WriteTinyModel(r.model, spec).ok());
+    json cfg = json::parse(ReadText(r.model / "config.json"));
+    cfg["bos_token_id"] = 12;
+    cfg["eos_token_id"] = 13;
+    WriteText(r.model / "config.json", cfg.dump(2));
+    WriteText(r.model / "tokenizer.json", DigitTokenizerJson());
+    WriteText(r.model / "tokenizer_config.json",
+              R"({"bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<eos>", "add_bos_token": false})");
+  }
   std::ofstream data(root / "train.jsonl");
   for (int a = 0; a < 40; ++a) {
     const int x = (a * 37) % 100, y = (a * 53 + 11) % 100;
@@ -179,9 +185,9 @@ std::string ConvertedId(const RunFiles& r, int64_t step, const fs::path& scratch
   return rec.ok() ? rec->id.Hex() : "";
 }
 
-void ExpectGeneratorRunsConvertedCheckpoints(at::ScalarType dtype) {
+void ExpectGeneratorRunsConvertedCheckpoints(at::ScalarType dtype, const fs::path& model_src = {}) {
   TempDir tmp;
-  RunFiles r = MakeRun(tmp.path(), dtype);
+  RunFiles r = MakeRun(tmp.path(), dtype, 3, 1, model_src);
   TrainOptions o;
   o.config = r.config;
   auto trainer = Trainer::Create(o);
@@ -236,6 +242,12 @@ TEST(GrpoTrainerTest, GeneratorRunsTheConvertersMergeOfEachCheckpointF32) {
 
 TEST(GrpoTrainerTest, GeneratorRunsTheConvertersMergeOfEachCheckpointBF16) {
   ExpectGeneratorRunsConvertedCheckpoints(at::kBFloat16);
+}
+
+// A bitsandbytes NF4 base with double quantisation (made by transformers + bitsandbytes):
+// the trainer keeps it packed, the snapshot dequantises and merges it as `ferry convert` does.
+TEST(GrpoTrainerTest, GeneratorRunsTheConvertersMergeOfEachCheckpointNF4) {
+  ExpectGeneratorRunsConvertedCheckpoints(at::kFloat, fs::path(FERRY_FIXTURES_DIR) / "runtime/models/llama_nf4_dq_f32");
 }
 
 TEST(GrpoTrainerTest, NoWrappedNameReachesTheGeneratorAndTheReferenceIsTheBase) {

@@ -183,7 +183,7 @@ Status CheckpointWatcher::LoadBase() {
   for (const auto& aux : rec.aux) {
     auto contents = store_->ReadAux(aux);
     if (!contents.ok()) return contents.status().WithContext("base " + base + ": auxiliary file " + aux.name);
-    base_aux_.emplace_back(aux.name, std::move(*contents));
+    base_aux_.push_back(AuxFileData{aux.name, std::move(*contents)});
   }
   base_version_ = rec.id;
   tie_word_embeddings_ = TieWordEmbeddings(base_aux_);

@@ -146,9 +146,10 @@ void FuzzManifest(std::string_view json) {
   for (const auto& a : man->aux) {
     Check(ferry::sync::IsSafeFileName(a.name) && a.size <= ferry::sync::kMaxAuxBytes);
   }
-  Check((man->mode == "adapter") == (man->kind == "adapter"));
-  Check(man->base_version.has_value() == (man->mode == "adapter"));
-  Check(man->merged_version.has_value() == (man->mode == "adapter"));
+  const bool adapter_mode = man->mode == ferry::sync::PublishMode::kAdapter;
+  Check(adapter_mode == (man->kind == ferry::store::VersionKind::kAdapter));
+  Check(man->base_version.has_value() == adapter_mode);
+  Check(man->merged_version.has_value() == adapter_mode);
 
   const std::string again = ferry::sync::EncodeManifest(*man);
   auto back = ferry::sync::DecodeManifest(again);

@@ -123,17 +123,7 @@ Result<ImportResult> RocksStore::RecordDerived(const std::vector<TensorRow>& ten
     return result;
   }
   FERRY_ASSIGN_OR_RETURN(auto last, LastOfRun(options.run));
-  rec.run = options.run;
-  rec.sequence = last.first + 1;
-  rec.parent = options.parent ? options.parent : last.second;
-  rec.kind = options.kind;
-  rec.layout = options.layout;
-  rec.source = options.source;
-  rec.time_ns = NowNs();
-  rec.step = options.step;
-  rec.base_version = options.base_version;
-  rec.adapter_version = options.adapter_version;
-  rec.metrics = options.metrics;
+  internal::StampRecord(rec, options, last);
   rec.derived = true;
 
   rocksdb::WriteBatch wb;

@@ -14,6 +14,25 @@
 
 namespace ferry::store {
 namespace internal {
+
+void StampRecord(VersionRecord& rec, const ImportOptions& options,
+                 const std::pair<uint64_t, std::optional<Digest>>& last) {
+  rec.run = options.run;
+  rec.sequence = last.first + 1;
+  rec.parent = options.parent ? options.parent : last.second;
+  rec.kind = options.kind;
+  rec.layout = options.layout;
+  rec.source = options.source;
+  rec.time_ns = NowNs();
+  rec.step = options.step;
+  rec.base_version = options.base_version;
+  rec.adapter_version = options.adapter_version;
+  rec.metrics = options.metrics;
+}
+
+}  // namespace internal
+
+namespace internal {
 namespace {
 
 // The directory whose auxiliary files go with the weights at `path`.
@@ -242,17 +261,7 @@ Result<ImportResult> RocksStore::ImportCheckpoint(const Checkpoint& ckpt,
     return result;
   }
   FERRY_ASSIGN_OR_RETURN(auto last, LastOfRun(options.run));
-  rec.run = options.run;
-  rec.sequence = last.first + 1;
-  rec.parent = options.parent ? options.parent : last.second;
-  rec.kind = options.kind;
-  rec.layout = options.layout;
-  rec.source = options.source;
-  rec.time_ns = NowNs();
-  rec.step = options.step;
-  rec.base_version = options.base_version;
-  rec.adapter_version = options.adapter_version;
-  rec.metrics = options.metrics;
+  internal::StampRecord(rec, options, last);
   if (rec.kind == VersionKind::kAdapter) rec.adapter_config = AdapterConfigOf(aux_files);
 
   rocksdb::WriteBatch wb;

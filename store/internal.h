@@ -114,4 +114,10 @@ std::string DerivedMessage(const VersionRecord& r);
 // Nanoseconds since the Unix epoch.
 int64_t NowNs();
 
+// Fills a version record about to be committed from the import options and the run's last
+// (sequence, id): run, sequence (last + 1), parent (given, else the run's last), kind, layout,
+// source, commit time, step, base/adapter versions, metrics. Shared by every commit path.
+void StampRecord(VersionRecord& rec, const ImportOptions& options,
+                 const std::pair<uint64_t, std::optional<Digest>>& last);
+
 }  // namespace ferry::store::internal

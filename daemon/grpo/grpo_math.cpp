@@ -1,6 +1,7 @@
 #include "daemon/grpo/grpo_math.h"
 
 #include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
 
 #include <algorithm>
 #include <array>

@@ -17,6 +17,9 @@
 #include <fstream>
 #include <mutex>
 #include <regex>
+#include <sstream>
+#include <type_traits>
+#include <utility>
 
 #include "core/checkpoint.h"
 #include "core/mapped_file.h"
@@ -92,7 +95,19 @@ std::vector<std::pair<int64_t, fs::path>> ListCheckpoints(const fs::path& dir) {
   return out;
 }
 
-std::string StateKey(const at::Tensor& p) { return c10::guts::to_string(p.unsafeGetTensorImpl()); }
+// The optimizer state's key of parameter `p`: LibTorch 1.13 keys it by the TensorImpl address
+// printed as a string, LibTorch 2.x by the address itself.
+using OptimizerStateKey = std::decay_t<decltype(std::declval<torch::optim::Optimizer&>().state())>::key_type;
+template <typename Key = OptimizerStateKey>
+Key StateKey(const at::Tensor& p) {
+  if constexpr (std::is_same_v<Key, std::string>) {
+    std::ostringstream key;  // what 1.13's c10::guts::to_string does
+    key << p.unsafeGetTensorImpl();
+    return key.str();
+  } else {
+    return p.unsafeGetTensorImpl();
+  }
+}
 
 }  // namespace
 

@@ -41,7 +41,8 @@ class CheckpointFunction : public torch::autograd::Function<CheckpointFunction> 
     auto closure = c10::static_intrusive_pointer_cast<Closure>(ctx->saved_data["closure"].toCapsule());
     const at::Tensor x = ctx->get_saved_variables()[0].detach().requires_grad_(true);
     std::vector<at::Tensor> params;
-    for (const at::Tensor& p : ctx->saved_data["param_list"].toTensorList()) params.push_back(p);
+    const c10::List<at::Tensor> saved = ctx->saved_data["param_list"].toTensorList();
+    for (size_t i = 0; i < saved.size(); ++i) params.push_back(saved.get(i));
     at::Tensor out;
     {
       at::Generator gen = DefaultGenerator();

@@ -1,5 +1,7 @@
 #include "daemon/runtime/generator.h"
 
+#include <ATen/core/grad_mode.h>
+
 #include <algorithm>
 #include <cmath>
 #include <limits>

@@ -1,5 +1,7 @@
 #include "daemon/runtime/lora.h"
 
+#include <ATen/core/grad_mode.h>
+
 #include <nlohmann/json.hpp>
 
 #include <cmath>

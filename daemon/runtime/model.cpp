@@ -316,6 +316,28 @@ int64_t CausalLM::weight_bytes() const {
   return b;
 }
 
+std::vector<at::Tensor> CausalLM::tensors() const {
+  std::vector<at::Tensor> out = {embed_, norm_, inv_freq_};
+  auto add = [&](const Linear& l) {
+    if (l.name.empty()) return;
+    if (l.quant) {
+      for (const at::Tensor& t : l.quant->tensors()) out.push_back(t);
+    } else {
+      out.push_back(l.weight);
+    }
+    if (l.bias.defined()) out.push_back(l.bias);
+  };
+  for (const auto& l : layers_) {
+    out.push_back(l->input_norm);
+    out.push_back(l->post_norm);
+    for (const Linear& p : l->proj) add(p);
+    add(l->qkv);
+    add(l->gate_up);
+  }
+  if (!config_.tie_word_embeddings) add(lm_head_);
+  return out;
+}
+
 // ---- forward -------------------------------------------------------------------------------
 
 at::Tensor CausalLM::Apply(const Linear& l, const at::Tensor& x, const LoraModule* lora, bool training) const {

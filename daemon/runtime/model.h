@@ -155,6 +155,10 @@ class CausalLM {
   const Linear& lm_head() const { return lm_head_; }
   // Bytes of the weights as held (packed 4-bit counted packed).
   int64_t weight_bytes() const;
+  // Every tensor the model holds: weights and biases (a 4-bit weight's packed data and its
+  // companions), norms and the RoPE table. All live on device(): the check that nothing of
+  // the model ended up elsewhere.
+  std::vector<at::Tensor> tensors() const;
 
   // Runs the decoder; returns the final hidden states [B, T, hidden] (after the final norm).
   // Errors (kInvalidArgument): shapes that do not fit, ids outside the vocabulary, no room

@@ -51,6 +51,15 @@ int64_t Quant4Weight::bytes() const {
   return b;
 }
 
+std::vector<at::Tensor> Quant4Weight::tensors() const {
+  std::vector<at::Tensor> out = {packed_, absmax_, code_};
+  if (state_.nested) {
+    out.push_back(nested_absmax_);
+    out.push_back(nested_code_);
+  }
+  return out;
+}
+
 at::Tensor Quant4Weight::Absmax() const {
   if (!state_.nested) return absmax_;
   const int64_t nblocks = absmax_.numel();

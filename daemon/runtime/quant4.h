@@ -9,6 +9,7 @@
 #include <ATen/ATen.h>
 
 #include <memory>
+#include <vector>
 
 #include "convert/bnb4.h"
 #include "core/checkpoint.h"
@@ -34,6 +35,8 @@ class Quant4Weight {
   const QuantState4bit& state() const { return state_; }
   // Bytes held: packed data + absmax (+ nested tables).
   int64_t bytes() const;
+  // Every tensor held (packed data, absmax, code, nested tables): all on the weight's device.
+  std::vector<at::Tensor> tensors() const;
 
  private:
   Quant4Weight() = default;

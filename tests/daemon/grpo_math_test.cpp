@@ -144,9 +144,10 @@ TEST(GrpoFixtureTest, LossGradientAndMetricsEqualTrlForEveryCombination) {
 
 TEST(GrpoFixtureTest, SameNumbersOnCuda) {
   if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device (this LibTorch or machine)";
-  for (const GrpoCase* c : GrpoCases("rewards")) CheckRewardsCase(*c, at::kCUDA);
-  for (const GrpoCase* c : GrpoCases("mismatch")) CheckMismatchCase(*c, at::kCUDA);
-  for (const GrpoCase* c : GrpoCases("loss")) CheckLossCase(*c, at::kCUDA);
+  const at::Device cuda(at::kCUDA, 0);  // results carry the index: cuda:0, not "cuda"
+  for (const GrpoCase* c : GrpoCases("rewards")) CheckRewardsCase(*c, cuda);
+  for (const GrpoCase* c : GrpoCases("mismatch")) CheckMismatchCase(*c, cuda);
+  for (const GrpoCase* c : GrpoCases("loss")) CheckLossCase(*c, cuda);
 }
 
 // ------------------------------------------------------------------------------------ names

@@ -82,8 +82,13 @@ Result<MicroBatchLogps> MicroBatchLogProbs(const Trainer::State& s, const Rollou
       pmask = pmask.narrow(1, first, P - first);
     }
     const int64_t p = pid.size(1), C = cid.size(1);
-    at::Tensor ids = at::cat({pid, cid}, 1);
-    at::Tensor attn = at::cat({pmask, out.mask}, 1);
+    // The forward and the log-probs run on the model's device; what they return comes back to
+    // the CPU, where the rollout's tensors and the loss live (autograd carries the gradient back).
+    const at::Device& dev = m.device();
+    at::Tensor ids = at::cat({pid, cid}, 1).to(dev);
+    at::Tensor attn = at::cat({pmask, out.mask}, 1).to(dev);
+    cid = cid.to(dev);
+    const at::Tensor mask = out.mask.to(dev);
     runtime::ForwardArgs a;
     a.input_ids = ids;
     a.positions = (attn.cumsum(1) - 1).clamp_min(0);
@@ -96,15 +101,15 @@ Result<MicroBatchLogps> MicroBatchLogProbs(const Trainer::State& s, const Rollou
     const runtime::LoraModule* head_lora = lora ? s.adapter->binding().lm_head : nullptr;
     Result<TokenLogProbs> lp = Status::Internal("unset");
     if (head_lora || m.lm_head().quant) {
-      lp = TokenLogProbsFromLogits(m.Logits(h, a.lora, training), cid, s.config.temperature, out.mask);
+      lp = TokenLogProbsFromLogits(m.Logits(h, a.lora, training), cid, s.config.temperature, mask);
     } else {
       ChunkedLogProbOptions co;
       co.temperature = s.config.temperature;
-      lp = TokenLogProbsFromHidden(h, m.lm_head().weight, at::Tensor(), cid, out.mask, co);
+      lp = TokenLogProbsFromHidden(h, m.lm_head().weight, at::Tensor(), cid, mask, co);
     }
     if (!lp.ok()) return lp.status();
-    out.logps = lp->logps;
-    out.entropy = lp->entropy;
+    out.logps = lp->logps.to(at::kCPU);
+    out.entropy = lp->entropy.defined() ? lp->entropy.to(at::kCPU) : lp->entropy;
     return out;
   });
 }

@@ -5,7 +5,9 @@
 
 #include <ATen/ATen.h>
 #include <nlohmann/json.hpp>
+#include <torch/optim/adamw.h>
 
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
@@ -248,6 +250,56 @@ TEST(GrpoTrainerTest, GeneratorRunsTheConvertersMergeOfEachCheckpointBF16) {
 // the trainer keeps it packed, the snapshot dequantises and merges it as `ferry convert` does.
 TEST(GrpoTrainerTest, GeneratorRunsTheConvertersMergeOfEachCheckpointNF4) {
   ExpectGeneratorRunsConvertedCheckpoints(at::kFloat, fs::path(FERRY_FIXTURES_DIR) / "runtime/models/llama_nf4_dq_f32");
+}
+
+// The same NF4 base trained on CUDA: the packed base, its companions, the adapter, the
+// optimizer's state and the generator's model all live on the GPU (no tensor split across
+// devices), and the generator still runs exactly the converter's merge of each checkpoint.
+TEST(GrpoTrainerTest, Nf4BaseTrainsWithEveryTensorOnTheCudaDevice) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device (this LibTorch or machine)";
+  TempDir tmp;
+  RunFiles r = MakeRun(tmp.path(), at::kFloat, 2, 1, fs::path(FERRY_FIXTURES_DIR) / "runtime/models/llama_nf4_dq_f32");
+  std::string config = ReadText(r.config);
+  const size_t at_threads = config.find("threads = 2\n");
+  ASSERT_NE(at_threads, std::string::npos);
+  config.insert(at_threads, "device = \"cuda\"\n");
+  WriteText(r.config, config);
+  auto trainer = Trainer::Create(Options(r.config));
+  ASSERT_TRUE(trainer.ok()) << trainer.status().ToString();
+  const Status run = (*trainer)->Run();
+  ASSERT_TRUE(run.ok()) << run.ToString();
+
+  const Trainer::State& s = *(*trainer)->state_for_testing();
+  const at::Device cuda(at::kCUDA, 0);
+  auto expect_on_cuda = [&](const at::Tensor& t, const std::string& what) {
+    ASSERT_TRUE(t.defined()) << what;
+    EXPECT_EQ(t.device(), cuda) << what << " of shape " << t.sizes() << " is on " << t.device();
+  };
+  size_t n = 0;
+  for (const at::Tensor& t : s.model->tensors()) expect_on_cuda(t, "trainer model tensor #" + std::to_string(n++));
+  EXPECT_GT(n, 0u);
+  for (const auto& [key, p] : s.adapter->named_parameters()) expect_on_cuda(p, "adapter tensor " + key);
+  size_t states = 0;
+  for (const auto& [key, state] : s.optimizer->state()) {
+    const auto& adam = static_cast<const torch::optim::AdamWParamState&>(*state);
+    expect_on_cuda(adam.exp_avg(), "AdamW exp_avg");
+    expect_on_cuda(adam.exp_avg_sq(), "AdamW exp_avg_sq");
+    ++states;
+  }
+  EXPECT_EQ(states, s.adapter->named_parameters().size());
+  ASSERT_NE(s.generator->model(), nullptr);
+  n = 0;
+  for (const at::Tensor& t : s.generator->model()->tensors()) {
+    expect_on_cuda(t, "generator model tensor #" + std::to_string(n++));
+  }
+
+  const std::vector<json> lines = MetricsLines(r.dir);
+  ASSERT_EQ(lines.size(), 2u);
+  for (const json& line : lines) {
+    const int64_t step = line.at("step").get<int64_t>();
+    EXPECT_EQ(line.at("generator_version").get<std::string>(), ConvertedId(r, step, tmp.path())) << "step " << step;
+    EXPECT_TRUE(std::isfinite(line.at("loss").get<double>())) << "step " << step;
+  }
 }
 
 TEST(GrpoTrainerTest, NoWrappedNameReachesTheGeneratorAndTheReferenceIsTheBase) {

@@ -3,10 +3,14 @@
 // (bench/hf_generate_peer.py) on the same model, threads and shapes, and prints the ratios.
 //
 // Usage: ferry_bench_generate --model DIR [--batch 16] [--prompt-len 128] [--new-tokens 128]
-//          [--threads 2] [--dtype f32|bf16|model] [--seed 1]
+//          [--threads 2] [--dtype f32|bf16|model] [--device cpu|cuda] [--seed 1]
 // Prompts are random token ids (seeded); EOS is ignored so every row decodes exactly
-// --new-tokens tokens; decoding is greedy.
+// --new-tokens tokens; decoding is greedy. kv_cache_bytes: the generator's cache for the run
+// (keys and values of every layer for batch x (prompt + new) positions in the compute dtype);
+// with weight_bytes (a 4-bit base counted packed) it is the floor peak memory is compared with.
+// On CUDA the timings wait for the device (results are copied back).
 #include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
 
 #include <chrono>
 #include <cstdio>
@@ -38,14 +42,14 @@ double Now() {
 int Usage() {
   std::fprintf(stderr,
                "usage: ferry_bench_generate --model DIR [--batch 16] [--prompt-len 128] [--new-tokens 128]\n"
-               "                            [--threads 2] [--dtype f32|bf16|model] [--seed 1]\n");
+               "                            [--threads 2] [--dtype f32|bf16|model] [--device cpu|cuda] [--seed 1]\n");
   return 2;
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::string model_dir, dtype = "f32";
+  std::string model_dir, dtype = "f32", device = "cpu";
   int64_t batch = 16, prompt_len = 128, new_tokens = 128, threads = 2;
   uint64_t seed = 1;
   for (int i = 1; i < argc; ++i) {
@@ -57,12 +61,19 @@ int main(int argc, char** argv) {
     else if (a == "--new-tokens") new_tokens = std::atoll(next().c_str());
     else if (a == "--threads") threads = std::atoll(next().c_str());
     else if (a == "--dtype") dtype = next();
+    else if (a == "--device") device = next();
     else if (a == "--seed") seed = std::strtoull(next().c_str(), nullptr, 10);
     else return Usage();
   }
   if (model_dir.empty() || batch < 1 || prompt_len < 1 || new_tokens < 1) return Usage();
+  if (device != "cpu" && device != "cuda") return Usage();
+  if (device == "cuda" && !at::hasCUDA()) {
+    std::fprintf(stderr, "ferry_bench_generate: --device cuda, but this LibTorch or machine has no CUDA device\n");
+    return 1;
+  }
   ferry::runtime::SetTorchThreads(static_cast<int>(threads));
   ferry::runtime::ModelOptions opts;
+  opts.device = device == "cuda" ? at::Device(at::kCUDA) : at::Device(at::kCPU);
   if (dtype == "f32") opts.dtype = at::kFloat;
   if (dtype == "bf16") opts.dtype = at::kBFloat16;
   const double t_load = Now();
@@ -76,7 +87,9 @@ int main(int argc, char** argv) {
   std::mt19937_64 rng(seed);
   std::vector<std::vector<int32_t>> prompts(static_cast<size_t>(batch));
   for (auto& p : prompts) {
-    for (int64_t t = 0; t < prompt_len; ++t) p.push_back(static_cast<int32_t>(rng() % static_cast<uint64_t>(m.config().vocab_size)));
+    for (int64_t t = 0; t < prompt_len; ++t) {
+      p.push_back(static_cast<int32_t>(rng() % static_cast<uint64_t>(m.config().vocab_size)));
+    }
   }
 
   // Prefill alone: one forward of the whole batch into a KV cache, logits of the last position.
@@ -87,17 +100,20 @@ int main(int argc, char** argv) {
     ferry::runtime::ForwardArgs a;
     std::vector<int64_t> flat;
     for (const auto& p : prompts) flat.insert(flat.end(), p.begin(), p.end());
-    a.input_ids = at::tensor(flat, at::kLong).view({batch, prompt_len});
-    a.positions = at::arange(prompt_len, at::kLong).view({1, prompt_len}).expand({batch, prompt_len}).contiguous();
+    a.input_ids = at::tensor(flat, at::kLong).view({batch, prompt_len}).to(m.device());
+    a.positions =
+        at::arange(prompt_len, at::kLong).view({1, prompt_len}).expand({batch, prompt_len}).contiguous().to(m.device());
     a.cache = &cache;
     auto h = m.Hidden(a);
     if (!h.ok()) {
       std::fprintf(stderr, "ferry_bench_generate: %s\n", h.status().ToString().c_str());
       return 1;
     }
-    (void)m.Logits(h->narrow(1, prompt_len - 1, 1));
+    (void)m.Logits(h->narrow(1, prompt_len - 1, 1)).cpu();  // the copy back waits for the device
   }
   const double prefill_s = Now() - t_prefill;
+  const int64_t kv_cache_bytes =
+      ferry::runtime::KvCache(m.config(), batch, prompt_len + new_tokens, m.dtype(), m.device()).bytes();
 
   ferry::runtime::GeneratorOptions gopts;
   gopts.max_batch = batch;
@@ -115,14 +131,15 @@ int main(int argc, char** argv) {
   int64_t generated = 0;
   for (const auto& c : *out) generated += static_cast<int64_t>(c.token_ids.size());
   std::printf(
-      "{\"system\": \"ferry\", \"batch\": %lld, \"prompt_len\": %lld, \"new_tokens\": %lld, \"threads\": %lld, "
-      "\"dtype\": \"%s\", \"load_s\": %.4f, \"prefill_s\": %.4f, \"prefill_tokens_per_s\": %.2f, "
+      "{\"system\": \"ferry\", \"device\": \"%s\", \"batch\": %lld, \"prompt_len\": %lld, \"new_tokens\": %lld, "
+      "\"threads\": %lld, \"dtype\": \"%s\", \"load_s\": %.4f, \"prefill_s\": %.4f, \"prefill_tokens_per_s\": %.2f, "
       "\"generate_s\": %.4f, \"generated_tokens\": %lld, \"generate_tokens_per_s\": %.2f, \"peak_rss_bytes\": %lld, "
-      "\"weight_bytes\": %lld, \"blas\": \"%s\"}\n",
-      static_cast<long long>(batch), static_cast<long long>(prompt_len), static_cast<long long>(new_tokens),
-      static_cast<long long>(threads), c10::toString(m.dtype()), load_s, prefill_s,
-      static_cast<double>(batch * prompt_len) / prefill_s, generate_s, static_cast<long long>(generated),
+      "\"weight_bytes\": %lld, \"kv_cache_bytes\": %lld, \"blas\": \"%s\"}\n",
+      device.c_str(), static_cast<long long>(batch), static_cast<long long>(prompt_len),
+      static_cast<long long>(new_tokens), static_cast<long long>(threads), c10::toString(m.dtype()), load_s,
+      prefill_s, static_cast<double>(batch * prompt_len) / prefill_s, generate_s, static_cast<long long>(generated),
       static_cast<double>(generated) / generate_s, static_cast<long long>(PeakRssBytes()),
-      static_cast<long long>(m.weight_bytes()), ferry::runtime::LoadedBlas().library.c_str());
+      static_cast<long long>(m.weight_bytes()), static_cast<long long>(kv_cache_bytes),
+      ferry::runtime::LoadedBlas().library.c_str());
   return 0;
 }

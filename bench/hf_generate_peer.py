@@ -28,20 +28,28 @@ def main():
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--dtype", default="f32", choices=["f32", "bf16"])
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--seed", type=int, default=1)
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     dtype = torch.float32 if a.dtype == "f32" else torch.bfloat16
     t0 = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(a.model, dtype=dtype)
+    model.to(a.device)
     model.eval()
     load_s = time.perf_counter() - t0
     g = torch.Generator().manual_seed(a.seed)
-    ids = torch.randint(0, model.config.vocab_size, (a.batch, a.prompt_len), generator=g)
+    ids = torch.randint(0, model.config.vocab_size, (a.batch, a.prompt_len), generator=g).to(a.device)
     mask = torch.ones_like(ids)
+
+    def wait():
+        if a.device == "cuda":
+            torch.cuda.synchronize()
+
     with torch.inference_mode():
         t0 = time.perf_counter()
         out = model(input_ids=ids, attention_mask=mask, use_cache=True, logits_to_keep=1)
+        wait()
         prefill_s = time.perf_counter() - t0
         del out
         t0 = time.perf_counter()
@@ -54,10 +62,11 @@ def main():
             eos_token_id=None,
             pad_token_id=0,
         )
+        wait()
         generate_s = time.perf_counter() - t0
     generated = int(gen[:, a.prompt_len:].numel())
     print(json.dumps({
-        "system": "transformers", "batch": a.batch, "prompt_len": a.prompt_len, "new_tokens": a.new_tokens,
+        "system": "transformers", "device": a.device, "batch": a.batch, "prompt_len": a.prompt_len, "new_tokens": a.new_tokens,
         "threads": a.threads, "dtype": str(dtype).replace("torch.", ""), "load_s": load_s, "prefill_s": prefill_s,
         "prefill_tokens_per_s": a.batch * a.prompt_len / prefill_s, "generate_s": generate_s,
         "generated_tokens": generated, "generate_tokens_per_s": generated / generate_s,

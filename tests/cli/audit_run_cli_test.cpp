@@ -126,7 +126,8 @@ class AuditRunCli : public ::testing::Test {
       AddEvent(Event::Type::kAcknowledged, merged_[n - 1], "colocated", adapter_time[n - 1] - 1);
     }
     // A remote generator acknowledges step N once step N + 1 is committed (lag 1), up to step 5.
-    for (int n = 1; n < kSteps; ++n) AddEvent(Event::Type::kAcknowledged, merged_[n - 1], "remote-gen", committed[n] + 1);
+    for (int n = 1; n < kSteps; ++n)
+      AddEvent(Event::Type::kAcknowledged, merged_[n - 1], "remote-gen", committed[n] + 1);
     store_.reset();
   }
 

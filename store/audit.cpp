@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <ctime>
+#include <iterator>
 #include <map>
 #include <set>
 #include <tuple>
@@ -137,24 +138,31 @@ void CollectSteps(const std::vector<const VersionRecord*>& selected, const std::
       }
     }
   }
-  // Commit times of the steps, to know how far the trainer was when an event happened.
-  std::vector<std::pair<int64_t, int64_t>> committed;  // (time, step)
+  // The trainer's progress: the step of each commit of a step's version and of each published
+  // event of one, by time. At time t the trainer is at the step of the latest at or before t
+  // (a resumed run publishes its checkpoint's step again, and goes back to it).
+  std::vector<std::pair<int64_t, int64_t>> progress;  // (time, step)
   for (const VersionRecord* v : selected) {
-    if (v->step) committed.emplace_back(v->time_ns, *v->step);
+    if (v->step) progress.emplace_back(v->time_ns, *v->step);
   }
-  std::sort(committed.begin(), committed.end());
-  std::vector<int64_t> max_step_by(committed.size());
-  for (size_t i = 0; i < committed.size(); ++i) {
-    max_step_by[i] = std::max(committed[i].second, i > 0 ? max_step_by[i - 1] : INT64_MIN);
+  for (const Event* ev : relevant) {
+    auto it = step_of.find(ev->version);
+    if (ev->type == Event::Type::kPublished && it != step_of.end()) progress.emplace_back(ev->time_ns, it->second);
   }
+  std::stable_sort(progress.begin(), progress.end(),
+                   [](const auto& a, const auto& b) { return a.first < b.first; });
+  auto trainer_step_at = [&progress](int64_t t) -> int64_t {
+    auto next = std::upper_bound(progress.begin(), progress.end(), t,
+                                 [](int64_t time, const auto& p) { return time < p.first; });
+    return next == progress.begin() ? 0 : std::prev(next)->second;
+  };
   std::map<std::string, GeneratorSummary> generators;
   for (const Event* ev : relevant) {
     if (!IsReceiverEvent(*ev)) continue;
     auto it = step_of.find(ev->version);
     if (it == step_of.end()) continue;
     const int64_t n = it->second;
-    auto up_to = std::upper_bound(committed.begin(), committed.end(), std::make_pair(ev->time_ns, INT64_MAX));
-    const int64_t trainer = up_to == committed.begin() ? 0 : max_step_by[static_cast<size_t>(up_to - committed.begin()) - 1];
+    const int64_t trainer = trainer_step_at(ev->time_ns);
     StepAck a;
     a.receiver = ev->receiver;
     a.type = ev->type;

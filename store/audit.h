@@ -37,8 +37,10 @@
 // A step recorded more than once (a resumed run repeating steps after its last checkpoint)
 // shows its newest record (highest sequence); `records` counts them.
 //   lag of an acknowledgement = max(0, S - N): N the acknowledged version's step, S the
-//   highest step the run had recorded (version commit time <= the event's time). An
-//   in-process generator acknowledges step N before N is committed: lag 0.
+//   trainer's step at the event's time: the step of the latest commit of a step's version or
+//   published event of one at or before it (a resumed run publishes its checkpoint's step
+//   again: it is back there). The in-process generator acknowledges step N right after it
+//   was published: lag 0; a remote one acknowledging N once N + 1 is out: lag 1.
 // And these anomalies, each naming its step (Anomaly::step):
 //       generator_behind     a receiver's acknowledgement with lag > lag_threshold (flagged
 //                            when the receiver falls behind, again only after it caught up);

@@ -262,6 +262,22 @@ TEST(AuditSteps, RemoteGeneratorsLagAndFallingBehind) {
   EXPECT_EQ(run.Audit(loose).anomalies.size(), 1u);
 }
 
+TEST(AuditSteps, AResumedRunIsBackAtItsCheckpointsStep) {
+  TrainingRun run;
+  run.Build(6);
+  // Killed after step 6, resumed from checkpoint-3: step 3's snapshot is published and
+  // acknowledged again, then steps 4..6 run again to the same versions (recorded once).
+  for (int64_t n = 3; n <= 6; ++n) {
+    run.Publish(TrainingRun::Merged(n), 10 * kStepNs + n * 100);
+    run.Ack("colocated", TrainingRun::Merged(n), 10 * kStepNs + n * 100 + 1);
+  }
+  AuditReport r = run.Audit();
+  EXPECT_TRUE(r.anomalies.empty()) << All(r);
+  ASSERT_EQ(r.steps[3].acks.size(), 2u);
+  EXPECT_EQ(r.steps[3].acks[1].lag, 0);
+  EXPECT_EQ(r.generators[0].max_lag, 0);
+}
+
 TEST(AuditSteps, DigestMismatchNamesItsStep) {
   TrainingRun run;
   run.Build();

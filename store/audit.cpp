@@ -690,7 +690,7 @@ std::string AuditToText(const AuditReport& r) {
   for (const auto& d : r.never_acknowledged) s += "  " + ShortId(d) + "\n";
   if (!r.steps.empty()) {
     s += "\nSteps (" + std::to_string(r.steps.size()) + ")\n";
-    std::snprintf(line, sizeof line, "  %6s  %-12s  %-12s  %10s  %10s  %10s  %s\n", "step", "adapter", "merged", "reward",
+    std::snprintf(line, sizeof line, "  %6s  %-12s  %-12s  %10s  %13s  %10s  %s\n", "step", "adapter", "merged", "reward",
                   "loss", "grad_norm", "acknowledged by (lag)");
     s += line;
     for (const auto& e : r.steps) {
@@ -703,7 +703,7 @@ std::string AuditToText(const AuditReport& r) {
         acks += (acks.empty() ? "" : ", ") + a.receiver + " (" + std::to_string(a.lag) + ")" +
                 (a.digest_reported && !a.digest_matched ? " MISMATCH" : "");
       }
-      std::snprintf(line, sizeof line, "  %6lld  %-12s  %-12s  %10s  %10s  %10s  ", static_cast<long long>(e.step),
+      std::snprintf(line, sizeof line, "  %6lld  %-12s  %-12s  %10s  %13s  %10s  ", static_cast<long long>(e.step),
                     e.adapter_version ? ShortId(*e.adapter_version).c_str() : "-",
                     e.merged_version ? ShortId(*e.merged_version).c_str() : "-", metric("reward").c_str(),
                     metric("loss").c_str(), metric("grad_norm").c_str());

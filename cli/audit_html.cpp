@@ -191,6 +191,10 @@ std::string MetricSvg(const AuditReport& r, const std::string& metric) {
        "\" font-size=\"10\" text-anchor=\"end\" fill=\"#6b7280\">" + Num(xhi) + "</text>\n";
   s += "<text x=\"" + Num((kL + kW - kR) / 2) + "\" y=\"" + Num(kH - 8) +
        "\" font-size=\"11\" text-anchor=\"middle\" fill=\"#374151\">" + (by_step ? "step" : "sequence") + "</text>\n";
+  if (pts.empty()) {
+    s += "<text x=\"" + Num((kL + kW - kR) / 2) + "\" y=\"" + Num((kT + kH - kB) / 2) +
+         "\" font-size=\"12\" text-anchor=\"middle\" fill=\"#9ca3af\">no values recorded</text>\n";
+  }
   if (pts.size() > 1) {
     s += "<polyline fill=\"none\" stroke=\"#2563eb\" stroke-width=\"2\" points=\"";
     for (const auto& [px, py, v] : pts) s += Num(sx(px), 6) + "," + Num(sy(py), 6) + " ";
@@ -203,6 +207,72 @@ std::string MetricSvg(const AuditReport& r, const std::string& metric) {
          "</title></circle>\n";
   }
   s += "</svg>\n";
+  return s;
+}
+
+// The metrics plotted per step for a training run, TRL's names.
+constexpr const char* kStepPlots[] = {"reward",        "kl", "entropy", "completions/mean_length",
+                                      "sampling/sampling_logp_difference/mean", "learning_rate"};
+
+// The steps as a timeline of one point per step (MetricSvg plots it by step).
+AuditReport StepsAsTimeline(const AuditReport& r) {
+  AuditReport out;
+  for (const auto& e : r.steps) {
+    TimelineEntry t;
+    t.version.id = e.merged_version.value_or(e.adapter_version.value_or(Digest{}));
+    t.version.step = e.step;
+    t.version.metrics = e.metrics;
+    out.timeline.push_back(std::move(t));
+  }
+  return out;
+}
+
+std::string StepMetric(const store::StepEntry& e, const char* name) {
+  auto it = e.metrics.find(name);
+  return it == e.metrics.end() ? "-" : Num(it->second, 5);
+}
+
+std::string StepsSection(const AuditReport& r) {
+  std::string s = "<h2 id=\"steps\">Training steps</h2>\n<p>" + std::to_string(r.steps.size()) +
+                  " steps. Generators: ";
+  if (r.generators.empty()) s += "none acknowledged a step";
+  for (size_t i = 0; i < r.generators.size(); ++i) {
+    const auto& g = r.generators[i];
+    s += (i ? "; " : "") + EscapeHtml(g.receiver) + " (" + std::to_string(g.acks) + " acknowledgements, last step " +
+         (g.last_step ? std::to_string(*g.last_step) : std::string("-")) + ", max lag " + std::to_string(g.max_lag) +
+         ")";
+  }
+  s += ".</p>\n<div class=\"plots step-plots\">\n";
+  const AuditReport points = StepsAsTimeline(r);
+  for (const char* m : kStepPlots) s += MetricSvg(points, m);
+  s += "</div>\n";
+  std::map<int64_t, std::string> flagged;
+  for (const auto& a : r.anomalies) {
+    if (a.step) flagged[*a.step] += (flagged[*a.step].empty() ? "" : ", ") + std::string(AnomalyKindName(a.kind));
+  }
+  s += "<table class=\"steps\">\n<tr><th>step</th><th>adapter</th><th>merged</th><th>reward</th><th>kl</th>"
+       "<th>entropy</th><th>length</th><th>logp diff</th><th>lr</th><th>loss</th><th>grad norm</th>"
+       "<th>acknowledged by (lag in steps)</th><th>anomalies</th></tr>\n";
+  for (const auto& e : r.steps) {
+    std::string acks;
+    for (const auto& a : e.acks) {
+      const bool bad = a.digest_reported && !a.digest_matched;
+      acks += std::string(acks.empty() ? "" : "<br>") + "<span class=\"" + (bad ? "bad" : "ok") + "\">" +
+              EscapeHtml(a.receiver) + "</span> " + std::string(EventTypeName(a.type)) + " " + IsoTime(a.time_ns) +
+              " (lag " + std::to_string(a.lag) + (bad ? ", digest MISMATCH" : "") + ")";
+    }
+    auto it = flagged.find(e.step);
+    s += "<tr><td>" + std::to_string(e.step) + "</td><td><code>" +
+         (e.adapter_version ? ShortId(*e.adapter_version) : "-") + "</code></td><td><code>" +
+         (e.merged_version ? ShortId(*e.merged_version) : "-") + "</code></td>";
+    for (const char* m : {"reward", "kl", "entropy", "completions/mean_length", "sampling/sampling_logp_difference/mean",
+                          "learning_rate", "loss", "grad_norm"}) {
+      s += "<td>" + StepMetric(e, m) + "</td>";
+    }
+    s += "<td>" + (acks.empty() ? std::string("-") : acks) + "</td><td class=\"bad\">" +
+         (it == flagged.end() ? std::string() : it->second) + "</td></tr>\n";
+  }
+  s += "</table>\n";
   return s;
 }
 
@@ -221,7 +291,9 @@ std::string AuditToHtml(const AuditReport& r, std::string_view title) {
       ".plots{display:flex;flex-wrap:wrap;gap:12px}.legend span{margin-right:14px;font-size:12px}\n"
       "</style>\n</head>\n<body>\n<h1>" +
       EscapeHtml(title) + "</h1>\n";
-  s += "<p>" + std::to_string(r.timeline.size()) + " versions, " + std::to_string(r.receivers.size()) +
+  s += "<p>" + std::to_string(r.timeline.size()) + " versions, " +
+       (r.steps.empty() ? std::string() : std::to_string(r.steps.size()) + " training steps, ") +
+       std::to_string(r.receivers.size()) +
        " receiver events, <span class=\"" + (r.anomalies.empty() ? "ok" : "bad") + "\">" +
        std::to_string(r.anomalies.size()) + " anomalies</span>.</p>\n";
 
@@ -241,9 +313,14 @@ std::string AuditToHtml(const AuditReport& r, std::string_view title) {
        "or digest mismatch</span></p>\n";
   s += TimelineSvg(r);
 
+  if (!r.steps.empty()) s += StepsSection(r);
   s += "<h2 id=\"metrics\">Metrics</h2>\n";
   if (r.metric_names.empty()) s += "<p>No metrics recorded.</p>\n";
-  std::vector<std::string> plots = r.metric_names;
+  // A training run's metrics are plotted per step above; here only the adapter delta norms.
+  std::vector<std::string> plots = r.steps.empty() ? r.metric_names : std::vector<std::string>{};
+  if (!r.steps.empty() && !r.metric_names.empty()) {
+    s += "<p>Plotted per step above; every metric is in the table of versions below and in --json.</p>\n";
+  }
   bool any_delta = false;
   for (const auto& e : r.timeline) any_delta = any_delta || e.delta_norm.has_value();
   s += "<div class=\"plots\">\n";

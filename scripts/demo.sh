@@ -5,8 +5,8 @@
 # the answer's digits in place) rises visibly within a few minutes on 2 CPU cores. Then the
 # weight path is audited: `ferry convert` of the last checkpoint onto the base is exactly the
 # version the generator acknowledged after that step (`ferry verify` names it), the store
-# rebuilds that version from base + adapter (`ferry versions materialize`), and `ferry audit`
-# writes the run's report.
+# rebuilds that version from base + adapter (`ferry versions materialize`), and `ferry audit
+# --run` writes the run's report (the reward curve and the steps); the last line names the file.
 #   FERRY_DEMO_OUT   where the run goes (default build/demo)
 #   FERRY_DEMO_STEPS optimizer steps (default: the config's 800)
 set -euo pipefail
@@ -43,6 +43,13 @@ echo "== ferry convert of checkpoint-$LAST onto the base, then ferry verify agai
 echo
 echo "== the store rebuilds that version from base + adapter (it recorded only its digests)"
 "$FERRY" versions materialize "$VERSION" --db "$OUT/run/store" --out "$OUT/materialized-$LAST"
+# The run's name in the store ([store] run; the demo's config keeps the default).
+RUN=$(tr -d '\n' < "$OUT/run/run_config.json" | sed -n 's/.*"store": *{[^}]*"run": *"\([^"]*\)".*/\1/p')
+RUN=${RUN:-default}
 echo
-echo "== ferry audit (HTML report: $OUT/audit.html)"
-"$FERRY" audit --db "$OUT/run/store" --html "$OUT/audit.html" | tail -15
+echo "== ferry audit --run $RUN: every step's adapter and merged version, which generator acknowledged it and"
+echo "   when, the anomalies; the HTML report plots reward, KL, entropy, completion length, the sampling"
+echo "   mismatch and the learning rate per step"
+"$FERRY" audit --db "$OUT/run/store" --run "$RUN" --html "$OUT/audit.html" | sed -n '/^Generators/,$p'
+echo
+echo "== the run's report (reward curve, per-step table, anomalies): $OUT/audit.html"

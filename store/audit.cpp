@@ -2,8 +2,10 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstdio>
 #include <ctime>
+#include <iterator>
 #include <map>
 #include <set>
 #include <tuple>
@@ -67,7 +69,7 @@ void CheckMergedEqualsBase(const VersionRecord& v, const std::map<Digest, const 
                  "merged " + Describe(v) + " has the same tensor digests as its base version " + ShortId(*v.base_version) +
                      " although adapter version " + ShortId(*v.adapter_version) + " is non-zero (tensor " +
                      nonzero->name + " has l2_norm " + Num(nonzero->l2_norm) +
-                     "): the adapter never reached these weights"});
+                     "): the adapter never reached these weights", std::nullopt});
 }
 
 void CheckZeroAdapter(const VersionRecord& v, std::vector<Anomaly>& out) {
@@ -81,14 +83,14 @@ void CheckZeroAdapter(const VersionRecord& v, std::vector<Anomaly>& out) {
   if (b_tensors == 0) return;
   out.push_back({AnomalyKind::kZeroAdapter, v.id, "",
                  "adapter " + Describe(v) + " is all zero: all " + std::to_string(b_tensors) +
-                     " lora_B tensors are zero, so merging it changes nothing"});
+                     " lora_B tensors are zero, so merging it changes nothing", std::nullopt});
 }
 
 void CheckNonFinite(const VersionRecord& v, std::vector<Anomaly>& out) {
   for (const auto& t : v.tensors) {
     if (t.nonfinite <= 0) continue;
     out.push_back({AnomalyKind::kNonFinite, v.id, t.name,
-                   Describe(v) + ": tensor " + t.name + " has " + std::to_string(t.nonfinite) + " NaN/Inf values"});
+                   Describe(v) + ": tensor " + t.name + " has " + std::to_string(t.nonfinite) + " NaN/Inf values", std::nullopt});
   }
 }
 
@@ -96,6 +98,203 @@ double Median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   const size_t n = v.size();
   return n % 2 == 1 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2.0;
+}
+
+std::string StepName(int64_t step) { return "step " + std::to_string(step); }
+
+// The run's steps (StepEntry), from its versions with a step (and its acknowledged base as
+// step 0), and the acknowledgements of their versions.
+void CollectSteps(const std::vector<const VersionRecord*>& selected, const std::vector<const Event*>& relevant,
+                  AuditReport& report) {
+  std::map<int64_t, StepEntry> steps;
+  std::map<Digest, int64_t> step_of;
+  std::optional<Digest> base;
+  for (const VersionRecord* v : selected) {  // by sequence: a repeated step keeps its newest record
+    if (!v->step) {
+      if (v->kind == VersionKind::kBase && !base) base = v->id;
+      continue;
+    }
+    StepEntry& e = steps[*v->step];
+    e.step = *v->step;
+    ++e.records;
+    e.time_ns = v->time_ns;
+    if (v->kind == VersionKind::kAdapter) e.adapter_version = v->id;
+    if (v->kind == VersionKind::kMerged || v->kind == VersionKind::kFull) e.merged_version = v->id;
+    if (!v->metrics.empty()) e.metrics = v->metrics;
+    step_of[v->id] = *v->step;
+  }
+  if (base && steps.count(0) == 0) {
+    for (const Event* ev : relevant) {
+      if (ev->version == *base && IsReceiverEvent(*ev)) {
+        StepEntry& e = steps[0];
+        e.merged_version = base;
+        step_of[*base] = 0;
+        for (const VersionRecord* v : selected) {
+          if (v->id != *base) continue;
+          e.time_ns = v->time_ns;
+          e.records = 1;
+        }
+        break;
+      }
+    }
+  }
+  // The trainer's progress: the step of each commit of a step's version and of each published
+  // event of one, by time. At time t the trainer is at the step of the latest at or before t
+  // (a resumed run publishes its checkpoint's step again, and goes back to it).
+  std::vector<std::pair<int64_t, int64_t>> progress;  // (time, step)
+  for (const VersionRecord* v : selected) {
+    if (v->step) progress.emplace_back(v->time_ns, *v->step);
+  }
+  for (const Event* ev : relevant) {
+    auto it = step_of.find(ev->version);
+    if (ev->type == Event::Type::kPublished && it != step_of.end()) progress.emplace_back(ev->time_ns, it->second);
+  }
+  std::stable_sort(progress.begin(), progress.end(),
+                   [](const auto& a, const auto& b) { return a.first < b.first; });
+  auto trainer_step_at = [&progress](int64_t t) -> int64_t {
+    auto next = std::upper_bound(progress.begin(), progress.end(), t,
+                                 [](int64_t time, const auto& p) { return time < p.first; });
+    return next == progress.begin() ? 0 : std::prev(next)->second;
+  };
+  std::map<std::string, GeneratorSummary> generators;
+  for (const Event* ev : relevant) {
+    if (!IsReceiverEvent(*ev)) continue;
+    auto it = step_of.find(ev->version);
+    if (it == step_of.end()) continue;
+    const int64_t n = it->second;
+    const int64_t trainer = trainer_step_at(ev->time_ns);
+    StepAck a;
+    a.receiver = ev->receiver;
+    a.type = ev->type;
+    a.time_ns = ev->time_ns;
+    a.version = ev->version;
+    a.digest_reported = ev->computed.has_value();
+    a.digest_matched = ev->computed && *ev->computed == ev->version;
+    a.lag = std::max<int64_t>(0, trainer - n);
+    GeneratorSummary& g = generators[ev->receiver];
+    g.receiver = ev->receiver;
+    ++g.acks;
+    g.last_step = std::max(g.last_step.value_or(n), n);
+    g.max_lag = std::max(g.max_lag, a.lag);
+    steps[n].acks.push_back(std::move(a));
+  }
+  for (auto& [n, e] : steps) report.steps.push_back(std::move(e));
+  for (auto& [name, g] : generators) report.generators.push_back(std::move(g));
+}
+
+// generator_behind over the acknowledgements (by time) and at the run's last step.
+void CheckGeneratorsBehind(const AuditReport& report, const AuditOptions& o, std::vector<Anomaly>& out) {
+  struct Ack {
+    const StepAck* ack;
+    int64_t step;
+  };
+  std::vector<Ack> acks;
+  for (const auto& e : report.steps) {
+    for (const auto& a : e.acks) acks.push_back({&a, e.step});
+  }
+  std::stable_sort(acks.begin(), acks.end(), [](const Ack& a, const Ack& b) { return a.ack->time_ns < b.ack->time_ns; });
+  std::map<std::string, bool> behind;
+  for (const Ack& a : acks) {
+    bool& is_behind = behind[a.ack->receiver];
+    if (a.ack->lag > o.lag_threshold && !is_behind) {
+      out.push_back({AnomalyKind::kGeneratorBehind, a.ack->version, "",
+                     "receiver " + a.ack->receiver + " " + std::string(EventTypeName(a.ack->type)) + " " +
+                         StepName(a.step) + " (version " + ShortId(a.ack->version) + ") when the trainer was at " +
+                         StepName(a.step + a.ack->lag) + ": " + std::to_string(a.ack->lag) + " steps behind (rule: > " +
+                         std::to_string(o.lag_threshold) + ")",
+                     a.step + a.ack->lag});
+    }
+    is_behind = a.ack->lag > o.lag_threshold;
+  }
+  if (report.steps.empty()) return;
+  const StepEntry& last = report.steps.back();
+  for (const auto& g : report.generators) {
+    if (!g.last_step || last.step - *g.last_step <= o.lag_threshold) continue;
+    out.push_back({AnomalyKind::kGeneratorBehind, last.merged_version.value_or(last.adapter_version.value_or(Digest{})),
+                   "",
+                   "receiver " + g.receiver + " last acknowledged " + StepName(*g.last_step) + " but the run ended at " +
+                       StepName(last.step) + ": " + std::to_string(last.step - *g.last_step) +
+                       " steps behind (rule: > " + std::to_string(o.lag_threshold) + ")",
+                   last.step});
+  }
+}
+
+// reward_collapse, nonfinite_loss and grad_norm_spike over the steps' metrics.
+void CheckStepMetrics(const AuditReport& report, const AuditOptions& o, std::vector<Anomaly>& out) {
+  std::vector<double> rewards;  // the last reward_window rewards
+  std::optional<double> best;
+  int64_t best_step = 0;
+  bool collapse_flagged = false;
+  int64_t zero_streak = 0, zero_first = 0;
+  std::vector<double> grad_history;
+  for (const auto& e : report.steps) {
+    if (e.step == 0 && e.metrics.empty()) continue;
+    const Digest id = e.merged_version.value_or(e.adapter_version.value_or(Digest{}));
+    auto metric = [&](const char* name) -> std::optional<double> {
+      auto it = e.metrics.find(name);
+      return it == e.metrics.end() ? std::nullopt : std::optional<double>(it->second);
+    };
+    if (auto loss = metric("loss"); loss && !std::isfinite(*loss)) {
+      out.push_back({AnomalyKind::kNonFiniteLoss, id, "",
+                     StepName(e.step) + " (version " + ShortId(id) + "): loss is NaN or Inf", e.step});
+    }
+    if (auto g = metric("grad_norm")) {
+      if (!std::isfinite(*g)) {
+        out.push_back({AnomalyKind::kGradNormSpike, id, "",
+                       StepName(e.step) + " (version " + ShortId(id) + "): grad_norm is NaN or Inf", e.step});
+      } else {
+        if (static_cast<int>(grad_history.size()) >= o.grad_min_history) {
+          const size_t w = std::min<size_t>(grad_history.size(), 100);
+          const double median = Median(std::vector<double>(grad_history.end() - static_cast<std::ptrdiff_t>(w), grad_history.end()));
+          if (median > 0 && *g > o.grad_spike_factor * median) {
+            out.push_back({AnomalyKind::kGradNormSpike, id, "",
+                           StepName(e.step) + " (version " + ShortId(id) + "): grad_norm " + Num(*g) + " is " +
+                               Num(*g / median, 3) + "x the median " + Num(median) + " of the previous " +
+                               std::to_string(w) + " steps (rule: > " + Num(o.grad_spike_factor, 3) + "x)",
+                           e.step});
+          }
+        }
+        grad_history.push_back(*g);
+      }
+    }
+    auto zero_frac = metric("frac_reward_zero_std");
+    auto reward_std = metric("reward_std");
+    const bool all_zero_std = zero_frac ? *zero_frac >= 1.0 : (reward_std && *reward_std == 0.0);
+    if (all_zero_std) {
+      if (zero_streak++ == 0) zero_first = e.step;
+      if (zero_streak == o.zero_std_steps) {
+        out.push_back({AnomalyKind::kRewardCollapse, id, "",
+                       "reward std within every group is zero for " + std::to_string(zero_streak) +
+                           " consecutive steps, " + StepName(zero_first) + " to " + StepName(e.step) +
+                           " (version " + ShortId(id) + "): every advantage is zero, nothing is learnt (rule: >= " +
+                           std::to_string(o.zero_std_steps) + " steps)",
+                       e.step});
+      }
+    } else {
+      zero_streak = 0;
+    }
+    auto reward = metric("reward");
+    if (!reward || !std::isfinite(*reward)) continue;
+    rewards.push_back(*reward);
+    if (static_cast<int>(rewards.size()) > o.reward_window) rewards.erase(rewards.begin());
+    if (static_cast<int>(rewards.size()) < o.reward_window) continue;
+    double mean = 0;
+    for (double r : rewards) mean += r;
+    mean /= static_cast<double>(rewards.size());
+    if (!best || mean > *best) {
+      best = mean;
+      best_step = e.step;
+      collapse_flagged = false;
+    } else if (!collapse_flagged && *best - mean > o.reward_drop) {
+      collapse_flagged = true;
+      out.push_back({AnomalyKind::kRewardCollapse, id, "",
+                     StepName(e.step) + " (version " + ShortId(id) + "): the reward's " +
+                         std::to_string(o.reward_window) + "-step moving mean " + Num(mean) + " is " +
+                         Num(*best - mean) + " below its best " + Num(*best) + " (at " + StepName(best_step) +
+                         ") (rule: a drop > " + Num(o.reward_drop, 3) + ")",
+                     e.step});
+    }
+  }
 }
 
 }  // namespace
@@ -121,6 +320,10 @@ std::string_view AnomalyKindName(AnomalyKind kind) {
     case AnomalyKind::kUnpublishedAck: return "unpublished_ack";
     case AnomalyKind::kDigestMismatch: return "digest_mismatch";
     case AnomalyKind::kRecorded: return "recorded";
+    case AnomalyKind::kGeneratorBehind: return "generator_behind";
+    case AnomalyKind::kRewardCollapse: return "reward_collapse";
+    case AnomalyKind::kNonFiniteLoss: return "nonfinite_loss";
+    case AnomalyKind::kGradNormSpike: return "grad_norm_spike";
   }
   return "unknown";
 }
@@ -129,6 +332,12 @@ Result<AuditReport> AnalyzeAudit(const std::vector<VersionRecord>& all_versions,
                                  const DeltaNormFn& delta_norm, const AuditOptions& options) {
   if (!(options.jump_factor > 0) || options.min_history < 1) {
     return Status::InvalidArgument("audit: jump_factor must be > 0 and min_history >= 1");
+  }
+  if (options.lag_threshold < 0 || options.reward_window < 1 || !(options.reward_drop > 0) ||
+      options.zero_std_steps < 1 || !(options.grad_spike_factor > 0) || options.grad_min_history < 1) {
+    return Status::InvalidArgument(
+        "audit: lag_threshold must be >= 0, reward_window, zero_std_steps and grad_min_history >= 1, reward_drop and "
+        "grad_spike_factor > 0");
   }
   AuditReport report;
   report.run = options.run;
@@ -184,7 +393,7 @@ Result<AuditReport> AnalyzeAudit(const std::vector<VersionRecord>& all_versions,
                  "adapter " + Describe(*v) + ": delta norm " + Num(d) + " from version " + ShortId(prev->second->id) +
                      " is " + Num(d / median, 3) + "x the median " + Num(median) + " of the " +
                      std::to_string(history.size()) + " previous deltas (rule: > " + Num(options.jump_factor, 3) +
-                     "x)"});
+                     "x)", std::nullopt});
           }
         }
         history.push_back(d);
@@ -216,7 +425,7 @@ Result<AuditReport> AnalyzeAudit(const std::vector<VersionRecord>& all_versions,
     if (e->type == Event::Type::kAnomaly) {
       event_anomalies.push_back({AnomalyKind::kRecorded, e->version, "",
                                  "recorded" + (e->receiver.empty() ? std::string() : " by " + e->receiver) +
-                                     " for version " + ShortId(e->version) + ": " + e->detail});
+                                     " for version " + ShortId(e->version) + ": " + e->detail, std::nullopt});
       continue;
     }
     if (!IsReceiverEvent(*e)) continue;
@@ -239,12 +448,12 @@ Result<AuditReport> AnalyzeAudit(const std::vector<VersionRecord>& all_versions,
       event_anomalies.push_back({AnomalyKind::kUnpublishedAck, e->version, "",
                                  "receiver " + e->receiver + " " + verb + " version " + ShortId(e->version) +
                                      ", which was never published (" +
-                                     (r.known_version ? "no published event" : "no version record") + ")"});
+                                     (r.known_version ? "no published event" : "no version record") + ")", std::nullopt});
     }
     if (e->computed && *e->computed != e->version) {
       event_anomalies.push_back({AnomalyKind::kDigestMismatch, e->version, "",
                                  "receiver " + e->receiver + " " + verb + " version " + ShortId(e->version) +
-                                     " but computed digest " + ShortId(*e->computed) + ": it holds other weights"});
+                                     " but computed digest " + ShortId(*e->computed) + ": it holds other weights", std::nullopt});
     }
     auto t = timeline_index.find(e->version);
     if (t != timeline_index.end()) {
@@ -261,6 +470,17 @@ Result<AuditReport> AnalyzeAudit(const std::vector<VersionRecord>& all_versions,
   }
   report.anomalies = std::move(version_anomalies);
   report.anomalies.insert(report.anomalies.end(), event_anomalies.begin(), event_anomalies.end());
+  for (auto& a : report.anomalies) {
+    auto v = by_id.find(a.version);
+    if (v == by_id.end() || !v->second->step) continue;
+    a.step = v->second->step;
+    if (a.kind == AnomalyKind::kDigestMismatch) a.message += " (" + StepName(*a.step) + ")";
+  }
+  if (options.run) {
+    CollectSteps(selected, relevant, report);
+    CheckGeneratorsBehind(report, options, report.anomalies);
+    CheckStepMetrics(report, options, report.anomalies);
+  }
   return report;
 }
 
@@ -382,9 +602,45 @@ std::string AuditToJson(const AuditReport& r) {
     anomalies.push_back({{"kind", std::string(AnomalyKindName(a.kind))},
                          {"version", a.version.Hex()},
                          {"tensor", a.tensor.empty() ? Json() : Json(a.tensor)},
+                         {"step", a.step ? Json(*a.step) : Json()},
                          {"message", a.message}});
   }
   j["anomalies"] = std::move(anomalies);
+  Json steps = Json::array();
+  for (const auto& e : r.steps) {
+    Json x;
+    x["step"] = e.step;
+    x["adapter_version"] = OptDigest(e.adapter_version);
+    x["merged_version"] = OptDigest(e.merged_version);
+    x["time_ns"] = e.time_ns;
+    x["time"] = IsoTime(e.time_ns);
+    x["records"] = e.records;
+    Json metrics = Json::object();
+    for (const auto& [k, value] : e.metrics) metrics[k] = FiniteOrNull(value);
+    x["metrics"] = std::move(metrics);
+    Json acks = Json::array();
+    for (const auto& a : e.acks) {
+      acks.push_back({{"receiver", a.receiver},
+                      {"event", std::string(EventTypeName(a.type))},
+                      {"time_ns", a.time_ns},
+                      {"time", IsoTime(a.time_ns)},
+                      {"version", a.version.Hex()},
+                      {"digest_matched", a.digest_matched},
+                      {"digest_reported", a.digest_reported},
+                      {"lag", a.lag}});
+    }
+    x["acks"] = std::move(acks);
+    steps.push_back(std::move(x));
+  }
+  j["steps"] = std::move(steps);
+  Json generators = Json::array();
+  for (const auto& g : r.generators) {
+    generators.push_back({{"receiver", g.receiver},
+                          {"acks", g.acks},
+                          {"last_step", g.last_step ? Json(*g.last_step) : Json()},
+                          {"max_lag", g.max_lag}});
+  }
+  j["generators"] = std::move(generators);
   // A report, not a record: text that is not UTF-8 (a --run filter given by the user, say)
   // is shown with U+FFFD rather than failing the whole report.
   return j.dump(2, ' ', /*ensure_ascii=*/false, Json::error_handler_t::replace);
@@ -432,6 +688,35 @@ std::string AuditToText(const AuditReport& r) {
     s += "  none\n";
   }
   for (const auto& d : r.never_acknowledged) s += "  " + ShortId(d) + "\n";
+  if (!r.steps.empty()) {
+    s += "\nSteps (" + std::to_string(r.steps.size()) + ")\n";
+    std::snprintf(line, sizeof line, "  %6s  %-12s  %-12s  %10s  %13s  %10s  %s\n", "step", "adapter", "merged", "reward",
+                  "loss", "grad_norm", "acknowledged by (lag)");
+    s += line;
+    for (const auto& e : r.steps) {
+      auto metric = [&](const char* k) {
+        auto it = e.metrics.find(k);
+        return it == e.metrics.end() ? std::string("-") : Num(it->second, 6);
+      };
+      std::string acks;
+      for (const auto& a : e.acks) {
+        acks += (acks.empty() ? "" : ", ") + a.receiver + " (" + std::to_string(a.lag) + ")" +
+                (a.digest_reported && !a.digest_matched ? " MISMATCH" : "");
+      }
+      std::snprintf(line, sizeof line, "  %6lld  %-12s  %-12s  %10s  %13s  %10s  ", static_cast<long long>(e.step),
+                    e.adapter_version ? ShortId(*e.adapter_version).c_str() : "-",
+                    e.merged_version ? ShortId(*e.merged_version).c_str() : "-", metric("reward").c_str(),
+                    metric("loss").c_str(), metric("grad_norm").c_str());
+      s += line + (acks.empty() ? std::string("-") : acks) + "\n";
+    }
+    s += "\nGenerators\n";
+    if (r.generators.empty()) s += "  none acknowledged a step\n";
+    for (const auto& g : r.generators) {
+      s += "  " + g.receiver + ": " + std::to_string(g.acks) + " acknowledgements, last step " +
+           (g.last_step ? std::to_string(*g.last_step) : std::string("-")) + ", max lag " + std::to_string(g.max_lag) +
+           " steps\n";
+    }
+  }
   s += "\nAnomalies (" + std::to_string(r.anomalies.size()) + ")\n";
   if (r.anomalies.empty()) s += "  none\n";
   for (const auto& a : r.anomalies) s += "  [" + std::string(AnomalyKindName(a.kind)) + "] " + a.message + "\n";

@@ -27,6 +27,38 @@
 //       digest_mismatch      an acknowledged/activated event whose computed digest differs from
 //                            the version id.
 //       recorded             an event of type anomaly recorded by sync or the daemon.
+//
+// A training run (AuditOptions::run names it) also gets its steps: every step N that the run
+// recorded (ferryd records per step an adapter version and the merged version derived from
+// it, both with step = N and the step's metrics, TRL's names) with its adapter version, merged
+// version, metrics and the acknowledged/activated events of either version (in-process or
+// remote receivers alike: the event's receiver names the generator). The run's base version
+// is step 0 when a receiver acknowledged it (the generator's weights before the first step).
+// A step recorded more than once (a resumed run repeating steps after its last checkpoint)
+// shows its newest record (highest sequence); `records` counts them.
+//   lag of an acknowledgement = max(0, S - N): N the acknowledged version's step, S the
+//   trainer's step at the event's time: the step of the latest commit of a step's version or
+//   published event of one at or before it (a resumed run publishes its checkpoint's step
+//   again: it is back there). The in-process generator acknowledges step N right after it
+//   was published: lag 0; a remote one acknowledging N once N + 1 is out: lag 1.
+// And these anomalies, each naming its step (Anomaly::step):
+//       generator_behind     a receiver's acknowledgement with lag > lag_threshold (flagged
+//                            when the receiver falls behind, again only after it caught up);
+//                            or, at the run's last step S, a receiver whose newest
+//                            acknowledged step L has S - L > lag_threshold.
+//       reward_collapse      (a) the moving mean of metric "reward" over the last reward_window
+//                            steps falls more than reward_drop below the best moving mean seen
+//                            before (flagged at the first such step; again only after a new
+//                            best); (b) every group's rewards are identical (metric
+//                            frac_reward_zero_std == 1, or reward_std == 0 where the former is
+//                            absent: every advantage is zero, the step learns nothing) for
+//                            zero_std_steps consecutive steps (flagged at the step the streak
+//                            reaches that length, naming its first step).
+//       nonfinite_loss       metric "loss" is NaN or Inf (the store records both as null).
+//       grad_norm_spike      metric "grad_norm" (before clipping) > grad_spike_factor x the
+//                            median of the previous up to 100 steps' grad norms, once
+//                            grad_min_history of them exist and that median is > 0; or NaN/Inf.
+//   digest_mismatch and recorded anomalies about a step's version carry that step too.
 #pragma once
 
 #include <cstdint>
@@ -49,6 +81,21 @@ struct AuditOptions {
   double jump_factor = 10.0;
   // delta_jump: previous deltas needed before the rule applies. Default: 2.
   int min_history = 2;
+  // generator_behind: a receiver more than this many steps behind the trainer. An in-process
+  // generator is never behind; a remote one a step behind is the usual one-step-off-policy
+  // pipeline. Default: 2.
+  int64_t lag_threshold = 2;
+  // reward_collapse (a): the moving mean's window in steps, and the drop below its best that
+  // is flagged (in reward units; the default suits rewards in [0, 1], as TRL's accuracy and
+  // format rewards are). Default: 10 and 0.2.
+  int reward_window = 10;
+  double reward_drop = 0.2;
+  // reward_collapse (b): consecutive steps with every group's reward std zero. Default: 5.
+  int zero_std_steps = 5;
+  // grad_norm_spike: flagged above this many times the running median. Default: 10.
+  double grad_spike_factor = 10.0;
+  // grad_norm_spike: previous steps needed before the rule applies. Default: 5.
+  int grad_min_history = 5;
 };
 
 enum class AnomalyKind {
@@ -59,16 +106,52 @@ enum class AnomalyKind {
   kUnpublishedAck,
   kDigestMismatch,
   kRecorded,
+  kGeneratorBehind,
+  kRewardCollapse,
+  kNonFiniteLoss,
+  kGradNormSpike,
 };
 // "merged_equals_base", "zero_adapter", "nonfinite", "delta_jump", "unpublished_ack",
-// "digest_mismatch", "recorded".
+// "digest_mismatch", "recorded", "generator_behind", "reward_collapse", "nonfinite_loss",
+// "grad_norm_spike".
 std::string_view AnomalyKindName(AnomalyKind kind);
 
 struct Anomaly {
   AnomalyKind kind = AnomalyKind::kRecorded;
   Digest version;
   std::string tensor;   // "" when not about one tensor
-  std::string message;  // one line, names the version (and tensor)
+  std::string message;  // one line, names the version (and tensor, and step)
+  std::optional<int64_t> step;  // the training step concerned, when the version has one
+};
+
+// One acknowledgement of a step's version by a receiver (a generator).
+struct StepAck {
+  std::string receiver;
+  Event::Type type = Event::Type::kAcknowledged;
+  int64_t time_ns = 0;
+  Digest version;              // the step's adapter or merged version
+  bool digest_matched = false; // the receiver's computed digest equals `version`
+  bool digest_reported = false;
+  int64_t lag = 0;             // in steps (the rule at the top of this file)
+};
+
+// One training step of the audited run.
+struct StepEntry {
+  int64_t step = 0;
+  std::optional<Digest> adapter_version;
+  std::optional<Digest> merged_version;  // for step 0: the base version
+  int64_t time_ns = 0;                   // commit time of the step's newest record
+  std::map<std::string, double> metrics; // the step's metrics (NaN where recorded as null)
+  std::vector<StepAck> acks;             // by time
+  int records = 0;                       // versions recorded for this step
+};
+
+// One receiver's acknowledgements over the audited run's steps.
+struct GeneratorSummary {
+  std::string receiver;
+  int64_t acks = 0;
+  std::optional<int64_t> last_step;  // the newest step it acknowledged
+  int64_t max_lag = 0;
 };
 
 struct TimelineEntry {
@@ -104,6 +187,9 @@ struct AuditReport {
   std::vector<Digest> never_acknowledged;  // empty when no receiver exists
   std::vector<Anomaly> anomalies;
   std::vector<std::string> metric_names;   // every metric key of the timeline, sorted
+  // Only when options.run is set: the run's steps (ascending) and its receivers (by name).
+  std::vector<StepEntry> steps;
+  std::vector<GeneratorSummary> generators;
 };
 
 // Computes d_k for a pair of consecutive adapter versions (previous, current).
@@ -124,7 +210,8 @@ Result<AuditReport> RunAudit(Store& store, const AuditOptions& options);
 // full norm; tensors with equal digests contribute 0 without being read).
 Result<double> VersionDeltaNorm(Store& store, const VersionRecord& a, const VersionRecord& b);
 
-// The report as JSON (keys: run, timeline, receivers, gaps, never_acknowledged, anomalies).
+// The report as JSON (keys: run, timeline, receivers, gaps, never_acknowledged, anomalies,
+// steps, generators; each anomaly with its step or null).
 // Never throws: bytes that are not UTF-8 (a run filter as the user typed it) become U+FFFD.
 std::string AuditToJson(const AuditReport& report);
 // The report as plain text for a terminal. (The HTML page is the CLI's: cli/audit_html.h.)

@@ -1,0 +1,361 @@
+// The audit of a training run (store/audit.h, AuditOptions::run): its steps as ferryd records
+// them (an adapter and a merged version per step, with the step's metrics), the generators'
+// acknowledgements with their lag, and the step rules (generator_behind, reward_collapse,
+// nonfinite_loss, grad_norm_spike, digest_mismatch with its step), each on a constructed run
+// with exactly one fault, and none on a healthy one.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <limits>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "store/audit.h"
+
+namespace ferry::store {
+namespace {
+
+constexpr int64_t kSteps = 30;
+constexpr int64_t kStepNs = 1000;  // step N is committed at N * kStepNs
+
+// Healthy metrics: the reward rises slowly, some groups have zero std, finite loss, grad
+// norms around 0.5.
+std::map<std::string, double> HealthyMetrics(int64_t n) {
+  return {{"reward", 0.5 + 0.01 * static_cast<double>(n) + (n % 2 ? 0.02 : -0.02)},
+          {"reward_std", 0.3},
+          {"frac_reward_zero_std", 0.25},
+          {"loss", 0.001 * std::sin(static_cast<double>(n))},
+          {"grad_norm", 0.5 + 0.2 * std::sin(static_cast<double>(n))},
+          {"entropy", 1.2},
+          {"completions/mean_length", 4},
+          {"sampling/sampling_logp_difference/mean", 1e-6},
+          {"learning_rate", 1e-3}};
+}
+
+// A run "r" as ferryd records it: its base (sequence 1), then per step N an adapter
+// (sequence 2N) and the merged version (2N + 1), both with step N and the step's metrics;
+// the in-process generator "colocated" acknowledges the base and each merged version just
+// before the step is committed.
+struct TrainingRun {
+  std::vector<VersionRecord> versions;
+  std::vector<Event> events;
+  std::map<int64_t, std::map<std::string, double>> metrics;  // step -> overrides
+
+  TrainingRun() {
+    for (int64_t n = 1; n <= kSteps; ++n) metrics[n] = HealthyMetrics(n);
+  }
+  static Digest Adapter(int64_t n) { return Digest{0xaaaa000000000000 + static_cast<uint64_t>(n), 1}; }
+  static Digest Merged(int64_t n) { return Digest{0xcccc000000000000 + static_cast<uint64_t>(n), 2}; }
+
+  void Build(int64_t steps = kSteps) {
+    VersionRecord base;
+    base.id = Merged(0);
+    base.run = "r";
+    base.sequence = 1;
+    base.kind = VersionKind::kBase;
+    base.time_ns = 10;
+    versions.push_back(base);
+    Publish(base.id, 15);
+    Ack("colocated", Merged(0), 20);
+    for (int64_t n = 1; n <= steps; ++n) {
+      VersionRecord a;
+      a.id = Adapter(n);
+      a.run = "r";
+      a.sequence = static_cast<uint64_t>(2 * n);
+      a.kind = VersionKind::kAdapter;
+      a.source = VersionSource::kDaemon;
+      a.step = n;
+      a.base_version = base.id;
+      a.metrics = metrics[n];
+      a.time_ns = n * kStepNs;
+      VersionRecord m = a;
+      m.id = Merged(n);
+      m.sequence = a.sequence + 1;
+      m.kind = VersionKind::kMerged;
+      m.adapter_version = a.id;
+      m.derived = true;
+      m.time_ns = a.time_ns + 1;
+      versions.push_back(a);
+      versions.push_back(m);
+      Publish(m.id, a.time_ns - 2);
+      Ack("colocated", m.id, a.time_ns - 1);
+    }
+  }
+  void Publish(const Digest& v, int64_t t) {
+    Event e;
+    e.type = Event::Type::kPublished;
+    e.version = v;
+    e.time_ns = t;
+    events.push_back(e);
+  }
+  void Ack(const std::string& receiver, const Digest& v, int64_t t, std::optional<Digest> computed = std::nullopt) {
+    Event e;
+    e.type = Event::Type::kAcknowledged;
+    e.receiver = receiver;
+    e.version = v;
+    e.computed = computed ? computed : v;
+    e.time_ns = t;
+    events.push_back(e);
+  }
+  AuditReport Audit(AuditOptions o = {}) const {
+    o.run = "r";
+    auto r = AnalyzeAudit(versions, events, {}, o);
+    EXPECT_TRUE(r.ok()) << r.status().ToString();
+    return r.ok() ? *r : AuditReport{};
+  }
+};
+
+std::vector<const Anomaly*> Of(const AuditReport& r, AnomalyKind k) {
+  std::vector<const Anomaly*> out;
+  for (const auto& a : r.anomalies) {
+    if (a.kind == k) out.push_back(&a);
+  }
+  return out;
+}
+
+std::string All(const AuditReport& r) {
+  std::string s;
+  for (const auto& a : r.anomalies) s += std::string(AnomalyKindName(a.kind)) + ": " + a.message + "\n";
+  return s;
+}
+
+TEST(AuditSteps, HealthyRunListsEveryStepAndNoAnomaly) {
+  TrainingRun run;
+  run.Build();
+  AuditReport r = run.Audit();
+  EXPECT_TRUE(r.anomalies.empty()) << All(r);
+  ASSERT_EQ(r.steps.size(), static_cast<size_t>(kSteps + 1));
+  // Step 0 is the acknowledged base.
+  EXPECT_EQ(r.steps[0].step, 0);
+  EXPECT_EQ(r.steps[0].merged_version, TrainingRun::Merged(0));
+  EXPECT_FALSE(r.steps[0].adapter_version.has_value());
+  const StepEntry& s5 = r.steps[5];
+  EXPECT_EQ(s5.step, 5);
+  EXPECT_EQ(s5.adapter_version, TrainingRun::Adapter(5));
+  EXPECT_EQ(s5.merged_version, TrainingRun::Merged(5));
+  EXPECT_EQ(s5.records, 2);
+  EXPECT_EQ(s5.time_ns, 5 * kStepNs + 1);
+  EXPECT_DOUBLE_EQ(s5.metrics.at("reward"), HealthyMetrics(5).at("reward"));
+  ASSERT_EQ(s5.acks.size(), 1u);
+  EXPECT_EQ(s5.acks[0].receiver, "colocated");
+  EXPECT_EQ(s5.acks[0].version, TrainingRun::Merged(5));
+  EXPECT_EQ(s5.acks[0].time_ns, 5 * kStepNs - 1);
+  EXPECT_TRUE(s5.acks[0].digest_matched);
+  EXPECT_EQ(s5.acks[0].lag, 0);  // acknowledged before the step was committed
+  ASSERT_EQ(r.generators.size(), 1u);
+  EXPECT_EQ(r.generators[0].receiver, "colocated");
+  EXPECT_EQ(r.generators[0].acks, kSteps + 1);
+  EXPECT_EQ(r.generators[0].last_step, kSteps);
+  EXPECT_EQ(r.generators[0].max_lag, 0);
+}
+
+TEST(AuditSteps, NoStepsWithoutARunFilter) {
+  TrainingRun run;
+  run.Build();
+  auto r = AnalyzeAudit(run.versions, run.events, {}, {});
+  ASSERT_TRUE(r.ok());
+  EXPECT_TRUE(r->steps.empty());
+  EXPECT_TRUE(r->generators.empty());
+}
+
+TEST(AuditSteps, NonFiniteLossNamesItsStep) {
+  TrainingRun run;
+  run.metrics[7]["loss"] = std::numeric_limits<double>::quiet_NaN();
+  run.Build();
+  AuditReport r = run.Audit();
+  ASSERT_EQ(r.anomalies.size(), 1u) << All(r);
+  EXPECT_EQ(r.anomalies[0].kind, AnomalyKind::kNonFiniteLoss);
+  EXPECT_EQ(r.anomalies[0].step, 7);
+  EXPECT_EQ(r.anomalies[0].version, TrainingRun::Merged(7));
+  EXPECT_EQ(r.anomalies[0].message, "step 7 (version " + ShortId(TrainingRun::Merged(7)) + "): loss is NaN or Inf");
+}
+
+TEST(AuditSteps, GradNormSpikeOverTheRunningMedian) {
+  TrainingRun run;
+  run.metrics[20]["grad_norm"] = 50;
+  run.Build();
+  AuditReport r = run.Audit();
+  ASSERT_EQ(r.anomalies.size(), 1u) << All(r);
+  EXPECT_EQ(r.anomalies[0].kind, AnomalyKind::kGradNormSpike);
+  EXPECT_EQ(r.anomalies[0].step, 20);
+  EXPECT_NE(r.anomalies[0].message.find("step 20 (version " + ShortId(TrainingRun::Merged(20)) + "): grad_norm 50 is "),
+            std::string::npos)
+      << r.anomalies[0].message;
+  EXPECT_NE(r.anomalies[0].message.find("of the previous 19 steps (rule: > 10x)"), std::string::npos)
+      << r.anomalies[0].message;
+  // A looser factor lets it pass.
+  AuditOptions loose;
+  loose.grad_spike_factor = 1000;
+  EXPECT_TRUE(run.Audit(loose).anomalies.empty());
+}
+
+TEST(AuditSteps, RewardMovingMeanFallingFromItsBest) {
+  TrainingRun run;
+  for (int64_t n = 1; n <= kSteps; ++n) run.metrics[n]["reward"] = n <= 15 ? 0.8 : 0.2;
+  run.Build();
+  AuditReport r = run.Audit();
+  // The 10-step moving mean is 0.8 up to step 15, then 0.74, 0.68, 0.62, 0.56 at step 19:
+  // the first drop over 0.2. Flagged once.
+  ASSERT_EQ(r.anomalies.size(), 1u) << All(r);
+  EXPECT_EQ(r.anomalies[0].kind, AnomalyKind::kRewardCollapse);
+  EXPECT_EQ(r.anomalies[0].step, 19);
+  EXPECT_EQ(r.anomalies[0].message, "step 19 (version " + ShortId(TrainingRun::Merged(19)) +
+                                        "): the reward's 10-step moving mean 0.56 is 0.24 below its best 0.8 (at "
+                                        "step 10) (rule: a drop > 0.2)");
+}
+
+TEST(AuditSteps, RewardStdZeroInEveryGroupForNSteps) {
+  TrainingRun run;
+  for (int64_t n = 10; n <= 14; ++n) run.metrics[n]["frac_reward_zero_std"] = 1;
+  for (int64_t n = 20; n <= 23; ++n) run.metrics[n]["frac_reward_zero_std"] = 1;  // 4 steps: not flagged
+  run.Build();
+  AuditReport r = run.Audit();
+  ASSERT_EQ(r.anomalies.size(), 1u) << All(r);
+  EXPECT_EQ(r.anomalies[0].kind, AnomalyKind::kRewardCollapse);
+  EXPECT_EQ(r.anomalies[0].step, 14);
+  EXPECT_NE(r.anomalies[0].message.find("reward std within every group is zero for 5 consecutive steps, step 10 to "
+                                        "step 14"),
+            std::string::npos)
+      << r.anomalies[0].message;
+  AuditOptions longer;
+  longer.zero_std_steps = 6;
+  EXPECT_TRUE(run.Audit(longer).anomalies.empty());
+}
+
+TEST(AuditSteps, RemoteGeneratorsLagAndFallingBehind) {
+  TrainingRun run;
+  run.Build();
+  // remote-a acknowledges step N half a step after N+1 is committed: lag 1; but step 8 only
+  // once step 12 is committed: lag 4.
+  for (int64_t n = 1; n < kSteps; ++n) {
+    const int64_t at = n == 8 ? 12 : n + 1;
+    run.Ack("remote-a", TrainingRun::Merged(n), at * kStepNs + 500);
+  }
+  // remote-b acknowledges steps 1..3 and then nothing.
+  for (int64_t n = 1; n <= 3; ++n) run.Ack("remote-b", TrainingRun::Merged(n), n * kStepNs + 600);
+  AuditReport r = run.Audit();
+  auto behind = Of(r, AnomalyKind::kGeneratorBehind);
+  ASSERT_EQ(r.anomalies.size(), 2u) << All(r);
+  ASSERT_EQ(behind.size(), 2u);
+  EXPECT_EQ(behind[0]->step, 12);
+  EXPECT_EQ(behind[0]->version, TrainingRun::Merged(8));
+  EXPECT_EQ(behind[0]->message, "receiver remote-a acknowledged step 8 (version " + ShortId(TrainingRun::Merged(8)) +
+                                    ") when the trainer was at step 12: 4 steps behind (rule: > 2)");
+  // At the end of the run remote-a's last step is 29 (lag 1, fine), remote-b's is 3.
+  EXPECT_EQ(behind[1]->step, kSteps);
+  EXPECT_EQ(behind[1]->message,
+            "receiver remote-b last acknowledged step 3 but the run ended at step 30: 27 steps behind (rule: > 2)");
+  std::map<std::string, GeneratorSummary> g;
+  for (const auto& x : r.generators) g[x.receiver] = x;
+  ASSERT_EQ(g.size(), 3u);
+  EXPECT_EQ(g["remote-a"].last_step, 29);
+  EXPECT_EQ(g["remote-a"].max_lag, 4);
+  EXPECT_EQ(g["remote-b"].last_step, 3);
+  EXPECT_EQ(g["remote-b"].max_lag, 0);
+  EXPECT_EQ(r.steps[8].acks.back().lag, 4);
+  EXPECT_EQ(r.steps[7].acks.back().lag, 1);
+  // A threshold of 4 accepts remote-a's worst lag but not remote-b's end.
+  AuditOptions loose;
+  loose.lag_threshold = 4;
+  EXPECT_EQ(run.Audit(loose).anomalies.size(), 1u);
+}
+
+TEST(AuditSteps, AResumedRunIsBackAtItsCheckpointsStep) {
+  TrainingRun run;
+  run.Build(6);
+  // Killed after step 6, resumed from checkpoint-3: step 3's snapshot is published and
+  // acknowledged again, then steps 4..6 run again to the same versions (recorded once).
+  for (int64_t n = 3; n <= 6; ++n) {
+    run.Publish(TrainingRun::Merged(n), 10 * kStepNs + n * 100);
+    run.Ack("colocated", TrainingRun::Merged(n), 10 * kStepNs + n * 100 + 1);
+  }
+  AuditReport r = run.Audit();
+  EXPECT_TRUE(r.anomalies.empty()) << All(r);
+  ASSERT_EQ(r.steps[3].acks.size(), 2u);
+  EXPECT_EQ(r.steps[3].acks[1].lag, 0);
+  EXPECT_EQ(r.generators[0].max_lag, 0);
+}
+
+TEST(AuditSteps, DigestMismatchNamesItsStep) {
+  TrainingRun run;
+  run.Build();
+  run.Ack("remote-a", TrainingRun::Merged(9), 9 * kStepNs + 300, Digest{0xdead, 0xbeef});
+  AuditReport r = run.Audit();
+  auto mismatch = Of(r, AnomalyKind::kDigestMismatch);
+  ASSERT_EQ(mismatch.size(), 1u) << All(r);
+  EXPECT_EQ(mismatch[0]->step, 9);
+  EXPECT_EQ(mismatch[0]->message, "receiver remote-a acknowledged version " + ShortId(TrainingRun::Merged(9)) +
+                                      " but computed digest " + ShortId(Digest{0xdead, 0xbeef}) +
+                                      ": it holds other weights (step 9)");
+  const StepEntry& s9 = r.steps[9];
+  ASSERT_EQ(s9.acks.size(), 2u);
+  EXPECT_TRUE(s9.acks[0].digest_matched);
+  EXPECT_EQ(s9.acks[1].receiver, "remote-a");
+  EXPECT_FALSE(s9.acks[1].digest_matched);
+  EXPECT_TRUE(s9.acks[1].digest_reported);
+}
+
+TEST(AuditSteps, AResumedRunShowsAStepsNewestRecord) {
+  TrainingRun run;
+  run.Build(6);
+  // Resumed from step 4: steps 5 and 6 recorded again (other bytes, other metrics).
+  for (int64_t n = 5; n <= 6; ++n) {
+    VersionRecord a = run.versions[static_cast<size_t>(2 * n - 1)];
+    a.id = Digest{0xeeee000000000000 + static_cast<uint64_t>(n), 3};
+    a.sequence += 100;
+    a.time_ns += 100 * kStepNs;
+    a.metrics["reward"] = 0.9;
+    run.versions.push_back(a);
+  }
+  AuditReport r = run.Audit();
+  ASSERT_EQ(r.steps.size(), 7u);
+  EXPECT_EQ(r.steps[5].records, 3);
+  EXPECT_EQ(r.steps[5].adapter_version, (Digest{0xeeee000000000005, 3}));
+  EXPECT_EQ(r.steps[5].merged_version, TrainingRun::Merged(5));
+  EXPECT_DOUBLE_EQ(r.steps[5].metrics.at("reward"), 0.9);
+}
+
+TEST(AuditSteps, JsonCarriesStepsGeneratorsAndAnomalySteps) {
+  TrainingRun run;
+  run.metrics[7]["loss"] = std::numeric_limits<double>::infinity();
+  run.Build();
+  auto j = nlohmann::json::parse(AuditToJson(run.Audit()));
+  ASSERT_EQ(j["steps"].size(), static_cast<size_t>(kSteps + 1));
+  const auto& s7 = j["steps"][7];
+  EXPECT_EQ(s7["step"], 7);
+  EXPECT_EQ(s7["adapter_version"], TrainingRun::Adapter(7).Hex());
+  EXPECT_EQ(s7["merged_version"], TrainingRun::Merged(7).Hex());
+  EXPECT_TRUE(s7["metrics"]["loss"].is_null());
+  EXPECT_EQ(s7["metrics"]["learning_rate"], 1e-3);
+  ASSERT_EQ(s7["acks"].size(), 1u);
+  EXPECT_EQ(s7["acks"][0]["receiver"], "colocated");
+  EXPECT_EQ(s7["acks"][0]["event"], "acknowledged");
+  EXPECT_EQ(s7["acks"][0]["lag"], 0);
+  EXPECT_EQ(s7["acks"][0]["digest_matched"], true);
+  EXPECT_EQ(j["generators"][0]["receiver"], "colocated");
+  EXPECT_EQ(j["generators"][0]["last_step"], kSteps);
+  ASSERT_EQ(j["anomalies"].size(), 1u);
+  EXPECT_EQ(j["anomalies"][0]["kind"], "nonfinite_loss");
+  EXPECT_EQ(j["anomalies"][0]["step"], 7);
+}
+
+TEST(AuditSteps, OptionsAreChecked) {
+  TrainingRun run;
+  run.Build(2);
+  for (auto bad : {+[](AuditOptions& o) { o.lag_threshold = -1; }, +[](AuditOptions& o) { o.reward_window = 0; },
+                   +[](AuditOptions& o) { o.reward_drop = 0; }, +[](AuditOptions& o) { o.zero_std_steps = 0; },
+                   +[](AuditOptions& o) { o.grad_spike_factor = -1; }}) {
+    AuditOptions o;
+    o.run = "r";
+    bad(o);
+    auto r = AnalyzeAudit(run.versions, run.events, {}, o);
+    ASSERT_FALSE(r.ok());
+    EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
+    EXPECT_NE(r.status().message().find("lag_threshold must be >= 0"), std::string::npos);
+  }
+}
+
+}  // namespace
+}  // namespace ferry::store

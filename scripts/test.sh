@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Sets up and runs Ferry's whole test suite:
-#   1. installs dependencies (scripts/setup.sh),
+#   1. installs dependencies (scripts/setup.sh) and checks the C++ formatting
+#      (scripts/format.sh --check: seconds, so it fails before any build),
 #   2. builds everything with warnings as errors and runs every test with ctest,
 #   3. rebuilds the core and parser tests under AddressSanitizer + UndefinedBehaviorSanitizer
 #      and runs them,
@@ -12,6 +13,9 @@ JOBS=${FERRY_JOBS:-$(nproc)}
 FUZZ_SECONDS=${FERRY_FUZZ_SECONDS:-20}
 
 bash scripts/setup.sh
+
+echo "== format (scripts/format.sh --check)"
+bash scripts/format.sh --check
 
 echo "== build (warnings are errors)"
 cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DFERRY_WERROR=ON >/dev/null

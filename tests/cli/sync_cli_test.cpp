@@ -1,8 +1,8 @@
 // End-to-end tests of `ferry keys generate` and `ferry sync publish|receive|status`,
 // including `publish --watch` over the committed PEFT fixture, a following receiver started
 // before the publisher or before the first checkpoint (it holds the base first, in merged and
-// adapter mode), a local write failure ending
-// `receive`, and `status` reporting a receiver the publisher declared lost.
+// adapter mode), the hint to give --base DIR to a receiver of adapters without one, a local
+// write failure ending `receive`, and `status` reporting a receiver the publisher declared lost.
 #include <fcntl.h>
 #include <gtest/gtest.h>
 #include <signal.h>
@@ -489,6 +489,38 @@ TEST_P(SyncCliBaseFirstTest, ReceiveStartedBeforeTheFirstCheckpointHoldsTheBaseT
 }
 
 INSTANTIATE_TEST_SUITE_P(MergedAndAdapter, SyncCliBaseFirstTest, ::testing::Values("merged", "adapter"));
+
+// A receiver without --base, connecting to a publisher in adapter mode after the first adapter
+// was published, has no base to merge it onto: `receive` exits 1 and tells the user to give
+// --base DIR (the hint FailReceive adds to the activation's kInvalidArgument), and nothing is
+// activated.
+TEST_F(SyncCliTest, ReceiveOfAnAdapterWithoutBaseTellsTheUserToGiveBase) {
+  const fs::path watched = root_ / "trainer";
+  fs::create_directories(watched);
+  const std::string ep = "ipc://" + (root_ / "sock").string();
+  SpawnPublisher({"sync", "publish", "--db", (root_ / "db").string(), "--bind", ep, "--mode", "adapter", "--watch",
+                  watched.string(), "--base", (kCase / "base").string(), "--poll-ms", "100", "--json"});
+  WaitForOutput("pub.err", "publishing run default");
+  ASSERT_FALSE(HasFailure());
+  DropCheckpoint(watched, "checkpoint-10", /*floats=*/0);
+  const std::string adapter = PublishedVersion(WaitForOutput("pub.out", "checkpoint-10"), "checkpoint-10");
+  ASSERT_FALSE(HasFailure());
+  auto adapter_hash = store::HashPath(kCase / "adapter");
+  ASSERT_TRUE(adapter_hash.ok()) << adapter_hash.status().ToString();
+  ASSERT_EQ(adapter, adapter_hash->id.Hex());  // adapter mode publishes the adapter itself
+
+  auto r = RunFerry({"sync", "receive", "--once", "--connect", ep, "--out", (root_ / "gen").string(), "--id", "gen-1",
+                     "--timeout-ms", "20000"});
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_EQ(r.err,
+            "ferry: error: the publisher serves adapters: give --base DIR (the local base model): "
+            "adapter activation of " +
+                (root_ / "gen" / "versions" / adapter).string() +
+                ": ActivationPlan.base_dir (the local base model) is not set\n");
+  EXPECT_EQ(r.out, "");
+  EXPECT_FALSE(fs::exists(fs::symlink_status(root_ / "gen" / "current")));
+  EXPECT_EQ(StopPublisher(), 0);
+}
 
 // A following receiver started before its publisher warns once that nothing answers, keeps
 // waiting, and activates the publisher's version once it comes up.

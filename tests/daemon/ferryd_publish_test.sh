@@ -44,20 +44,17 @@ RUN="$WORK/run"
 PUB="ipc://$WORK/pub"
 "$FERRY" sync receive --connect "$PUB" --out "$WORK/recv1" --id remote-1 --json >"$WORK/recv1.jsonl" 2>"$WORK/recv1.err" &
 PIDS+=($!)
+disown
 "$FERRY" sync receive --connect "$PUB" --out "$WORK/recv2" --id frozen-2 --json >"$WORK/recv2.jsonl" 2>"$WORK/recv2.err" &
 FROZEN=$!
 PIDS+=($FROZEN)
+disown
 "$FERRY" daemon start --config "$WORK/grpo.toml" --dir "$RUN" --publish "$PUB" --detach >/dev/null \
   || fail "daemon start --detach --publish: $(tail -5 "$RUN/ferryd.log" 2>/dev/null)"
 # Both receivers activate a first version (the base, published before step 1).
 for _ in $(seq 300); do [ -s "$WORK/recv1.jsonl" ] && [ -s "$WORK/recv2.jsonl" ] && break; sleep 0.1; done
 [ -s "$WORK/recv2.jsonl" ] || fail "receiver frozen-2 activated nothing: $(cat "$WORK/recv2.err")"
-BASE=$("$FERRY" versions --db "$RUN/store" --json 2>/dev/null | grep -o '"id":"[0-9a-f]\{32\}","kind":"base"' | head -1 \
-  | grep -o '[0-9a-f]\{32\}' || true)
 FIRST=$(head -1 "$WORK/recv1.jsonl")
-if [ -n "$BASE" ]; then
-  [ "$(json_field "$FIRST" active)" = "$BASE" ] || fail "receiver 1's first version is not the base $BASE: $FIRST"
-fi
 # A frozen receiver does not stall training.
 kill -STOP "$FROZEN"
 S1=$(step_of)
@@ -86,9 +83,16 @@ done
 grep -q '"remote_generators":\[' <<<"$STATUS" || fail "no remote_generators in $STATUS"
 grep -q "$ACK" <<<"$STATUS" || fail "status lacks remote-1's ack of step $STEP's $GV with lag 0: $STATUS"
 grep -q '"id":"frozen-2"' <<<"$STATUS" || fail "the frozen receiver is missing from $STATUS"
-# The store records the acknowledgement (what the audit reads).
-"$FERRY" sync status --db "$RUN/store" --json | grep -q "remote-1" || fail "ferry sync status does not list remote-1"
 "$FERRY" daemon stop --dir "$RUN" >/dev/null || fail "daemon stop"
+# The first version receiver 1 activated is the run's base, served whole.
+BASE=$("$FERRY" versions list --db "$RUN/store" --kind base --json | grep -o '[0-9a-f]\{32\}' | head -1)
+[ -n "$BASE" ] || fail "no base version in $RUN/store"
+[ "$(json_field "$FIRST" active)" = "$BASE" ] && [ "$(json_field "$FIRST" proven)" = null ] \
+  || fail "receiver 1's first version is not the base $BASE: $FIRST"
+# The store records the acknowledgements (kAcknowledged events: what the audit reads).
+SYNC=$("$FERRY" sync status --db "$RUN/store" --json | tr -d " \n")
+grep -q "\"receiver\":\"remote-1\",\"version\":\"$GV\",\"verified\":true" <<<"$SYNC" \
+  || fail "the store records no ack of $GV by remote-1: $SYNC"
 unset RUN
 
 echo "== 2. config errors are named"

@@ -63,7 +63,8 @@ enum class CurveRole { kServer, kClient };
 // receive --connect` and ferryd's [publish] endpoint take):
 //   ipc://DIR          PrivateIpcEndpoints(DIR) (DIR made private first; its errors)
 //   tcp://HOST:PORT    requests on PORT, announcements on PORT+1 (PORT 1..65534)
-// kInvalidArgument naming `value` for anything else (no directory, no port, another scheme).
+// kInvalidArgument starting with `value` ("VALUE: ...") for anything else (no directory, no
+// port, another scheme).
 [[nodiscard]] Result<Endpoints> ParseSyncEndpoint(std::string_view value);
 
 // Checks one endpoint's scheme against the policy above: ipc:// and inproc:// are always

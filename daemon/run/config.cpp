@@ -220,8 +220,9 @@ Status ParseEndpointTable(Parse& p, const toml::node& v, const std::string& tabl
   }
   if (key.empty() != allow.empty()) {
     Reader::Scope scope(p.rd, table + (key.empty() ? ".allow" : ".key"));
-    return p.rd.Error(key.empty() ? "needs " + table + ".key (the CURVE keypair it admits clients with)"
-                                  : "needs " + table + ".allow (without an allow-list any client key would be accepted)");
+    return p.rd.Error(key.empty()
+                          ? "needs " + table + ".key (the CURVE keypair it admits clients with)"
+                          : "needs " + table + ".allow (without an allow-list any client key would be accepted)");
   }
   if (endpoint.starts_with("tcp://") && key.empty()) {
     Reader::Scope scope(p.rd, table + ".endpoint");

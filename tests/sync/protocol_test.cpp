@@ -343,7 +343,8 @@ TEST_F(SyncTest, ParseSyncEndpointNamesThePairOrTheValue) {
   ASSERT_TRUE(tcp.ok()) << tcp.status().message();
   EXPECT_EQ(tcp->requests, "tcp://10.0.0.1:5555");
   EXPECT_EQ(tcp->updates, "tcp://10.0.0.1:5556");
-  for (const std::string bad : {"ipc://", "tcp://h", "tcp://:5", "tcp://h:0", "tcp://h:65535", "tcp://h:5x", "udp://h:5"}) {
+  for (const std::string bad :
+       {"ipc://", "tcp://h", "tcp://:5", "tcp://h:0", "tcp://h:65535", "tcp://h:5x", "udp://h:5"}) {
     auto r = ParseSyncEndpoint(bad);
     ASSERT_FALSE(r.ok()) << bad;
     EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument) << bad;

@@ -1,7 +1,7 @@
 // `ferry daemon ...`: operating ferryd (the GRPO daemon) over its control socket
 // (daemon/control/protocol.h) and from its run directory's files (daemon/control/run_dir.h).
-//   start    --config FILE [--dir DIR] [--max-steps N] [--detach [--wait-s S]] [--json]
-//            runs `ferryd train --config FILE --dir DIR [--max-steps N]` (ferryd next to this
+//   start    --config FILE [--dir DIR] [--max-steps N] [--publish EP] [--detach [--wait-s S]] [--json]
+//            runs `ferryd train --config FILE --dir DIR [--max-steps N] [--publish EP]` (ferryd next to this
 //            executable, or $FERRY_FERRYD): in the foreground (its exit code is ferry's), or
 //            detached (new session, output appended to DIR/ferryd.log; prints the pid once the
 //            control socket answers, fails when ferryd exits first)
@@ -62,6 +62,7 @@ struct Flags {
   std::string config;
   bool detach = false;
   int64_t max_steps = 0;
+  std::string publish;
   int wait_s = 120;
   // stop
   bool no_wait = false;
@@ -289,6 +290,10 @@ void RunStart(const Flags& f) {
   if (f.max_steps > 0) {
     args.push_back("--max-steps");
     args.push_back(std::to_string(f.max_steps));
+  }
+  if (!f.publish.empty()) {
+    args.push_back("--publish");
+    args.push_back(f.publish);
   }
   std::vector<char*> argv;
   for (auto& a : args) argv.push_back(a.data());
@@ -520,6 +525,9 @@ void SetDaemonCommand(CLI::App& app) {
   start->add_option("--config", flags->config, "The run's TOML config")->required();
   AddDir(start, *flags);
   start->add_option("--max-steps", flags->max_steps, "Passed to ferryd: stop after N steps");
+  start->add_option("--publish", flags->publish,
+                    "Passed to ferryd: also serve each step's version to remote generators (ipc://DIR or "
+                    "tcp://HOST:PORT; overrides [publish] endpoint)");
   start->add_flag("--detach", flags->detach,
                   "Run as a daemon (new session, output appended to DIR/ferryd.log); print its pid once its control "
                   "socket answers");

@@ -41,31 +41,11 @@ constexpr const char* kEndpointHelp =
     "ipc://DIR (a private directory, created or forced to mode 0700, holding both sockets) or "
     "tcp://HOST:PORT (requests on PORT, announcements on PORT+1; needs CURVE keys)";
 
-// The socket pair an ENDPOINT flag names; fails naming the flag and the value otherwise.
+// The socket pair an ENDPOINT flag names (sync::ParseSyncEndpoint); fails naming the flag.
 sync::Endpoints ParseEndpointOrFail(const std::string& flag, const std::string& value) {
-  constexpr std::string_view kIpc = "ipc://", kTcp = "tcp://";
-  const std::string_view v = value;
-  if (v.starts_with(kIpc)) {
-    const std::string dir(v.substr(kIpc.size()));
-    if (dir.empty()) Fail(flag + " " + value + ": ipc:// needs a directory (ipc://DIR)");
-    auto e = sync::PrivateIpcEndpoints(dir);
-    if (!e.ok()) Fail(e.status().WithContext(flag + " " + value));
-    return *e;
-  }
-  if (v.starts_with(kTcp)) {
-    const std::string_view hostport = v.substr(kTcp.size());
-    const size_t colon = hostport.rfind(':');
-    if (colon == std::string_view::npos || colon == 0) Fail(flag + " " + value + ": expected tcp://HOST:PORT");
-    const std::string_view host = hostport.substr(0, colon), port_text = hostport.substr(colon + 1);
-    unsigned port = 0;
-    auto [ptr, ec] = std::from_chars(port_text.data(), port_text.data() + port_text.size(), port);
-    if (ec != std::errc() || ptr != port_text.data() + port_text.size() || port == 0 || port > 65534) {
-      Fail(flag + " " + value + ": PORT must be 1..65534 (announcements use PORT+1)");
-    }
-    const std::string prefix = "tcp://" + std::string(host) + ":";
-    return {prefix + std::to_string(port), prefix + std::to_string(port + 1)};
-  }
-  Fail(flag + " " + value + ": unsupported endpoint (expected ipc://DIR or tcp://HOST:PORT)");
+  auto e = sync::ParseSyncEndpoint(value);
+  if (!e.ok()) Fail(Status(e.status().code(), flag + " " + e.status().message()));
+  return *e;
 }
 
 struct KeyFlags {

@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <array>
+#include <charconv>
 #include <set>
 #include <zmq.hpp>
 
@@ -66,6 +67,34 @@ Result<Endpoints> PrivateIpcEndpoints(const fs::path& dir) {
   FERRY_ASSIGN_OR_RETURN(e.requests, PrivateIpcEndpoint(dir, "requests"));
   FERRY_ASSIGN_OR_RETURN(e.updates, PrivateIpcEndpoint(dir, "updates"));
   return e;
+}
+
+Result<Endpoints> ParseSyncEndpoint(std::string_view value) {
+  constexpr std::string_view kIpc = "ipc://", kTcp = "tcp://";
+  const std::string shown(value);
+  if (value.starts_with(kIpc)) {
+    const std::string dir(value.substr(kIpc.size()));
+    if (dir.empty()) return Status::InvalidArgument(shown + ": ipc:// needs a directory (ipc://DIR)");
+    auto e = PrivateIpcEndpoints(dir);
+    if (!e.ok()) return e.status().WithContext(shown);
+    return *e;
+  }
+  if (value.starts_with(kTcp)) {
+    const std::string_view hostport = value.substr(kTcp.size());
+    const size_t colon = hostport.rfind(':');
+    if (colon == std::string_view::npos || colon == 0) {
+      return Status::InvalidArgument(shown + ": expected tcp://HOST:PORT");
+    }
+    const std::string_view host = hostport.substr(0, colon), port_text = hostport.substr(colon + 1);
+    unsigned port = 0;
+    auto [ptr, ec] = std::from_chars(port_text.data(), port_text.data() + port_text.size(), port);
+    if (ec != std::errc() || ptr != port_text.data() + port_text.size() || port == 0 || port > 65534) {
+      return Status::InvalidArgument(shown + ": PORT must be 1..65534 (announcements use PORT+1)");
+    }
+    const std::string prefix = "tcp://" + std::string(host) + ":";
+    return Endpoints{prefix + std::to_string(port), prefix + std::to_string(port + 1)};
+  }
+  return Status::InvalidArgument(shown + ": unsupported endpoint (expected ipc://DIR or tcp://HOST:PORT)");
 }
 
 Status CheckEndpoint(std::string_view ep, bool curve) {

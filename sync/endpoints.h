@@ -59,6 +59,14 @@ enum class CurveRole { kServer, kClient };
 // (PrivateIpcEndpoint's errors).
 [[nodiscard]] Result<Endpoints> PrivateIpcEndpoints(const std::filesystem::path& dir);
 
+// The sync pair one publisher address names (what `ferry sync publish --bind`, `ferry sync
+// receive --connect` and ferryd's [publish] endpoint take):
+//   ipc://DIR          PrivateIpcEndpoints(DIR) (DIR made private first; its errors)
+//   tcp://HOST:PORT    requests on PORT, announcements on PORT+1 (PORT 1..65534)
+// kInvalidArgument starting with `value` ("VALUE: ...") for anything else (no directory, no
+// port, another scheme).
+[[nodiscard]] Result<Endpoints> ParseSyncEndpoint(std::string_view value);
+
 // Checks one endpoint's scheme against the policy above: ipc:// and inproc:// are always
 // allowed; tcp:// only when `curve` (kFailedPrecondition naming the endpoint otherwise);
 // any other scheme is kInvalidArgument naming it.

@@ -683,6 +683,7 @@ class Publisher::Impl {
       if (auto it = peers_.find(m.payload); it != peers_.end()) {  // tracked by Touch
         it->second.info.acknowledged = e.version;
         it->second.info.acknowledged_sequence = p ? p->sequence : 0;
+        it->second.info.acknowledged_ns = NowNs();
       }
     }
     Message r;

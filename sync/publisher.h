@@ -56,6 +56,7 @@ struct ReceiverInfo {
   // The newest version it acknowledged (adapter mode: the merged version it proved).
   std::optional<store::Digest> acknowledged;
   uint64_t acknowledged_sequence = 0;         // its publish sequence (0: unknown)
+  int64_t acknowledged_ns = 0;                // when it acknowledged, Unix epoch ns (0: never)
   int64_t last_seen_ns = 0;                   // last message, Unix epoch ns
   // False once the receiver has had no open connection (closed, or dropped by the ZMTP
   // heartbeat timeout) and sent no message for heartbeat_timeout_ms; true again on its next

@@ -7,7 +7,12 @@
 //     checkpoint now, reply with the generator's version id) and stop (checkpoint, exit 0);
 //   - SIGTERM and a first SIGINT mean stop; a second SIGINT exits at once (130): every
 //     checkpoint is written under a temporary name and renamed when whole, so the newest
-//     complete one is intact and a restart resumes from it.
+//     complete one is intact and a restart resumes from it;
+//   - with [publish] (or --publish EP) each step's version is also served to generators on
+//     other hosts by a sync publisher following the run from its own thread (remote.h); their
+//     acknowledgements show in status as remote_generators;
+//   - with [control] endpoint a second control socket (tcp:// with CURVE) serves the same
+//     commands beside DIR/.ferryd/control.
 #include <nlohmann/json.hpp>
 
 #include <signal.h>
@@ -19,6 +24,7 @@
 #include <condition_variable>
 #include <cstdio>
 #include <deque>
+#include <functional>
 #include <future>
 #include <mutex>
 
@@ -26,6 +32,7 @@
 #include "daemon/control/run_lock.h"
 #include "daemon/control/server.h"
 #include "daemon/ferryd/commands.h"
+#include "daemon/ferryd/remote.h"
 #include "daemon/grpo/trainer.h"
 #include "daemon/run/config.h"
 
@@ -39,6 +46,7 @@ struct TrainFlags {
   fs::path dir;
   int64_t max_steps = 0;
   bool json = false;
+  std::string publish;  // overrides [publish] endpoint
 };
 
 // "step 40/800  reward 0.612  loss 0.0031  kl -  len 4.0  0.07 s/step  eta 53 s"
@@ -174,6 +182,12 @@ class RunControl {
     last_checkpoint_ = last_checkpoint;
   }
 
+  // Adds remote_generators to every status (called with the current step, under the lock).
+  void SetRemote(std::function<nlohmann::json(int64_t)> remote) {
+    std::lock_guard<std::mutex> lock(mu_);
+    remote_ = std::move(remote);
+  }
+
   void Checkpointed(const std::filesystem::path& p) {
     std::lock_guard<std::mutex> lock(mu_);
     last_checkpoint_ = p.filename().string();
@@ -224,6 +238,7 @@ class RunControl {
                   std::chrono::duration<double>(step_times_.back() - step_times_.front()).count()
             : 0.0;
     j["uptime_seconds"] = std::chrono::duration<double>(Clock::now() - started_).count();
+    if (remote_) j["remote_generators"] = remote_(step_);
     return j;
   }
 
@@ -240,6 +255,7 @@ class RunControl {
   std::string last_checkpoint_;
   std::deque<double> rewards_;  // reward per step, newest last (20 kept)
   std::deque<Clock::time_point> step_times_;
+  std::function<nlohmann::json(int64_t)> remote_;
 };
 
 Status RunTrain(const TrainFlags& f) {
@@ -273,12 +289,36 @@ Status RunTrain(const TrainFlags& f) {
   first_step = trainer->step();
   RunControl control(total);
   control.Started(*trainer, first_step > 0 ? "checkpoint-" + std::to_string(first_step) : "");
+  const run::RunConfig& rc = trainer->config();
+  std::unique_ptr<RemotePublisher> remote;
+  const std::string publish_endpoint = f.publish.empty() ? rc.publish.endpoint : f.publish;
+  if (!publish_endpoint.empty()) {
+    RemotePublisherOptions ro;
+    ro.endpoint = publish_endpoint;
+    FERRY_ASSIGN_OR_RETURN(ro.curve, ServerCurve("publish", rc.publish.key, rc.publish.allow));
+    ro.run = rc.store.run;
+    ro.base_version = trainer->base_version();
+    FERRY_ASSIGN_OR_RETURN(remote, RemotePublisher::Start(trainer->store(), std::move(ro)));
+    control.SetRemote([&remote](int64_t step) { return remote->Generators(step); });
+    std::fprintf(stderr, "ferryd: publishing (mode adapter) on %s and %s\n", remote->endpoints().requests.c_str(),
+                 remote->endpoints().updates.c_str());
+  }
+  auto handler = [&control](const control::ControlRequest& r) { return control.Handle(r); };
   control::ControlServerOptions so;
   so.run_dir = dir;
-  FERRY_ASSIGN_OR_RETURN(std::unique_ptr<control::ControlServer> server,
-                         control::ControlServer::Start(
-                             so, [&control](const control::ControlRequest& r) { return control.Handle(r); }));
+  FERRY_ASSIGN_OR_RETURN(std::unique_ptr<control::ControlServer> server, control::ControlServer::Start(so, handler));
   std::fprintf(stderr, "ferryd: pid %d, control socket %s\n", static_cast<int>(::getpid()), server->endpoint().c_str());
+  std::unique_ptr<control::ControlServer> extra;
+  if (!rc.control.endpoint.empty()) {
+    control::ControlServerOptions xo;
+    xo.run_dir = dir;
+    xo.endpoint = rc.control.endpoint;
+    FERRY_ASSIGN_OR_RETURN(xo.curve, ServerCurve("control", rc.control.key, rc.control.allow));
+    auto started = control::ControlServer::Start(xo, handler);
+    if (!started.ok()) return started.status().WithContext("control.endpoint");
+    extra = std::move(*started);
+    std::fprintf(stderr, "ferryd: control socket %s\n", extra->endpoint().c_str());
+  }
   std::fprintf(stderr, "ferryd: training %s for %lld steps (from step %lld) in %s\n",
                trainer->config().model_name_or_path.string().c_str(), static_cast<long long>(total),
                static_cast<long long>(first_step), trainer->dir().string().c_str());
@@ -288,7 +328,10 @@ Status RunTrain(const TrainFlags& f) {
   hooks.on_checkpoint = [&](const fs::path& p) { control.Checkpointed(p); };
   const Status run = trainer->Run(hooks);
   control.Finish(run);
+  if (extra) extra->Stop();
   server->Stop();
+  control.SetRemote(nullptr);
+  remote.reset();
   FERRY_RETURN_IF_ERROR(run);
   const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   std::fprintf(stderr, "ferryd: done: %lld steps in %.1f s; metrics in %s, checkpoints in %s, store in %s\n",
@@ -308,6 +351,9 @@ void SetTrainCommand(CLI::App& app) {
   cmd->add_option("--dir", f->dir, "run directory (default: the config's output_dir)");
   cmd->add_option("--max-steps", f->max_steps, "stop after this many optimizer steps in total")->check(CLI::PositiveNumber);
   cmd->add_flag("--json", f->json, "print each metrics line (as metrics.jsonl gets it) to stdout");
+  cmd->add_option("--publish", f->publish,
+                  "also serve each step's version to remote generators (`ferry sync receive`): ipc://DIR or "
+                  "tcp://HOST:PORT (needs [publish] key and allow); overrides [publish] endpoint");
   cmd->callback([f] {
     Status s = RunTrain(*f);
     if (!s.ok()) Fail(s);

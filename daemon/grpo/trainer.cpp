@@ -151,6 +151,8 @@ int64_t Trainer::total_steps() const { return s_->total_steps; }
 const run::RunConfig& Trainer::config() const { return s_->config; }
 const fs::path& Trainer::dir() const { return s_->dir; }
 const fs::path& Trainer::store_dir() const { return s_->store_dir; }
+store::Store* Trainer::store() const { return s_->store.get(); }
+const store::Digest& Trainer::base_version() const { return s_->base_version; }
 
 Result<std::unique_ptr<Trainer>> Trainer::Create(const TrainOptions& options) {
   auto s = std::make_unique<State>();

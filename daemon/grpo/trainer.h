@@ -43,6 +43,7 @@
 
 #include "core/status.h"
 #include "daemon/run/config.h"
+#include "store/store.h"
 
 namespace ferry::grpo {
 
@@ -107,6 +108,11 @@ class Trainer {
   const std::filesystem::path& dir() const;
   // The run's store directory (DIR/store unless the config names another).
   const std::filesystem::path& store_dir() const;
+  // The run's open store (thread-safe; a publisher following the run reads it). Owned by
+  // the trainer: valid until it is destroyed.
+  store::Store* store() const;
+  // The run's base version (recorded by Create).
+  const store::Digest& base_version() const;
 
   struct State;
   // The trainer's state, for tests that check its models and generator directly.

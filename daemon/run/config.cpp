@@ -187,6 +187,50 @@ Status ParseStore(Parse& p, const toml::node& v) {
   return Status::OK();
 }
 
+// [publish] and [control]: endpoint, key, allow (and, for [publish], mode). `table` is the
+// section name used in errors.
+Status ParseEndpointTable(Parse& p, const toml::node& v, const std::string& table, std::string& endpoint,
+                          std::filesystem::path& key, std::filesystem::path& allow, std::string* mode) {
+  if (!v.is_table()) return p.rd.Error("must be a table ([" + table + "]), got " + Reader::TypeName(v));
+  const toml::table& t = *v.as_table();
+  for (auto&& [k, val] : t) {
+    Reader::Scope scope(p.rd, table + "." + std::string(k.str()));
+    if (k.str() == "endpoint") {
+      FERRY_ASSIGN_OR_RETURN(endpoint, p.rd.String(val));
+      if (!endpoint.starts_with("ipc://") && !endpoint.starts_with("tcp://")) {
+        return p.rd.Error("must be \"ipc://DIR\" or \"tcp://HOST:PORT\" (got " + Reader::Show(endpoint) + ")");
+      }
+    } else if (k.str() == "key") {
+      FERRY_ASSIGN_OR_RETURN(key, ResolvePath(p.rd, val, p.base));
+    } else if (k.str() == "allow") {
+      FERRY_ASSIGN_OR_RETURN(allow, ResolvePath(p.rd, val, p.base));
+    } else if (k.str() == "mode" && mode != nullptr) {
+      FERRY_ASSIGN_OR_RETURN(std::string m, p.rd.String(val));
+      if (m == "merged" || m == "delta") {
+        return p.rd.Unsupported("\"" + m + "\" cannot be served by ferryd: it records merged versions by their " +
+                                "digests only (no merged bytes in the store); use \"adapter\" (receivers merge " +
+                                "the adapter onto the base and prove the merged digest)");
+      }
+      if (m != "adapter") return p.rd.Error("must be \"adapter\" (got " + Reader::Show(m) + ")");
+      *mode = m;
+    } else {
+      return p.rd.Error(std::string("unknown key (the [") + table + "] table has 'endpoint', " +
+                        (mode != nullptr ? "'mode', " : "") + "'key' and 'allow')");
+    }
+  }
+  if (key.empty() != allow.empty()) {
+    Reader::Scope scope(p.rd, table + (key.empty() ? ".allow" : ".key"));
+    return p.rd.Error(key.empty()
+                          ? "needs " + table + ".key (the CURVE keypair it admits clients with)"
+                          : "needs " + table + ".allow (without an allow-list any client key would be accepted)");
+  }
+  if (endpoint.starts_with("tcp://") && key.empty()) {
+    Reader::Scope scope(p.rd, table + ".endpoint");
+    return p.rd.Error("tcp:// needs CURVE: set " + table + ".key and " + table + ".allow");
+  }
+  return Status::OK();
+}
+
 // "logging_steps" / "save_steps": a whole number >= 1 or a ratio in (0, 1).
 Status ParseSteps(Parse& p, const toml::node& v, double& out) {
   FERRY_ASSIGN_OR_RETURN(double x, p.rd.Float(v, {.min = 0, .min_open = true, .max = 1e12}));
@@ -215,6 +259,16 @@ const std::map<std::string, Handler, std::less<>>& TopHandlers() {
        [](Parse& p, const toml::node& v) {
          p.store = &v;
          return Status::OK();
+       }},
+      {"publish",
+       [](Parse& p, const toml::node& v) {
+         PublishSettings& ps = p.c.publish;
+         return ParseEndpointTable(p, v, "publish", ps.endpoint, ps.key, ps.allow, &ps.mode);
+       }},
+      {"control",
+       [](Parse& p, const toml::node& v) {
+         ControlSettings& cs = p.c.control;
+         return ParseEndpointTable(p, v, "control", cs.endpoint, cs.key, cs.allow, nullptr);
        }},
       {"lora", [](Parse& p, const toml::node& v) { return ParseLora(p.rd, v, p.c.lora); }},
       {"rewards",

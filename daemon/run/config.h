@@ -3,8 +3,8 @@
 // Key names are TRL's GRPOConfig names (trl 1.16.0, trl/trainer/grpo_config.py), the
 // TrainingArguments names GRPOConfig inherits (transformers 5.23, training_args.py), and
 // PEFT's LoraConfig names under a [lora] table; their defaults are TRL's and PEFT's. Ferry's
-// own keys: model_name_or_path, dataset, threads, device, chat_template, [store] and
-// [[rewards]]. docs/daemon.md ("Configuration", "Rewards") lists every key with its default.
+// own keys: model_name_or_path, dataset, threads, device, chat_template, [store],
+// [publish], [control] and [[rewards]]. docs/daemon.md ("Configuration", "Rewards") lists every key with its default.
 //
 //   model_name_or_path = "models/tiny"      # a directory; relative to this file
 //   dataset = "data/train.jsonl"            # JSONL (daemon/run/dataset.h); relative to this file
@@ -150,6 +150,38 @@ struct StoreSettings {
   std::string run = "default";  // the store's run name. Default: "default"
 };
 
+// [publish]: each step's version also served to generators on other hosts (`ferry sync
+// receive`) by a sync publisher (sync/publisher.h) that ferryd runs off the training thread.
+// Operational settings: left out of ToJson() and Fingerprint(), so a run resumes under
+// another endpoint. Endpoint policy: sync/endpoints.h (ipc:// a private directory; tcp://
+// only with CURVE: `key` and `allow`).
+struct PublishSettings {
+  // "ipc://DIR" or "tcp://HOST:PORT" (announcements on PORT+1); `ferryd train --publish`
+  // overrides it. Default: "" (not published)
+  std::string endpoint;
+  // Only "adapter": receivers get each step's adapter plus the base once, merge, and prove
+  // the merged digest. "merged" and "delta" are refused (kUnsupported): ferryd records merged
+  // versions by their digests only, so the store holds no merged bytes to serve. Default: "adapter"
+  std::string mode = "adapter";
+  // CURVE keypair prefix (PREFIX.key / PREFIX.pub, `ferry keys generate`); relative to the
+  // config file. Default: none
+  std::filesystem::path key;
+  // File of allowed receiver public keys, one per line; required with `key`. Default: none
+  std::filesystem::path allow;
+};
+
+// [control]: an extra control socket beside the private ipc:// one in DIR/.ferryd/ (which is
+// always bound, so `ferry daemon ... --dir` keeps working). Operational, like [publish].
+struct ControlSettings {
+  // "tcp://HOST:PORT" (with `key` and `allow`) or "ipc://PATH". Default: "" (only DIR/.ferryd/control)
+  std::string endpoint;
+  // CURVE keypair prefix of ferryd; clients pin PREFIX.pub (`ferry daemon status --connect EP
+  // --key THEIRS --server-key PREFIX.pub`). Relative to the config file. Default: none
+  std::filesystem::path key;
+  // File of allowed client public keys, one per line; required with `key`. Default: none
+  std::filesystem::path allow;
+};
+
 // The resolved run. Field names are the TOML keys; defaults are TRL 1.16's.
 struct RunConfig {
   std::filesystem::path source;  // the config file (absolute)
@@ -162,6 +194,8 @@ struct RunConfig {
   std::string device = "cpu";                        // "cpu", "cuda" or "cuda:N". Default: "cpu"
   ChatTemplate chat_template = ChatTemplate::kAuto;  // Default: "auto"
   StoreSettings store;
+  PublishSettings publish;
+  ControlSettings control;
 
   // --- TrainingArguments (as GRPOConfig overrides them).
   double learning_rate = 1e-6;               // Default: 1e-6 (GRPOConfig)

@@ -195,6 +195,46 @@ TEST(RunConfigTest, StoreDefaultsUnderOutputDirAndAcceptsAPathString) {
   ExpectKeyError(Cfg("", "[store]\nrun = \"a\\u0001b\"\n"), StatusCode::kInvalidArgument, "store.run", "control");
 }
 
+TEST(RunConfigTest, PublishAndControlTables) {
+  const RunConfig d = MustParse(Cfg());
+  EXPECT_EQ(d.publish.endpoint, "");
+  EXPECT_EQ(d.publish.mode, "adapter");
+  EXPECT_TRUE(d.publish.key.empty());
+  EXPECT_EQ(d.control.endpoint, "");
+  const RunConfig c = MustParse(Cfg("", "[publish]\nendpoint = \"tcp://10.0.0.1:5555\"\nmode = \"adapter\"\n"
+                                         "key = \"keys/ferryd\"\nallow = \"keys/allowed\"\n"
+                                         "[control]\nendpoint = \"tcp://0.0.0.0:7000\"\nkey = \"/k/c\"\n"
+                                         "allow = \"/k/a\"\n"));
+  EXPECT_EQ(c.publish.endpoint, "tcp://10.0.0.1:5555");
+  EXPECT_EQ(c.publish.key, std::filesystem::path("/cfg/keys/ferryd"));
+  EXPECT_EQ(c.publish.allow, std::filesystem::path("/cfg/keys/allowed"));
+  EXPECT_EQ(c.control.endpoint, "tcp://0.0.0.0:7000");
+  EXPECT_EQ(c.control.key, std::filesystem::path("/k/c"));
+  EXPECT_EQ(c.control.allow, std::filesystem::path("/k/a"));
+  EXPECT_EQ(MustParse(Cfg("", "[publish]\nendpoint = \"ipc:///run/p\"\n")).publish.endpoint, "ipc:///run/p");
+  // Operational: a run resumes under another endpoint.
+  EXPECT_EQ(c.Fingerprint(), d.Fingerprint());
+
+  ExpectKeyError(Cfg("", "[publish]\nmode = \"merged\"\n"), StatusCode::kUnsupported, "publish.mode",
+                 "digests only");
+  ExpectKeyError(Cfg("", "[publish]\nmode = \"delta\"\n"), StatusCode::kUnsupported, "publish.mode", "\"adapter\"");
+  ExpectKeyError(Cfg("", "[publish]\nmode = \"full\"\n"), StatusCode::kInvalidArgument, "publish.mode",
+                 "must be \"adapter\"");
+  ExpectKeyError(Cfg("", "[publish]\nendpoint = \"tcp://h:1\"\n"), StatusCode::kInvalidArgument,
+                 "publish.endpoint", "tcp:// needs CURVE");
+  ExpectKeyError(Cfg("", "[publish]\nendpoint = \"udp://h:1\"\n"), StatusCode::kInvalidArgument,
+                 "publish.endpoint", "udp://h:1");
+  ExpectKeyError(Cfg("", "[publish]\nkey = \"k\"\n"), StatusCode::kInvalidArgument, "publish.key",
+                 "needs publish.allow");
+  ExpectKeyError(Cfg("", "[control]\nallow = \"a\"\n"), StatusCode::kInvalidArgument, "control.allow",
+                 "needs control.key");
+  ExpectKeyError(Cfg("", "[control]\nendpoint = \"tcp://h:1\"\n"), StatusCode::kInvalidArgument,
+                 "control.endpoint", "tcp:// needs CURVE");
+  ExpectKeyError(Cfg("", "[control]\nmode = \"adapter\"\n"), StatusCode::kInvalidArgument, "control.mode",
+                 "unknown key");
+  ExpectKeyError(Cfg("publish = \"ipc:///x\""), StatusCode::kInvalidArgument, "publish", "must be a table");
+}
+
 TEST(RunConfigTest, HomeRelativePathsAreRefused) {
   ExpectKeyError("model_name_or_path = \"~/m\"\ndataset = \"d\"\n" + std::string(kReward), StatusCode::kInvalidArgument,
                  "model_name_or_path", "'~' is not expanded");

@@ -331,6 +331,27 @@ TEST_F(SyncTest, PrivateEndpointDirectoryIsOwnerOnly) {
   EXPECT_EQ(endpoints_.requests, "ipc://" + (root_ / "sock" / "requests").string());
 }
 
+TEST_F(SyncTest, ParseSyncEndpointNamesThePairOrTheValue) {
+  auto ipc = ParseSyncEndpoint("ipc://" + (root_ / "pair").string());
+  ASSERT_TRUE(ipc.ok()) << ipc.status().message();
+  EXPECT_EQ(ipc->requests, "ipc://" + (root_ / "pair" / "requests").string());
+  EXPECT_EQ(ipc->updates, "ipc://" + (root_ / "pair" / "updates").string());
+  struct stat st {};
+  ASSERT_EQ(::stat((root_ / "pair").c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, 0700u);
+  auto tcp = ParseSyncEndpoint("tcp://10.0.0.1:5555");
+  ASSERT_TRUE(tcp.ok()) << tcp.status().message();
+  EXPECT_EQ(tcp->requests, "tcp://10.0.0.1:5555");
+  EXPECT_EQ(tcp->updates, "tcp://10.0.0.1:5556");
+  for (const std::string bad :
+       {"ipc://", "tcp://h", "tcp://:5", "tcp://h:0", "tcp://h:65535", "tcp://h:5x", "udp://h:5"}) {
+    auto r = ParseSyncEndpoint(bad);
+    ASSERT_FALSE(r.ok()) << bad;
+    EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument) << bad;
+    EXPECT_TRUE(r.status().message().starts_with(bad + ": ")) << r.status().message();
+  }
+}
+
 TEST_F(SyncTest, ReceiverActivatesLatestAndPublisherRecordsAck) {
   StartPublisher();
   ASSERT_EQ(*publisher_->Publish(v1_), 1u);

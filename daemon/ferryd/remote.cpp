@@ -1,0 +1,85 @@
+#include "daemon/ferryd/remote.h"
+
+#include "sync/keys.h"
+
+namespace ferry::ferryd {
+namespace {
+
+nlohmann::json Seconds(int64_t ns) {
+  if (ns <= 0) return nullptr;
+  return static_cast<double>(ns) / 1e9;
+}
+
+}  // namespace
+
+Result<std::optional<sync::CurveOptions>> ServerCurve(const std::string& what, const std::filesystem::path& key,
+                                                     const std::filesystem::path& allow) {
+  if (key.empty()) return std::optional<sync::CurveOptions>();
+  if (allow.empty()) {
+    return Status::InvalidArgument(what + ".key needs " + what +
+                                   ".allow (without an allow-list any client key would be accepted)");
+  }
+  sync::CurveOptions c;
+  auto sec = sync::ReadSecretKey(key.string() + ".key");
+  if (!sec.ok()) return sec.status().WithContext(what + ".key");
+  auto pub = sync::ReadPublicKey(key.string() + ".pub");
+  if (!pub.ok()) return pub.status().WithContext(what + ".key");
+  auto keys = sync::ReadAllowList(allow);
+  if (!keys.ok()) return keys.status().WithContext(what + ".allow");
+  c.secret_key = *sec;
+  c.public_key = *pub;
+  c.allowed_keys = *keys;
+  FERRY_RETURN_IF_ERROR(sync::CheckCurve(c, sync::CurveRole::kServer).WithContext(what));
+  return std::optional<sync::CurveOptions>(std::move(c));
+}
+
+Result<std::unique_ptr<RemotePublisher>> RemotePublisher::Start(store::Store* store, RemotePublisherOptions options) {
+  const std::string where = "publish endpoint " + options.endpoint;
+  auto endpoints = sync::ParseSyncEndpoint(options.endpoint);
+  if (!endpoints.ok()) return endpoints.status().WithContext("publish");
+  FERRY_RETURN_IF_ERROR(sync::CheckEndpoints(*endpoints, options.curve.has_value()).WithContext("publish"));
+  sync::PublisherOptions po;
+  po.endpoints = *endpoints;
+  po.curve = options.curve;
+  po.mode = sync::PublishMode::kAdapter;
+  po.follow_run = options.run;
+  po.follow_interval_ms = options.follow_interval_ms;
+  auto publisher = sync::Publisher::Start(store, std::move(po));
+  if (!publisher.ok()) return publisher.status().WithContext(where);
+  // The base first: a receiver started before step 1 holds it, and every adapter applies to it.
+  // (The follower may have published it already; publishing it again gives a new sequence.)
+  auto seq = (*publisher)->Publish(options.base_version);
+  if (!seq.ok()) return seq.status().WithContext(where + ": the base");
+  return std::unique_ptr<RemotePublisher>(new RemotePublisher(store, std::move(*publisher), options.base_version));
+}
+
+nlohmann::json RemotePublisher::Generators(int64_t current_step) const {
+  nlohmann::json out = nlohmann::json::array();
+  for (const sync::ReceiverInfo& r : publisher_->Receivers()) {
+    nlohmann::json j;
+    j["id"] = r.id;
+    j["version"] = nullptr;
+    j["step"] = nullptr;
+    j["lag"] = nullptr;
+    if (r.acknowledged) {
+      j["version"] = r.acknowledged->Hex();
+      std::optional<int64_t> step;
+      if (*r.acknowledged == base_) {
+        step = 0;
+      } else if (auto rec = store_->GetVersion(r.acknowledged->Hex()); rec.ok()) {
+        step = rec->step;
+      }
+      if (step) {
+        j["step"] = *step;
+        j["lag"] = current_step - *step;
+      }
+    }
+    j["last_ack_at"] = Seconds(r.acknowledged_ns);
+    j["last_seen_at"] = Seconds(r.last_seen_ns);
+    j["alive"] = r.alive;
+    out.push_back(std::move(j));
+  }
+  return out;
+}
+
+}  // namespace ferry::ferryd

@@ -1,0 +1,69 @@
+// ferryd's remote side: the sync publisher that serves each step's version to generators on
+// other hosts ([publish], `ferryd train --publish`), and the CURVE settings of the endpoints
+// ([publish], [control]) read from their key files.
+//
+// Threads: the publisher serves from its own thread and follows the run in the store
+// (sync::PublisherOptions::follow_run): it looks for the run's newest adapter version every
+// follow interval and publishes it, so the training thread never calls into it and never
+// waits for a receiver. Its queues are bounded (the newest version wins: a slow receiver
+// skips the versions published while it was busy; at most 8 are kept to finish transfers in
+// progress; replies beyond a receiver's credit are dropped, never queued).
+//
+// Mode: adapter only (run::PublishSettings says why). The base is published first, before the
+// first step, so a receiver started early holds it; an adapter's manifest then names that base.
+#pragma once
+
+#include <filesystem>
+#include <memory>
+#include <optional>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+#include "core/status.h"
+#include "store/store.h"
+#include "sync/endpoints.h"
+#include "sync/publisher.h"
+
+namespace ferry::ferryd {
+
+// CURVE server options from a keypair prefix (PREFIX.key, PREFIX.pub) and an allow-list
+// file; none when `key` is empty. Errors of sync/keys.h (naming the file) with `what` ("publish",
+// "control") in front.
+[[nodiscard]] Result<std::optional<sync::CurveOptions>> ServerCurve(const std::string& what,
+                                                                    const std::filesystem::path& key,
+                                                                    const std::filesystem::path& allow);
+
+struct RemotePublisherOptions {
+  std::string endpoint;                     // ipc://DIR or tcp://HOST:PORT (sync::ParseSyncEndpoint). REQUIRED
+  std::optional<sync::CurveOptions> curve;  // required for tcp://. Default: none
+  std::string run = "default";              // the store run the trainer records into. Default: "default"
+  store::Digest base_version;               // the run's base, published first. REQUIRED
+  int follow_interval_ms = 200;             // how often the store is looked at. Default: 200
+};
+
+// A sync publisher following one run. Thread-safe.
+class RemotePublisher {
+ public:
+  // Parses and checks the endpoint (tcp:// without CURVE: kFailedPrecondition naming it),
+  // binds, publishes the base and starts following the run. Errors name the endpoint.
+  [[nodiscard]] static Result<std::unique_ptr<RemotePublisher>> Start(store::Store* store,
+                                                                      RemotePublisherOptions options);
+  // The endpoints bound: "requests" and "updates".
+  [[nodiscard]] const sync::Endpoints& endpoints() const { return bound_; }
+  // `remote_generators` of `ferry daemon status --json`: one object per receiver seen, sorted
+  // by id: {id, version (32 hex of the merged version it proved, or null), step (that
+  // version's step, 0 for the base, null when none), lag (current_step - step, null when no
+  // step), last_ack_at (Unix seconds, null before the first ack), last_seen_at, alive}.
+  [[nodiscard]] nlohmann::json Generators(int64_t current_step) const;
+
+ private:
+  RemotePublisher(store::Store* store, std::unique_ptr<sync::Publisher> p, store::Digest base)
+      : store_(store), publisher_(std::move(p)), base_(base), bound_(publisher_->bound_endpoints()) {}
+  store::Store* store_;
+  std::unique_ptr<sync::Publisher> publisher_;
+  store::Digest base_;
+  sync::Endpoints bound_;
+};
+
+}  // namespace ferry::ferryd

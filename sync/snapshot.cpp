@@ -369,7 +369,7 @@ Result<std::shared_ptr<const Snapshot>> BuildSnapshot(const SnapshotSource& sour
   FERRY_ASSIGN_OR_RETURN(std::shared_ptr<SnapshotPlanState> p, PlanSnapshot(source, options));
   std::map<std::string, Tensor> out;
   for (const auto& [name, info] : p->outputs) {
-    FERRY_ASSIGN_OR_RETURN(Tensor t, p->Make(name, /*copy_unchanged=*/true));
+    FERRY_ASSIGN_OR_RETURN(Tensor t, p->Make(name, /*copy_unchanged=*/!options.share_unchanged));
     out.emplace(name, std::move(t));
   }
 

@@ -14,6 +14,10 @@
 //      base dtype; bit-identical to the converter's hf output). The snapshot never aliases
 //      the source: changing or freeing the source after BuildSnapshot returns cannot change
 //      it (a bug TRL once had: state_dict() tensors aliasing live, later unmerged parameters).
+//      The one exception is asked for: with SnapshotOptions::share_unchanged, unchanged
+//      tensors are the source's own (views holding its owner), for a source nothing can write
+//      (a read-only mapping): a co-located generator then holds one copy of the base plus
+//      the merged modules, not a second base per step. Digests and ids do not change.
 //   2b. A bitsandbytes 4-bit base (NF4/FP4, double quant or not: convert/bnb4.h) is read as
 //      the converter reads it: each packed weight is dequantised with its quant state
 //      (Dequantize4bitAsLoaded: rounded to the quant state's dtype), merged, and written in
@@ -78,13 +82,20 @@ struct SnapshotOptions {
   // The base model ties lm_head to the input embedding (config.json's tie_word_embeddings).
   // Default: false.
   bool tie_word_embeddings = false;
+  // Unchanged tensors (neither merged, stacked nor dequantised) are the source's own tensors
+  // (the same bytes; the snapshot holds their owner) instead of copies. REQUIRES: nothing
+  // writes those bytes while the snapshot lives, e.g. Checkpoint::Open's read-only mapping;
+  // never LibTorch parameters or buffers the caller reuses. The tensors, digests and ids are
+  // the same either way. Default: false (every tensor copied into the snapshot's buffers).
+  bool share_unchanged = false;
 };
 
 // An immutable snapshot. Thread-safe: every accessor is const and the buffers never change.
 class Snapshot {
  public:
-  // The tensors, in buffers owned by the snapshot (names sorted). Tensors taken from it keep
-  // those buffers alive on their own.
+  // The tensors, in buffers owned by the snapshot (names sorted), or for unchanged tensors
+  // under SnapshotOptions::share_unchanged the source's. Tensors taken from it keep those
+  // buffers alive on their own.
   const Checkpoint& checkpoint() const { return checkpoint_; }
   // The manifest digest of store.h over the tensors and aux files: the version id.
   const store::Digest& manifest_id() const { return manifest_id_; }

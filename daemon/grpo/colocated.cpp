@@ -30,6 +30,7 @@ Result<sync::Handoff> WeightPublisher::Build(const runtime::LoraAdapter* adapter
   sync::SnapshotOptions opts;
   opts.threads = threads_;
   opts.tie_word_embeddings = tie_word_embeddings_;
+  opts.share_unchanged = true;  // base_ is read-only: untouched tensors stay views of it
   FERRY_ASSIGN_OR_RETURN(std::shared_ptr<const sync::Snapshot> snapshot, sync::BuildSnapshot(src, opts));
   FERRY_ASSIGN_OR_RETURN(uint64_t sequence, channel_->Publish(snapshot));
   return sync::Handoff{sequence, std::move(snapshot)};

@@ -2,8 +2,11 @@
 // move from one to the other.
 //
 //   trainer:   optimizer.step() -> WeightPublisher::Publish(adapter)
-//                -> sync::BuildSnapshot(base views + adapter copies): merged into NEW buffers,
-//                   generator names (no "base_model.model.", ".base_layer", "lora_"), hashed
+//                -> sync::BuildSnapshot(base views + adapter copies): LoRA targets merged into
+//                   NEW buffers, every other tensor the base mapping's own (share_unchanged:
+//                   the mapping is read-only, so one copy of the base serves the trainer, the
+//                   generator and every snapshot), generator names (no "base_model.model.",
+//                   ".base_layer", "lora_"), hashed
 //                -> sync::SnapshotChannel::Publish
 //   generator: ColocatedGenerator::Sync()
 //                -> SnapshotChannel::WaitForNewer -> its own CausalLM over the snapshot's buffers
@@ -39,10 +42,11 @@ namespace ferry::grpo {
 // Trainer side. Thread-compatible.
 class WeightPublisher {
  public:
-  // `base`: the trainer's frozen base checkpoint (its tensors are read, never copied, except
-  // into each snapshot); `aux_files`: the base directory's auxiliary files (config.json,
-  // tokenizer files), recorded with every snapshot as the converter writes them. REQUIRES:
-  // `channel` outlives the publisher.
+  // `base`: the trainer's frozen base checkpoint (its tensors are read, never copied: each
+  // snapshot shares the tensors the adapter does not change); `aux_files`: the base
+  // directory's auxiliary files (config.json, tokenizer files), recorded with every snapshot
+  // as the converter writes them. REQUIRES: nothing writes `base`'s bytes (Checkpoint::Open's
+  // read-only mapping); `channel` outlives the publisher.
   WeightPublisher(Checkpoint base, AuxFiles aux_files, bool tie_word_embeddings, sync::SnapshotChannel* channel,
                   int threads);
 
@@ -54,6 +58,8 @@ class WeightPublisher {
   // The snapshot source for `adapter` (what Publish merges): the base's tensors (views) and
   // fresh copies of the adapter's parameters.
   Result<sync::SnapshotSource> Source(const runtime::LoraAdapter* adapter) const;
+  // The base checkpoint the snapshots share.
+  const Checkpoint& base() const { return base_; }
 
  private:
   Result<sync::Handoff> Build(const runtime::LoraAdapter* adapter);

@@ -1,5 +1,6 @@
 #include "daemon/grpo/trainer.h"
 
+#include <ATen/CPUGeneratorImpl.h>
 #include <nlohmann/json.hpp>
 
 #include <fcntl.h>
@@ -9,6 +10,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <mutex>
 
 #include "core/aux_files.h"
 #include "core/checkpoint.h"
@@ -197,11 +199,15 @@ Result<std::unique_ptr<Trainer>> Trainer::Create(const TrainOptions& options) {
   s->sampler = std::make_unique<run::DatasetSampler>(s->dataset, c);
   FERRY_ASSIGN_OR_RETURN(s->rewards, run::RewardScorer::Create(c));
 
-  // The trainer's model: the frozen base (mapped) with the LoRA adapter.
+  // The trainer's model: the frozen base (mapped) with the LoRA adapter. The publisher's
+  // snapshots share the same read-only mapping: one copy of the base in the process.
   runtime::ModelOptions mopts;
   mopts.device = device;
   if (c.bf16) mopts.dtype = at::kBFloat16;
-  FERRY_ASSIGN_OR_RETURN(s->model, runtime::CausalLM::Load(c.model_name_or_path, mopts));
+  FERRY_ASSIGN_OR_RETURN(fs::path weights, FindWeights(c.model_name_or_path));
+  FERRY_ASSIGN_OR_RETURN(Checkpoint base_ckpt, Checkpoint::Open(weights));
+  FERRY_ASSIGN_OR_RETURN(runtime::ModelConfig model_config, runtime::LoadModelConfig(c.model_name_or_path));
+  FERRY_ASSIGN_OR_RETURN(s->model, runtime::CausalLM::FromCheckpoint(model_config, base_ckpt, mopts));
   s->eos_ids = s->model->config().eos_token_ids;
   if (auto e = s->tokenizer->eos_id(); e && std::find(s->eos_ids.begin(), s->eos_ids.end(), *e) == s->eos_ids.end()) {
     s->eos_ids.push_back(*e);
@@ -237,8 +243,6 @@ Result<std::unique_ptr<Trainer>> Trainer::Create(const TrainOptions& options) {
 
   // The hand-off: trainer -> channel -> co-located generator.
   s->channel = std::make_unique<sync::SnapshotChannel>(s->store.get(), c.store.run);
-  FERRY_ASSIGN_OR_RETURN(fs::path weights, FindWeights(c.model_name_or_path));
-  FERRY_ASSIGN_OR_RETURN(Checkpoint base_ckpt, Checkpoint::Open(weights));
   FERRY_ASSIGN_OR_RETURN(AuxFiles aux, CollectAuxFiles(c.model_name_or_path));
   s->publisher = std::make_unique<WeightPublisher>(std::move(base_ckpt), std::move(aux),
                                                    s->model->config().tie_word_embeddings, s->channel.get(),
@@ -262,8 +266,10 @@ Result<std::unique_ptr<Trainer>> Trainer::Create(const TrainOptions& options) {
   return std::unique_ptr<Trainer>(new Trainer(std::move(s)));
 }
 
-Result<StepResult> Trainer::Step() {
-  State& s = *s_;
+namespace {
+
+// Step's work; see Trainer::Step for what a failure leaves behind.
+Result<StepResult> TakeStep(Trainer::State& s) {
   const run::RunConfig& c = s.config;
   const auto t0 = std::chrono::steady_clock::now();
   const int64_t S = c.steps_per_generation, mu = c.num_iterations, A = c.gradient_accumulation_steps;
@@ -368,6 +374,40 @@ Result<StepResult> Trainer::Step() {
     out.logged = true;
   }
   return out;
+}
+
+}  // namespace
+
+Result<StepResult> Trainer::Step() {
+  State& s = *s_;
+  // What a step changes before its optimizer update: a failure there (a reward command that
+  // crashed or wrote a malformed line, a forward that failed) puts it back, so nothing of the
+  // failed step is applied (parameters, optimizer state and the step counter are untouched
+  // until the update; metrics.jsonl, the store and checkpoints only follow it).
+  const int64_t step = s.step, micro_step = s.micro_step;
+  const double num_tokens = s.num_tokens;
+  const run::DatasetPosition position = s.sampler->position();
+  std::optional<Rollout> buffer = s.buffer;
+  at::Generator rng = at::detail::getDefaultCPUGenerator();
+  at::Tensor rng_state;
+  {
+    std::lock_guard<std::mutex> lock(rng.mutex());
+    rng_state = rng.get_state();
+  }
+  Result<StepResult> r = TakeStep(s);
+  if (r.ok()) return r;
+  if (s.step == step) {
+    s.micro_step = micro_step;
+    s.num_tokens = num_tokens;
+    s.buffer = std::move(buffer);
+    s.optimizer->zero_grad();
+    {
+      std::lock_guard<std::mutex> lock(rng.mutex());
+      rng.set_state(rng_state);
+    }
+    if (Status seek = s.sampler->Seek(position); !seek.ok()) return seek.WithContext("step " + std::to_string(step + 1));
+  }
+  return r.status().WithContext("step " + std::to_string(step + 1));
 }
 
 Status Trainer::Run(const RunHooks& hooks) {

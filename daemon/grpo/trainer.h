@@ -91,7 +91,12 @@ class Trainer {
   Trainer(const Trainer&) = delete;
   Trainer& operator=(const Trainer&) = delete;
 
-  // One optimizer step (see the top of this file).
+  // One optimizer step (see the top of this file). Errors carry "step N" (N = step() + 1).
+  // A failure before the optimizer update (a reward command that crashed or wrote a
+  // malformed line, a failed forward) applies nothing of the step: parameters, optimizer
+  // state, step(), the dataset position, metrics.jsonl, the store and the checkpoints are as
+  // before the call, and the run stops with nothing half-written. A
+  // failure after it (the hand-off, the store) leaves the step half done: stop the run.
   Result<StepResult> Step();
   // Steps until the run's total (or max_steps, or until hooks.before_step says stop), saving
   // checkpoints every save_steps and at the end.

@@ -22,6 +22,7 @@
 #include "core/mapped_file.h"
 #include "core/safetensors.h"
 #include "store/materialize.h"
+#include "sync/handoff.h"
 
 namespace ferry::sync {
 namespace {
@@ -175,6 +176,46 @@ TEST(SnapshotTest, MutatingAndDroppingTheSourceCannotChangeTheSnapshot) {
     EXPECT_EQ(store::TensorDigest(snap->checkpoint().Get(name).value()), digests.at(name)) << name;
   }
   ExpectMatches(*snap, kCase / "merged");
+}
+
+// share_unchanged over a read-only mapping: the tensors the adapter does not touch are the
+// mapping's own bytes (kept alive by the snapshot), the merged ones new buffers; the ids and
+// digests are those of the copying build.
+TEST(SnapshotTest, ShareUnchangedKeepsUntouchedTensorsAsViewsWithTheSameIds) {
+  SnapshotSource src = FixtureSource();
+  auto base = std::make_unique<Checkpoint>(Checkpoint::Open(kCase / "base").value());
+  src.tensors.clear();
+  for (const std::string& name : base->names()) src.tensors.emplace(name, base->Get(name).value());
+  auto copied = Build(src);
+  ASSERT_NE(copied, nullptr);
+  SnapshotOptions opts;
+  opts.threads = 2;
+  opts.share_unchanged = true;
+  auto shared = BuildSnapshot(src, opts);
+  ASSERT_TRUE(shared.ok()) << shared.status().ToString();
+  EXPECT_EQ((*shared)->manifest_id(), copied->manifest_id());
+  EXPECT_EQ((*shared)->digests(), copied->digests());
+  size_t views = 0, merged = 0;
+  for (const std::string& name : (*shared)->checkpoint().names()) {
+    const Tensor held = (*shared)->checkpoint().Get(name).value();
+    const bool lora_target = name.find("_proj.") != std::string::npos;
+    if (lora_target) {
+      EXPECT_NE(held.data(), base->Get(name).value().data()) << name;
+      ++merged;
+    } else {
+      EXPECT_EQ(held.data(), base->Get(name).value().data()) << name;
+      EXPECT_NE(held.data(), copied->checkpoint().Get(name).value().data()) << name;
+      ++views;
+    }
+  }
+  EXPECT_EQ(merged, 14u);  // 7 linears x 2 layers
+  EXPECT_EQ(views, 7u);    // embed, lm_head, 5 norms
+  // The snapshot keeps the mapping alive after the caller drops it.
+  src.tensors.clear();
+  base.reset();
+  auto recomputed = ComputeManifestId(**shared);
+  ASSERT_TRUE(recomputed.ok()) << recomputed.status().ToString();
+  EXPECT_EQ(*recomputed, copied->manifest_id());
 }
 
 TEST(SnapshotTest, UnmergedSnapshotCopiesAndMatchesTheStoresHashOfTheBaseDirectory) {

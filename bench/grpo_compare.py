@@ -9,9 +9,10 @@ step) and then bench/trl_grpo_peer.py (TRL 1.16, the same settings: see its docs
 protocol), alternately, so both see the same machine. Both get the same thread count and OMP_WAIT_POLICY=PASSIVE
 (on a shared machine spinning OpenMP threads slow either side many times over). Per side: the median wall time of
 an optimizer step after the warm-up steps (ferryd: its step_time metric, from the start of the step to the
-generator's acknowledgement of the new weights and the store record; TRL: TrainerCallback on_step_begin to
-on_step_end), the generated tokens per second, the peak RSS, and the reward over the last logged steps. Prints one
-JSON object and a ratio line: `ferryd/TRL step time` (lower is better for ferryd).
+generator's acknowledgement of the new weights; the step's store record follows it and is not included (it records
+the step's metrics: docs/daemon.md "Speed"); TRL: TrainerCallback on_step_begin to on_step_end), the generated
+tokens per second, the peak RSS, and the reward over the last logged steps. Prints one JSON object and a ratio
+line: `ferryd/TRL step time` (lower is better for ferryd).
 """
 import argparse
 import json

@@ -77,8 +77,18 @@ Status TorchError(std::string_view what, const std::exception& e) {
 
 int SetTorchThreads(int threads) {
   if (threads <= 0) threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  // Looked up, not linked: the OpenMP runtime is LibTorch's and OpenBLAS's (libgomp on Debian).
+  using SetDynamic = void (*)(int);
+  if (auto set_dynamic = reinterpret_cast<SetDynamic>(::dlsym(RTLD_DEFAULT, "omp_set_dynamic"))) set_dynamic(0);
   at::set_num_threads(threads);
   return threads;
+}
+
+std::optional<bool> OpenMpDynamic() {
+  using GetDynamic = int (*)();
+  auto get_dynamic = reinterpret_cast<GetDynamic>(::dlsym(RTLD_DEFAULT, "omp_get_dynamic"));
+  if (!get_dynamic) return std::nullopt;
+  return get_dynamic() != 0;
 }
 
 BlasInfo LoadedBlas() {

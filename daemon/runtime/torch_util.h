@@ -7,6 +7,7 @@
 
 #include <ATen/ATen.h>
 
+#include <optional>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -60,8 +61,15 @@ auto GuardTorch(std::string_view what, Fn&& fn) -> typename internal::AsResult<d
 }
 
 // Intra-op threads for LibTorch (Debian's build starts with one). `threads` <= 0: one per
-// hardware thread. Returns the number set.
+// hardware thread. Returns the number set. Also turns OpenMP's dynamic thread adjustment off
+// for the calling thread, the one that then runs the model (OMP_DYNAMIC=true): with it, on a loaded machine, libgomp gives a parallel region fewer
+// threads than OpenBLAS's threaded GEMM asked for, and the one thread it runs spins forever
+// waiting for a partner that never starts (a hang, seen with Debian's libopenblas0-openmp).
 int SetTorchThreads(int threads);
+
+// Whether OpenMP's dynamic thread adjustment is on (omp_get_dynamic), or nullopt when no
+// OpenMP runtime is loaded.
+std::optional<bool> OpenMpDynamic();
 
 // The BLAS library LibTorch's sgemm resolves to (a path), and whether it is the netlib
 // reference implementation (15x slower; install libopenblas0-openmp).

@@ -3,9 +3,12 @@
 #include <gtest/gtest.h>
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <dlfcn.h>
 
 #include "core/mapped_file.h"
 #include "daemon/runtime/model.h"
+#include "daemon/runtime/torch_util.h"
 #include "tests/daemon/runtime_test_util.h"
 #include "tests/temp_dir.h"
 
@@ -61,6 +64,20 @@ std::unique_ptr<CausalLM> LoadTiny(const ScopedTempDir& dir, const TinyModelSpec
   auto m = CausalLM::Load(dir.path() / "m", opts);
   EXPECT_TRUE(m.ok()) << m.status().ToString();
   return m.ok() ? std::move(*m) : nullptr;
+}
+
+// OMP_DYNAMIC=true (or omp_set_dynamic(1)) let libgomp run OpenBLAS's threaded GEMM with fewer
+// threads than it asked for on a loaded machine, and ferryd hung; SetTorchThreads turns it off.
+TEST(RuntimeThreads, SetTorchThreadsTurnsOpenMpDynamicAdjustmentOff) {
+  using SetDynamic = void (*)(int);
+  auto set_dynamic = reinterpret_cast<SetDynamic>(::dlsym(RTLD_DEFAULT, "omp_set_dynamic"));
+  if (!set_dynamic) GTEST_SKIP() << "no OpenMP runtime is loaded";
+  const int threads = at::get_num_threads();
+  set_dynamic(1);
+  ASSERT_EQ(OpenMpDynamic(), std::optional<bool>(true));
+  EXPECT_EQ(SetTorchThreads(threads), threads);
+  EXPECT_EQ(OpenMpDynamic(), std::optional<bool>(false));
+  EXPECT_EQ(at::get_num_threads(), threads);
 }
 
 TEST(RuntimeModel, KvCacheDecodingEqualsTheFullForwardOver2048PositionsF32) {

@@ -34,6 +34,7 @@
 #include <fstream>
 #include <map>
 #include <memory>
+#include <ostream>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
@@ -98,6 +99,9 @@ struct ReferenceParam {
   std::string name;
   bool cuda = false;
 };
+
+// How gtest names a parameter in its messages (instead of a byte dump).
+void PrintTo(const ReferenceParam& p, std::ostream* os) { *os << p.name << (p.cuda ? " on cuda" : " on cpu"); }
 
 std::vector<ReferenceParam> Params(bool cuda) {
   std::vector<ReferenceParam> out;

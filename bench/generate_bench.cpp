@@ -35,9 +35,7 @@ int64_t PeakRssBytes() {
   return 0;
 }
 
-double Now() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
-}
+double Now() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
 
 int Usage() {
   std::fprintf(stderr,
@@ -136,8 +134,8 @@ int main(int argc, char** argv) {
       "\"generate_s\": %.4f, \"generated_tokens\": %lld, \"generate_tokens_per_s\": %.2f, \"peak_rss_bytes\": %lld, "
       "\"weight_bytes\": %lld, \"kv_cache_bytes\": %lld, \"blas\": \"%s\"}\n",
       device.c_str(), static_cast<long long>(batch), static_cast<long long>(prompt_len),
-      static_cast<long long>(new_tokens), static_cast<long long>(threads), c10::toString(m.dtype()), load_s,
-      prefill_s, static_cast<double>(batch * prompt_len) / prefill_s, generate_s, static_cast<long long>(generated),
+      static_cast<long long>(new_tokens), static_cast<long long>(threads), c10::toString(m.dtype()), load_s, prefill_s,
+      static_cast<double>(batch * prompt_len) / prefill_s, generate_s, static_cast<long long>(generated),
       static_cast<double>(generated) / generate_s, static_cast<long long>(PeakRssBytes()),
       static_cast<long long>(m.weight_bytes()), static_cast<long long>(kv_cache_bytes),
       ferry::runtime::LoadedBlas().library.c_str());

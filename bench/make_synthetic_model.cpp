@@ -74,9 +74,9 @@ struct Linear {
 std::vector<Linear> Linears(const Flags& f) {
   const int64_t head_dim = f.hidden / f.heads;
   const int64_t kv = f.kv_heads * head_dim;
-  return {{"self_attn", "q_proj", f.hidden, f.hidden},      {"self_attn", "k_proj", kv, f.hidden},
-          {"self_attn", "v_proj", kv, f.hidden},            {"self_attn", "o_proj", f.hidden, f.hidden},
-          {"mlp", "gate_proj", f.intermediate, f.hidden},   {"mlp", "up_proj", f.intermediate, f.hidden},
+  return {{"self_attn", "q_proj", f.hidden, f.hidden},    {"self_attn", "k_proj", kv, f.hidden},
+          {"self_attn", "v_proj", kv, f.hidden},          {"self_attn", "o_proj", f.hidden, f.hidden},
+          {"mlp", "gate_proj", f.intermediate, f.hidden}, {"mlp", "up_proj", f.intermediate, f.hidden},
           {"mlp", "down_proj", f.hidden, f.intermediate}};
 }
 

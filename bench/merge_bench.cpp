@@ -45,8 +45,8 @@ void BenchRows16(int64_t out, int64_t in, int64_t r, int repeats) {
     h = static_cast<uint16_t>(u >> 16);
   }
   const auto t_copy = SortedSeconds(repeats, [&] { std::memcpy(copy.data(), W.data(), W.size() * 2); });
-  std::printf("  bf16 %5lldx%-5lld r=%lld  memcpy med %7.3f ms", static_cast<long long>(out), static_cast<long long>(in),
-              static_cast<long long>(r), t_copy[t_copy.size() / 2] * 1e3);
+  std::printf("  bf16 %5lldx%-5lld r=%lld  memcpy med %7.3f ms", static_cast<long long>(out),
+              static_cast<long long>(in), static_cast<long long>(r), t_copy[t_copy.size() / 2] * 1e3);
   for (int threads : {1, 2}) {
     const auto t = SortedSeconds(repeats, [&] {
       ferry::kernels::LoraMergeRows16(W.data(), ferry::kernels::Float16Kind::kBF16, A.data(), B.data(), out, in, r,

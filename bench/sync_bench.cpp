@@ -55,10 +55,10 @@
 
 #include <zmq.hpp>
 
+#include "convert/peft_config.h"
 #include "core/checkpoint.h"
 #include "core/mapped_file.h"
 #include "core/safetensors.h"
-#include "convert/peft_config.h"
 #include "store/store.h"
 #include "sync/keys.h"
 #include "sync/publisher.h"
@@ -70,12 +70,12 @@ using namespace ferry;  // NOLINT: benchmark program
 
 namespace {
 
-uint32_t kChunkBytes = 1u << 20;  // --chunk-kib; default = ReceiverOptions default
-uint32_t kCredit = 8;             // --credit; default = ReceiverOptions default
+uint32_t kChunkBytes = 1u << 20;                              // --chunk-kib; default = ReceiverOptions default
+uint32_t kCredit = 8;                                         // --credit; default = ReceiverOptions default
 std::vector<std::string> kTransports = {"ipc", "tcp+curve"};  // --transport
-std::vector<int> kReceiverCounts = {1, 4};                     // --receivers
-bool kFerryOnly = false;                                       // --ferry-only
-std::vector<double> kLinksGBps = {0, 1, 0.125};                // --links (GB/s; 0 = unpaced loopback)
+std::vector<int> kReceiverCounts = {1, 4};                    // --receivers
+bool kFerryOnly = false;                                      // --ferry-only
+std::vector<double> kLinksGBps = {0, 1, 0.125};               // --links (GB/s; 0 = unpaced loopback)
 
 [[noreturn]] void Die(const std::string& m) {
   std::fprintf(stderr, "ferry_bench_sync: %s\n", m.c_str());
@@ -139,7 +139,8 @@ void GenerateModel(const fs::path& dir, double size_gb) {
   const int64_t rows = 8192, cols = 4096;
   const int n = std::max(1, static_cast<int>(size_gb * 1024 / 64));
   std::vector<TensorSpec> specs;
-  for (int i = 0; i < n; ++i) specs.push_back({"model.layers." + std::to_string(i) + ".w.weight", DType::kBF16, {rows, cols}});
+  for (int i = 0; i < n; ++i)
+    specs.push_back({"model.layers." + std::to_string(i) + ".w.weight", DType::kBF16, {rows, cols}});
   WriterOptions o;
   o.max_shard_bytes = 1ull << 30;
   o.sync = false;
@@ -156,8 +157,8 @@ void GenerateModel(const fs::path& dir, double size_gb) {
 }
 
 struct Transport {
-  std::string name;                     // "ipc" | "tcp+curve"
-  sync::Endpoints endpoints;            // for Ferry (tcp: port 0 -> resolved after bind)
+  std::string name;           // "ipc" | "tcp+curve"
+  sync::Endpoints endpoints;  // for Ferry (tcp: port 0 -> resolved after bind)
   std::optional<sync::CurveKeyPair> server, client;
 };
 
@@ -183,7 +184,8 @@ Cost RawRun(const RawServer& srv, const Transport& t, int receivers, const fs::p
     router.set(zmq::sockopt::curve_secretkey, t.server->secret_key);
   }
   const bool tcp = t.name != "ipc";
-  std::string ep = tcp ? "tcp://127.0.0.1:*" : "ipc://" + (fs::temp_directory_path() / ("ferry-raw-" + std::to_string(::getpid()))).string();
+  std::string ep = tcp ? "tcp://127.0.0.1:*"
+                       : "ipc://" + (fs::temp_directory_path() / ("ferry-raw-" + std::to_string(::getpid()))).string();
   router.bind(ep);
   ep = router.get(zmq::sockopt::last_endpoint);
   std::atomic<int> done{0};
@@ -316,7 +318,8 @@ Cost FerryRun(sync::Publisher& pub, const Transport& t, const fs::path& recv_roo
     std::vector<std::thread> threads;
     for (int r = 0; r < receivers; ++r) {
       threads.emplace_back([&, r] {
-        auto rx = Take(sync::Receiver::Connect(ReceiverFor(t, pub.bound_endpoints(), recv_root / ("r" + std::to_string(r)), r)));
+        auto rx = Take(
+            sync::Receiver::Connect(ReceiverFor(t, pub.bound_endpoints(), recv_root / ("r" + std::to_string(r)), r)));
         auto res = Take(rx->SyncLatest());
         if (res.version != v) Die("receiver activated " + res.version.Hex() + ", expected " + v.Hex());
         got[static_cast<size_t>(r)] = res.bytes_received;
@@ -325,7 +328,8 @@ Cost FerryRun(sync::Publisher& pub, const Transport& t, const fs::path& recv_roo
     for (auto& th : threads) th.join();
   });
   for (uint64_t g : got) {
-    if (g < expect_bytes) Die("a receiver got " + std::to_string(g) + " bytes, expected >= " + std::to_string(expect_bytes));
+    if (g < expect_bytes)
+      Die("a receiver got " + std::to_string(g) + " bytes, expected >= " + std::to_string(expect_bytes));
   }
   fs::remove_all(recv_root);
   return cost;
@@ -362,11 +366,12 @@ void Throughput(const fs::path& work, double size_gb, int reps, const fs::path& 
   const double gib = static_cast<double>(tensor_bytes) / (1u << 30);
   std::printf("\n(1) full-snapshot throughput: %.2f GiB model (%zu files), chunk %u KiB, credit %u, %d reps, medians\n",
               gib, raw.files.size(), kChunkBytes >> 10, kCredit, reps);
-  std::printf("raw: ZeroMQ alone, its best: zero-copy sends from the mapped file, one context (I/O thread) for the\n"
-              "server and one per client as Ferry has, the same CURVE keys over tcp, the same chunks and credit;\n"
-              "bytes discarded. raw+write: the same, each client also writing its bytes to a file under the\n"
-              "receivers' directory. ratio = ferry / raw throughput (the target), and ferry / raw+write.\n"
-              "cpu: CPU seconds per GiB delivered, all threads of this process (server and clients).\n");
+  std::printf(
+      "raw: ZeroMQ alone, its best: zero-copy sends from the mapped file, one context (I/O thread) for the\n"
+      "server and one per client as Ferry has, the same CURVE keys over tcp, the same chunks and credit;\n"
+      "bytes discarded. raw+write: the same, each client also writing its bytes to a file under the\n"
+      "receivers' directory. ratio = ferry / raw throughput (the target), and ferry / raw+write.\n"
+      "cpu: CPU seconds per GiB delivered, all threads of this process (server and clients).\n");
   std::printf("%-10s %9s %9s %9s %9s %7s %14s %9s %9s %9s %s\n", "transport", "receivers", "raw GiB/s", "raw+write",
               "ferry", "ratio", "vs raw+write", "raw cpu", "+write cpu", "ferry cpu", "target");
   bool all_ok = true;
@@ -444,13 +449,15 @@ void Modes(const fs::path& work, int reps, const fs::path& recv_dir) {
   mo.adapter_version = adapter_id;
   mo.base_version = base_id;
   const store::Digest merged_id = Take(sync::RecordSnapshot(*st, *snap, mo)).record.id;
-  std::printf("\n(2) adapter-only vs merged-full: 0.5B Llama shape (%.0f M parameters, %.0f MiB BF16), r=16 on all "
-              "linear layers; 1 receiver over ipc, %d reps, medians\n",
-              static_cast<double>(snap->bytes()) / 2e6, static_cast<double>(snap->bytes()) / (1 << 20), reps);
-  std::printf("publish->activated: from Publisher::Publish to DIR/current switched to the verified merged id (the\n"
-              "receiver connected and waiting). link: loopback (unpaced ipc) or a slower link simulated by pacing the\n"
-              "publisher's CHUNK bytes (PublisherOptions::max_send_bytes_per_sec, the same for both modes).\n"
-              "cpu: CPU seconds of this process (publisher and receiver) over the same interval.\n");
+  std::printf(
+      "\n(2) adapter-only vs merged-full: 0.5B Llama shape (%.0f M parameters, %.0f MiB BF16), r=16 on all "
+      "linear layers; 1 receiver over ipc, %d reps, medians\n",
+      static_cast<double>(snap->bytes()) / 2e6, static_cast<double>(snap->bytes()) / (1 << 20), reps);
+  std::printf(
+      "publish->activated: from Publisher::Publish to DIR/current switched to the verified merged id (the\n"
+      "receiver connected and waiting). link: loopback (unpaced ipc) or a slower link simulated by pacing the\n"
+      "publisher's CHUNK bytes (PublisherOptions::max_send_bytes_per_sec, the same for both modes).\n"
+      "cpu: CPU seconds of this process (publisher and receiver) over the same interval.\n");
   const Transport t = MakeTransport("ipc", work / "sock05");
   struct Row {
     std::string link;
@@ -575,9 +582,10 @@ int main(int argc, char** argv) {
     } else if (a == "--skip-modes") {
       modes = false;
     } else if (a == "-h" || a == "--help") {
-      std::printf("Usage: ferry_bench_sync [--work DIR] [--size-gb GB] [--reps N] [--recv-dir DIR] "
-                  "[--chunk-kib N] [--credit N] [--transport ipc|tcp+curve] [--receivers N] "
-                  "[--links loopback,1,0.125] [--ferry-only] [--skip-throughput] [--skip-modes]\n");
+      std::printf(
+          "Usage: ferry_bench_sync [--work DIR] [--size-gb GB] [--reps N] [--recv-dir DIR] "
+          "[--chunk-kib N] [--credit N] [--transport ipc|tcp+curve] [--receivers N] "
+          "[--links loopback,1,0.125] [--ferry-only] [--skip-throughput] [--skip-modes]\n");
       return 0;
     } else {
       Die("unknown argument " + a + " (see --help)");

@@ -366,9 +366,10 @@ int main(int argc, char** argv) {
   std::printf("\nFerry tensor I/O benchmark: %s, %zu files, %zu tensors, %.2f GiB of tensor data\n", model.c_str(),
               FilesIn(model).size(), ckpt->size(),
               static_cast<double>(ckpt->total_bytes()) / (1024.0 * 1024.0 * 1024.0));
-  std::printf("Warm page cache (caches are not dropped; dirty pages are synced, untimed, before each write);\n"
-              "median of %d interleaved runs; writes %s.\n\n", reps,
-              fsync ? "fsync'ed on both sides (--fsync)" : "not fsync'ed on either side (WriterOptions::sync = false)");
+  std::printf(
+      "Warm page cache (caches are not dropped; dirty pages are synced, untimed, before each write);\n"
+      "median of %d interleaved runs; writes %s.\n\n",
+      reps, fsync ? "fsync'ed on both sides (--fsync)" : "not fsync'ed on either side (WriterOptions::sync = false)");
 
   // Warm-up: pull everything into the page cache once, untimed.
   Settle(model);

@@ -78,8 +78,9 @@ int main(int argc, char** argv) {
     ++passes;
     elapsed = std::chrono::duration<double>(Clock::now() - start).count();
   } while (elapsed < seconds);
-  std::printf("{\"bytes\": %zu, \"passes\": %d, \"seconds\": %.4f, \"mb_per_s\": %.3f, \"tokens\": %zu, "
-              "\"load_seconds\": %.3f}\n",
-              bytes, passes, elapsed, static_cast<double>(bytes) * passes / elapsed / 1e6, tokens, load);
+  std::printf(
+      "{\"bytes\": %zu, \"passes\": %d, \"seconds\": %.4f, \"mb_per_s\": %.3f, \"tokens\": %zu, "
+      "\"load_seconds\": %.3f}\n",
+      bytes, passes, elapsed, static_cast<double>(bytes) * passes / elapsed / 1e6, tokens, load);
   return 0;
 }

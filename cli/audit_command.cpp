@@ -3,8 +3,8 @@
 #include <optional>
 #include <string>
 
-#include "cli/commands.h"
 #include "cli/audit_html.h"
+#include "cli/commands.h"
 #include "cli/output.h"
 #include "cli/store_common.h"
 #include "core/mapped_file.h"

@@ -98,8 +98,8 @@ std::string TimelineSvg(const AuditReport& r) {
   }
   // Activations: a dashed link from the version to the receiver's marker.
   for (const auto& e : r.receivers) {
-    const size_t i = runs.size() + static_cast<size_t>(std::find(receivers.begin(), receivers.end(), e.receiver) -
-                                                       receivers.begin());
+    const size_t i = runs.size() +
+                     static_cast<size_t>(std::find(receivers.begin(), receivers.end(), e.receiver) - receivers.begin());
     const double ex = x(static_cast<double>(e.time_ns)), ey = row_y(i);
     auto p = position.find(e.version);
     if (p != position.end()) {
@@ -108,18 +108,19 @@ std::string TimelineSvg(const AuditReport& r) {
     }
     const bool bad = !e.known_version || (e.computed && !e.digest_matched);
     const std::string color = bad ? "#dc2626" : "#16a34a";
-    const std::string title = "<title>" + EscapeHtml(e.receiver + " " + std::string(EventTypeName(e.type)) + " " +
-                                                     ShortId(e.version) + " at " + IsoTime(e.time_ns) +
-                                                     (e.computed ? (e.digest_matched ? ", digest matched"
-                                                                                     : ", digest MISMATCH")
-                                                                 : "")) +
-                              "</title>";
+    const std::string title =
+        "<title>" +
+        EscapeHtml(e.receiver + " " + std::string(EventTypeName(e.type)) + " " + ShortId(e.version) + " at " +
+                   IsoTime(e.time_ns) +
+                   (e.computed ? (e.digest_matched ? ", digest matched" : ", digest MISMATCH") : "")) +
+        "</title>";
     if (e.type == Event::Type::kActivated) {
       s += "<rect x=\"" + Num(ex - 6) + "\" y=\"" + Num(ey - 6) + "\" width=\"12\" height=\"12\" fill=\"" + color +
            "\">" + title + "</rect>\n";
     } else {
-      s += "<rect x=\"" + Num(ex - 5) + "\" y=\"" + Num(ey - 5) + "\" width=\"10\" height=\"10\" fill=\"white\" stroke=\"" +
-           color + "\" stroke-width=\"2\">" + title + "</rect>\n";
+      s += "<rect x=\"" + Num(ex - 5) + "\" y=\"" + Num(ey - 5) +
+           "\" width=\"10\" height=\"10\" fill=\"white\" stroke=\"" + color + "\" stroke-width=\"2\">" + title +
+           "</rect>\n";
     }
   }
   std::set<Digest> anomalous;
@@ -130,15 +131,16 @@ std::string TimelineSvg(const AuditReport& r) {
     s += "<circle cx=\"" + Num(px) + "\" cy=\"" + Num(py) + "\" r=\"7\" fill=\"" + KindColor(e.version.kind) + "\"" +
          (bad ? " stroke=\"#dc2626\" stroke-width=\"3\"" : "") + "><title>" +
          EscapeHtml("seq " + std::to_string(e.version.sequence) + " " + std::string(KindName(e.version.kind)) + " " +
-                    ShortId(e.version.id) + (e.version.step ? " step " + std::to_string(*e.version.step) : "") + " at " +
-                    IsoTime(e.version.time_ns)) +
+                    ShortId(e.version.id) + (e.version.step ? " step " + std::to_string(*e.version.step) : "") +
+                    " at " + IsoTime(e.version.time_ns)) +
          "</title></circle>\n";
-    s += "<text x=\"" + Num(px) + "\" y=\"" + Num(py - 11) + "\" font-size=\"10\" text-anchor=\"middle\" fill=\"#374151\">" +
-         std::to_string(e.version.sequence) + "</text>\n";
+    s += "<text x=\"" + Num(px) + "\" y=\"" + Num(py - 11) +
+         "\" font-size=\"10\" text-anchor=\"middle\" fill=\"#374151\">" + std::to_string(e.version.sequence) +
+         "</text>\n";
   }
   const double axis_y = kTop + kRow * static_cast<double>(rows) + 14;
-  s += "<text x=\"" + Num(kLeft) + "\" y=\"" + Num(axis_y) + "\" font-size=\"11\" fill=\"#6b7280\">" +
-       IsoTime(tmin) + "</text>\n";
+  s += "<text x=\"" + Num(kLeft) + "\" y=\"" + Num(axis_y) + "\" font-size=\"11\" fill=\"#6b7280\">" + IsoTime(tmin) +
+       "</text>\n";
   s += "<text x=\"" + Num(kWidth - kRight) + "\" y=\"" + Num(axis_y) +
        "\" font-size=\"11\" text-anchor=\"end\" fill=\"#6b7280\">" + IsoTime(tmax) + "</text>\n";
   s += "</svg>\n";
@@ -182,8 +184,8 @@ std::string MetricSvg(const AuditReport& r, const std::string& metric) {
     if (py < 0) continue;
     s += "<line x1=\"" + Num(kL - 4) + "\" x2=\"" + Num(kW - kR) + "\" y1=\"" + Num(py) + "\" y2=\"" + Num(py) +
          "\" stroke=\"#f3f4f6\"/>\n";
-    s += "<text x=\"" + Num(kL - 6) + "\" y=\"" + Num(py + 4) + "\" font-size=\"10\" text-anchor=\"end\" fill=\"#6b7280\">" +
-         Num(yv) + "</text>\n";
+    s += "<text x=\"" + Num(kL - 6) + "\" y=\"" + Num(py + 4) +
+         "\" font-size=\"10\" text-anchor=\"end\" fill=\"#6b7280\">" + Num(yv) + "</text>\n";
   }
   s += "<text x=\"" + Num(kL) + "\" y=\"" + Num(kH - kB + 16) + "\" font-size=\"10\" fill=\"#6b7280\">" + Num(xlo) +
        "</text>\n";
@@ -211,8 +213,8 @@ std::string MetricSvg(const AuditReport& r, const std::string& metric) {
 }
 
 // The metrics plotted per step for a training run, TRL's names.
-constexpr const char* kStepPlots[] = {"reward",        "kl", "entropy", "completions/mean_length",
-                                      "sampling/sampling_logp_difference/mean", "learning_rate"};
+constexpr const char* kStepPlots[] = {
+    "reward", "kl", "entropy", "completions/mean_length", "sampling/sampling_logp_difference/mean", "learning_rate"};
 
 // The steps as a timeline of one point per step (MetricSvg plots it by step).
 AuditReport StepsAsTimeline(const AuditReport& r) {
@@ -233,8 +235,7 @@ std::string StepMetric(const store::StepEntry& e, const char* name) {
 }
 
 std::string StepsSection(const AuditReport& r) {
-  std::string s = "<h2 id=\"steps\">Training steps</h2>\n<p>" + std::to_string(r.steps.size()) +
-                  " steps. Generators: ";
+  std::string s = "<h2 id=\"steps\">Training steps</h2>\n<p>" + std::to_string(r.steps.size()) + " steps. Generators: ";
   if (r.generators.empty()) s += "none acknowledged a step";
   for (size_t i = 0; i < r.generators.size(); ++i) {
     const auto& g = r.generators[i];
@@ -265,8 +266,8 @@ std::string StepsSection(const AuditReport& r) {
     s += "<tr><td>" + std::to_string(e.step) + "</td><td><code>" +
          (e.adapter_version ? ShortId(*e.adapter_version) : "-") + "</code></td><td><code>" +
          (e.merged_version ? ShortId(*e.merged_version) : "-") + "</code></td>";
-    for (const char* m : {"reward", "kl", "entropy", "completions/mean_length", "sampling/sampling_logp_difference/mean",
-                          "learning_rate", "loss", "grad_norm"}) {
+    for (const char* m : {"reward", "kl", "entropy", "completions/mean_length",
+                          "sampling/sampling_logp_difference/mean", "learning_rate", "loss", "grad_norm"}) {
       s += "<td>" + StepMetric(e, m) + "</td>";
     }
     s += "<td>" + (acks.empty() ? std::string("-") : acks) + "</td><td class=\"bad\">" +
@@ -293,9 +294,8 @@ std::string AuditToHtml(const AuditReport& r, std::string_view title) {
       EscapeHtml(title) + "</h1>\n";
   s += "<p>" + std::to_string(r.timeline.size()) + " versions, " +
        (r.steps.empty() ? std::string() : std::to_string(r.steps.size()) + " training steps, ") +
-       std::to_string(r.receivers.size()) +
-       " receiver events, <span class=\"" + (r.anomalies.empty() ? "ok" : "bad") + "\">" +
-       std::to_string(r.anomalies.size()) + " anomalies</span>.</p>\n";
+       std::to_string(r.receivers.size()) + " receiver events, <span class=\"" + (r.anomalies.empty() ? "ok" : "bad") +
+       "\">" + std::to_string(r.anomalies.size()) + " anomalies</span>.</p>\n";
 
   s += "<h2 id=\"anomalies\">Anomalies</h2>\n";
   if (r.anomalies.empty()) s += "<p class=\"ok\">None.</p>\n";
@@ -357,9 +357,10 @@ std::string AuditToHtml(const AuditReport& r, std::string_view title) {
   if (r.receivers.empty()) {
     s += "<p>No receiver events recorded.</p>\n";
   } else {
-    s += "<table>\n<tr><th>time</th><th>receiver</th><th>event</th><th>version</th><th>run / seq</th><th>digest</th></tr>\n";
+    s += "<table>\n<tr><th>time</th><th>receiver</th><th>event</th><th>version</th><th>run / "
+         "seq</th><th>digest</th></tr>\n";
     for (const auto& e : r.receivers) {
-      const std::string digest = !e.computed         ? "<td>not reported</td>"
+      const std::string digest = !e.computed        ? "<td>not reported</td>"
                                  : e.digest_matched ? "<td class=\"ok\">matched</td>"
                                                     : "<td class=\"bad\">MISMATCH (" + ShortId(*e.computed) + ")</td>";
       s += "<tr><td>" + IsoTime(e.time_ns) + "</td><td>" + EscapeHtml(e.receiver) + "</td><td>" +

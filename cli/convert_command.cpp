@@ -60,8 +60,7 @@ void RunConvert(const ConvertFlags& f) {
         FailWithHint(summary.status(), summary.status().code(), "use --layout hf (or --layout fused)");
       case ConvertRemedy::kReplaceOutput:
         FailWithHint(summary.status(), summary.status().code(), "pass --force to replace it");
-      case ConvertRemedy::kNone:
-        break;
+      case ConvertRemedy::kNone: break;
     }
     Fail(summary.status());
   }
@@ -70,13 +69,12 @@ void RunConvert(const ConvertFlags& f) {
     return;
   }
   for (const auto& w : summary->warnings) std::fprintf(stderr, "ferry: warning: %s\n", w.c_str());
-  std::printf("wrote %s (layout %s): %lld tensors, %lld changed, %lld LoRA modules%s%s, %s in %.2f s\n",
-              summary->out.c_str(), std::string(LayoutName(summary->layout)).c_str(),
-              static_cast<long long>(summary->tensors_written), static_cast<long long>(summary->tensors_changed),
-              static_cast<long long>(summary->lora_modules),
-              summary->dequantized ? (", " + std::to_string(summary->dequantized) + " 4-bit weights dequantized").c_str() : "",
-              summary->untied_lm_head ? ", lm_head untied" : "", HumanBytes(summary->bytes_written).c_str(),
-              summary->seconds);
+  std::printf(
+      "wrote %s (layout %s): %lld tensors, %lld changed, %lld LoRA modules%s%s, %s in %.2f s\n", summary->out.c_str(),
+      std::string(LayoutName(summary->layout)).c_str(), static_cast<long long>(summary->tensors_written),
+      static_cast<long long>(summary->tensors_changed), static_cast<long long>(summary->lora_modules),
+      summary->dequantized ? (", " + std::to_string(summary->dequantized) + " 4-bit weights dequantized").c_str() : "",
+      summary->untied_lm_head ? ", lm_head untied" : "", HumanBytes(summary->bytes_written).c_str(), summary->seconds);
   if (summary->layout == Layout::kLora) {
     std::printf("global rank %lld, lora_alpha %.9g (scaling %.9g); per-module scalings baked into lora_A, factors %s",
                 static_cast<long long>(summary->global_rank), summary->global_alpha, summary->global_scaling,
@@ -101,12 +99,15 @@ void SetConvertCommand(CLI::App& app) {
       "  fused  as hf, with q/k/v stacked into qkv_proj and gate/up into gate_up_proj (vLLM's internal layout)\n"
       "  lora   a clean adapter engines can hot-load: lora_A/lora_B only, one global rank and scaling\n"
       "The output appears only when complete; on any error nothing is left at --out. Exit code 1 on error.");
-  cmd->add_option("--base", flags->base, "Base model directory (safetensors, sharded or single, or bitsandbytes 4-bit)")->required();
-  cmd->add_option("--adapter", flags->adapter, "PEFT adapter directory (adapter_config.json + adapter_model.*)")->required();
+  cmd->add_option("--base", flags->base, "Base model directory (safetensors, sharded or single, or bitsandbytes 4-bit)")
+      ->required();
+  cmd->add_option("--adapter", flags->adapter, "PEFT adapter directory (adapter_config.json + adapter_model.*)")
+      ->required();
   cmd->add_option("--out", flags->out, "Output directory (must not exist unless --force)")->required();
   cmd->add_option("--layout", flags->layout, "hf | fused | lora (default hf)");
   cmd->add_option("--dtype", flags->dtype, "Output dtype for floating tensors: f32 | f16 | bf16 (default: the base's)");
-  cmd->add_option("--max-shard-size", flags->max_shard_size, "Shard limit, e.g. 5GB or 500MiB (default: shard like the base)");
+  cmd->add_option("--max-shard-size", flags->max_shard_size,
+                  "Shard limit, e.g. 5GB or 500MiB (default: shard like the base)");
   cmd->add_option("--threads", flags->threads, "Merge threads (default: all cores)");
   cmd->add_flag("--force", flags->force, "Replace an existing output directory");
   cmd->add_flag("--no-fsync", flags->no_fsync,

@@ -132,8 +132,8 @@ Json CallOrFail(const Flags& f, ControlCommand command) {
     if (!holder) Fail("no ferryd is running for " + DirText(f), kExitNotRunning);
   }
   auto client = control::ControlClient::Connect(options);
-  Result<Json> reply = client.ok() ? (*client)->Call(command, std::chrono::milliseconds(f.timeout_ms))
-                                   : Result<Json>(client.status());
+  Result<Json> reply =
+      client.ok() ? (*client)->Call(command, std::chrono::milliseconds(f.timeout_ms)) : Result<Json>(client.status());
   if (reply.ok()) return std::move(*reply);
   if (reply.status().code() == StatusCode::kUnavailable) {
     if (holder) {
@@ -155,9 +155,18 @@ std::string ValueText(const Json& v) { return v.is_string() ? v.get<std::string>
 
 // Known status fields first, in the protocol's order, then any others.
 void PrintStatusText(const Json& j) {
-  static const char* kOrder[] = {"state", "pid", "step", "total_steps", "epoch", "generator_version",
-                                 "last_checkpoint", "reward", "reward_trend", "learning_rate",
-                                 "steps_per_second", "uptime_seconds"};
+  static const char* kOrder[] = {"state",
+                                 "pid",
+                                 "step",
+                                 "total_steps",
+                                 "epoch",
+                                 "generator_version",
+                                 "last_checkpoint",
+                                 "reward",
+                                 "reward_trend",
+                                 "learning_rate",
+                                 "steps_per_second",
+                                 "uptime_seconds"};
   std::vector<std::string> shown;
   for (const char* k : kOrder) {
     if (auto it = j.find(k); it != j.end()) {
@@ -285,7 +294,7 @@ void RunStart(const Flags& f) {
   }
   const std::string ferryd = FerrydPathOrFail();
   const fs::path dir = fs::absolute(f.dir).lexically_normal();
-  std::vector<std::string> args = {ferryd, "train", "--config", fs::absolute(f.config).lexically_normal().string(),
+  std::vector<std::string> args = {ferryd,  "train",     "--config", fs::absolute(f.config).lexically_normal().string(),
                                    "--dir", dir.string()};
   if (f.max_steps > 0) {
     args.push_back("--max-steps");
@@ -365,8 +374,8 @@ void RunStart(const Flags& f) {
     PrintJson(Json{{"pid", pid}, {"dir", dir.string()}, {"log", log.string()}});
   } else {
     std::printf("%d\n", static_cast<int>(pid));
-    std::fprintf(stderr, "ferry: ferryd pid %d is running in %s (log: %s)\n", static_cast<int>(pid),
-                 dir.c_str(), log.c_str());
+    std::fprintf(stderr, "ferry: ferryd pid %d is running in %s (log: %s)\n", static_cast<int>(pid), dir.c_str(),
+                 log.c_str());
   }
   std::fflush(stdout);
 }
@@ -470,7 +479,8 @@ void RunMetrics(const Flags& f) {
       auto update = tail.Poll();
       if (!update.ok()) Fail(update.status());
       if (update->rewritten) {
-        std::fprintf(stderr, "ferry: %s was truncated or replaced (a resumed run?); continuing from its first changed line\n",
+        std::fprintf(stderr,
+                     "ferry: %s was truncated or replaced (a resumed run?); continuing from its first changed line\n",
                      file.c_str());
         number = 0;  // line numbers restart; replayed lines are counted below
       }
@@ -495,7 +505,8 @@ void RunLogs(const Flags& f) {
     for (;;) {
       auto update = tail.Poll();
       if (!update.ok()) Fail(update.status());
-      if (update->rewritten) std::fprintf(stderr, "ferry: %s was truncated or replaced; reading it again\n", file.c_str());
+      if (update->rewritten)
+        std::fprintf(stderr, "ferry: %s was truncated or replaced; reading it again\n", file.c_str());
       for (const std::string& line : update->lines) std::printf("%s\n", line.c_str());
       std::fflush(stdout);
       if (update->lines.empty()) break;
@@ -516,8 +527,9 @@ void RunLogs(const Flags& f) {
 }  // namespace
 
 void SetDaemonCommand(CLI::App& app) {
-  auto* daemon = app.add_subcommand("daemon", "Operate ferryd, the GRPO daemon: start, status, pause, resume, "
-                                              "snapshot, stop, metrics, logs");
+  auto* daemon = app.add_subcommand("daemon",
+                                    "Operate ferryd, the GRPO daemon: start, status, pause, resume, "
+                                    "snapshot, stop, metrics, logs");
   daemon->require_subcommand(1);
   // One Flags per subcommand: each has its own defaults (--timeout-ms differs).
   auto flags = std::make_shared<Flags>();

@@ -109,21 +109,18 @@ void PrintJson(const DiffArgs& args, const Checkpoint& a, const Checkpoint& b, c
 // The "detail" column: what changed, or where the largest difference is.
 std::string Detail(const TensorDiff& d) {
   switch (d.status) {
-    case DiffStatus::kMissingInB:
-      return std::string(DTypeName(*d.dtype_a)) + " " + ShapeToString(d.shape_a);
-    case DiffStatus::kExtraInB:
-      return std::string(DTypeName(*d.dtype_b)) + " " + ShapeToString(d.shape_b);
-    case DiffStatus::kShapeChanged:
-      return ShapeToString(d.shape_a) + " -> " + ShapeToString(d.shape_b);
+    case DiffStatus::kMissingInB: return std::string(DTypeName(*d.dtype_a)) + " " + ShapeToString(d.shape_a);
+    case DiffStatus::kExtraInB: return std::string(DTypeName(*d.dtype_b)) + " " + ShapeToString(d.shape_b);
+    case DiffStatus::kShapeChanged: return ShapeToString(d.shape_a) + " -> " + ShapeToString(d.shape_b);
     case DiffStatus::kDTypeChanged:
       return std::string(DTypeName(*d.dtype_a)) + " -> " + std::string(DTypeName(*d.dtype_b));
-    default:
-      break;
+    default: break;
   }
   if (d.max_diff_index < 0) return "";
   std::string s = std::to_string(d.mismatched) + "/" + std::to_string(d.numel) + " differ";
   if (d.compared == CompareMode::kBytes) return s;
-  s += "; at " + Join(UnravelIndex(d.max_diff_index, d.shape_a)) + ": " + Num(d.a_at_max, 8) + " vs " + Num(d.b_at_max, 8);
+  s += "; at " + Join(UnravelIndex(d.max_diff_index, d.shape_a)) + ": " + Num(d.a_at_max, 8) + " vs " +
+       Num(d.b_at_max, 8);
   if (d.nan_mismatches > 0) s += "; " + std::to_string(d.nan_mismatches) + " NaN mismatches";
   if (d.inf_mismatches > 0) s += "; " + std::to_string(d.inf_mismatches) + " inf mismatches";
   return s;
@@ -154,14 +151,15 @@ void PrintTable(const DiffArgs& args, const Checkpoint& a, const Checkpoint& b, 
     }
   }
   const DiffCounts& c = r.counts;
-  std::printf("\n%zu tensors: %lld equal, %lld within tolerance, %lld different, %lld dtype changed, "
-              "%lld shape changed, %lld missing in B, %lld extra in B (atol %g, rtol %g, max ulp %s): %s\n",
-              r.tensors.size(), static_cast<long long>(c.equal), static_cast<long long>(c.within_tolerance),
-              static_cast<long long>(c.different), static_cast<long long>(c.dtype_changed),
-              static_cast<long long>(c.shape_changed), static_cast<long long>(c.missing_in_b),
-              static_cast<long long>(c.extra_in_b), args.atol, args.rtol,
-              args.max_ulp >= 0 ? std::to_string(args.max_ulp).c_str() : "unused",
-              r.equal_within_tolerance ? "EQUAL within tolerance" : "DIFFERENT");
+  std::printf(
+      "\n%zu tensors: %lld equal, %lld within tolerance, %lld different, %lld dtype changed, "
+      "%lld shape changed, %lld missing in B, %lld extra in B (atol %g, rtol %g, max ulp %s): %s\n",
+      r.tensors.size(), static_cast<long long>(c.equal), static_cast<long long>(c.within_tolerance),
+      static_cast<long long>(c.different), static_cast<long long>(c.dtype_changed),
+      static_cast<long long>(c.shape_changed), static_cast<long long>(c.missing_in_b),
+      static_cast<long long>(c.extra_in_b), args.atol, args.rtol,
+      args.max_ulp >= 0 ? std::to_string(args.max_ulp).c_str() : "unused",
+      r.equal_within_tolerance ? "EQUAL within tolerance" : "DIFFERENT");
 }
 
 void RunDiff(const DiffArgs& args) {
@@ -204,8 +202,9 @@ void SetDiffCommand(CLI::App& app) {
   cmd->add_option("B", args->b, "Second checkpoint (the reference for --rtol)");
   cmd->add_option("--atol", args->atol, "Absolute tolerance: |a-b| <= atol + rtol*|b| passes (default 0)");
   cmd->add_option("--rtol", args->rtol, "Relative tolerance, relative to |b| (default 0)");
-  cmd->add_option("--max-ulp", args->max_ulp,
-                  "Also accept elements at most N units in the last place apart, in the coarser dtype (default: unused)");
+  cmd->add_option(
+      "--max-ulp", args->max_ulp,
+      "Also accept elements at most N units in the last place apart, in the coarser dtype (default: unused)");
   cmd->add_flag("--ignore-dtype", args->ignore_dtype,
                 "Compare values of tensors whose dtypes differ (float with float, integer with integer)");
   cmd->add_flag("--json", args->json,

@@ -68,12 +68,14 @@ std::string SelectorText(const ModuleSelector& s) {
 void PrintSummary(const InspectReport& r) {
   std::printf("path:     %s\n", r.path.c_str());
   std::printf("kind:     %s (%s)\n", std::string(InspectKindName(r.kind)).c_str(), r.format.c_str());
-  for (size_t i = 0; i < r.files.size(); ++i) std::printf("%s%s\n", i ? "          " : "files:    ", r.files[i].c_str());
+  for (size_t i = 0; i < r.files.size(); ++i)
+    std::printf("%s%s\n", i ? "          " : "files:    ", r.files[i].c_str());
   std::printf("tensors:  %llu, %s, %llu params\n", static_cast<unsigned long long>(r.totals.count),
               HumanBytes(r.totals.bytes).c_str(), static_cast<unsigned long long>(r.totals.params));
   Table t = {{"DTYPE", "TENSORS", "BYTES", "PARAMS"}};
   for (const DTypeTotal& d : r.totals.by_dtype) {
-    t.push_back({std::string(DTypeName(d.dtype)), std::to_string(d.count), HumanBytes(d.bytes), std::to_string(d.params)});
+    t.push_back(
+        {std::string(DTypeName(d.dtype)), std::to_string(d.count), HumanBytes(d.bytes), std::to_string(d.params)});
   }
   PrintTable(t, "  ");
 }
@@ -90,7 +92,8 @@ void PrintAdapter(const AdapterSummary& a, size_t limit) {
   const PeftConfig& c = a.config;
   std::printf("\nadapter:  %s r=%d lora_alpha=%s use_rslora=%s use_dora=%s bias=%s\n",
               c.peft_type.empty() ? "-" : c.peft_type.c_str(), c.r, Num(c.lora_alpha).c_str(),
-              c.use_rslora ? "true" : "false", c.use_dora ? "true" : "false", std::string(PeftBiasName(c.bias)).c_str());
+              c.use_rslora ? "true" : "false", c.use_dora ? "true" : "false",
+              std::string(PeftBiasName(c.bias)).c_str());
   std::printf("  target_modules:  %s\n", SelectorText(c.target_modules).c_str());
   if (!c.exclude_modules.empty()) std::printf("  exclude_modules: %s\n", SelectorText(c.exclude_modules).c_str());
   std::printf("  modules_to_save: %s\n", c.modules_to_save.empty() ? "-" : Join(c.modules_to_save, ", ").c_str());
@@ -105,7 +108,8 @@ void PrintAdapter(const AdapterSummary& a, size_t limit) {
   }
   std::printf("\n");
   PrintTable(t, "  ");
-  if (limit != 0 && a.modules.size() > limit) std::printf("  ... %zu more modules (--limit)\n", a.modules.size() - limit);
+  if (limit != 0 && a.modules.size() > limit)
+    std::printf("  ... %zu more modules (--limit)\n", a.modules.size() - limit);
 }
 
 std::string TargetText(const PlanTarget& t) {
@@ -133,7 +137,8 @@ std::string FlagsText(const PlanModuleRow& m) {
 }
 
 void PrintPlan(const AdapterPlanReport& p, size_t limit) {
-  std::printf("\nplan onto base %s (tie_word_embeddings %s):\n", p.base.c_str(), p.tie_word_embeddings ? "true" : "false");
+  std::printf("\nplan onto base %s (tie_word_embeddings %s):\n", p.base.c_str(),
+              p.tie_word_embeddings ? "true" : "false");
   if (!p.error.ok()) {
     std::printf("  cannot be planned: %s\n", p.error.message().c_str());
     return;
@@ -149,7 +154,8 @@ void PrintPlan(const AdapterPlanReport& p, size_t limit) {
     }
   }
   PrintTable(t, "  ");
-  if (limit != 0 && p.modules.size() > limit) std::printf("  ... %zu more modules (--limit)\n", p.modules.size() - limit);
+  if (limit != 0 && p.modules.size() > limit)
+    std::printf("  ... %zu more modules (--limit)\n", p.modules.size() - limit);
   if (!p.replacements.empty()) {
     Table r = {{"REPLACED BASE TENSOR", "BY ADAPTER TENSOR", "WHY", "SHAPE", "DTYPE", ""}};
     for (const PlanReplacementRow& x : p.replacements) {
@@ -166,9 +172,10 @@ void PrintPlan(const AdapterPlanReport& p, size_t limit) {
                 x.adapter_key.c_str());
   }
   if (p.untie) {
-    std::printf("  untied lm_head: the base ties %s to %s; the adapter changes it, so a merged model stores %s "
-                "separately (tie_word_embeddings false)\n",
-                p.lm_head.c_str(), p.tied_source.c_str(), p.lm_head.c_str());
+    std::printf(
+        "  untied lm_head: the base ties %s to %s; the adapter changes it, so a merged model stores %s "
+        "separately (tie_word_embeddings false)\n",
+        p.lm_head.c_str(), p.tied_source.c_str(), p.lm_head.c_str());
   }
   if (p.quantized_targets > 0) {
     std::printf("  %zu target(s) are bitsandbytes 4-bit in the base: merging dequantizes them\n", p.quantized_targets);
@@ -183,7 +190,8 @@ void PrintEngine(const EngineReport& e) {
     for (const EngineFinding& f : e.findings) {
       std::string finding = f.message;
       if (f.fix_layout) finding += " [fix: `ferry convert --layout " + std::string(LayoutName(*f.fix_layout)) + "`]";
-      if (f.engine_max_lora_rank > 0) finding += " [vLLM: --max-lora-rank " + std::to_string(f.engine_max_lora_rank) + "]";
+      if (f.engine_max_lora_rank > 0)
+        finding += " [vLLM: --max-lora-rank " + std::to_string(f.engine_max_lora_rank) + "]";
       t.push_back({std::string(EngineSeverityName(f.severity)),
                    std::string(EngineSubjectName(f.subject_kind)) + " " + f.subject, std::move(finding)});
     }

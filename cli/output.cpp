@@ -40,8 +40,11 @@ std::string HumanBytes(uint64_t bytes) {
 }
 
 Progress::Progress(std::string label, uint64_t total_bytes, bool enabled)
-    : label_(std::move(label)), total_(total_bytes), enabled_(enabled && ::isatty(STDERR_FILENO) == 1),
-      start_(std::chrono::steady_clock::now()), last_draw_(start_) {}
+    : label_(std::move(label)),
+      total_(total_bytes),
+      enabled_(enabled && ::isatty(STDERR_FILENO) == 1),
+      start_(std::chrono::steady_clock::now()),
+      last_draw_(start_) {}
 
 Progress::~Progress() { Done(); }
 

@@ -67,8 +67,10 @@ void RunImport(const ImportFlags& f) {
   if (!r.ok()) Fail(r.status());
   const store::VersionRecord& v = r->record;
   if (r->already_present && o.base_version && v.id == *o.base_version) {
-    std::fprintf(stderr, "ferry: warning: %s holds exactly the weights and files of its base version %s: it is "
-                 "recorded as that version (a merge that changed nothing?)\n", f.path.c_str(), ShortId(v.id).c_str());
+    std::fprintf(stderr,
+                 "ferry: warning: %s holds exactly the weights and files of its base version %s: it is "
+                 "recorded as that version (a merge that changed nothing?)\n",
+                 f.path.c_str(), ShortId(v.id).c_str());
   }
   if (f.json) {
     nlohmann::ordered_json j = VersionJson(v, false);
@@ -80,13 +82,12 @@ void RunImport(const ImportFlags& f) {
     return;
   }
   std::printf("%s\n", v.id.Hex().c_str());
-  std::fprintf(stderr, "%s %s as %s version %s (run %s, seq %llu): %zu tensors, %s, %s written%s\n",
-               r->was_derived ? "stored the bytes of derived version:"
-                              : (r->already_present ? "already stored:" : "imported"),
-               f.path.c_str(),
-               std::string(store::KindName(v.kind)).c_str(), ShortId(v.id).c_str(), v.run.c_str(),
-               static_cast<unsigned long long>(v.sequence), v.tensors.size(), HumanBytes(v.total_bytes).c_str(),
-               HumanBytes(r->bytes_written).c_str(), r->already_present && !r->was_derived ? " (nothing new)" : "");
+  std::fprintf(
+      stderr, "%s %s as %s version %s (run %s, seq %llu): %zu tensors, %s, %s written%s\n",
+      r->was_derived ? "stored the bytes of derived version:" : (r->already_present ? "already stored:" : "imported"),
+      f.path.c_str(), std::string(store::KindName(v.kind)).c_str(), ShortId(v.id).c_str(), v.run.c_str(),
+      static_cast<unsigned long long>(v.sequence), v.tensors.size(), HumanBytes(v.total_bytes).c_str(),
+      HumanBytes(r->bytes_written).c_str(), r->already_present && !r->was_derived ? " (nothing new)" : "");
 }
 
 }  // namespace
@@ -95,7 +96,8 @@ void SetStoreCommand(CLI::App& app) {
   CLI::App* store = app.add_subcommand("store", "Record weights in a Ferry store (content-addressed, verifiable)");
   store->require_subcommand(1);
   auto f = std::make_shared<ImportFlags>();
-  CLI::App* cmd = store->add_subcommand("import", "Record a safetensors file, model directory or PEFT adapter as a version");
+  CLI::App* cmd =
+      store->add_subcommand("import", "Record a safetensors file, model directory or PEFT adapter as a version");
   cmd->footer(
       "Prints the version id (the manifest digest: the same weights and configs always get the same id).\n"
       "A directory holding adapter_config.json is recorded as kind adapter; --kind base, merged or full on an\n"
@@ -107,12 +109,14 @@ void SetStoreCommand(CLI::App& app) {
   cmd->add_option("--run", f->run, "Run the version belongs to (default: default)");
   cmd->add_option("--kind", f->kind, "base | adapter | merged | full (default: adapter for PEFT adapters, else full)");
   cmd->add_option("--layout", f->layout, "Layout of the weights: hf | fused | lora (default hf)");
-  cmd->add_option("--base-version", f->base_version, "Version (id or prefix) an adapter applies to / a merge came from");
+  cmd->add_option("--base-version", f->base_version,
+                  "Version (id or prefix) an adapter applies to / a merge came from");
   cmd->add_option("--adapter-version", f->adapter_version, "For merged versions: the adapter version merged in");
   cmd->add_option("--parent", f->parent, "Parent version (default: the run's latest)");
   cmd->add_option("--step", f->step, "Training step");
   cmd->add_option("--metric", f->metrics, "Metric key=value (repeatable), e.g. --metric reward_mean=0.41");
-  cmd->add_flag("--json", f->json, "Print the version as JSON (id, run, sequence, bytes_written, already_present, ...)");
+  cmd->add_flag("--json", f->json,
+                "Print the version as JSON (id, run, sequence, bytes_written, already_present, ...)");
   cmd->callback([f] { RunImport(*f); });
 }
 

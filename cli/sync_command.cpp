@@ -427,7 +427,8 @@ void SetSyncCommand(CLI::App& app) {
                       "(only tensors the receiver lacks) (default: merged)");
   publish->add_option("--watch", pf->watch,
                       "Trainer output directory: each new checkpoint subdirectory (PEFT adapter or full model) is "
-                      "imported, merged onto --base when an adapter, and published (default: serve the run's newest publishable version)");
+                      "imported, merged onto --base when an adapter, and published (default: serve the run's newest "
+                      "publishable version)");
   publish->add_option("--base", pf->base,
                       "With --watch: the base version id, or a base model directory (imported when new)");
   publish->add_option("--layout", pf->layout,

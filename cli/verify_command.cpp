@@ -109,14 +109,22 @@ void RunVerifyPath(const VerifyPathFlags& f) {
     }
     if (ok) return;
     if (!f.json) {
-      for (const auto& t : c.mismatched) std::fprintf(stderr, "  tensor %s: digest differs from the record\n", t.c_str());
-      for (const auto& t : c.missing) std::fprintf(stderr, "  tensor %s: recorded but missing from %s\n", t.c_str(), f.path.c_str());
-      for (const auto& t : c.extra) std::fprintf(stderr, "  tensor %s: in %s but not recorded\n", t.c_str(), f.path.c_str());
+      for (const auto& t : c.mismatched)
+        std::fprintf(stderr, "  tensor %s: digest differs from the record\n", t.c_str());
+      for (const auto& t : c.missing)
+        std::fprintf(stderr, "  tensor %s: recorded but missing from %s\n", t.c_str(), f.path.c_str());
+      for (const auto& t : c.extra)
+        std::fprintf(stderr, "  tensor %s: in %s but not recorded\n", t.c_str(), f.path.c_str());
     }
     std::string detail;
-    if (!c.mismatched.empty()) detail += std::to_string(c.mismatched.size()) + " differ (" + JoinNames(c.mismatched, 5) + ")";
-    if (!c.missing.empty()) detail += (detail.empty() ? "" : "; ") + std::to_string(c.missing.size()) + " missing (" + JoinNames(c.missing, 5) + ")";
-    if (!c.extra.empty()) detail += (detail.empty() ? "" : "; ") + std::to_string(c.extra.size()) + " extra (" + JoinNames(c.extra, 5) + ")";
+    if (!c.mismatched.empty())
+      detail += std::to_string(c.mismatched.size()) + " differ (" + JoinNames(c.mismatched, 5) + ")";
+    if (!c.missing.empty())
+      detail += (detail.empty() ? "" : "; ") + std::to_string(c.missing.size()) + " missing (" +
+                JoinNames(c.missing, 5) + ")";
+    if (!c.extra.empty())
+      detail +=
+          (detail.empty() ? "" : "; ") + std::to_string(c.extra.size()) + " extra (" + JoinNames(c.extra, 5) + ")";
     Fail(f.path + " does not match version " + Describe(*target) + " in store " + f.db + ": " + detail);
   }
 

@@ -79,8 +79,9 @@ void RunList(const ListFlags& f) {
                 FormatTime(v->time_ns).c_str(), Metrics(*v).c_str());
   }
   if (any_derived) {
-    std::printf("* derived: recorded by its digests only; `ferry versions materialize` rebuilds it from its base "
-                "and adapter\n");
+    std::printf(
+        "* derived: recorded by its digests only; `ferry versions materialize` rebuilds it from its base "
+        "and adapter\n");
   }
 }
 
@@ -105,16 +106,17 @@ void RunShow(const ShowFlags& f) {
   }
   std::printf("version   %s\n", v.id.Hex().c_str());
   std::printf("run       %s (sequence %llu)\n", v.run.c_str(), static_cast<unsigned long long>(v.sequence));
-  std::printf("kind      %s, layout %s, source %s\n", std::string(store::KindName(v.kind)).c_str(), std::string(LayoutName(v.layout)).c_str(),
-              std::string(store::SourceName(v.source)).c_str());
+  std::printf("kind      %s, layout %s, source %s\n", std::string(store::KindName(v.kind)).c_str(),
+              std::string(LayoutName(v.layout)).c_str(), std::string(store::SourceName(v.source)).c_str());
   std::printf("time      %s\n", FormatTime(v.time_ns).c_str());
   if (v.step) std::printf("step      %lld\n", static_cast<long long>(*v.step));
   if (v.parent) std::printf("parent    %s\n", v.parent->Hex().c_str());
   if (v.base_version) std::printf("base      %s\n", v.base_version->Hex().c_str());
   if (v.adapter_version) std::printf("adapter   %s\n", v.adapter_version->Hex().c_str());
   if (v.derived) {
-    std::printf("derived   no tensor bytes stored: the merge of its adapter onto its base "
-                "(`ferry versions materialize` rebuilds it)\n");
+    std::printf(
+        "derived   no tensor bytes stored: the merge of its adapter onto its base "
+        "(`ferry versions materialize` rebuilds it)\n");
   }
   if (!v.metrics.empty()) std::printf("metrics   %s\n", Metrics(v).c_str());
   std::printf("size      %s in %zu tensors\n", HumanBytes(v.total_bytes).c_str(), v.tensors.size());
@@ -132,13 +134,14 @@ void RunShow(const ShowFlags& f) {
   }
   if (!v.aux.empty()) {
     std::printf("\nauxiliary files\n");
-    for (const auto& a : v.aux) std::printf("  %-28s %10s  %s\n", a.name.c_str(), HumanBytes(a.size).c_str(), a.digest.Hex().c_str());
+    for (const auto& a : v.aux)
+      std::printf("  %-28s %10s  %s\n", a.name.c_str(), HumanBytes(a.size).c_str(), a.digest.Hex().c_str());
   }
   if (!events->empty()) {
     std::printf("\nevents\n");
     for (const auto& e : *events) {
-      std::printf("  %s  %-12s %s%s%s\n", FormatTime(e.time_ns).c_str(), std::string(store::EventTypeName(e.type)).c_str(),
-                  e.receiver.c_str(),
+      std::printf("  %s  %-12s %s%s%s\n", FormatTime(e.time_ns).c_str(),
+                  std::string(store::EventTypeName(e.type)).c_str(), e.receiver.c_str(),
                   e.computed ? (*e.computed == e.version ? " (digest matched)" : " (digest MISMATCH)") : "",
                   e.detail.empty() ? "" : (" " + e.detail).c_str());
     }
@@ -275,7 +278,8 @@ void RunVerify(const VerifyFlags& f) {
   for (const auto& r : *reports) {
     if (r.ok()) continue;
     ++bad;
-    for (const auto& t : r.missing) problems.push_back("version " + ShortId(r.version) + ": tensor " + t + " is missing");
+    for (const auto& t : r.missing)
+      problems.push_back("version " + ShortId(r.version) + ": tensor " + t + " is missing");
     for (const auto& t : r.corrupted) {
       problems.push_back("version " + ShortId(r.version) + ": tensor " + t + " is corrupted");
     }
@@ -294,12 +298,13 @@ void RunVerify(const VerifyFlags& f) {
     std::printf("%s\n", JsonText(j, 2).c_str());
   } else {
     for (const auto& r : *reports) {
-      std::string state = r.ok() ? "ok" : std::to_string(r.corrupted.size()) + " corrupted, " +
-                                              std::to_string(r.missing.size()) + " missing";
+      std::string state =
+          r.ok() ? "ok"
+                 : std::to_string(r.corrupted.size()) + " corrupted, " + std::to_string(r.missing.size()) + " missing";
       if (r.derived) {
-        state += r.dependencies.empty() ? " (derived: base and adapter intact)"
-                                        : " (derived: " + std::to_string(r.dependencies.size()) +
-                                              " problems in its base or adapter)";
+        state += r.dependencies.empty()
+                     ? " (derived: base and adapter intact)"
+                     : " (derived: " + std::to_string(r.dependencies.size()) + " problems in its base or adapter)";
       }
       std::printf("%s  %s\n", ShortId(r.version).c_str(), state.c_str());
     }
@@ -357,10 +362,11 @@ void RunMaterialize(const MaterializeFlags& f) {
               ShortId(v.id).c_str(), r->merged ? (" merged into base " + ShortId(*v.base_version)).c_str() : "",
               std::string(LayoutName(*layout)).c_str());
   if (r->checked_against) {
-    std::printf("checked against recorded merged version %s: %lld tensors identical, %lld within tolerance "
-                "(max abs diff %.3g)\n",
-                ShortId(*r->checked_against).c_str(), static_cast<long long>(r->tensors_identical),
-                static_cast<long long>(r->tensors_within_tolerance), r->max_abs_diff);
+    std::printf(
+        "checked against recorded merged version %s: %lld tensors identical, %lld within tolerance "
+        "(max abs diff %.3g)\n",
+        ShortId(*r->checked_against).c_str(), static_cast<long long>(r->tensors_identical),
+        static_cast<long long>(r->tensors_within_tolerance), r->max_abs_diff);
   } else if (r->merged) {
     std::printf("no merged version of this base and adapter is recorded: nothing to check against\n");
   }
@@ -389,9 +395,11 @@ void RunGc(const GcFlags& f) {
 }  // namespace
 
 void SetVersionsCommand(CLI::App& app) {
-  CLI::App* versions = app.add_subcommand("versions", "List, inspect, compare, verify, materialise and collect versions");
+  CLI::App* versions =
+      app.add_subcommand("versions", "List, inspect, compare, verify, materialise and collect versions");
   versions->require_subcommand(1);
-  versions->footer("Versions are named by id or by a unique prefix of at least 6 hex characters. Exit code 1 on error.");
+  versions->footer(
+      "Versions are named by id or by a unique prefix of at least 6 hex characters. Exit code 1 on error.");
 
   auto lf = std::make_shared<ListFlags>();
   CLI::App* list = versions->add_subcommand("list", "List versions, oldest first");
@@ -402,20 +410,23 @@ void SetVersionsCommand(CLI::App& app) {
   list->callback([lf] { RunList(*lf); });
 
   auto sf = std::make_shared<ShowFlags>();
-  CLI::App* show = versions->add_subcommand("show", "Show a version: record, tensors (digests, norms), aux files, events");
+  CLI::App* show =
+      versions->add_subcommand("show", "Show a version: record, tensors (digests, norms), aux files, events");
   show->add_option("V", sf->version, "Version id or prefix")->required();
   show->add_option("--db", sf->db, "Store directory")->required();
   show->add_flag("--json", sf->json, "Print JSON");
   show->callback([sf] { RunShow(*sf); });
 
   auto df = std::make_shared<DiffFlags>();
-  CLI::App* diff = versions->add_subcommand("diff", "Compare two versions' tensors by digest (changed/added/removed, norms)");
+  CLI::App* diff =
+      versions->add_subcommand("diff", "Compare two versions' tensors by digest (changed/added/removed, norms)");
   diff->add_option("V1", df->a, "First version")->required();
   diff->add_option("V2", df->b, "Second version")->required();
   diff->add_option("--db", df->db, "Store directory")->required();
   diff->add_flag("--all", df->all, "Also list unchanged tensors");
   diff->add_flag("--json", df->json, "Print JSON");
-  diff->add_flag("--exit-code", df->exit_code, "Exit 3 when the versions differ (tensors or auxiliary files), as ferry diff");
+  diff->add_flag("--exit-code", df->exit_code,
+                 "Exit 3 when the versions differ (tensors or auxiliary files), as ferry diff");
   diff->footer("Exit code 0 whether or not the versions differ (3 when they differ with --exit-code); 1 on error.");
   diff->callback([df] { RunDiff(*df); });
 
@@ -449,7 +460,8 @@ void SetVersionsCommand(CLI::App& app) {
   auto gf = std::make_shared<GcFlags>();
   CLI::App* gc = versions->add_subcommand("gc", "Delete old versions and the objects no kept version uses");
   gc->add_option("--db", gf->db, "Store directory")->required();
-  gc->add_option("--keep", gf->keep, "Versions to keep per run (newest), plus every version they reference")->required();
+  gc->add_option("--keep", gf->keep, "Versions to keep per run (newest), plus every version they reference")
+      ->required();
   gc->add_flag("--json", gf->json, "Print JSON");
   gc->callback([gf] { RunGc(*gf); });
 }

@@ -47,10 +47,12 @@ Result<QuantState4bit> ParseState(const Checkpoint& c, const std::string& state_
   }
   auto j = nlohmann::json::parse(reinterpret_cast<const char*>(st.data()),
                                  reinterpret_cast<const char*>(st.data()) + st.nbytes(), nullptr, false);
-  if (j.is_discarded() || !j.is_object()) return Status::Corruption(where + ": " + Q(state_key) + " is not a JSON object");
+  if (j.is_discarded() || !j.is_object())
+    return Status::Corruption(where + ": " + Q(state_key) + " is not a JSON object");
   auto str = [&](const char* k) -> Result<std::string> {
     auto it = j.find(k);
-    if (it == j.end() || !it->is_string()) return Status::Corruption(where + ": " + Q(state_key) + ": field " + Q(k) + " missing or not a string");
+    if (it == j.end() || !it->is_string())
+      return Status::Corruption(where + ": " + Q(state_key) + ": field " + Q(k) + " missing or not a string");
     return it->get<std::string>();
   };
   FERRY_ASSIGN_OR_RETURN(qs.quant_type, str("quant_type"));
@@ -65,7 +67,8 @@ Result<QuantState4bit> ParseState(const Checkpoint& c, const std::string& state_
   if (!dt.ok()) return dt.status().WithContext(where + ": " + Q(state_key));
   qs.dtype = *dt;
   auto bs = j.find("blocksize");
-  if (bs == j.end() || !bs->is_number_unsigned()) return Status::Corruption(where + ": " + Q(state_key) + ": 'blocksize' missing");
+  if (bs == j.end() || !bs->is_number_unsigned())
+    return Status::Corruption(where + ": " + Q(state_key) + ": 'blocksize' missing");
   qs.blocksize = bs->get<int64_t>();
   if (qs.blocksize < 32 || qs.blocksize > 4096 || (qs.blocksize & (qs.blocksize - 1)) != 0) {
     return Status::Corruption(where + ": " + Q(state_key) + ": blocksize " + std::to_string(qs.blocksize) +
@@ -87,21 +90,24 @@ Result<QuantState4bit> ParseState(const Checkpoint& c, const std::string& state_
     auto nb = j.find("nested_blocksize");
     auto off = j.find("nested_offset");
     if (nb == j.end() || !nb->is_number_unsigned() || off == j.end() || !off->is_number()) {
-      return Status::Corruption(where + ": " + Q(state_key) + ": double quantization needs 'nested_blocksize' and 'nested_offset'");
+      return Status::Corruption(where + ": " + Q(state_key) +
+                                ": double quantization needs 'nested_blocksize' and 'nested_offset'");
     }
     qs.nested_blocksize = nb->get<int64_t>();
     if (qs.nested_blocksize < 1 || qs.nested_blocksize > 65536) {
       return Status::Corruption(where + ": " + Q(state_key) + ": nested_blocksize out of range");
     }
     qs.nested_offset = off->get<float>();
-    if (!std::isfinite(qs.nested_offset)) return Status::Corruption(where + ": " + Q(state_key) + ": nested_offset is not finite");
+    if (!std::isfinite(qs.nested_offset))
+      return Status::Corruption(where + ": " + Q(state_key) + ": nested_offset is not finite");
   }
   // Validate companions.
   const int64_t nblocks = (n + qs.blocksize - 1) / qs.blocksize;
   FERRY_ASSIGN_OR_RETURN(Tensor packed, c.Get(qs.weight));
   if (static_cast<int64_t>(packed.nbytes()) != (n + 1) / 2) {
     return Status::Corruption(where + ": " + Q(qs.weight) + " holds " + std::to_string(packed.nbytes()) +
-                              " bytes but shape " + ShapeToString(qs.shape) + " packs into " + std::to_string((n + 1) / 2));
+                              " bytes but shape " + ShapeToString(qs.shape) + " packs into " +
+                              std::to_string((n + 1) / 2));
   }
   FERRY_RETURN_IF_ERROR(Need(c, qs.weight + ".absmax", qs.nested ? DType::kU8 : DType::kF32, nblocks, where).status());
   FERRY_RETURN_IF_ERROR(Need(c, qs.weight + ".quant_map", DType::kF32, 16, where).status());
@@ -124,7 +130,8 @@ Result<std::map<std::string, QuantState4bit>> FindQuantized4bit(const Checkpoint
     if (name.find(kStateInfix) == std::string::npos) continue;
     FERRY_ASSIGN_OR_RETURN(QuantState4bit qs, ParseState(ckpt, name));
     if (out.count(qs.weight)) {
-      return Status::Corruption(ckpt.FileOf(name).string() + ": weight " + Q(qs.weight) + " has more than one quant_state");
+      return Status::Corruption(ckpt.FileOf(name).string() + ": weight " + Q(qs.weight) +
+                                " has more than one quant_state");
     }
     out.emplace(qs.weight, std::move(qs));
   }
@@ -140,8 +147,8 @@ std::set<std::string> QuantAuxKeys(const std::map<std::string, QuantState4bit>& 
 Status Dequantize4bitWeight(const Checkpoint& c, const QuantState4bit& qs, std::span<float> out) {
   FERRY_ASSIGN_OR_RETURN(int64_t n, CheckedNumel(qs.shape));
   if (static_cast<int64_t>(out.size()) != n) {
-    return Status::InvalidArgument("Dequantize4bitWeight: output for " + Q(qs.weight) + " has " + std::to_string(out.size()) +
-                                   " elements, expected " + std::to_string(n));
+    return Status::InvalidArgument("Dequantize4bitWeight: output for " + Q(qs.weight) + " has " +
+                                   std::to_string(out.size()) + " elements, expected " + std::to_string(n));
   }
   const int64_t nblocks = (n + qs.blocksize - 1) / qs.blocksize;
   FERRY_ASSIGN_OR_RETURN(Tensor packed, c.Get(qs.weight));

@@ -26,11 +26,11 @@
 namespace ferry {
 
 struct QuantState4bit {
-  std::string weight;        // "model.layers.0.self_attn.q_proj.weight"
-  std::string quant_type;    // "nf4" or "fp4"
+  std::string weight;      // "model.layers.0.self_attn.q_proj.weight"
+  std::string quant_type;  // "nf4" or "fp4"
   int64_t blocksize = 64;
   DType dtype = DType::kBF16;  // the dtype the weight had before quantization
-  Shape shape;               // the unpacked (out, in) shape
+  Shape shape;                 // the unpacked (out, in) shape
   bool nested = false;
   int64_t nested_blocksize = 256;
   float nested_offset = 0.0f;

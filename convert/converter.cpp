@@ -5,12 +5,12 @@
 
 #include <algorithm>
 #include <chrono>
-#include <condition_variable>
-#include <deque>
-#include <mutex>
 #include <cmath>
+#include <condition_variable>
 #include <cstring>
+#include <deque>
 #include <map>
+#include <mutex>
 #include <set>
 #include <thread>
 
@@ -18,8 +18,8 @@
 
 #include "convert/fused_layout.h"
 #include "convert/lora_layout.h"
-#include "convert/model_config.h"
 #include "convert/merge_plan.h"
+#include "convert/model_config.h"
 #include "convert/peft_config.h"
 #include "core/aux_files.h"
 #include "core/checkpoint.h"
@@ -34,7 +34,6 @@ namespace {
 
 namespace fs = std::filesystem;
 using ojson = nlohmann::ordered_json;
-
 
 // Converts fp32 values to `dtype` in chunks and appends them to the writer.
 Status AppendF32As(SafetensorsWriter& w, std::span<const float> values, DType dtype) {
@@ -226,9 +225,8 @@ class MergeWriter {
       auto it = file_index.find(base_.FileOf(n));
       items.push_back({it == file_index.end() ? 0 : it->second, base_.Info(n)->begin, n});
     }
-    std::sort(items.begin(), items.end(), [](const Item& a, const Item& b) {
-      return a.file != b.file ? a.file < b.file : a.offset < b.offset;
-    });
+    std::sort(items.begin(), items.end(),
+              [](const Item& a, const Item& b) { return a.file != b.file ? a.file < b.file : a.offset < b.offset; });
     // Output tensors in storage order (an untied lm_head right after its source), then the
     // fused layout's groups in place of their first member (convert/fused_layout.h).
     std::vector<TensorSpec> specs;
@@ -424,10 +422,11 @@ Result<uint64_t> ParseByteSize(std::string_view text) {
   std::string unit = t.substr(i);
   for (auto& c : unit) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
   static const std::map<std::string, double> kUnits = {
-      {"", 1}, {"B", 1}, {"KB", 1e3}, {"MB", 1e6}, {"GB", 1e9}, {"TB", 1e12},
-      {"KIB", 1024.0}, {"MIB", 1048576.0}, {"GIB", 1073741824.0}, {"TIB", 1099511627776.0}};
+      {"", 1},      {"B", 1},        {"KB", 1e3},        {"MB", 1e6},           {"GB", 1e9},
+      {"TB", 1e12}, {"KIB", 1024.0}, {"MIB", 1048576.0}, {"GIB", 1073741824.0}, {"TIB", 1099511627776.0}};
   auto u = kUnits.find(unit);
-  if (u == kUnits.end()) return Status::InvalidArgument("size '" + t + "' has an unknown unit (use B, KB, MB, GB, KiB, MiB, GiB)");
+  if (u == kUnits.end())
+    return Status::InvalidArgument("size '" + t + "' has an unknown unit (use B, KB, MB, GB, KiB, MiB, GiB)");
   const double bytes = v * u->second;
   if (!(bytes >= 1) || bytes > 1e18) return Status::InvalidArgument("size '" + t + "' is out of range");
   return static_cast<uint64_t>(bytes);
@@ -449,7 +448,8 @@ Result<ConvertSummary> Convert(const ConvertOptions& opt, ConvertRemedy* remedy)
   // Everything is checked: only now create the staging directory.
   auto created = StagingDir::Create(opt.out, opt.force);
   if (!created.ok()) {
-    if (remedy != nullptr && created.status().code() == StatusCode::kAlreadyExists) *remedy = ConvertRemedy::kReplaceOutput;
+    if (remedy != nullptr && created.status().code() == StatusCode::kAlreadyExists)
+      *remedy = ConvertRemedy::kReplaceOutput;
     return created.status();
   }
   StagingDir staging = std::move(created).value();
@@ -462,7 +462,8 @@ Result<ConvertSummary> Convert(const ConvertOptions& opt, ConvertRemedy* remedy)
     auto written = WriteLoraLayout(cfg, base, adapter, plan, lopt, staging.path());
     if (!written.ok()) {
       // kUnsupported there is always a refusal (lora_layout.h): merging applies what it cannot.
-      if (remedy != nullptr && written.status().code() == StatusCode::kUnsupported) *remedy = ConvertRemedy::kMergedLayout;
+      if (remedy != nullptr && written.status().code() == StatusCode::kUnsupported)
+        *remedy = ConvertRemedy::kMergedLayout;
       return written.status();
     }
     LoraLayoutSummary lora = std::move(written).value();
@@ -477,8 +478,7 @@ Result<ConvertSummary> Convert(const ConvertOptions& opt, ConvertRemedy* remedy)
     summary.lora_inexact_modules = lora.inexact_modules;
     summary.bytes_written = lora.bytes_written;
     lora_warnings = std::move(lora.warnings);
-    FERRY_RETURN_IF_ERROR(
-        CopyAuxFiles(opt.adapter, staging.path(), {"adapter_config.json"}, opt.sync, summary.files));
+    FERRY_RETURN_IF_ERROR(CopyAuxFiles(opt.adapter, staging.path(), {"adapter_config.json"}, opt.sync, summary.files));
   } else {
     FERRY_ASSIGN_OR_RETURN(summary, MergeWriter(opt, base, adapter, plan).Run(staging.path()));
     FERRY_RETURN_IF_ERROR(WriteModelConfig(model_config, plan, opt, base_dir, staging.path()));

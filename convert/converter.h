@@ -46,8 +46,8 @@ struct ConvertOptions {
   // Shard size limit in bytes. Default: 0 = shard exactly like the base (one file for a
   // single-file base). Ignored for the lora layout.
   uint64_t max_shard_bytes = 0;
-  bool force = false;             // replace an existing `out`. Default: false.
-  int threads = 0;                // merge threads. Default: 0 = all hardware threads.
+  bool force = false;  // replace an existing `out`. Default: false.
+  int threads = 0;     // merge threads. Default: 0 = all hardware threads.
   // fsync the written files before the output directory is renamed into place. Without it
   // the output still appears only when complete (a crash of the process never leaves a
   // partial output), but a power failure may lose it. Default: true.
@@ -61,13 +61,13 @@ struct ConvertSummary {
   std::filesystem::path out;
   std::vector<std::string> files;  // relative to out: weights, then config.json and the copied files (sorted)
   int64_t tensors_written = 0;
-  int64_t tensors_changed = 0;     // merged, replaced or re-typed
+  int64_t tensors_changed = 0;  // merged, replaced or re-typed
   int64_t lora_modules = 0;
-  int64_t dequantized = 0;         // 4-bit weights dequantized
+  int64_t dequantized = 0;  // 4-bit weights dequantized
   bool untied_lm_head = false;
-  int64_t global_rank = 0;         // lora layout
-  double global_alpha = 0;         // lora layout: lora_alpha = global_scaling * global_rank
-  double global_scaling = 0;       // lora layout
+  int64_t global_rank = 0;                // lora layout
+  double global_alpha = 0;                // lora layout: lora_alpha = global_scaling * global_rank
+  double global_scaling = 0;              // lora layout
   DType lora_factor_dtype = DType::kF32;  // lora layout: dtype of lora_A / lora_B
   int64_t lora_inexact_modules = 0;       // lora layout: modules whose scaling ratio is not a power of two
   uint64_t bytes_written = 0;

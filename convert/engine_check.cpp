@@ -48,23 +48,16 @@ enum class KeyCategory { kMagnitude, kLoraBBias, kModulesToSave, kTrainableToken
 std::optional<KeyCategory> CategoryOf(const AdapterKey& k) {
   if (EngineLoadsKey(k)) return std::nullopt;
   switch (k.kind) {
-    case AdapterKey::kMagnitude:
-      return KeyCategory::kMagnitude;
-    case AdapterKey::kLoraBBias:
-      return KeyCategory::kLoraBBias;
-    case AdapterKey::kModulesToSave:
-      return KeyCategory::kModulesToSave;
-    case AdapterKey::kTrainableTokens:
-      return KeyCategory::kTrainableTokens;
-    case AdapterKey::kBaseLayer:
-      return KeyCategory::kBaseLayer;
-    case AdapterKey::kOther:
-      return KeyCategory::kOther;
+    case AdapterKey::kMagnitude: return KeyCategory::kMagnitude;
+    case AdapterKey::kLoraBBias: return KeyCategory::kLoraBBias;
+    case AdapterKey::kModulesToSave: return KeyCategory::kModulesToSave;
+    case AdapterKey::kTrainableTokens: return KeyCategory::kTrainableTokens;
+    case AdapterKey::kBaseLayer: return KeyCategory::kBaseLayer;
+    case AdapterKey::kOther: return KeyCategory::kOther;
     case AdapterKey::kLoraA:
     case AdapterKey::kLoraB:
     case AdapterKey::kEmbeddingA:
-    case AdapterKey::kEmbeddingB:
-      return KeyCategory::kNamed;
+    case AdapterKey::kEmbeddingB: return KeyCategory::kNamed;
   }
   return KeyCategory::kOther;
 }
@@ -142,7 +135,8 @@ class Checker {
   std::string CopyFix(const std::vector<std::string>& keys) const {
     if (plan_ == nullptr) {
       return "the lora layout drops saved copies that equal the base (inspecting with the base checks that); "
-             "otherwise " + std::string(kMergeHf);
+             "otherwise " +
+             std::string(kMergeHf);
     }
     const std::string differs = FirstDifferentCopy(keys);
     if (differs.empty()) {
@@ -393,24 +387,18 @@ class Checker {
 
 std::string_view EngineSeverityName(EngineFinding::Severity severity) {
   switch (severity) {
-    case Severity::kReject:
-      return "reject";
-    case Severity::kWrong:
-      return "wrong";
-    case Severity::kNote:
-      return "note";
+    case Severity::kReject: return "reject";
+    case Severity::kWrong: return "wrong";
+    case Severity::kNote: return "note";
   }
   return "note";
 }
 
 std::string_view EngineSubjectName(EngineFinding::Subject subject) {
   switch (subject) {
-    case Subject::kKey:
-      return "key";
-    case Subject::kField:
-      return "field";
-    case Subject::kModule:
-      return "module";
+    case Subject::kKey: return "key";
+    case Subject::kField: return "field";
+    case Subject::kModule: return "module";
   }
   return "field";
 }
@@ -420,10 +408,8 @@ bool EngineLoadsKey(const AdapterKey& key) {
     case AdapterKey::kLoraA:
     case AdapterKey::kLoraB:
     case AdapterKey::kEmbeddingA:
-    case AdapterKey::kEmbeddingB:
-      return key.adapter_name.empty();
-    default:
-      return false;
+    case AdapterKey::kEmbeddingB: return key.adapter_name.empty();
+    default: return false;
   }
 }
 

@@ -83,7 +83,8 @@ Result<ModelConfigSummary> ReadModelConfig(const fs::path& file) {
       if (a.is_string()) s.architectures.push_back(a.get<std::string>());
     }
   }
-  if (auto it = j.find("tie_word_embeddings"); it != j.end() && it->is_boolean()) s.tie_word_embeddings = it->get<bool>();
+  if (auto it = j.find("tie_word_embeddings"); it != j.end() && it->is_boolean())
+    s.tie_word_embeddings = it->get<bool>();
   if (auto it = j.find("quantization_config"); it != j.end() && it->is_object()) {
     s.has_quantization_config = true;
     s.quant_method = StringField(*it, "quant_method");
@@ -143,7 +144,8 @@ void CheckRow(const AdapterModuleRow& row, const PeftConfig& c, std::vector<std:
                       " but the config gives rank " + std::to_string(row.config_rank) + " (r / rank_pattern)");
   }
   if (!c.target_modules.empty() && !c.IsTargeted(row.module, 2)) {
-    issues->push_back(m + "has LoRA tensors but the config's target_modules / exclude_modules / "
+    issues->push_back(m +
+                      "has LoRA tensors but the config's target_modules / exclude_modules / "
                       "layers_to_transform do not select it");
   }
   if (row.has_magnitude && !c.use_dora) issues->push_back(m + "has a DoRA magnitude vector but use_dora is false");
@@ -155,21 +157,25 @@ void CheckRow(const AdapterModuleRow& row, const PeftConfig& c, std::vector<std:
 
 void CheckTrainableTokens(const AdapterKey& key, const InspectTensor& t, const PeftConfig& c,
                           std::vector<std::string>* issues) {
-  const std::vector<int64_t>* ids = c.trainable_token_indices.embedding.empty() ? nullptr
-                                                                                 : &c.trainable_token_indices.embedding;
+  const std::vector<int64_t>* ids =
+      c.trainable_token_indices.embedding.empty() ? nullptr : &c.trainable_token_indices.embedding;
   for (const auto& [name, list] : c.trainable_token_indices.by_module) {
-    if (key.module == name || (key.module.size() > name.size() &&
-                               key.module.compare(key.module.size() - name.size() - 1, std::string::npos,
-                                                  "." + name) == 0)) {
+    if (key.module == name ||
+        (key.module.size() > name.size() &&
+         key.module.compare(key.module.size() - name.size() - 1, std::string::npos, "." + name) == 0)) {
       ids = &list;
     }
   }
   if (ids == nullptr) {
-    issues->push_back("tensor " + Quote(t.name) + ": trainable tokens delta but trainable_token_indices does not "
-                      "cover module " + Quote(key.module));
+    issues->push_back("tensor " + Quote(t.name) +
+                      ": trainable tokens delta but trainable_token_indices does not "
+                      "cover module " +
+                      Quote(key.module));
   } else if (t.shape.empty() || t.shape[0] != static_cast<int64_t>(ids->size())) {
-    issues->push_back("tensor " + Quote(t.name) + ": shape " + ShapeToString(t.shape) + " does not have one row per "
-                      "trainable token index (" + std::to_string(ids->size()) + ")");
+    issues->push_back("tensor " + Quote(t.name) + ": shape " + ShapeToString(t.shape) +
+                      " does not have one row per "
+                      "trainable token index (" +
+                      std::to_string(ids->size()) + ")");
   }
 }
 
@@ -181,8 +187,14 @@ bool ClassifyTensor(const AdapterKey& key, const InspectTensor& t, AdapterSummar
   switch (key.kind) {
     case AdapterKey::kLoraA: m.a = &t; return true;
     case AdapterKey::kLoraB: m.b = &t; return true;
-    case AdapterKey::kEmbeddingA: m.a = &t; m.embedding = true; return true;
-    case AdapterKey::kEmbeddingB: m.b = &t; m.embedding = true; return true;
+    case AdapterKey::kEmbeddingA:
+      m.a = &t;
+      m.embedding = true;
+      return true;
+    case AdapterKey::kEmbeddingB:
+      m.b = &t;
+      m.embedding = true;
+      return true;
     case AdapterKey::kLoraBBias: m.bias = true; return true;
     case AdapterKey::kMagnitude: m.magnitude = true; return true;
     case AdapterKey::kModulesToSave: summary->saved_full_modules.push_back(t.name); return true;
@@ -211,11 +223,11 @@ void AnalyzeLora(const InspectReport& report, AdapterSummary* summary, std::vect
     CheckRow(summary->modules.back(), summary->config, issues);
   }
   for (const std::string& wanted : summary->config.modules_to_save) {
-    const bool found = std::any_of(summary->saved_full_modules.begin(), summary->saved_full_modules.end(),
-                                   [&](const std::string& n) {
-                                     auto k = ParseAdapterKey(n, &summary->config);
-                                     return k.ok() && (k->module == wanted || k->module.ends_with("." + wanted));
-                                   });
+    const bool found =
+        std::any_of(summary->saved_full_modules.begin(), summary->saved_full_modules.end(), [&](const std::string& n) {
+          auto k = ParseAdapterKey(n, &summary->config);
+          return k.ok() && (k->module == wanted || k->module.ends_with("." + wanted));
+        });
     if (!found) issues->push_back("modules_to_save names " + Quote(wanted) + " but the adapter has no tensor for it");
   }
 }
@@ -288,7 +300,8 @@ void FillPlan(const MergePlan& plan, const PeftConfig& config, const Checkpoint&
     r.equals_base = ReplacementEqualsBase(base, adapter, plan, target);
     out->replacements.push_back(std::move(r));
   }
-  for (const auto& [target, rows_of] : plan.token_rows) out->token_rows.push_back({target, rows_of.first, rows_of.second});
+  for (const auto& [target, rows_of] : plan.token_rows)
+    out->token_rows.push_back({target, rows_of.first, rows_of.second});
   out->tied = plan.tied;
   out->tied_source = plan.tied_source;
   out->untie = plan.untie;
@@ -315,11 +328,11 @@ Status InspectAgainstBase(const fs::path& base_path, const Checkpoint& adapter, 
     plan_report.tie_word_embeddings = plan_report.base_config->tie_word_embeddings.value_or(false);
   }
   FERRY_ASSIGN_OR_RETURN(Checkpoint base, Checkpoint::Open(base_path));
-  Result<MergePlan> plan = config.peft_type == "LORA"
-                               ? PlanMerge(config, adapter, base, plan_report.tie_word_embeddings)
-                               : Result<MergePlan>(Status::Unsupported(
-                                     config.source + ": peft_type " + Quote(config.peft_type) +
-                                     " is not LORA: no merge plan onto " + base_path.string()));
+  Result<MergePlan> plan =
+      config.peft_type == "LORA"
+          ? PlanMerge(config, adapter, base, plan_report.tie_word_embeddings)
+          : Result<MergePlan>(Status::Unsupported(config.source + ": peft_type " + Quote(config.peft_type) +
+                                                  " is not LORA: no merge plan onto " + base_path.string()));
   if (!plan.ok()) {
     plan_report.error = plan.status();
     report->issues.push_back(plan.status().message());
@@ -420,9 +433,15 @@ Json ModuleRowJson(const AdapterModuleRow& r) {
 
 Json AdapterJson(const AdapterSummary& a) {
   const PeftConfig& c = a.config;
-  Json j = {{"peft_type", c.peft_type}, {"base_model_name_or_path", c.base_model_name_or_path},
-            {"r", c.r}, {"lora_alpha", c.lora_alpha}, {"use_rslora", c.use_rslora}, {"use_dora", c.use_dora},
-            {"fan_in_fan_out", c.fan_in_fan_out}, {"bias", PeftBiasName(c.bias)}, {"lora_bias", c.lora_bias}};
+  Json j = {{"peft_type", c.peft_type},
+            {"base_model_name_or_path", c.base_model_name_or_path},
+            {"r", c.r},
+            {"lora_alpha", c.lora_alpha},
+            {"use_rslora", c.use_rslora},
+            {"use_dora", c.use_dora},
+            {"fan_in_fan_out", c.fan_in_fan_out},
+            {"bias", PeftBiasName(c.bias)},
+            {"lora_bias", c.lora_bias}};
   j["target_modules"] = SelectorJson(c.target_modules);
   j["exclude_modules"] = SelectorJson(c.exclude_modules);
   j["modules_to_save"] = c.modules_to_save;
@@ -482,8 +501,12 @@ Json PlanJson(const AdapterPlanReport& p) {
   for (const PlanModuleRow& m : p.modules) {
     Json targets = Json::array();
     for (const PlanTarget& t : m.targets) targets.push_back(PlanTargetJson(t));
-    modules.push_back({{"module", m.module}, {"kind", m.embedding ? "embedding" : "linear"}, {"rank", m.rank},
-                       {"scaling", m.scaling}, {"dora", m.dora}, {"lora_bias", m.lora_bias},
+    modules.push_back({{"module", m.module},
+                       {"kind", m.embedding ? "embedding" : "linear"},
+                       {"rank", m.rank},
+                       {"scaling", m.scaling},
+                       {"dora", m.dora},
+                       {"lora_bias", m.lora_bias},
                        {"fan_in_fan_out", m.fan_in_fan_out},
                        {"bias_target", m.bias_target.empty() ? Json(nullptr) : Json(m.bias_target)},
                        {"targets", std::move(targets)}});
@@ -491,8 +514,12 @@ Json PlanJson(const AdapterPlanReport& p) {
   j["modules"] = std::move(modules);
   Json replacements = Json::array();
   for (const PlanReplacementRow& r : p.replacements) {
-    replacements.push_back({{"base_tensor", r.base_tensor}, {"adapter_key", r.adapter_key}, {"why", r.why},
-                            {"shape", r.shape}, {"dtype", DTypeName(r.dtype)}, {"equals_base", r.equals_base}});
+    replacements.push_back({{"base_tensor", r.base_tensor},
+                            {"adapter_key", r.adapter_key},
+                            {"why", r.why},
+                            {"shape", r.shape},
+                            {"dtype", DTypeName(r.dtype)},
+                            {"equals_base", r.equals_base}});
   }
   j["replacements"] = std::move(replacements);
   Json tokens = Json::array();
@@ -537,7 +564,8 @@ Result<InspectReport> Inspect(const fs::path& path, const InspectOptions& option
   if (!options.base.empty()) {
     return Status::InvalidArgument(path.string() + ": a base model (" + options.base.string() +
                                    ") applies only to a PEFT adapter (a directory with adapter_config.json), and this "
-                                   "is a " + (is_dir ? "model directory" : "tensor file"));
+                                   "is a " +
+                                   (is_dir ? "model directory" : "tensor file"));
   }
   if (is_dir) {
     report.kind = InspectReport::Kind::kModelDirectory;

@@ -43,31 +43,31 @@ struct DTypeTotal {
 struct TensorTotals {
   uint64_t count = 0;
   uint64_t bytes = 0;
-  uint64_t params = 0;                // elements
+  uint64_t params = 0;               // elements
   std::vector<DTypeTotal> by_dtype;  // in DType order
 };
 
 // Key fields of a model directory's config.json.
 struct ModelConfigSummary {
-  std::string model_type;                  // "" when absent
+  std::string model_type;  // "" when absent
   std::vector<std::string> architectures;
-  std::string dtype;                       // "dtype", else "torch_dtype"; "" when absent
+  std::string dtype;  // "dtype", else "torch_dtype"; "" when absent
   std::optional<bool> tie_word_embeddings;
   bool has_quantization_config = false;
-  std::string quant_method;                // quantization_config.quant_method, "" when absent
+  std::string quant_method;  // quantization_config.quant_method, "" when absent
 };
 
 // One LoRA-wrapped module of an adapter.
 struct AdapterModuleRow {
-  std::string module;                 // e.g. "model.layers.0.self_attn.q_proj"
-  bool embedding = false;             // lora_embedding_A/B rather than lora_A/B
+  std::string module;                  // e.g. "model.layers.0.self_attn.q_proj"
+  bool embedding = false;              // lora_embedding_A/B rather than lora_A/B
   std::optional<int64_t> tensor_rank;  // from lora_A's first dim (else lora_B's last)
-  int config_rank = 0;                // PeftConfig::RankFor
-  double alpha = 0;                   // PeftConfig::AlphaFor
-  double scaling = 0;                 // PeftConfig::ScalingFor
+  int config_rank = 0;                 // PeftConfig::RankFor
+  double alpha = 0;                    // PeftConfig::AlphaFor
+  double scaling = 0;                  // PeftConfig::ScalingFor
   bool has_lora_b_bias = false;
   bool has_magnitude = false;
-  bool rank_mismatch = false;         // tensor_rank known and != config_rank
+  bool rank_mismatch = false;  // tensor_rank known and != config_rank
 };
 
 struct AdapterSummary {
@@ -79,27 +79,27 @@ struct AdapterSummary {
 
 // A base tensor an adapter module's delta lands on.
 struct PlanTarget {
-  std::string tensor;        // base tensor name, e.g. "model.layers.0.self_attn.q_proj.weight"
-  std::string source;        // the stored tensor it starts from when not `tensor` (a tied lm_head), else ""
-  Shape shape;               // logical shape (the dequantized one for 4-bit weights)
+  std::string tensor;         // base tensor name, e.g. "model.layers.0.self_attn.q_proj.weight"
+  std::string source;         // the stored tensor it starts from when not `tensor` (a tied lm_head), else ""
+  Shape shape;                // logical shape (the dequantized one for 4-bit weights)
   DType dtype = DType::kF32;  // stored dtype; for 4-bit weights the dtype they are dequantized into
-  std::string quantization;  // "nf4" / "fp4" for bitsandbytes 4-bit weights, else ""
-  int64_t row_begin = 0;     // rows [row_begin, row_end) of `tensor` the delta changes
+  std::string quantization;   // "nf4" / "fp4" for bitsandbytes 4-bit weights, else ""
+  int64_t row_begin = 0;      // rows [row_begin, row_end) of `tensor` the delta changes
   int64_t row_end = 0;
-  bool partial = false;      // only some rows: a q/k/v (gate/up) adapter onto a fused base tensor
-  std::string part;          // a split fused adapter: the base module leaf ("q_proj"), else ""
-  int64_t b_row_begin = 0;   // a split fused adapter: rows of lora_B used, [b_row_begin, b_row_end)
+  bool partial = false;     // only some rows: a q/k/v (gate/up) adapter onto a fused base tensor
+  std::string part;         // a split fused adapter: the base module leaf ("q_proj"), else ""
+  int64_t b_row_begin = 0;  // a split fused adapter: rows of lora_B used, [b_row_begin, b_row_end)
   int64_t b_row_end = 0;
 };
 
 // One adapter module and the base tensors it touches.
 struct PlanModuleRow {
-  std::string module;        // the adapter's module name (a split fused adapter: "...qkv_proj")
+  std::string module;  // the adapter's module name (a split fused adapter: "...qkv_proj")
   bool embedding = false;
   int64_t rank = 0;
   double scaling = 0;
-  bool dora = false;         // has a lora_magnitude_vector
-  bool lora_bias = false;    // has a lora_B.bias, added to `bias_target`
+  bool dora = false;            // has a lora_magnitude_vector
+  bool lora_bias = false;       // has a lora_B.bias, added to `bias_target`
   bool fan_in_fan_out = false;  // the base weight is stored [in, out] (Conv1D)
   std::string bias_target;
   std::vector<PlanTarget> targets;  // one, or one per part of a split fused adapter
@@ -109,10 +109,10 @@ struct PlanModuleRow {
 struct PlanReplacementRow {
   std::string base_tensor;
   std::string adapter_key;
-  std::string why;           // "modules_to_save", "base_layer" or "saved tensor"
+  std::string why;  // "modules_to_save", "base_layer" or "saved tensor"
   Shape shape;
   DType dtype = DType::kF32;  // of the adapter tensor
-  bool equals_base = false;  // byte-identical to the base tensor (harmless; --layout lora drops it)
+  bool equals_base = false;   // byte-identical to the base tensor (harmless; --layout lora drops it)
 };
 
 // trainable_tokens_delta rows replacing rows of a base tensor.
@@ -131,11 +131,11 @@ struct AdapterPlanReport {
   std::vector<PlanModuleRow> modules;             // sorted by adapter module name
   std::vector<PlanReplacementRow> replacements;   // sorted by base tensor
   std::vector<PlanTokenRows> token_rows;
-  bool tied = false;               // the base stores no lm_head.weight; `tied_source` plays its part
+  bool tied = false;  // the base stores no lm_head.weight; `tied_source` plays its part
   std::string tied_source;
-  bool untie = false;              // the adapter changes lm_head: merged output stores it separately
-  std::string lm_head;             // "lm_head.weight"
-  size_t quantized_targets = 0;    // targets that are 4-bit in the base
+  bool untie = false;            // the adapter changes lm_head: merged output stores it separately
+  std::string lm_head;           // "lm_head.weight"
+  size_t quantized_targets = 0;  // targets that are 4-bit in the base
   std::vector<std::string> warnings;
 };
 
@@ -154,16 +154,16 @@ struct InspectReport {
   enum class Kind { kFile, kModelDirectory, kAdapterDirectory };
   std::filesystem::path path;
   Kind kind = Kind::kFile;
-  std::string format;                 // "safetensors", "safetensors-sharded", "torch-pickle"
-  std::vector<std::string> files;     // weight files (shards), then config files read
+  std::string format;                  // "safetensors", "safetensors-sharded", "torch-pickle"
+  std::vector<std::string> files;      // weight files (shards), then config files read
   std::vector<InspectTensor> tensors;  // sorted by name
   TensorTotals totals;
   std::map<std::string, std::string> metadata;  // __metadata__ of the first weights file
   std::optional<ModelConfigSummary> model_config;
   std::optional<AdapterSummary> adapter;
-  std::optional<EngineReport> engine;      // LoRA adapters
-  std::optional<AdapterPlanReport> plan;   // adapters inspected with a base
-  std::vector<std::string> issues;    // problems found that do not stop the report
+  std::optional<EngineReport> engine;     // LoRA adapters
+  std::optional<AdapterPlanReport> plan;  // adapters inspected with a base
+  std::vector<std::string> issues;        // problems found that do not stop the report
 };
 
 // "file", "model", "adapter".
@@ -184,9 +184,9 @@ struct InspectOptions {
 // As Inspect(path), and with options.base: opens the base (kNotFound naming it when absent;
 // its config.json gives tie_word_embeddings), runs PlanMerge and fills `plan`; the engine
 // findings then use the plan. Reads tensor data only to compare the adapter's saved full
-// tensors (modules_to_save, base_layer copies) with the base. A failed plan is not an error of this call: plan->error holds
-// it (naming the adapter tensor and the base tensor) and it is added to `issues`.
-// kInvalidArgument naming --base when `path` is not an adapter.
+// tensors (modules_to_save, base_layer copies) with the base. A failed plan is not an error of this call: plan->error
+// holds it (naming the adapter tensor and the base tensor) and it is added to `issues`. kInvalidArgument naming --base
+// when `path` is not an adapter.
 [[nodiscard]] Result<InspectReport> Inspect(const std::filesystem::path& path, const InspectOptions& options);
 
 struct ReportJsonOptions {

@@ -64,10 +64,10 @@ struct LoraLayoutOptions {
 struct LoraLayoutSummary {
   std::vector<std::string> files;  // relative to the directory: the weights, then adapter_config.json
   int64_t tensors_written = 0;
-  int64_t modules = 0;             // base modules with a factor pair
-  int64_t global_rank = 0;         // R
-  double global_alpha = 0;         // lora_alpha = g * R
-  double global_scaling = 0;       // g
+  int64_t modules = 0;        // base modules with a factor pair
+  int64_t global_rank = 0;    // R
+  double global_alpha = 0;    // lora_alpha = g * R
+  double global_scaling = 0;  // g
   DType factor_dtype = DType::kF32;
   // Adapter modules whose scaling is not a power of two apart from g (factors F32).
   int64_t inexact_modules = 0;

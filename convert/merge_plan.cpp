@@ -104,7 +104,8 @@ class Planner {
                                      " and cannot replace base tensor " + Q(target));
     }
     if (!plan_.replacements.emplace(target, key).second) {
-      return Status::InvalidArgument(Where(key) + " and " + Q(plan_.replacements[target]) + " both replace " + Q(target));
+      return Status::InvalidArgument(Where(key) + " and " + Q(plan_.replacements[target]) + " both replace " +
+                                     Q(target));
     }
     return Status::OK();
   }
@@ -125,12 +126,13 @@ class Planner {
       rows = tti.embedding;
     }
     if (rows.empty()) {
-      return Status::InvalidArgument(Where(key) + ": adapter_config.json field 'trainable_token_indices' names no rows for " +
-                                     Q(k.module));
+      return Status::InvalidArgument(
+          Where(key) + ": adapter_config.json field 'trainable_token_indices' names no rows for " + Q(k.module));
     }
     FERRY_ASSIGN_OR_RETURN(Tensor t, adapter_.Get(key));
     const Shape w = BaseShape(target);
-    if (t.shape().size() != 2 || w.size() != 2 || t.shape()[0] != static_cast<int64_t>(rows.size()) || t.shape()[1] != w[1]) {
+    if (t.shape().size() != 2 || w.size() != 2 || t.shape()[0] != static_cast<int64_t>(rows.size()) ||
+        t.shape()[1] != w[1]) {
       return Status::InvalidArgument(Where(key) + " has shape " + ShapeToString(t.shape()) + " but " +
                                      std::to_string(rows.size()) + " token rows of " + Q(target) + " " +
                                      ShapeToString(w) + " were expected");
@@ -187,9 +189,14 @@ class Planner {
     m.module = module;
     const bool linear = !g.a.empty() || !g.b.empty();
     const bool embedding = !g.emb_a.empty() || !g.emb_b.empty();
-    const std::string any = !g.a.empty() ? g.a : !g.b.empty() ? g.b : !g.emb_a.empty() ? g.emb_a : !g.emb_b.empty() ? g.emb_b
-                          : !g.bias.empty() ? g.bias : g.magnitude;
-    if (linear && embedding) return Status::InvalidArgument(Where(any) + ": module has both linear and embedding LoRA tensors");
+    const std::string any = !g.a.empty()       ? g.a
+                            : !g.b.empty()     ? g.b
+                            : !g.emb_a.empty() ? g.emb_a
+                            : !g.emb_b.empty() ? g.emb_b
+                            : !g.bias.empty()  ? g.bias
+                                               : g.magnitude;
+    if (linear && embedding)
+      return Status::InvalidArgument(Where(any) + ": module has both linear and embedding LoRA tensors");
     if (!linear && !embedding) {
       return Status::InvalidArgument(Where(any) + ": LoRA tensor without lora_A / lora_B for module " + Q(module));
     }
@@ -213,18 +220,19 @@ class Planner {
     m.rank = a->shape[0];
     if (b->shape[1] != m.rank) {
       return Status::InvalidArgument(Where(m.a_key) + " has rank " + std::to_string(m.rank) + " but " + Q(m.b_key) +
-                                     " has rank " + std::to_string(b->shape[1]) + " (shapes " + ShapeToString(a->shape) +
-                                     " and " + ShapeToString(b->shape) + ")");
+                                     " has rank " + std::to_string(b->shape[1]) + " (shapes " +
+                                     ShapeToString(a->shape) + " and " + ShapeToString(b->shape) + ")");
     }
     const int cfg_rank = config_.RankFor(module);
     if (cfg_rank != m.rank) {
-      return Status::InvalidArgument(Where(m.a_key) + " has rank " + std::to_string(m.rank) + " but " +
-                                     config_.source + " gives module " + Q(module) + " rank " + std::to_string(cfg_rank));
+      return Status::InvalidArgument(Where(m.a_key) + " has rank " + std::to_string(m.rank) + " but " + config_.source +
+                                     " gives module " + Q(module) + " rank " + std::to_string(cfg_rank));
     }
     m.in = a->shape[1];
     m.out = b->shape[0];
     m.scaling = config_.ScalingFor(module);
-    if (!std::isfinite(m.scaling)) return Status::InvalidArgument(config_.source + ": scaling of " + Q(module) + " is not finite");
+    if (!std::isfinite(m.scaling))
+      return Status::InvalidArgument(config_.source + ": scaling of " + Q(module) + " is not finite");
 
     if (!HasBase(module + ".weight") && m.kind == LoraModule::Kind::kLinear && g.magnitude.empty() && g.bias.empty()) {
       // A fused adapter module onto separate base tensors: split B by rows.
@@ -255,8 +263,8 @@ class Planner {
         }
         if (row != m.out) {
           plan_.modules.resize(plan_.modules.size() - parts.size());
-          return Status::InvalidArgument(Where(m.b_key) + " has " + std::to_string(m.out) + " rows but the base tensors " +
-                                         "it splits onto have " + std::to_string(row));
+          return Status::InvalidArgument(Where(m.b_key) + " has " + std::to_string(m.out) +
+                                         " rows but the base tensors " + "it splits onto have " + std::to_string(row));
         }
         return Status::OK();
       }
@@ -267,14 +275,15 @@ class Planner {
     }
     const Shape w = BaseShape(m.target);
     if (w.size() != 2) {
-      return Status::InvalidArgument(Where(m.a_key) + ": base tensor " + Q(m.target) + " has shape " + ShapeToString(w) +
-                                     ", not a 2-D weight");
+      return Status::InvalidArgument(Where(m.a_key) + ": base tensor " + Q(m.target) + " has shape " +
+                                     ShapeToString(w) + ", not a 2-D weight");
     }
     if (m.kind == LoraModule::Kind::kEmbedding) {
       // lora_embedding_A [r, vocab], lora_embedding_B [dim, r], weight [vocab, dim].
       if (w[0] != m.in || w[1] != m.out) {
         return Status::InvalidArgument(Where(m.a_key) + ": delta (B @ A)^T is [" + std::to_string(m.in) + ", " +
-                                       std::to_string(m.out) + "] but base tensor " + Q(m.target) + " is " + ShapeToString(w));
+                                       std::to_string(m.out) + "] but base tensor " + Q(m.target) + " is " +
+                                       ShapeToString(w));
       }
     } else if (m.row_offset > 0 || w[0] != m.out || w[1] != m.in) {
       const bool fits = m.row_offset + m.out <= w[0] && w[1] == m.in;
@@ -282,7 +291,8 @@ class Planner {
       if (transposed && !fits) {
         m.fan_in_fan_out = true;  // PEFT forces fan_in_fan_out for Conv1D-style [in, out] weights
         if (!config_.fan_in_fan_out) {
-          plan_.warnings.push_back("module " + module + ": base weight is stored [in, out] (Conv1D); merged with fan_in_fan_out");
+          plan_.warnings.push_back("module " + module +
+                                   ": base weight is stored [in, out] (Conv1D); merged with fan_in_fan_out");
         }
       } else if (!fits) {
         return Status::InvalidArgument(Where(m.a_key) + ": delta B @ A is [" + std::to_string(m.out) + ", " +
@@ -293,8 +303,12 @@ class Planner {
       m.fan_in_fan_out = true;  // square: only the config can tell
     }
     if (!g.magnitude.empty() || config_.use_dora) {
-      if (g.magnitude.empty()) return Status::InvalidArgument(Where(m.a_key) + ": use_dora is set but module " + Q(module) + " has no lora_magnitude_vector");
-      if (!config_.use_dora) return Status::InvalidArgument(Where(g.magnitude) + ": DoRA magnitude present but use_dora is false in " + config_.source);
+      if (g.magnitude.empty())
+        return Status::InvalidArgument(Where(m.a_key) + ": use_dora is set but module " + Q(module) +
+                                       " has no lora_magnitude_vector");
+      if (!config_.use_dora)
+        return Status::InvalidArgument(Where(g.magnitude) + ": DoRA magnitude present but use_dora is false in " +
+                                       config_.source);
       if (m.kind != LoraModule::Kind::kLinear || m.row_offset != 0) {
         return Status::Unsupported(Where(g.magnitude) + ": DoRA is supported on unfused linear layers only");
       }

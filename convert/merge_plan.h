@@ -34,21 +34,21 @@ namespace ferry {
 // One LoRA-wrapped module of the adapter.
 struct LoraModule {
   enum class Kind { kLinear, kEmbedding };
-  std::string module;         // "model.layers.0.self_attn.q_proj"
+  std::string module;  // "model.layers.0.self_attn.q_proj"
   Kind kind = Kind::kLinear;
   std::string a_key, b_key;   // adapter tensors: lora_A/lora_B or lora_embedding_A/B
   std::string bias_key;       // lora_B.bias, or ""
   std::string magnitude_key;  // lora_magnitude_vector (DoRA), or ""
   int64_t rank = 0;
-  int64_t in = 0, out = 0;    // of the delta B @ A: [out, in] (embedding: out = dim, in = vocab)
+  int64_t in = 0, out = 0;  // of the delta B @ A: [out, in] (embedding: out = dim, in = vocab)
   double scaling = 0;
   bool fan_in_fan_out = false;  // the base weight is stored [in, out]
-  std::string target;         // base (output) tensor the delta lands on
-  int64_t row_offset = 0;     // first row within a fused target (0 otherwise)
-  int64_t b_row_begin = 0;    // first row of lora_B used: a fused adapter (qkv_proj) split onto
-                              // separate base tensors (q/k/v_proj) uses a row slice of B
-  std::string fused_module;   // the adapter module when it was split ("...qkv_proj"), else ""
-  std::string bias_target;    // "M.bias" when bias_key is set
+  std::string target;           // base (output) tensor the delta lands on
+  int64_t row_offset = 0;       // first row within a fused target (0 otherwise)
+  int64_t b_row_begin = 0;      // first row of lora_B used: a fused adapter (qkv_proj) split onto
+                                // separate base tensors (q/k/v_proj) uses a row slice of B
+  std::string fused_module;     // the adapter module when it was split ("...qkv_proj"), else ""
+  std::string bias_target;      // "M.bias" when bias_key is set
 };
 
 struct MergePlan {

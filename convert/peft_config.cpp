@@ -7,8 +7,8 @@
 #include <map>
 #include <set>
 
-#include <nlohmann/json.hpp>
 #include <re2/re2.h>
+#include <nlohmann/json.hpp>
 
 #include "core/mapped_file.h"
 
@@ -131,8 +131,8 @@ Result<std::unique_ptr<RE2>> CompileConfigRegex(std::string_view src, std::strin
   if (re->ok()) return re;
   const RE2::ErrorCode code = re->error_code();
   if (code == RE2::ErrorBadPerlOp || (code == RE2::ErrorBadEscape && BackreferenceError(*re))) {
-    return Status::Unsupported(where + " uses a Python regex feature RE2 cannot run (lookaround or backreference): " +
-                               re->error());
+    return Status::Unsupported(
+        where + " uses a Python regex feature RE2 cannot run (lookaround or backreference): " + re->error());
   }
   if (code == RE2::ErrorPatternTooLarge || code == RE2::ErrorRepeatSize) {
     return Status::Unsupported(where + " is too large for Ferry's regex engine: " + re->error());
@@ -309,7 +309,7 @@ Status ReadSelector(const Json& obj, std::string_view src, std::string_view fiel
   if (v->is_string()) {
     out->pattern = v->get<std::string>();
     out->form = Lower(out->pattern) == "all-linear" && field == "target_modules" ? ModuleSelector::Form::kAllLinear
-                                                                                  : ModuleSelector::Form::kRegex;
+                                                                                 : ModuleSelector::Form::kRegex;
     return Status::OK();
   }
   if (!v->is_array()) return FieldError(src, field, "a list of module names or a regex string", *v);
@@ -326,7 +326,8 @@ Status ReadPattern(const ParsedJson& parsed, std::string_view src, std::string_v
   if (!v->is_object()) return FieldError(src, field, "an object of pattern: value", *v);
   if (v->size() > kMaxConfigPatternEntries) return TooMany(src, field, v->size(), kMaxConfigPatternEntries);
   const auto order = parsed.key_order.find(field);
-  if (order == parsed.key_order.end()) return Status::Internal(std::string(src) + ": lost the key order of " + std::string(field));
+  if (order == parsed.key_order.end())
+    return Status::Internal(std::string(src) + ": lost the key order of " + std::string(field));
   std::set<std::string_view> seen;
   for (const std::string& key : order->second) {
     if (!seen.insert(key).second) continue;  // a repeated key keeps its first position, as in Python
@@ -360,8 +361,8 @@ Status ReadLayers(const Json& obj, std::string_view src, PeftConfig* c) {
       c->layers_to_transform = {*i};
       c->layers_to_transform_is_int = true;
     } else {
-      FERRY_RETURN_IF_ERROR(ReadIntList(*v, src, "layers_to_transform", std::numeric_limits<int64_t>::max(),
-                                        &c->layers_to_transform));
+      FERRY_RETURN_IF_ERROR(
+          ReadIntList(*v, src, "layers_to_transform", std::numeric_limits<int64_t>::max(), &c->layers_to_transform));
     }
   }
   if (const Json* v = Find(obj, "layers_pattern")) {
@@ -382,7 +383,8 @@ Status ReadLayers(const Json& obj, std::string_view src, PeftConfig* c) {
 Status ReadTrainableTokens(const Json& obj, std::string_view src, PeftConfig* c) {
   const Json* v = Find(obj, "trainable_token_indices");
   if (v == nullptr) return Status::OK();
-  if (v->is_array()) return ReadIntList(*v, src, "trainable_token_indices", kMaxTokenId, &c->trainable_token_indices.embedding);
+  if (v->is_array())
+    return ReadIntList(*v, src, "trainable_token_indices", kMaxTokenId, &c->trainable_token_indices.embedding);
   if (!v->is_object()) return FieldError(src, "trainable_token_indices", "a list of token ids or an object", *v);
   for (auto it = v->begin(); it != v->end(); ++it) {
     std::vector<int64_t> ids;
@@ -413,8 +415,8 @@ Status ReadScalars(const Json& obj, std::string_view src, PeftConfig* c) {
   FERRY_RETURN_IF_ERROR(ReadString(obj, src, "peft_type", &c->peft_type));
   FERRY_RETURN_IF_ERROR(ReadString(obj, src, "task_type", &c->task_type));
   FERRY_RETURN_IF_ERROR(ReadString(obj, src, "base_model_name_or_path", &c->base_model_name_or_path));
-  FERRY_RETURN_IF_ERROR(ReadString(obj, src, "path_initial_model_for_weight_conversion",
-                                   &c->path_initial_model_for_weight_conversion));
+  FERRY_RETURN_IF_ERROR(
+      ReadString(obj, src, "path_initial_model_for_weight_conversion", &c->path_initial_model_for_weight_conversion));
   if (const Json* v = Find(obj, "r")) {
     FERRY_ASSIGN_OR_RETURN(c->r, CheckRank(*v, src, "r"));
   }
@@ -484,8 +486,8 @@ bool ListSelects(const std::vector<std::string>& names, std::string_view module)
 
 bool IsOutputOrEmbedding(std::string_view module) {
   static constexpr std::string_view kNames[] = {
-      "lm_head", "embed_out", "embed_tokens", "wte", "wpe", "word_embeddings", "position_embeddings",
-      "token_type_embeddings", "tok_embeddings"};
+      "lm_head",         "embed_out",           "embed_tokens",          "wte",           "wpe",
+      "word_embeddings", "position_embeddings", "token_type_embeddings", "tok_embeddings"};
   const size_t dot = module.rfind('.');
   const std::string_view last = dot == std::string_view::npos ? module : module.substr(dot + 1);
   return std::find(std::begin(kNames), std::end(kNames), last) != std::end(kNames);
@@ -500,19 +502,25 @@ Status RefuseInit(const PeftConfig& c, std::string_view method) {
       "; re-save the adapter with save_pretrained(..., path_initial_model_for_weight_conversion=<the initial "
       "adapter>) to convert it into a plain LoRA of the original base";
   if (method == "pissa") {
-    return Status::Unsupported(head + "PiSSA training replaced the base weights with a residual (W minus its principal "
-                               "components), so this adapter does not merge into the original base" + convert);
+    return Status::Unsupported(head +
+                               "PiSSA training replaced the base weights with a residual (W minus its principal "
+                               "components), so this adapter does not merge into the original base" +
+                               convert);
   }
   if (method == "olora") {
-    return Status::Unsupported(head + "OLoRA training replaced the base weights with a residual (W minus its QR "
-                               "component), so this adapter does not merge into the original base" + convert);
+    return Status::Unsupported(head +
+                               "OLoRA training replaced the base weights with a residual (W minus its QR "
+                               "component), so this adapter does not merge into the original base" +
+                               convert);
   }
   if (method == "corda") {
-    return Status::Unsupported(head + "CorDA training replaced the base weights with a residual (W minus its "
+    return Status::Unsupported(head +
+                               "CorDA training replaced the base weights with a residual (W minus its "
                                "context-oriented components), so this adapter does not merge into the original base" +
                                convert);
   }
-  return Status::Unsupported(head + "LoftQ replaced the base weights with a quantized residual, so this adapter "
+  return Status::Unsupported(head +
+                             "LoftQ replaced the base weights with a quantized residual, so this adapter "
                              "does not merge into the original base; merge it with PEFT into the LoftQ-initialised "
                              "base it was trained on");
 }
@@ -622,11 +630,13 @@ bool PeftConfig::IsTargeted(std::string_view module, std::optional<size_t> weigh
 
 Status PeftConfig::CheckMergeable() const {
   if (peft_type.empty()) {
-    return Status::Unsupported(source + ": field 'peft_type' is missing; Ferry merges LoRA adapters only "
+    return Status::Unsupported(source +
+                               ": field 'peft_type' is missing; Ferry merges LoRA adapters only "
                                "(peft_type \"LORA\"); re-save the adapter with PEFT");
   }
   if (peft_type != "LORA") {
-    return Status::Unsupported(source + ": peft_type is \"" + peft_type + "\", not \"LORA\": Ferry merges LoRA "
+    return Status::Unsupported(source + ": peft_type is \"" + peft_type +
+                               "\", not \"LORA\": Ferry merges LoRA "
                                "adapters only; merge this adapter with PEFT (merge_and_unload) and convert the merged "
                                "model instead");
   }
@@ -638,20 +648,24 @@ Status PeftConfig::CheckMergeable() const {
     }
   }
   if (!alora_invocation_tokens.empty()) {
-    return Status::Unsupported(source + ": alora_invocation_tokens is set: an activated LoRA (aLoRA) applies only "
+    return Status::Unsupported(source +
+                               ": alora_invocation_tokens is set: an activated LoRA (aLoRA) applies only "
                                "after its invocation tokens and cannot be merged into the weights; serve it as an "
                                "adapter with an engine that supports aLoRA");
   }
   if (!target_parameters.empty()) {
-    return Status::Unsupported(source + ": target_parameters is set: LoRA on raw parameters (such as MoE expert "
+    return Status::Unsupported(source +
+                               ": target_parameters is set: LoRA on raw parameters (such as MoE expert "
                                "tensors) is not supported by Ferry; merge it with PEFT (merge_and_unload) instead");
   }
   if (has_layer_replication) {
-    return Status::Unsupported(source + ": layer_replication is set: the adapted model has layers its base lacks; "
+    return Status::Unsupported(source +
+                               ": layer_replication is set: the adapted model has layers its base lacks; "
                                "merge it with PEFT (merge_and_unload) instead");
   }
   if (use_qalora) {
-    return Status::Unsupported(source + ": use_qalora is true: QA-LoRA pools the input before lora_A and does not "
+    return Status::Unsupported(source +
+                               ": use_qalora is true: QA-LoRA pools the input before lora_A and does not "
                                "merge like LoRA; merge it with PEFT (merge_and_unload) instead");
   }
   return Status::OK();
@@ -678,10 +692,13 @@ std::string_view AdapterKeyKindName(AdapterKey::Kind kind) {
 
 namespace {
 
-constexpr std::string_view kMarkers[] = {"lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B",
-                                         "lora_magnitude_vector", "modules_to_save", "token_adapter", "base_layer"};
+constexpr std::string_view kMarkers[] = {
+    "lora_A",          "lora_B",        "lora_embedding_A", "lora_embedding_B", "lora_magnitude_vector",
+    "modules_to_save", "token_adapter", "base_layer"};
 
-bool IsMarker(std::string_view s) { return std::find(std::begin(kMarkers), std::end(kMarkers), s) != std::end(kMarkers); }
+bool IsMarker(std::string_view s) {
+  return std::find(std::begin(kMarkers), std::end(kMarkers), s) != std::end(kMarkers);
+}
 
 // Fills kind / adapter_name / param from the segments after the marker; false when the
 // form is not one PEFT writes.

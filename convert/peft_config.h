@@ -49,20 +49,20 @@ namespace ferry {
 
 // Limits on hostile input. Larger values are rejected with kUnsupported.
 inline constexpr int64_t kMaxLoraRank = 65536;
-inline constexpr size_t kMaxConfigPatternLength = 4096;     // chars in one regex / pattern key
-inline constexpr size_t kMaxConfigListEntries = 1u << 18;   // entries of one list field
+inline constexpr size_t kMaxConfigPatternLength = 4096;       // chars in one regex / pattern key
+inline constexpr size_t kMaxConfigListEntries = 1u << 18;     // entries of one list field
 inline constexpr size_t kMaxConfigPatternEntries = 1u << 14;  // keys of rank_pattern / alpha_pattern
-inline constexpr size_t kMaxConfigObjectKeys = 1u << 14;    // keys of any one JSON object
-inline constexpr size_t kMaxConfigJsonDepth = 32;           // nesting of JSON containers
+inline constexpr size_t kMaxConfigObjectKeys = 1u << 14;      // keys of any one JSON object
+inline constexpr size_t kMaxConfigJsonDepth = 32;             // nesting of JSON containers
 inline constexpr size_t kMaxAdapterConfigBytes = 16u << 20;
 inline constexpr int64_t kMaxTokenId = (int64_t{1} << 31) - 1;
 
 // A target_modules / exclude_modules field in any of the forms PEFT accepts.
 struct ModuleSelector {
   enum class Form { kNone, kList, kRegex, kAllLinear };
-  Form form = Form::kNone;        // Default: absent or null.
+  Form form = Form::kNone;         // Default: absent or null.
   std::vector<std::string> names;  // kList: the entries, in file order.
-  std::string pattern;            // kRegex: the regex; kAllLinear: the text as written.
+  std::string pattern;             // kRegex: the regex; kAllLinear: the text as written.
 
   bool empty() const { return form == Form::kNone; }
 };
@@ -86,8 +86,8 @@ struct AlphaPatternEntry {
 // trainable_token_indices: a list (rows of the input embedding, whatever it is called)
 // or a dict from module name to rows.
 struct TrainableTokenIndices {
-  std::vector<int64_t> embedding;                                         // list form
-  std::vector<std::pair<std::string, std::vector<int64_t>>> by_module;    // dict form, file order
+  std::vector<int64_t> embedding;                                       // list form
+  std::vector<std::pair<std::string, std::vector<int64_t>>> by_module;  // dict form, file order
 
   bool empty() const { return embedding.empty() && by_module.empty(); }
 };
@@ -113,11 +113,11 @@ struct PeftConfig {
   ModuleSelector target_modules;
   ModuleSelector exclude_modules;
   std::vector<std::string> modules_to_save;
-  std::vector<int64_t> layers_to_transform;  // empty: every layer
-  bool layers_to_transform_is_int = false;   // written as a single int
-  std::vector<std::string> layers_pattern;   // empty: the default layer names
-  std::vector<RankPatternEntry> rank_pattern;    // file order
-  std::vector<AlphaPatternEntry> alpha_pattern;  // file order
+  std::vector<int64_t> layers_to_transform;                  // empty: every layer
+  bool layers_to_transform_is_int = false;                   // written as a single int
+  std::vector<std::string> layers_pattern;                   // empty: the default layer names
+  std::vector<RankPatternEntry> rank_pattern;                // file order
+  std::vector<AlphaPatternEntry> alpha_pattern;              // file order
   std::variant<bool, std::string> init_lora_weights = true;  // Default: true.
   TrainableTokenIndices trainable_token_indices;
   std::vector<int64_t> alora_invocation_tokens;
@@ -182,7 +182,7 @@ struct AdapterKey {
     kBaseLayer,        // <M>.base_layer.<param> (saved embeddings, bias="all")
     kOther,            // <M>.<param>: any other tensor (a full tensor, a bias, ia3_l...)
   };
-  std::string module;        // M, without "base_model.model."
+  std::string module;  // M, without "base_model.model."
   Kind kind = kOther;
   std::string adapter_name;  // e.g. "default" when the key carries one, else ""
   std::string param;         // kModulesToSave / kBaseLayer / kOther: the last segment

@@ -36,8 +36,10 @@ Result<LegacyLoader> LoadTorchioPlugin() {
     }
     return *entry();  // the plugin stays loaded: tensors it returns reference its code
   }
-  return Status::Unsupported("reading torch pickles needs Ferry's LibTorch plugin libferry_torchio.so "
-                             "(build Ferry with LibTorch, or set FERRY_TORCHIO); tried:" + tried);
+  return Status::Unsupported(
+      "reading torch pickles needs Ferry's LibTorch plugin libferry_torchio.so "
+      "(build Ferry with LibTorch, or set FERRY_TORCHIO); tried:" +
+      tried);
 }
 
 struct LoaderState {
@@ -96,7 +98,8 @@ Result<std::filesystem::path> FindWeights(const std::filesystem::path& dir) {
   if (ec) return Status::IOError(dir.string() + ": " + ec.message());
   if (indexes.size() == 1) return indexes[0];
   if (found.size() == 1) return found[0];
-  if (found.empty()) return Status::NotFound(dir.string() + ": no safetensors weights (or adapter_model.bin) in directory");
+  if (found.empty())
+    return Status::NotFound(dir.string() + ": no safetensors weights (or adapter_model.bin) in directory");
   return Status::InvalidArgument(dir.string() + ": " + std::to_string(found.size()) +
                                  " .safetensors files but no index to say how they fit together");
 }
@@ -154,7 +157,8 @@ Result<Checkpoint> Checkpoint::OpenIndex(const std::filesystem::path& index_path
   if (wm == j.end() || !wm->is_object()) return Status::Corruption(where + ": missing 'weight_map' object");
   std::map<std::string, std::vector<std::string>> by_file;
   for (auto it = wm->begin(); it != wm->end(); ++it) {
-    if (!it->is_string()) return Status::Corruption(where + ": weight_map entry for " + Quote(it.key()) + " is not a string");
+    if (!it->is_string())
+      return Status::Corruption(where + ": weight_map entry for " + Quote(it.key()) + " is not a string");
     const std::string shard = it->get<std::string>();
     if (shard.empty() || shard.find('/') != std::string::npos || shard.find('\0') != std::string::npos ||
         shard == "." || shard == "..") {
@@ -187,8 +191,8 @@ Result<Checkpoint> Checkpoint::OpenShards(const std::filesystem::path& index_pat
     const std::set<std::string> listed(names.begin(), names.end());
     for (const auto& t : (*f)->tensors()) {
       if (!listed.count(t.name)) {
-        return Status::Corruption((dir / shard).string() + ": tensor " + Quote(t.name) + " is not listed in the index " +
-                                  index_path.filename().string());
+        return Status::Corruption((dir / shard).string() + ": tensor " + Quote(t.name) +
+                                  " is not listed in the index " + index_path.filename().string());
       }
     }
     FERRY_RETURN_IF_ERROR(c.AddFile(std::move(f).value()));

@@ -77,7 +77,7 @@ class Checkpoint {
   static constexpr int kInMemory = -1;
   static constexpr int kProduced = -2;
   struct Entry {
-    int file = kInMemory;    // index into files_, or kInMemory / kProduced
+    int file = kInMemory;  // index into files_, or kInMemory / kProduced
     TensorInfo info;
   };
   static Result<Checkpoint> OpenIndex(const std::filesystem::path& index_path);

@@ -25,10 +25,8 @@ bool IsIntegerLike(DType d) {
     case DType::kI32:
     case DType::kU32:
     case DType::kI64:
-    case DType::kU64:
-      return true;
-    default:
-      return false;
+    case DType::kU64: return true;
+    default: return false;
   }
 }
 
@@ -63,9 +61,21 @@ uint64_t KeyDistance(int64_t ka, int64_t kb) {
 uint64_t LoadBits(const std::byte* p, size_t esize) {
   switch (esize) {
     case 1: return static_cast<uint8_t>(*p);
-    case 2: { uint16_t v; std::memcpy(&v, p, 2); return v; }  // little-endian host, as the format
-    case 4: { uint32_t v; std::memcpy(&v, p, 4); return v; }
-    default: { uint64_t v; std::memcpy(&v, p, 8); return v; }
+    case 2: {
+      uint16_t v;
+      std::memcpy(&v, p, 2);
+      return v;
+    }  // little-endian host, as the format
+    case 4: {
+      uint32_t v;
+      std::memcpy(&v, p, 4);
+      return v;
+    }
+    default: {
+      uint64_t v;
+      std::memcpy(&v, p, 8);
+      return v;
+    }
   }
 }
 
@@ -151,8 +161,7 @@ S SumSquaresFinite(const T* a, size_t n) {
 
 // Compares n decoded values starting at flat index `base`.
 template <typename T, typename S>
-void CompareFloats(const T* a, const T* b, size_t n, int64_t base, const UlpKeys& keys, const DiffOptions& o,
-                   Acc& s) {
+void CompareFloats(const T* a, const T* b, size_t n, int64_t base, const UlpKeys& keys, const DiffOptions& o, Acc& s) {
   S ssq_a = 0;
   for (size_t i = 0; i < n; ++i) {
     const T x = a[i];
@@ -219,12 +228,36 @@ IntValue LoadInt(const std::byte* p, DType d) {
     case DType::kBool:
     case DType::kU8: return {false, static_cast<uint8_t>(*p)};
     case DType::kI8: return load_signed(static_cast<int8_t>(*p));
-    case DType::kU16: { uint16_t v; std::memcpy(&v, p, 2); return {false, v}; }
-    case DType::kI16: { int16_t v; std::memcpy(&v, p, 2); return load_signed(v); }
-    case DType::kU32: { uint32_t v; std::memcpy(&v, p, 4); return {false, v}; }
-    case DType::kI32: { int32_t v; std::memcpy(&v, p, 4); return load_signed(v); }
-    case DType::kU64: { uint64_t v; std::memcpy(&v, p, 8); return {false, v}; }
-    case DType::kI64: { int64_t v; std::memcpy(&v, p, 8); return load_signed(v); }
+    case DType::kU16: {
+      uint16_t v;
+      std::memcpy(&v, p, 2);
+      return {false, v};
+    }
+    case DType::kI16: {
+      int16_t v;
+      std::memcpy(&v, p, 2);
+      return load_signed(v);
+    }
+    case DType::kU32: {
+      uint32_t v;
+      std::memcpy(&v, p, 4);
+      return {false, v};
+    }
+    case DType::kI32: {
+      int32_t v;
+      std::memcpy(&v, p, 4);
+      return load_signed(v);
+    }
+    case DType::kU64: {
+      uint64_t v;
+      std::memcpy(&v, p, 8);
+      return {false, v};
+    }
+    case DType::kI64: {
+      int64_t v;
+      std::memcpy(&v, p, 8);
+      return load_signed(v);
+    }
     default: return {};
   }
 }
@@ -238,7 +271,8 @@ std::span<const std::byte> ChunkBytes(const Tensor& t, int64_t start, size_t n) 
 
 // Decodes elements [start, start + n) of a readable float tensor.
 Status Decode(const Tensor& t, int64_t start, size_t n, float* out) {
-  FERRY_ASSIGN_OR_RETURN(Tensor piece, Tensor::Wrap(t.dtype(), {static_cast<int64_t>(n)}, ChunkBytes(t, start, n), nullptr));
+  FERRY_ASSIGN_OR_RETURN(Tensor piece,
+                         Tensor::Wrap(t.dtype(), {static_cast<int64_t>(n)}, ChunkBytes(t, start, n), nullptr));
   return ReadAsF32(piece, std::span<float>(out, n));
 }
 
@@ -465,7 +499,8 @@ Result<DiffReport> DiffCheckpoints(const Checkpoint& a, const Checkpoint& b, con
                                    ", rtol " + std::to_string(options.rtol) + ")");
   }
   if (options.max_ulp < -1) {
-    return Status::InvalidArgument("max_ulp must be >= 0, or -1 for unused (got " + std::to_string(options.max_ulp) + ")");
+    return Status::InvalidArgument("max_ulp must be >= 0, or -1 for unused (got " + std::to_string(options.max_ulp) +
+                                   ")");
   }
   if (options.chunk_elements == 0) return Status::InvalidArgument("chunk_elements must be > 0");
   std::set<std::string> names(a.names().begin(), a.names().end());

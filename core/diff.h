@@ -139,8 +139,7 @@ struct DiffReport {
 // Compares every tensor of `a` with the tensor of the same name in `b`. Errors: kInvalidArgument
 // for bad options (negative tolerances, chunk_elements == 0); a failure to read a tensor,
 // with a message naming the checkpoint and tensor.
-[[nodiscard]] Result<DiffReport> DiffCheckpoints(const Checkpoint& a, const Checkpoint& b,
-                                                 const DiffOptions& options);
+[[nodiscard]] Result<DiffReport> DiffCheckpoints(const Checkpoint& a, const Checkpoint& b, const DiffOptions& options);
 
 // The multi-dimensional index of flat C-order index `flat` in `shape` (empty for scalars).
 // REQUIRES: 0 <= flat < numel(shape).

@@ -13,17 +13,28 @@ struct DTypeEntry {
 };
 
 constexpr std::array<DTypeEntry, 22> kTable = {{
-    {DType::kBool, "BOOL", 8},        {DType::kU8, "U8", 8},
-    {DType::kI8, "I8", 8},            {DType::kI16, "I16", 16},
-    {DType::kU16, "U16", 16},         {DType::kF16, "F16", 16},
-    {DType::kBF16, "BF16", 16},       {DType::kI32, "I32", 32},
-    {DType::kU32, "U32", 32},         {DType::kF32, "F32", 32},
-    {DType::kF64, "F64", 64},         {DType::kI64, "I64", 64},
-    {DType::kU64, "U64", 64},         {DType::kC64, "C64", 64},
-    {DType::kF8E4M3, "F8_E4M3", 8},   {DType::kF8E5M2, "F8_E5M2", 8},
-    {DType::kF8E8M0, "F8_E8M0", 8},   {DType::kF8E4M3FNUZ, "F8_E4M3FNUZ", 8},
-    {DType::kF8E5M2FNUZ, "F8_E5M2FNUZ", 8}, {DType::kF4, "F4", 4},
-    {DType::kF6E2M3, "F6_E2M3", 6},   {DType::kF6E3M2, "F6_E3M2", 6},
+    {DType::kBool, "BOOL", 8},
+    {DType::kU8, "U8", 8},
+    {DType::kI8, "I8", 8},
+    {DType::kI16, "I16", 16},
+    {DType::kU16, "U16", 16},
+    {DType::kF16, "F16", 16},
+    {DType::kBF16, "BF16", 16},
+    {DType::kI32, "I32", 32},
+    {DType::kU32, "U32", 32},
+    {DType::kF32, "F32", 32},
+    {DType::kF64, "F64", 64},
+    {DType::kI64, "I64", 64},
+    {DType::kU64, "U64", 64},
+    {DType::kC64, "C64", 64},
+    {DType::kF8E4M3, "F8_E4M3", 8},
+    {DType::kF8E5M2, "F8_E5M2", 8},
+    {DType::kF8E8M0, "F8_E8M0", 8},
+    {DType::kF8E4M3FNUZ, "F8_E4M3FNUZ", 8},
+    {DType::kF8E5M2FNUZ, "F8_E5M2FNUZ", 8},
+    {DType::kF4, "F4", 4},
+    {DType::kF6E2M3, "F6_E2M3", 6},
+    {DType::kF6E3M2, "F6_E3M2", 6},
 }};
 
 const DTypeEntry& Entry(DType d) { return kTable[static_cast<size_t>(d)]; }
@@ -43,11 +54,13 @@ int DTypeBits(DType dtype) { return Entry(dtype).bits; }
 
 bool IsFloatingPoint(DType dtype) {
   switch (dtype) {
-    case DType::kF16: case DType::kBF16: case DType::kF32: case DType::kF64:
-    case DType::kF8E4M3: case DType::kF8E5M2:
-      return true;
-    default:
-      return false;
+    case DType::kF16:
+    case DType::kBF16:
+    case DType::kF32:
+    case DType::kF64:
+    case DType::kF8E4M3:
+    case DType::kF8E5M2: return true;
+    default: return false;
   }
 }
 

@@ -8,8 +8,28 @@
 namespace ferry {
 
 enum class DType : uint8_t {
-  kBool, kU8, kI8, kI16, kU16, kF16, kBF16, kI32, kU32, kF32, kF64, kI64, kU64, kC64,
-  kF8E4M3, kF8E5M2, kF8E8M0, kF8E4M3FNUZ, kF8E5M2FNUZ, kF4, kF6E2M3, kF6E3M2,
+  kBool,
+  kU8,
+  kI8,
+  kI16,
+  kU16,
+  kF16,
+  kBF16,
+  kI32,
+  kU32,
+  kF32,
+  kF64,
+  kI64,
+  kU64,
+  kC64,
+  kF8E4M3,
+  kF8E5M2,
+  kF8E8M0,
+  kF8E4M3FNUZ,
+  kF8E5M2FNUZ,
+  kF4,
+  kF6E2M3,
+  kF6E3M2,
 };
 
 // The safetensors spelling ("F32", "BF16", "F8_E4M3", ...).

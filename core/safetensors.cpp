@@ -123,7 +123,8 @@ Result<SafetensorsHeader> ParseSafetensorsHeader(std::span<const std::byte> file
     if (it.key() == "__metadata__") {
       if (!it->is_object()) return Status::Corruption("'__metadata__' is not an object");
       for (auto m = it->begin(); m != it->end(); ++m) {
-        if (!m->is_string()) return Status::Corruption("'__metadata__' value for " + Quote(m.key()) + " is not a string");
+        if (!m->is_string())
+          return Status::Corruption("'__metadata__' value for " + Quote(m.key()) + " is not a string");
         h.metadata[m.key()] = m->get<std::string>();
       }
       continue;
@@ -234,7 +235,8 @@ Result<std::string> SerializeSafetensorsHeader(const std::vector<TensorSpec>& sp
     if (size > std::numeric_limits<uint64_t>::max() - offset) {
       return Status::InvalidArgument("tensor " + Quote(s.name) + ": data offsets overflow 64 bits");
     }
-    j[s.name] = {{"dtype", std::string(DTypeName(s.dtype))}, {"shape", s.shape}, {"data_offsets", {offset, offset + size}}};
+    j[s.name] = {
+        {"dtype", std::string(DTypeName(s.dtype))}, {"shape", s.shape}, {"data_offsets", {offset, offset + size}}};
     offset += size;
   }
   std::string body = j.dump();
@@ -273,7 +275,8 @@ uint64_t SafetensorsDataStart(int fd) {
 Result<std::unique_ptr<SafetensorsWriter>> SafetensorsWriter::CreateFile(const std::filesystem::path& path,
                                                                          std::vector<TensorSpec> specs,
                                                                          WriterOptions options) {
-  if (options.max_shard_bytes != 0) return Status::InvalidArgument("CreateFile writes one file: max_shard_bytes must be 0");
+  if (options.max_shard_bytes != 0)
+    return Status::InvalidArgument("CreateFile writes one file: max_shard_bytes must be 0");
   std::unique_ptr<SafetensorsWriter> w(new SafetensorsWriter());
   w->specs_ = std::move(specs);
   w->options_ = std::move(options);
@@ -285,7 +288,8 @@ Result<std::unique_ptr<SafetensorsWriter>> SafetensorsWriter::CreateInDirectory(
                                                                                 std::vector<TensorSpec> specs,
                                                                                 WriterOptions options) {
   std::error_code ec;
-  if (!std::filesystem::is_directory(dir, ec)) return Status::NotFound(dir.string() + ": output directory does not exist");
+  if (!std::filesystem::is_directory(dir, ec))
+    return Status::NotFound(dir.string() + ": output directory does not exist");
   std::unique_ptr<SafetensorsWriter> w(new SafetensorsWriter());
   w->specs_ = std::move(specs);
   w->options_ = std::move(options);
@@ -363,7 +367,8 @@ Status SafetensorsWriter::OpenShard(size_t i) {
   if (fd_ < 0) return ErrnoStatus(s.temp_path.string(), errno);
   s.created = true;
   cur_shard_ = i;
-  std::vector<TensorSpec> subset(specs_.begin() + static_cast<ptrdiff_t>(s.first), specs_.begin() + static_cast<ptrdiff_t>(s.last));
+  std::vector<TensorSpec> subset(specs_.begin() + static_cast<ptrdiff_t>(s.first),
+                                 specs_.begin() + static_cast<ptrdiff_t>(s.last));
   FERRY_ASSIGN_OR_RETURN(header_, SerializeSafetensorsHeader(subset, options_.metadata));
   buffered_ = 0;
   header_pending_ = true;
@@ -559,8 +564,8 @@ Status SafetensorsWriter::AppendRaw(std::string_view data) {
   // Small pieces go through the buffer; large ones are written straight from the source.
   if (data.size() >= kWriteBuffer / 2) {
     FERRY_RETURN_IF_ERROR(FlushBuffer());
-    FERRY_RETURN_IF_ERROR(WriteAll(fd_, std::as_bytes(std::span<const char>(data.data(), data.size())),
-                                   shards_[cur_shard_].temp_path));
+    FERRY_RETURN_IF_ERROR(
+        WriteAll(fd_, std::as_bytes(std::span<const char>(data.data(), data.size())), shards_[cur_shard_].temp_path));
     bytes_written_ += data.size();
     return Status::OK();
   }
@@ -578,9 +583,9 @@ Status SafetensorsWriter::Finish() {
     return adv;
   }
   if (cur_tensor_ < specs_.size()) {
-    Status s = Status::FailedPrecondition("tensor " + Quote(specs_[cur_tensor_].name) + " was declared but not written (" +
-                                          std::to_string(cur_offset_) + " of " + std::to_string(sizes_[cur_tensor_]) +
-                                          " bytes)");
+    Status s = Status::FailedPrecondition("tensor " + Quote(specs_[cur_tensor_].name) +
+                                          " was declared but not written (" + std::to_string(cur_offset_) + " of " +
+                                          std::to_string(sizes_[cur_tensor_]) + " bytes)");
     Abort();
     return s;
   }

@@ -16,7 +16,8 @@ Result<StagingDir> StagingDir::Create(const fs::path& final_path, bool replace_e
   }
   const fs::path parent = final_path.parent_path().empty() ? fs::path(".") : final_path.parent_path();
   fs::create_directories(parent, ec);
-  if (!fs::is_directory(parent, ec)) return Status::IOError(parent.string() + ": cannot create the output's parent directory");
+  if (!fs::is_directory(parent, ec))
+    return Status::IOError(parent.string() + ": cannot create the output's parent directory");
   StagingDir s;
   s.final_ = final_path;
   s.tmp_ = TempNameFor(final_path);

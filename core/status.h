@@ -67,7 +67,7 @@ class [[nodiscard]] Status {
 template <typename T>
 class [[nodiscard]] Result {
  public:
-  Result(T value) : v_(std::move(value)) {}  // NOLINT(google-explicit-constructor)
+  Result(T value) : v_(std::move(value)) {}        // NOLINT(google-explicit-constructor)
   Result(Status status) : v_(std::move(status)) {  // NOLINT(google-explicit-constructor)
     if (std::get<Status>(v_).ok()) v_ = Status::Internal("Result constructed from an OK status");
   }
@@ -96,9 +96,9 @@ class [[nodiscard]] Result {
 #define FERRY_CONCAT_(a, b) FERRY_CONCAT_INNER_(a, b)
 
 // Returns from the enclosing function when `expr` (a Status) is not OK.
-#define FERRY_RETURN_IF_ERROR(expr)              \
-  do {                                           \
-    ::ferry::Status ferry_status_ = (expr);      \
+#define FERRY_RETURN_IF_ERROR(expr)                \
+  do {                                             \
+    ::ferry::Status ferry_status_ = (expr);        \
     if (!ferry_status_.ok()) return ferry_status_; \
   } while (0)
 

@@ -12,7 +12,8 @@ namespace ferry {
 Result<int64_t> CheckedNumel(const Shape& shape) {
   int64_t n = 1;
   for (int64_t d : shape) {
-    if (d < 0) return Status::Corruption("negative dimension " + std::to_string(d) + " in shape " + ShapeToString(shape));
+    if (d < 0)
+      return Status::Corruption("negative dimension " + std::to_string(d) + " in shape " + ShapeToString(shape));
     if (d != 0 && n > std::numeric_limits<int64_t>::max() / d) {
       return Status::Corruption("shape " + ShapeToString(shape) + " overflows 64-bit element count");
     }
@@ -128,7 +129,9 @@ void CastF32To16(DType dtype, const float* src, std::byte* dst, size_t n) {
 
 Status ReadAsF32(const Tensor& t, std::span<float> out) {
   const size_t n = static_cast<size_t>(t.numel());
-  if (out.size() != n) return Status::InvalidArgument("ReadAsF32: output has " + std::to_string(out.size()) + " elements, tensor has " + std::to_string(n));
+  if (out.size() != n)
+    return Status::InvalidArgument("ReadAsF32: output has " + std::to_string(out.size()) + " elements, tensor has " +
+                                   std::to_string(n));
   auto need = CheckedByteSize(t.dtype(), t.shape());
   if (!need.ok() || *need != t.nbytes()) {
     return Status::InvalidArgument("ReadAsF32: tensor of " + ShapeToString(t.shape()) + " holds " +
@@ -152,13 +155,13 @@ Status ReadAsF32(const Tensor& t, std::span<float> out) {
       }
       return Status::OK();
     }
-    default:
-      return Status::Unsupported("cannot read " + std::string(DTypeName(t.dtype())) + " values as F32");
+    default: return Status::Unsupported("cannot read " + std::string(DTypeName(t.dtype())) + " values as F32");
   }
 }
 
 Status WriteFromF32(std::span<const float> in, DType dtype, std::span<std::byte> out) {
-  if (!CanWriteFromF32(dtype)) return Status::Unsupported("cannot write F32 values as " + std::string(DTypeName(dtype)));
+  if (!CanWriteFromF32(dtype))
+    return Status::Unsupported("cannot write F32 values as " + std::string(DTypeName(dtype)));
   const size_t n = in.size();
   const size_t esize = static_cast<size_t>(DTypeBits(dtype) / 8);
   if (out.size() != n * esize) return Status::InvalidArgument("WriteFromF32: output size mismatch");

@@ -54,12 +54,16 @@ class Tensor {
   std::span<const std::byte> bytes() const { return bytes_; }
   const std::byte* data() const { return bytes_.data(); }
   template <typename T>
-  const T* data_as() const { return reinterpret_cast<const T*>(bytes_.data()); }
+  const T* data_as() const {
+    return reinterpret_cast<const T*>(bytes_.data());
+  }
 
   // Writable access; only valid for tensors made by Empty() (returns nullptr otherwise).
   std::byte* mutable_data() const { return writable_ ? const_cast<std::byte*>(bytes_.data()) : nullptr; }
   template <typename T>
-  T* mutable_data_as() const { return reinterpret_cast<T*>(mutable_data()); }
+  T* mutable_data_as() const {
+    return reinterpret_cast<T*>(mutable_data());
+  }
 
   const std::shared_ptr<const void>& owner() const { return owner_; }
 

@@ -78,7 +78,8 @@ bool SameManifest(const Manifest& a, const Manifest& b) {
   for (size_t i = 0; i < a.tensors.size(); ++i) {
     const auto& x = a.tensors[i];
     const auto& y = b.tensors[i];
-    if (x.name != y.name || x.dtype != y.dtype || x.shape != y.shape || !(x.digest == y.digest) || x.nbytes != y.nbytes) {
+    if (x.name != y.name || x.dtype != y.dtype || x.shape != y.shape || !(x.digest == y.digest) ||
+        x.nbytes != y.nbytes) {
       return false;
     }
   }

@@ -35,8 +35,8 @@ const std::vector<Loaded>& Tokenizers() {
     const struct {
       const char* name;
       bool round_trips;
-    } names[] = {{"llama3-style", true},  {"qwen2-style", false},    {"llama2-legacy", false},
-                 {"mistral-style", false}, {"edge-bytelevel", false}, {"edge-metaspace", false},
+    } names[] = {{"llama3-style", true},   {"qwen2-style", false},     {"llama2-legacy", false},
+                 {"mistral-style", false}, {"edge-bytelevel", false},  {"edge-metaspace", false},
                  {"edge-regex", false},    {"llama2-metaspace", false}};
     for (const auto& n : names) {
       auto t = Tokenizer::FromFile(std::string(FERRY_FIXTURES_DIR) + "/tokenizers/" + n.name + "/tokenizer.json");

@@ -14,8 +14,16 @@
 
 namespace ferry::kernels {
 
-inline uint32_t F32Bits(float f) { uint32_t u; std::memcpy(&u, &f, 4); return u; }
-inline float F32FromBits(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
+inline uint32_t F32Bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
+inline float F32FromBits(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
 
 // IEEE binary16 -> binary32 (exact).
 float F16ToF32(uint16_t h);

@@ -68,14 +68,10 @@ const float* Select4bitCode(std::string_view quant_type, const float* quant_map)
 
 const char* Dequant4bitStatusMessage(Dequant4bitStatus status) {
   switch (status) {
-    case Dequant4bitStatus::kOk:
-      return "ok";
-    case Dequant4bitStatus::kInvalidBlocksize:
-      return "blocksize must be a power of two in [32, 4096]";
-    case Dequant4bitStatus::kInvalidNestedBlocksize:
-      return "nested_blocksize must be at least 1";
-    case Dequant4bitStatus::kInvalidSize:
-      return "element count or buffer size does not match the 4-bit layout";
+    case Dequant4bitStatus::kOk: return "ok";
+    case Dequant4bitStatus::kInvalidBlocksize: return "blocksize must be a power of two in [32, 4096]";
+    case Dequant4bitStatus::kInvalidNestedBlocksize: return "nested_blocksize must be at least 1";
+    case Dequant4bitStatus::kInvalidSize: return "element count or buffer size does not match the 4-bit layout";
   }
   return "unknown 4-bit dequantization status";
 }

@@ -22,12 +22,9 @@ bool CpuHasAvx2() {
 
 const Xxh3_128Stream::Ops& OpsFor(HashImpl impl) {
   switch (impl) {
-    case HashImpl::kAvx2:
-      return detail::Xxh3Avx2Ops();
-    case HashImpl::kBaseline:
-      return detail::Xxh3BaselineOps();
-    case HashImpl::kAuto:
-      break;
+    case HashImpl::kAvx2: return detail::Xxh3Avx2Ops();
+    case HashImpl::kBaseline: return detail::Xxh3BaselineOps();
+    case HashImpl::kAuto: break;
   }
   static const Xxh3_128Stream::Ops& best = CpuHasAvx2() ? detail::Xxh3Avx2Ops() : detail::Xxh3BaselineOps();
   return best;
@@ -45,9 +42,7 @@ Hash128 Xxh3_128(const void* data, size_t size, HashImpl impl) {
   return h;
 }
 
-Xxh3_128Stream::Xxh3_128Stream(HashImpl impl) : ops_(&OpsFor(impl)), state_(ops_->create()) {
-  ops_->reset(state_);
-}
+Xxh3_128Stream::Xxh3_128Stream(HashImpl impl) : ops_(&OpsFor(impl)), state_(ops_->create()) { ops_->reset(state_); }
 
 Xxh3_128Stream::~Xxh3_128Stream() {
   if (state_ != nullptr) ops_->destroy(state_);

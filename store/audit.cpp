@@ -66,10 +66,11 @@ void CheckMergedEqualsBase(const VersionRecord& v, const std::map<Digest, const 
   const TensorRow* nonzero = NonZeroAdapterTensor(*adapter_it->second);
   if (nonzero == nullptr) return;
   out.push_back({AnomalyKind::kMergedEqualsBase, v.id, nonzero->name,
-                 "merged " + Describe(v) + " has the same tensor digests as its base version " + ShortId(*v.base_version) +
-                     " although adapter version " + ShortId(*v.adapter_version) + " is non-zero (tensor " +
-                     nonzero->name + " has l2_norm " + Num(nonzero->l2_norm) +
-                     "): the adapter never reached these weights", std::nullopt});
+                 "merged " + Describe(v) + " has the same tensor digests as its base version " +
+                     ShortId(*v.base_version) + " although adapter version " + ShortId(*v.adapter_version) +
+                     " is non-zero (tensor " + nonzero->name + " has l2_norm " + Num(nonzero->l2_norm) +
+                     "): the adapter never reached these weights",
+                 std::nullopt});
 }
 
 void CheckZeroAdapter(const VersionRecord& v, std::vector<Anomaly>& out) {
@@ -83,14 +84,16 @@ void CheckZeroAdapter(const VersionRecord& v, std::vector<Anomaly>& out) {
   if (b_tensors == 0) return;
   out.push_back({AnomalyKind::kZeroAdapter, v.id, "",
                  "adapter " + Describe(v) + " is all zero: all " + std::to_string(b_tensors) +
-                     " lora_B tensors are zero, so merging it changes nothing", std::nullopt});
+                     " lora_B tensors are zero, so merging it changes nothing",
+                 std::nullopt});
 }
 
 void CheckNonFinite(const VersionRecord& v, std::vector<Anomaly>& out) {
   for (const auto& t : v.tensors) {
     if (t.nonfinite <= 0) continue;
     out.push_back({AnomalyKind::kNonFinite, v.id, t.name,
-                   Describe(v) + ": tensor " + t.name + " has " + std::to_string(t.nonfinite) + " NaN/Inf values", std::nullopt});
+                   Describe(v) + ": tensor " + t.name + " has " + std::to_string(t.nonfinite) + " NaN/Inf values",
+                   std::nullopt});
   }
 }
 
@@ -149,8 +152,7 @@ void CollectSteps(const std::vector<const VersionRecord*>& selected, const std::
     auto it = step_of.find(ev->version);
     if (ev->type == Event::Type::kPublished && it != step_of.end()) progress.emplace_back(ev->time_ns, it->second);
   }
-  std::stable_sort(progress.begin(), progress.end(),
-                   [](const auto& a, const auto& b) { return a.first < b.first; });
+  std::stable_sort(progress.begin(), progress.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
   auto trainer_step_at = [&progress](int64_t t) -> int64_t {
     auto next = std::upper_bound(progress.begin(), progress.end(), t,
                                  [](int64_t time, const auto& p) { return time < p.first; });
@@ -192,7 +194,8 @@ void CheckGeneratorsBehind(const AuditReport& report, const AuditOptions& o, std
   for (const auto& e : report.steps) {
     for (const auto& a : e.acks) acks.push_back({&a, e.step});
   }
-  std::stable_sort(acks.begin(), acks.end(), [](const Ack& a, const Ack& b) { return a.ack->time_ns < b.ack->time_ns; });
+  std::stable_sort(acks.begin(), acks.end(),
+                   [](const Ack& a, const Ack& b) { return a.ack->time_ns < b.ack->time_ns; });
   std::map<std::string, bool> behind;
   for (const Ack& a : acks) {
     bool& is_behind = behind[a.ack->receiver];
@@ -210,12 +213,12 @@ void CheckGeneratorsBehind(const AuditReport& report, const AuditOptions& o, std
   const StepEntry& last = report.steps.back();
   for (const auto& g : report.generators) {
     if (!g.last_step || last.step - *g.last_step <= o.lag_threshold) continue;
-    out.push_back({AnomalyKind::kGeneratorBehind, last.merged_version.value_or(last.adapter_version.value_or(Digest{})),
-                   "",
-                   "receiver " + g.receiver + " last acknowledged " + StepName(*g.last_step) + " but the run ended at " +
-                       StepName(last.step) + ": " + std::to_string(last.step - *g.last_step) +
-                       " steps behind (rule: > " + std::to_string(o.lag_threshold) + ")",
-                   last.step});
+    out.push_back(
+        {AnomalyKind::kGeneratorBehind, last.merged_version.value_or(last.adapter_version.value_or(Digest{})), "",
+         "receiver " + g.receiver + " last acknowledged " + StepName(*g.last_step) + " but the run ended at " +
+             StepName(last.step) + ": " + std::to_string(last.step - *g.last_step) + " steps behind (rule: > " +
+             std::to_string(o.lag_threshold) + ")",
+         last.step});
   }
 }
 
@@ -245,7 +248,8 @@ void CheckStepMetrics(const AuditReport& report, const AuditOptions& o, std::vec
       } else {
         if (static_cast<int>(grad_history.size()) >= o.grad_min_history) {
           const size_t w = std::min<size_t>(grad_history.size(), 100);
-          const double median = Median(std::vector<double>(grad_history.end() - static_cast<std::ptrdiff_t>(w), grad_history.end()));
+          const double median =
+              Median(std::vector<double>(grad_history.end() - static_cast<std::ptrdiff_t>(w), grad_history.end()));
           if (median > 0 && *g > o.grad_spike_factor * median) {
             out.push_back({AnomalyKind::kGradNormSpike, id, "",
                            StepName(e.step) + " (version " + ShortId(id) + "): grad_norm " + Num(*g) + " is " +
@@ -265,8 +269,8 @@ void CheckStepMetrics(const AuditReport& report, const AuditOptions& o, std::vec
       if (zero_streak == o.zero_std_steps) {
         out.push_back({AnomalyKind::kRewardCollapse, id, "",
                        "reward std within every group is zero for " + std::to_string(zero_streak) +
-                           " consecutive steps, " + StepName(zero_first) + " to " + StepName(e.step) +
-                           " (version " + ShortId(id) + "): every advantage is zero, nothing is learnt (rule: >= " +
+                           " consecutive steps, " + StepName(zero_first) + " to " + StepName(e.step) + " (version " +
+                           ShortId(id) + "): every advantage is zero, nothing is learnt (rule: >= " +
                            std::to_string(o.zero_std_steps) + " steps)",
                        e.step});
       }
@@ -388,12 +392,12 @@ Result<AuditReport> AnalyzeAudit(const std::vector<VersionRecord>& all_versions,
         if (static_cast<int>(history.size()) >= options.min_history) {
           const double median = Median(history);
           if (median > 0 && d > options.jump_factor * median) {
-            version_anomalies.push_back(
-                {AnomalyKind::kDeltaJump, v->id, "",
-                 "adapter " + Describe(*v) + ": delta norm " + Num(d) + " from version " + ShortId(prev->second->id) +
-                     " is " + Num(d / median, 3) + "x the median " + Num(median) + " of the " +
-                     std::to_string(history.size()) + " previous deltas (rule: > " + Num(options.jump_factor, 3) +
-                     "x)", std::nullopt});
+            version_anomalies.push_back({AnomalyKind::kDeltaJump, v->id, "",
+                                         "adapter " + Describe(*v) + ": delta norm " + Num(d) + " from version " +
+                                             ShortId(prev->second->id) + " is " + Num(d / median, 3) + "x the median " +
+                                             Num(median) + " of the " + std::to_string(history.size()) +
+                                             " previous deltas (rule: > " + Num(options.jump_factor, 3) + "x)",
+                                         std::nullopt});
           }
         }
         history.push_back(d);
@@ -425,7 +429,8 @@ Result<AuditReport> AnalyzeAudit(const std::vector<VersionRecord>& all_versions,
     if (e->type == Event::Type::kAnomaly) {
       event_anomalies.push_back({AnomalyKind::kRecorded, e->version, "",
                                  "recorded" + (e->receiver.empty() ? std::string() : " by " + e->receiver) +
-                                     " for version " + ShortId(e->version) + ": " + e->detail, std::nullopt});
+                                     " for version " + ShortId(e->version) + ": " + e->detail,
+                                 std::nullopt});
       continue;
     }
     if (!IsReceiverEvent(*e)) continue;
@@ -448,17 +453,19 @@ Result<AuditReport> AnalyzeAudit(const std::vector<VersionRecord>& all_versions,
       event_anomalies.push_back({AnomalyKind::kUnpublishedAck, e->version, "",
                                  "receiver " + e->receiver + " " + verb + " version " + ShortId(e->version) +
                                      ", which was never published (" +
-                                     (r.known_version ? "no published event" : "no version record") + ")", std::nullopt});
+                                     (r.known_version ? "no published event" : "no version record") + ")",
+                                 std::nullopt});
     }
     if (e->computed && *e->computed != e->version) {
       event_anomalies.push_back({AnomalyKind::kDigestMismatch, e->version, "",
                                  "receiver " + e->receiver + " " + verb + " version " + ShortId(e->version) +
-                                     " but computed digest " + ShortId(*e->computed) + ": it holds other weights", std::nullopt});
+                                     " but computed digest " + ShortId(*e->computed) + ": it holds other weights",
+                                 std::nullopt});
     }
     auto t = timeline_index.find(e->version);
     if (t != timeline_index.end()) {
       auto& list = e->type == Event::Type::kActivated ? report.timeline[t->second].activated_by
-                                                       : report.timeline[t->second].acknowledged_by;
+                                                      : report.timeline[t->second].acknowledged_by;
       if (std::find(list.begin(), list.end(), e->receiver) == list.end()) list.push_back(e->receiver);
     }
     report.receivers.push_back(std::move(r));
@@ -529,7 +536,9 @@ Result<AuditReport> RunAudit(Store& store, const AuditOptions& options) {
   }
   FERRY_ASSIGN_OR_RETURN(auto versions, store.ListVersions(std::nullopt));
   FERRY_ASSIGN_OR_RETURN(auto events, store.ListEvents(std::nullopt));
-  DeltaNormFn delta = [&store](const VersionRecord& a, const VersionRecord& b) { return VersionDeltaNorm(store, a, b); };
+  DeltaNormFn delta = [&store](const VersionRecord& a, const VersionRecord& b) {
+    return VersionDeltaNorm(store, a, b);
+  };
   return AnalyzeAudit(versions, events, delta, options);
 }
 
@@ -592,7 +601,8 @@ std::string AuditToJson(const AuditReport& r) {
   }
   j["receivers"] = std::move(receivers);
   Json gaps = Json::array();
-  for (const auto& g : r.gaps) gaps.push_back({{"run", g.run}, {"first_missing", g.first_missing}, {"last_missing", g.last_missing}});
+  for (const auto& g : r.gaps)
+    gaps.push_back({{"run", g.run}, {"first_missing", g.first_missing}, {"last_missing", g.last_missing}});
   j["gaps"] = std::move(gaps);
   Json never = Json::array();
   for (const auto& d : r.never_acknowledged) never.push_back(d.Hex());
@@ -661,8 +671,8 @@ std::string AuditToText(const AuditReport& r) {
     if (e.delta_norm) metrics += (metrics.empty() ? "" : " ") + std::string("delta_norm=") + Num(*e.delta_norm);
     std::snprintf(line, sizeof line, "  %-10s %4llu %8s  %-12s  %-12s  %-8s  %s\n", v.run.c_str(),
                   static_cast<unsigned long long>(v.sequence), v.step ? std::to_string(*v.step).c_str() : "-",
-                  ShortId(v.id).c_str(), v.parent ? ShortId(*v.parent).c_str() : "-", std::string(KindName(v.kind)).c_str(),
-                  metrics.c_str());
+                  ShortId(v.id).c_str(), v.parent ? ShortId(*v.parent).c_str() : "-",
+                  std::string(KindName(v.kind)).c_str(), metrics.c_str());
     s += line;
   }
   s += "\nReceivers (" + std::to_string(r.receivers.size()) + " events)\n";
@@ -690,8 +700,8 @@ std::string AuditToText(const AuditReport& r) {
   for (const auto& d : r.never_acknowledged) s += "  " + ShortId(d) + "\n";
   if (!r.steps.empty()) {
     s += "\nSteps (" + std::to_string(r.steps.size()) + ")\n";
-    std::snprintf(line, sizeof line, "  %6s  %-12s  %-12s  %10s  %13s  %10s  %s\n", "step", "adapter", "merged", "reward",
-                  "loss", "grad_norm", "acknowledged by (lag)");
+    std::snprintf(line, sizeof line, "  %6s  %-12s  %-12s  %10s  %13s  %10s  %s\n", "step", "adapter", "merged",
+                  "reward", "loss", "grad_norm", "acknowledged by (lag)");
     s += line;
     for (const auto& e : r.steps) {
       auto metric = [&](const char* k) {

@@ -119,8 +119,8 @@ std::string_view AnomalyKindName(AnomalyKind kind);
 struct Anomaly {
   AnomalyKind kind = AnomalyKind::kRecorded;
   Digest version;
-  std::string tensor;   // "" when not about one tensor
-  std::string message;  // one line, names the version (and tensor, and step)
+  std::string tensor;           // "" when not about one tensor
+  std::string message;          // one line, names the version (and tensor, and step)
   std::optional<int64_t> step;  // the training step concerned, when the version has one
 };
 
@@ -129,21 +129,21 @@ struct StepAck {
   std::string receiver;
   Event::Type type = Event::Type::kAcknowledged;
   int64_t time_ns = 0;
-  Digest version;              // the step's adapter or merged version
-  bool digest_matched = false; // the receiver's computed digest equals `version`
+  Digest version;               // the step's adapter or merged version
+  bool digest_matched = false;  // the receiver's computed digest equals `version`
   bool digest_reported = false;
-  int64_t lag = 0;             // in steps (the rule at the top of this file)
+  int64_t lag = 0;  // in steps (the rule at the top of this file)
 };
 
 // One training step of the audited run.
 struct StepEntry {
   int64_t step = 0;
   std::optional<Digest> adapter_version;
-  std::optional<Digest> merged_version;  // for step 0: the base version
-  int64_t time_ns = 0;                   // commit time of the step's newest record
-  std::map<std::string, double> metrics; // the step's metrics (NaN where recorded as null)
-  std::vector<StepAck> acks;             // by time
-  int records = 0;                       // versions recorded for this step
+  std::optional<Digest> merged_version;   // for step 0: the base version
+  int64_t time_ns = 0;                    // commit time of the step's newest record
+  std::map<std::string, double> metrics;  // the step's metrics (NaN where recorded as null)
+  std::vector<StepAck> acks;              // by time
+  int records = 0;                        // versions recorded for this step
 };
 
 // One receiver's acknowledgements over the audited run's steps.
@@ -155,8 +155,8 @@ struct GeneratorSummary {
 };
 
 struct TimelineEntry {
-  VersionRecord version;          // tensors and aux are kept (reports count them)
-  std::optional<double> delta_norm;  // adapters after the run's first adapter version
+  VersionRecord version;                  // tensors and aux are kept (reports count them)
+  std::optional<double> delta_norm;       // adapters after the run's first adapter version
   std::vector<std::string> activated_by;  // receivers with an activated event for it
   std::vector<std::string> acknowledged_by;
 };
@@ -167,10 +167,10 @@ struct ReceiverEvent {
   int64_t time_ns = 0;
   Digest version;
   std::optional<Digest> computed;
-  bool digest_matched = false;     // computed present and equal to version
-  bool known_version = false;      // a version record exists
-  std::string run;                 // of the version, when known
-  uint64_t sequence = 0;           // of the version, when known
+  bool digest_matched = false;  // computed present and equal to version
+  bool known_version = false;   // a version record exists
+  std::string run;              // of the version, when known
+  uint64_t sequence = 0;        // of the version, when known
 };
 
 struct SequenceGap {
@@ -186,7 +186,7 @@ struct AuditReport {
   std::vector<SequenceGap> gaps;
   std::vector<Digest> never_acknowledged;  // empty when no receiver exists
   std::vector<Anomaly> anomalies;
-  std::vector<std::string> metric_names;   // every metric key of the timeline, sorted
+  std::vector<std::string> metric_names;  // every metric key of the timeline, sorted
   // Only when options.run is set: the run's steps (ascending) and its receivers (by name).
   std::vector<StepEntry> steps;
   std::vector<GeneratorSummary> generators;

@@ -135,17 +135,18 @@ Result<VersionRecord> DecodeVersion(std::string_view text) {
   FERRY_RETURN_IF_ERROR(rd.GetOptionalDigest("parent", r.parent));
   std::string kind, source;
   FERRY_RETURN_IF_ERROR(rd.Get("kind", kind));
-  FERRY_ASSIGN_OR_RETURN(r.kind, ParseEnum(kind, {VersionKind::kBase, VersionKind::kAdapter, VersionKind::kMerged,
-                                                  VersionKind::kFull},
-                                           &KindName, what + ": field 'kind'"));
+  FERRY_ASSIGN_OR_RETURN(
+      r.kind, ParseEnum(kind, {VersionKind::kBase, VersionKind::kAdapter, VersionKind::kMerged, VersionKind::kFull},
+                        &KindName, what + ": field 'kind'"));
   std::string layout;
   FERRY_RETURN_IF_ERROR(rd.Get("layout", layout));
   FERRY_ASSIGN_OR_RETURN(r.layout, ParseEnum(layout, {Layout::kHf, Layout::kFused, Layout::kLora}, &LayoutName,
                                              what + ": field 'layout'"));
   FERRY_RETURN_IF_ERROR(rd.Get("source", source));
-  FERRY_ASSIGN_OR_RETURN(r.source, ParseEnum(source, {VersionSource::kConvert, VersionSource::kImport,
-                                                      VersionSource::kDaemon, VersionSource::kSync},
-                                             &SourceName, what + ": field 'source'"));
+  FERRY_ASSIGN_OR_RETURN(
+      r.source,
+      ParseEnum(source, {VersionSource::kConvert, VersionSource::kImport, VersionSource::kDaemon, VersionSource::kSync},
+                &SourceName, what + ": field 'source'"));
   FERRY_RETURN_IF_ERROR(rd.Get("time_ns", r.time_ns));
   if (auto it = j.find("step"); it != j.end() && !it->is_null()) {
     int64_t step = 0;
@@ -235,8 +236,9 @@ Result<Event> DecodeEvent(std::string_view text) {
   Event e;
   std::string type;
   FERRY_RETURN_IF_ERROR(rd.Get("type", type));
-  FERRY_ASSIGN_OR_RETURN(e.type, ParseEnum(type, {Event::Type::kPublished, Event::Type::kAcknowledged,
-                                                  Event::Type::kActivated, Event::Type::kAnomaly},
+  FERRY_ASSIGN_OR_RETURN(e.type, ParseEnum(type,
+                                           {Event::Type::kPublished, Event::Type::kAcknowledged,
+                                            Event::Type::kActivated, Event::Type::kAnomaly},
                                            &EventTypeName, "event: field 'type'"));
   FERRY_RETURN_IF_ERROR(rd.Get("time_ns", e.time_ns));
   FERRY_RETURN_IF_ERROR(rd.Get("receiver", e.receiver));

@@ -16,8 +16,7 @@ std::string DerivedMessage(const VersionRecord& r) {
          " + adapter " + (r.adapter_version ? r.adapter_version->Hex() : "?") + "; materialize it";
 }
 
-Result<ImportResult> RocksStore::RecordDerived(const std::vector<TensorRow>& tensors,
-                                               const AuxFiles& aux_files,
+Result<ImportResult> RocksStore::RecordDerived(const std::vector<TensorRow>& tensors, const AuxFiles& aux_files,
                                                const ImportOptions& options) {
   FERRY_RETURN_IF_ERROR(RequireWritable("record a derived version"));
   const std::string what = "derived version";
@@ -57,9 +56,9 @@ Result<ImportResult> RocksStore::RecordDerived(const std::vector<TensorRow>& ten
     auto size = CheckedByteSize(row.dtype, row.shape);
     if (!size.ok()) return Status::InvalidArgument(Where(what + ": " + tensor + ": " + size.status().message()));
     if (*size != row.nbytes) {
-      return Status::InvalidArgument(Where(what + ": " + tensor + " has nbytes " + std::to_string(row.nbytes) + " but " +
-                                           std::string(DTypeName(row.dtype)) + " " + ShapeToString(row.shape) +
-                                           " holds " + std::to_string(*size)));
+      return Status::InvalidArgument(Where(what + ": " + tensor + " has nbytes " + std::to_string(row.nbytes) +
+                                           " but " + std::string(DTypeName(row.dtype)) + " " +
+                                           ShapeToString(row.shape) + " holds " + std::to_string(*size)));
     }
     rec.total_bytes += row.nbytes;
   }
@@ -75,8 +74,8 @@ Result<ImportResult> RocksStore::RecordDerived(const std::vector<TensorRow>& ten
   auto base = LoadVersion(view.options(), *options.base_version);
   if (!base.ok()) {
     if (base.status().code() != StatusCode::kNotFound) return base.status();
-    return Status::NotFound(Where(what + " " + rec.id.Hex() + ": base version " + options.base_version->Hex() +
-                                  " is not in the store"));
+    return Status::NotFound(
+        Where(what + " " + rec.id.Hex() + ": base version " + options.base_version->Hex() + " is not in the store"));
   }
   auto adapter = LoadVersion(view.options(), *options.adapter_version);
   if (!adapter.ok()) {

@@ -232,8 +232,8 @@ Result<Digest> Digest::FromHex(std::string_view hex) {
     } else if (c >= 'A' && c <= 'F') {
       v = static_cast<uint64_t>(c - 'A' + 10);
     } else {
-      return Status::InvalidArgument("digest '" + std::string(hex) + "': '" + std::string(1, c) +
-                                     "' at position " + std::to_string(i) + " is not a hex digit");
+      return Status::InvalidArgument("digest '" + std::string(hex) + "': '" + std::string(1, c) + "' at position " +
+                                     std::to_string(i) + " is not a hex digit");
     }
     uint64_t& word = i < 16 ? d.hi : d.lo;
     word = (word << 4) | v;
@@ -290,12 +290,13 @@ namespace internal {
 
 TensorStats::TensorStats(DType dtype) : dtype_(dtype) {
   switch (dtype) {
-    case DType::kF32: case DType::kF64: case DType::kF16: case DType::kBF16:
-    case DType::kF8E4M3: case DType::kF8E5M2:
-      enabled_ = true;
-      break;
-    default:
-      break;
+    case DType::kF32:
+    case DType::kF64:
+    case DType::kF16:
+    case DType::kBF16:
+    case DType::kF8E4M3:
+    case DType::kF8E5M2: enabled_ = true; break;
+    default: break;
   }
 }
 
@@ -315,15 +316,9 @@ void TensorStats::Update(std::span<const std::byte> bytes) {
     const size_t m = std::min(kBlock, n - i);
     const std::byte* q = p + i * elem;
     switch (dtype_) {
-      case DType::kF32:
-        AccumulateFloat(q, m, /*bf16=*/false, a);
-        break;
-      case DType::kBF16:
-        AccumulateFloat(q, m, /*bf16=*/true, a);
-        break;
-      case DType::kF64:
-        AccumulateF64(q, m, a);
-        break;
+      case DType::kF32: AccumulateFloat(q, m, /*bf16=*/false, a); break;
+      case DType::kBF16: AccumulateFloat(q, m, /*bf16=*/true, a); break;
+      case DType::kF64: AccumulateF64(q, m, a); break;
       default: {
         scratch_.resize(m);
         if (dtype_ == DType::kF16) {

@@ -62,8 +62,8 @@ Status RocksStore::Export(const Digest& version, const std::filesystem::path& ou
     }
     Digest got = digester.Finish();
     if (got != row.digest) {
-      return Status::Corruption(Where(what + ": " + tensor + " is corrupted: object " + path.string() +
-                                      " hashes to " + got.Hex() + ", expected " + row.digest.Hex()));
+      return Status::Corruption(Where(what + ": " + tensor + " is corrupted: object " + path.string() + " hashes to " +
+                                      got.Hex() + ", expected " + row.digest.Hex()));
     }
   }
   if (Status s = (*writer)->Finish(); !s.ok()) return Status(s.code(), Where(what + ": " + s.message()));

@@ -68,9 +68,7 @@ Result<AuxFiles> AuxOf(const std::filesystem::path& path) {
 
 }  // namespace
 
-Result<VersionRecord> HashCheckpoint(const Checkpoint& ckpt,
-                                     const AuxFiles& aux_files,
-                                     const HashOptions& options) {
+Result<VersionRecord> HashCheckpoint(const Checkpoint& ckpt, const AuxFiles& aux_files, const HashOptions& options) {
   // Names are checked before any byte is hashed or stored: they are recorded (JSON) and
   // hashed into the version id, so one that cannot be recorded exactly refuses the version.
   std::set<std::string> seen;
@@ -165,18 +163,20 @@ Result<ImportResult> RocksStore::Import(const std::filesystem::path& path, const
   const bool adapter = LooksLikeAdapter(ckpt, aux);
   if (opts.kind == VersionKind::kFull && adapter) opts.kind = VersionKind::kAdapter;
   if (adapter && opts.kind != VersionKind::kAdapter) {
-    return Status::InvalidArgument(path.string() + " is a PEFT adapter (adapter_config.json or adapter_model.*) and "
-                                   "cannot be recorded as kind " + std::string(KindName(opts.kind)));
+    return Status::InvalidArgument(path.string() +
+                                   " is a PEFT adapter (adapter_config.json or adapter_model.*) and "
+                                   "cannot be recorded as kind " +
+                                   std::string(KindName(opts.kind)));
   }
   if (!adapter && opts.kind == VersionKind::kAdapter) {
-    return Status::InvalidArgument(path.string() + " is not a PEFT adapter (no adapter_config.json or adapter_model.*) "
+    return Status::InvalidArgument(path.string() +
+                                   " is not a PEFT adapter (no adapter_config.json or adapter_model.*) "
                                    "and cannot be recorded as kind adapter");
   }
   return ImportCheckpoint(ckpt, aux, opts);
 }
 
-Result<ImportResult> RocksStore::ImportCheckpoint(const Checkpoint& ckpt,
-                                                  const AuxFiles& aux_files,
+Result<ImportResult> RocksStore::ImportCheckpoint(const Checkpoint& ckpt, const AuxFiles& aux_files,
                                                   const ImportOptions& options) {
   FERRY_RETURN_IF_ERROR(RequireWritable("import"));
   if (Status s = ValidateRunName(options.run); !s.ok()) return Status::InvalidArgument(Where(s.message()));

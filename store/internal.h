@@ -11,8 +11,8 @@
 #include <utility>
 #include <vector>
 
-#include "core/status.h"
 #include "core/aux_files.h"
+#include "core/status.h"
 #include "core/tensor.h"
 #include "core/text.h"
 #include "kernels/hash.h"
@@ -103,9 +103,7 @@ struct HashOptions {
 // (sorted by name), aux and total_bytes filled in. Tensors are hashed on every hardware
 // thread, one tensor per thread at a time (a produced checkpoint: one at a time, in name
 // order, each released before the next is made). The first error in name order is returned.
-Result<VersionRecord> HashCheckpoint(const Checkpoint& ckpt,
-                                     const AuxFiles& aux_files,
-                                     const HashOptions& options);
+Result<VersionRecord> HashCheckpoint(const Checkpoint& ckpt, const AuxFiles& aux_files, const HashOptions& options);
 
 // "version V is derived from base B + adapter A; materialize it" (full ids): what reads and
 // exports of a derived version's missing bytes say.

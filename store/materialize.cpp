@@ -34,7 +34,8 @@ class TreeGuard {
 Status MoveIntoPlace(const fs::path& from, const fs::path& out, bool force) {
   std::error_code ec;
   const bool exists = fs::exists(fs::symlink_status(out, ec));
-  if (exists && !force) return Status::AlreadyExists(out.string() + " exists (replacing it needs MaterializeOptions.force)");
+  if (exists && !force)
+    return Status::AlreadyExists(out.string() + " exists (replacing it needs MaterializeOptions.force)");
   fs::path old;
   if (exists) {
     old = TempNameFor(out);
@@ -108,10 +109,9 @@ Status CheckAgainst(Store& store, const fs::path& dir, const VersionRecord& reco
     d.atol = options.atol;
     d.rtol = options.rtol;
     d.max_ulp = options.max_ulp;
-    FERRY_ASSIGN_OR_RETURN(
-        DiffReport report,
-        DiffCheckpoints(Checkpoint::FromTensors(dir, std::move(a)),
-                        Checkpoint::FromTensors("version " + recorded.id.Hex(), std::move(b)), d));
+    FERRY_ASSIGN_OR_RETURN(DiffReport report,
+                           DiffCheckpoints(Checkpoint::FromTensors(dir, std::move(a)),
+                                           Checkpoint::FromTensors("version " + recorded.id.Hex(), std::move(b)), d));
     for (const auto& t : report.tensors) {
       if (t.status == DiffStatus::kEqual || t.status == DiffStatus::kWithinTolerance) {
         ++result.tensors_within_tolerance;
@@ -145,7 +145,8 @@ Result<MaterializeResult> MaterializeDerived(Store& store, const VersionRecord& 
   if (options.layout != Layout::kHf) {
     return Status::InvalidArgument(what + ": layout " + std::string(LayoutName(options.layout)) +
                                    " applies only to adapter versions; a merged version is written as recorded "
-                                   "(layout " + std::string(LayoutName(rec.layout)) + ")");
+                                   "(layout " +
+                                   std::string(LayoutName(rec.layout)) + ")");
   }
   const Layout layout = rec.layout;
   if (!rec.base_version || !rec.adapter_version) {
@@ -185,10 +186,10 @@ Result<MaterializeResult> MaterializeDerived(Store& store, const VersionRecord& 
       if (it != want.end() && it->second == t.digest) continue;
       if (n++ < 3) differ += (differ.empty() ? "" : ", ") + t.name;
     }
-    return Status::Corruption(what + ": the merge of its base and adapter has id " + rebuilt.id.Hex() + ", not " +
-                              rec.id.Hex() + (n > 0 ? " (" + std::to_string(n) + " tensors differ: " + differ +
-                                                          (n > 3 ? ", ..." : "") + ")"
-                                                    : " (the auxiliary files differ)"));
+    return Status::Corruption(
+        what + ": the merge of its base and adapter has id " + rebuilt.id.Hex() + ", not " + rec.id.Hex() +
+        (n > 0 ? " (" + std::to_string(n) + " tensors differ: " + differ + (n > 3 ? ", ..." : "") + ")"
+               : " (the auxiliary files differ)"));
   }
   result.merged = true;
   result.checked_against = rec.id;
@@ -221,7 +222,8 @@ Result<MaterializeResult> Materialize(Store& store, const Digest& version, const
     return result;
   }
   if (!rec.base_version) {
-    return Status::FailedPrecondition(what + ": the adapter version records no base_version to merge into "
+    return Status::FailedPrecondition(what +
+                                      ": the adapter version records no base_version to merge into "
                                       "(ImportOptions.base_version records it when the adapter is imported)");
   }
   auto base = store.GetVersion(rec.base_version->Hex());
@@ -252,7 +254,8 @@ Result<MaterializeResult> Materialize(Store& store, const Digest& version, const
   result.merged = true;
   if (options.layout == Layout::kHf) {
     FERRY_ASSIGN_OR_RETURN(auto recorded, FindRecordedMerge(store, base->id, rec.id));
-    if (recorded) FERRY_RETURN_IF_ERROR(CheckAgainst(store, work / "result", *recorded, options, result).WithContext(what));
+    if (recorded)
+      FERRY_RETURN_IF_ERROR(CheckAgainst(store, work / "result", *recorded, options, result).WithContext(what));
   }
   FERRY_RETURN_IF_ERROR(MoveIntoPlace(work / "result", out, options.force).WithContext(what));
   return result;

@@ -40,21 +40,21 @@ struct MaterializeOptions {
   int threads = 0;              // merge threads. Default: 0 = all hardware threads.
   // Value check against a recorded merged version (see above). Defaults suit merges of the
   // same weights by different implementations: f32 rounding noise and one ULP of bf16/f16.
-  double atol = 1e-6;           // Default: 1e-6
-  double rtol = 1e-5;           // Default: 1e-5
-  int64_t max_ulp = 1;          // Default: 1
-  bool exact = false;           // require identical digests. Default: false.
+  double atol = 1e-6;   // Default: 1e-6
+  double rtol = 1e-5;   // Default: 1e-5
+  int64_t max_ulp = 1;  // Default: 1
+  bool exact = false;   // require identical digests. Default: false.
 };
 
 struct MaterializeResult {
-  VersionRecord version;                // the version materialised
+  VersionRecord version;  // the version materialised
   std::filesystem::path out;
-  bool merged = false;                  // an adapter merged into its base (derived versions too)
+  bool merged = false;                    // an adapter merged into its base (derived versions too)
   std::optional<Digest> checked_against;  // the recorded merged version compared with (a
                                           // derived version: itself, by id)
-  int64_t tensors_identical = 0;        // digests equal to the recorded merged version
-  int64_t tensors_within_tolerance = 0; // digests differ, values within tolerance
-  double max_abs_diff = 0;              // over the tolerance-checked tensors
+  int64_t tensors_identical = 0;          // digests equal to the recorded merged version
+  int64_t tensors_within_tolerance = 0;   // digests differ, values within tolerance
+  double max_abs_diff = 0;                // over the tolerance-checked tensors
 };
 
 // Materialises `version` at `out` (see above). Errors name the version (prefix) and, for a

@@ -110,8 +110,8 @@ Result<std::unique_ptr<Store>> RocksStore::OpenImpl(const std::filesystem::path&
       FERRY_RETURN_IF_ERROR(store->Write(batch, "write schema"));
     }
   } else if (*schema != kSchemaVersion) {
-    return Status::Unsupported(store->Where("schema version " + *schema + "; this Ferry reads version " +
-                                            kSchemaVersion));
+    return Status::Unsupported(
+        store->Where("schema version " + *schema + "; this Ferry reads version " + kSchemaVersion));
   }
 
   std::unique_ptr<rocksdb::Iterator> it(store->db_->NewIterator(rocksdb::ReadOptions(), store->cfs_[kEvents]));
@@ -145,7 +145,8 @@ RocksStore::View RocksStore::MakeView() const {
   return v;
 }
 
-Result<std::optional<std::string>> RocksStore::Get(const rocksdb::ReadOptions& ro, Cf cf, const std::string& key) const {
+Result<std::optional<std::string>> RocksStore::Get(const rocksdb::ReadOptions& ro, Cf cf,
+                                                   const std::string& key) const {
   std::string value;
   rocksdb::Status st = db_->Get(ro, cfs_[cf], key, &value);
   if (st.IsNotFound()) return std::optional<std::string>();
@@ -220,7 +221,8 @@ Result<VersionRecord> RocksStore::GetVersion(std::string_view id_or_prefix) {
   std::string p(id_or_prefix);
   std::transform(p.begin(), p.end(), p.begin(), [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
   if (!IsHex(p) || p.size() > 32) {
-    return Status::InvalidArgument(Where("'" + std::string(id_or_prefix) + "' is not a version id (32 hex characters)"));
+    return Status::InvalidArgument(
+        Where("'" + std::string(id_or_prefix) + "' is not a version id (32 hex characters)"));
   }
   const View view = MakeView();
   if (p.size() == 32) {
@@ -243,8 +245,8 @@ Result<VersionRecord> RocksStore::GetVersion(std::string_view id_or_prefix) {
   if (!it->status().ok()) return Translate(it->status(), "read versions");
   if (matches.empty()) return Status::NotFound(Where("no version matches '" + p + "'"));
   if (matches.size() > 1) {
-    return Status::InvalidArgument(Where("version prefix '" + p + "' is ambiguous (" + matches[0].Hex() + ", " +
-                                         matches[1].Hex() + ", ...)"));
+    return Status::InvalidArgument(
+        Where("version prefix '" + p + "' is ambiguous (" + matches[0].Hex() + ", " + matches[1].Hex() + ", ...)"));
   }
   return LoadVersion(view.options(), matches[0]);
 }
@@ -325,8 +327,8 @@ Result<Tensor> RocksStore::ReadTensor(const TensorRow& row, bool verify) {
         return Status::FailedPrecondition(Where("tensor '" + row.name + "': " + DerivedMessage(*derived)));
       }
     }
-    return Status(file.status().code(), Where(describe() + ": object " + path.string() + ": " +
-                                              file.status().message()));
+    return Status(file.status().code(),
+                  Where(describe() + ": object " + path.string() + ": " + file.status().message()));
   }
   if ((*file)->size() != row.nbytes) {
     return Status::Corruption(Where(describe() + ": object " + path.string() + " has " +

@@ -34,11 +34,9 @@ class RocksStore final : public Store {
   ~RocksStore() override;
 
   Result<ImportResult> Import(const std::filesystem::path& path, const ImportOptions& options) override;
-  Result<ImportResult> ImportCheckpoint(const Checkpoint& ckpt,
-                                        const AuxFiles& aux_files,
+  Result<ImportResult> ImportCheckpoint(const Checkpoint& ckpt, const AuxFiles& aux_files,
                                         const ImportOptions& options) override;
-  Result<ImportResult> RecordDerived(const std::vector<TensorRow>& tensors,
-                                     const AuxFiles& aux_files,
+  Result<ImportResult> RecordDerived(const std::vector<TensorRow>& tensors, const AuxFiles& aux_files,
                                      const ImportOptions& options) override;
   Result<VersionRecord> GetVersion(std::string_view id_or_prefix) override;
   Result<std::vector<VersionRecord>> ListVersions(std::optional<std::string> run) override;
@@ -77,7 +75,7 @@ class RocksStore final : public Store {
     friend class RocksStore;
     rocksdb::ReadOptions options_;
     std::unique_ptr<rocksdb::ManagedSnapshot> snapshot_;  // writable stores
-    std::shared_lock<std::shared_mutex> refresh_lock_;     // read-only stores
+    std::shared_lock<std::shared_mutex> refresh_lock_;    // read-only stores
   };
   View MakeView() const;
 

@@ -159,7 +159,7 @@ struct Digest {
   uint64_t lo = 0;
   bool operator==(const Digest&) const = default;
   auto operator<=>(const Digest&) const = default;
-  std::string Hex() const;                      // 32 lowercase hex chars
+  std::string Hex() const;                              // 32 lowercase hex chars
   static Result<Digest> FromHex(std::string_view hex);  // kInvalidArgument on bad text
 };
 
@@ -197,8 +197,8 @@ struct TensorRow {
   Digest digest;
   uint64_t nbytes = 0;
   // Floating-point tensors only (zeros otherwise):
-  double l2_norm = 0;       // sqrt(sum x^2) in double
-  int64_t nonfinite = 0;    // NaN or Inf elements
+  double l2_norm = 0;     // sqrt(sum x^2) in double
+  int64_t nonfinite = 0;  // NaN or Inf elements
   bool all_zero = false;
 };
 
@@ -209,21 +209,21 @@ struct AuxFile {
 };
 
 struct VersionRecord {
-  Digest id;                          // = manifest digest
-  std::string run;                    // Default: "default"
-  uint64_t sequence = 0;              // 1, 2, ... within the run, assigned at commit
-  std::optional<Digest> parent;       // the run's previous version, unless given
+  Digest id;                     // = manifest digest
+  std::string run;               // Default: "default"
+  uint64_t sequence = 0;         // 1, 2, ... within the run, assigned at commit
+  std::optional<Digest> parent;  // the run's previous version, unless given
   VersionKind kind = VersionKind::kFull;
   Layout layout = Layout::kHf;
   VersionSource source = VersionSource::kImport;
-  int64_t time_ns = 0;                // commit time, Unix epoch
-  std::optional<int64_t> step;        // training step
-  std::optional<Digest> base_version; // the base an adapter applies to / a merge came from
+  int64_t time_ns = 0;                    // commit time, Unix epoch
+  std::optional<int64_t> step;            // training step
+  std::optional<Digest> base_version;     // the base an adapter applies to / a merge came from
   std::optional<Digest> adapter_version;  // for merged versions: the adapter merged in
-  std::string adapter_config;         // adapter_config.json text, for adapters
+  std::string adapter_config;             // adapter_config.json text, for adapters
   std::map<std::string, double> metrics;  // free-form (reward_mean, ...)
-  std::vector<TensorRow> tensors;     // sorted by name
-  std::vector<AuxFile> aux;           // sorted by name
+  std::vector<TensorRow> tensors;         // sorted by name
+  std::vector<AuxFile> aux;               // sorted by name
   uint64_t total_bytes = 0;
   // Recorded by its digests only (see "Derived versions" above): no tensor object was
   // written; its bytes are the merge of adapter_version onto base_version.
@@ -240,10 +240,10 @@ struct Event {
   };
   Type type = Type::kPublished;
   int64_t time_ns = 0;
-  std::string receiver;               // receiver id for acks/activations
-  Digest version;                     // the version concerned
-  std::optional<Digest> computed;     // the manifest digest the receiver computed
-  std::string detail;                 // free text (anomaly description, endpoint, ...)
+  std::string receiver;                     // receiver id for acks/activations
+  Digest version;                           // the version concerned
+  std::optional<Digest> computed;           // the manifest digest the receiver computed
+  std::string detail;                       // free text (anomaly description, endpoint, ...)
   Anomaly anomaly = Anomaly::kUnspecified;  // kAnomaly events only
 };
 std::string_view EventTypeName(Event::Type t);
@@ -258,7 +258,7 @@ struct ImportOptions {
   std::optional<int64_t> step;
   std::optional<Digest> base_version;
   std::optional<Digest> adapter_version;
-  std::optional<Digest> parent;           // Default: the run's latest version
+  std::optional<Digest> parent;  // Default: the run's latest version
   std::map<std::string, double> metrics;
   // Called with (bytes hashed so far, total bytes).
   std::function<void(uint64_t, uint64_t)> progress;
@@ -277,8 +277,8 @@ struct ImportResult {
 
 struct VerifyReport {
   Digest version;
-  std::vector<std::string> missing;     // tensors whose object file is gone
-  std::vector<std::string> corrupted;   // object bytes whose digest differs from the record
+  std::vector<std::string> missing;    // tensors whose object file is gone
+  std::vector<std::string> corrupted;  // object bytes whose digest differs from the record
   // A derived version: its tensors have no objects (none are re-hashed or reported missing);
   // `dependencies` names each of its base and adapter versions that is not recorded or not
   // intact ("base version <id>: not in the store", "adapter version <id>: tensor 'x' is
@@ -330,8 +330,7 @@ class Store {
   // not derived, an adapter recording another base_version: kInvalidArgument. Writes no
   // tensor object (bytes_written counts the aux files only); commits as Import does
   // (already_present when the id is recorded, derived or not). Thread-safe, as Import.
-  virtual Result<ImportResult> RecordDerived(const std::vector<TensorRow>& tensors,
-                                             const AuxFiles& aux_files,
+  virtual Result<ImportResult> RecordDerived(const std::vector<TensorRow>& tensors, const AuxFiles& aux_files,
                                              const ImportOptions& options) = 0;
 
   // kNotFound naming the id when absent. `prefix`: a unique hex prefix (>= 6 chars) is accepted.
@@ -390,6 +389,7 @@ Digest ManifestDigest(const std::vector<TensorRow>& tensors, const std::vector<A
 // statistics (l2_norm, nonfinite and all_zero are zero): only digests are compared, and
 // the statistics pass would cost more than the hashing. Tensors are hashed on every
 // hardware thread; `progress` is never called concurrently with itself.
-Result<VersionRecord> HashPath(const std::filesystem::path& path, const std::function<void(uint64_t, uint64_t)>& progress = {});
+Result<VersionRecord> HashPath(const std::filesystem::path& path,
+                               const std::function<void(uint64_t, uint64_t)>& progress = {});
 
 }  // namespace ferry::store

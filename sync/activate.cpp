@@ -176,7 +176,8 @@ Result<Prepared> PrepareActivation(const fs::path& received, const ActivationPla
   } else {
     FERRY_ASSIGN_OR_RETURN(p, Relayout(received));
   }
-  FERRY_ASSIGN_OR_RETURN(std::vector<LaidOutTensor> outputs, PlanLayout(p.tensors(), plan.want_layout == Layout::kFused));
+  FERRY_ASSIGN_OR_RETURN(std::vector<LaidOutTensor> outputs,
+                         PlanLayout(p.tensors(), plan.want_layout == Layout::kFused));
   FERRY_ASSIGN_OR_RETURN(StagingDir staging, StagingDir::Create(out, /*replace_existing=*/false));
   FERRY_RETURN_IF_ERROR(WriteTensors(p.tensors(), outputs, staging.path()));
   FERRY_RETURN_IF_ERROR(WriteAux(p.aux, staging.path()));

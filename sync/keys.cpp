@@ -29,7 +29,8 @@ Status WriteWithMode(const std::filesystem::path& path, const std::string& text,
   const int flags = O_WRONLY | O_CREAT | O_CLOEXEC | (force ? O_TRUNC : O_EXCL);
   const int fd = ::open(path.c_str(), flags, mode);
   if (fd < 0) {
-    if (errno == EEXIST) return Status::AlreadyExists(path.string() + ": key file exists (replacing it needs the force option)");
+    if (errno == EEXIST)
+      return Status::AlreadyExists(path.string() + ": key file exists (replacing it needs the force option)");
     return Status::IOError(path.string() + ": cannot create key file: " + std::strerror(errno));
   }
   Status st;

@@ -126,7 +126,8 @@ Result<Message> Decode(std::span<const std::byte> header, const std::span<const 
     case MsgType::kFetch:
     case MsgType::kChunk:
       ok = r.Dig(&m.version) && r.Le(&v, 1);
-      if (ok && v > 1) return Status::Corruption("sync " + name + ": field kind has unknown value " + std::to_string(v));
+      if (ok && v > 1)
+        return Status::Corruption("sync " + name + ": field kind has unknown value " + std::to_string(v));
       m.kind = static_cast<ItemKind>(v);
       ok = ok && r.Le(&v, 4);
       m.index = static_cast<uint32_t>(v);
@@ -156,7 +157,9 @@ Result<Message> Decode(std::span<const std::byte> header, const std::span<const 
       m.code = static_cast<uint32_t>(v);
       break;
   }
-  if (!ok) return Status::Corruption("sync " + name + ": header frame truncated (" + std::to_string(header.size()) + " bytes)");
+  if (!ok)
+    return Status::Corruption("sync " + name + ": header frame truncated (" + std::to_string(header.size()) +
+                              " bytes)");
   if (!r.AtEnd()) return Status::Corruption("sync " + name + ": header frame has trailing bytes");
   if (HasPayload(m.type) != (payload != nullptr)) {
     return Status::Corruption("sync " + name + (payload ? ": unexpected payload frame" : ": payload frame missing"));
@@ -177,8 +180,8 @@ Result<Message> Decode(std::span<const std::byte> header, const std::span<const 
 bool IsValidReceiverId(std::string_view id) {
   if (id.empty() || id.size() > kMaxReceiverIdBytes) return false;
   for (char c : id) {
-    const bool good = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '.' ||
-                      c == '_' || c == '-';
+    const bool good =
+        (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '.' || c == '_' || c == '-';
     if (!good) return false;
   }
   return true;
@@ -252,14 +255,16 @@ Result<Manifest> DecodeManifest(std::string_view text) {
     return *d;
   };
   auto get_u64 = [&](const nlohmann::json& o, const std::string& field) -> Result<uint64_t> {
-    if (!o.contains(field) || !o[field].is_number_unsigned()) return bad("field " + field + " missing or not an unsigned integer");
+    if (!o.contains(field) || !o[field].is_number_unsigned())
+      return bad("field " + field + " missing or not an unsigned integer");
     return o[field].get<uint64_t>();
   };
   Manifest m;
   FERRY_ASSIGN_OR_RETURN(m.version, get_digest(j, "version"));
   FERRY_ASSIGN_OR_RETURN(m.sequence, get_u64(j, "sequence"));
   FERRY_ASSIGN_OR_RETURN(m.epoch, get_u64(j, "epoch"));
-  auto get_enum = [&](const std::string& field, std::initializer_list<std::string_view> allowed) -> Result<std::string> {
+  auto get_enum = [&](const std::string& field,
+                      std::initializer_list<std::string_view> allowed) -> Result<std::string> {
     if (!j.contains(field) || !j[field].is_string()) return bad("field " + field + " missing or not a string");
     std::string v = j[field].get<std::string>();
     for (std::string_view a : allowed) {
@@ -293,7 +298,8 @@ Result<Manifest> DecodeManifest(std::string_view text) {
   if (j["tensors"].size() > kMaxTensors) return bad("more than " + std::to_string(kMaxTensors) + " tensors");
   if (j["aux"].size() > kMaxAuxFiles) return bad("more than " + std::to_string(kMaxAuxFiles) + " aux files");
   for (const auto& t : j["tensors"]) {
-    if (!t.is_object() || !t.contains("name") || !t["name"].is_string()) return bad("a tensor has no string field name");
+    if (!t.is_object() || !t.contains("name") || !t["name"].is_string())
+      return bad("a tensor has no string field name");
     store::TensorRow row;
     row.name = t["name"].get<std::string>();
     if (row.name.empty() || row.name.size() > kMaxNameBytes) return bad("tensor name empty or longer than the limit");
@@ -303,7 +309,8 @@ Result<Manifest> DecodeManifest(std::string_view text) {
     auto dt = ParseDType(t["dtype"].get<std::string>());
     if (!dt) return bad(where + "field dtype unknown");
     row.dtype = *dt;
-    if (!t.contains("shape") || !t["shape"].is_array() || t["shape"].size() > 16) return bad(where + "field shape invalid");
+    if (!t.contains("shape") || !t["shape"].is_array() || t["shape"].size() > 16)
+      return bad(where + "field shape invalid");
     for (const auto& d : t["shape"]) {
       if (!d.is_number_integer() || d.get<int64_t>() < 0) return bad(where + "field shape has a bad dimension");
       row.shape.push_back(d.get<int64_t>());
@@ -320,7 +327,8 @@ Result<Manifest> DecodeManifest(std::string_view text) {
   }
   std::set<std::string> aux_names;
   for (const auto& a : j["aux"]) {
-    if (!a.is_object() || !a.contains("name") || !a["name"].is_string()) return bad("an aux file has no string field name");
+    if (!a.is_object() || !a.contains("name") || !a["name"].is_string())
+      return bad("an aux file has no string field name");
     store::AuxFile f;
     f.name = a["name"].get<std::string>();
     if (f.name.size() > kMaxNameBytes) return bad("aux file name longer than the limit");

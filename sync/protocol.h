@@ -89,7 +89,7 @@
 namespace ferry::sync {
 
 inline constexpr std::string_view kMagic = "FSY2";
-inline constexpr uint32_t kMaxChunkBytes = 16u << 20;           // 16 MiB
+inline constexpr uint32_t kMaxChunkBytes = 16u << 20;             // 16 MiB
 inline constexpr int64_t kMaxFrameBytes = kMaxChunkBytes + 4096;  // header or chunk + slack
 inline constexpr size_t kMaxTensors = 1u << 16;
 inline constexpr size_t kMaxAuxFiles = 256;
@@ -98,8 +98,8 @@ inline constexpr size_t kMaxReceiverIdBytes = 64;
 inline constexpr uint64_t kMaxAuxBytes = 64u << 20;
 inline constexpr int kMaxManifestDepth = 8;  // {"tensors": [{"shape": [..]}]} is 4
 inline constexpr size_t kMaxReceivers = 1024;
-inline constexpr uint32_t kMaxCredit = 1024;         // FETCHes a receiver may keep outstanding
-inline constexpr int kSendHwm = kMaxCredit + 64;     // publisher's reply queue per peer
+inline constexpr uint32_t kMaxCredit = 1024;      // FETCHes a receiver may keep outstanding
+inline constexpr int kSendHwm = kMaxCredit + 64;  // publisher's reply queue per peer
 
 enum class MsgType : uint8_t {
   kHello = 1,
@@ -117,18 +117,18 @@ enum class ItemKind : uint8_t { kTensor = 0, kAux = 1 };
 // depends on `type` (see the table above).
 struct Message {
   MsgType type = MsgType::kError;
-  uint64_t sequence = 0;        // MANIFEST, ANNOUNCE; CHUNK: latest sequence
-  uint64_t epoch = 0;           // MANIFEST, CHUNK, ANNOUNCE: the publisher's epoch
-  store::Digest version;        // FETCH, CHUNK, ACK, ACKED, ANNOUNCE
-  store::Digest computed;       // ACK
+  uint64_t sequence = 0;                // MANIFEST, ANNOUNCE; CHUNK: latest sequence
+  uint64_t epoch = 0;                   // MANIFEST, CHUNK, ANNOUNCE: the publisher's epoch
+  store::Digest version;                // FETCH, CHUNK, ACK, ACKED, ANNOUNCE
+  store::Digest computed;               // ACK
   std::optional<store::Digest> proven;  // ACK (adapter mode): the merged id the receiver proved
-  ItemKind kind = ItemKind::kTensor;  // FETCH, CHUNK
-  uint32_t index = 0;           // FETCH, CHUNK
-  uint64_t offset = 0;          // FETCH, CHUNK
-  uint32_t length = 0;          // FETCH
-  uint32_t code = 0;            // ERROR: a StatusCode value
-  std::string payload;          // HELLO/ACK: receiver id; MANIFEST: JSON; ERROR: text
-  std::span<const std::byte> bytes;  // CHUNK: view into the received payload frame
+  ItemKind kind = ItemKind::kTensor;    // FETCH, CHUNK
+  uint32_t index = 0;                   // FETCH, CHUNK
+  uint64_t offset = 0;                  // FETCH, CHUNK
+  uint32_t length = 0;                  // FETCH
+  uint32_t code = 0;                    // ERROR: a StatusCode value
+  std::string payload;                  // HELLO/ACK: receiver id; MANIFEST: JSON; ERROR: text
+  std::span<const std::byte> bytes;     // CHUNK: view into the received payload frame
 };
 
 // How versions are published (the MANIFEST's "mode"):
@@ -156,11 +156,11 @@ struct Manifest {
   uint64_t epoch = 0;
   store::VersionKind kind = store::VersionKind::kFull;  // the stored version's kind
   Layout layout = Layout::kHf;
-  PublishMode mode = PublishMode::kMerged;  // the publication mode
+  PublishMode mode = PublishMode::kMerged;      // the publication mode
   std::optional<store::Digest> base_version;    // adapter mode only (the base: its own id)
   std::optional<store::Digest> merged_version;  // adapter mode only: the merged hf id to prove
-  std::vector<store::TensorRow> tensors;  // name, dtype, shape, digest, nbytes; sorted by name
-  std::vector<store::AuxFile> aux;        // sorted by name
+  std::vector<store::TensorRow> tensors;        // name, dtype, shape, digest, nbytes; sorted by name
+  std::vector<store::AuxFile> aux;              // sorted by name
 };
 
 // Encodes the header frame of `m` (payload and bytes are sent as a second frame by the caller).

@@ -17,8 +17,8 @@
 namespace ferry::sync {
 namespace {
 
-constexpr size_t kMaxPublishedKept = 8;  // versions still served after a newer one is published
-constexpr size_t kMaxCachedItems = 4;    // tensors/aux files kept open for chunking
+constexpr size_t kMaxPublishedKept = 8;        // versions still served after a newer one is published
+constexpr size_t kMaxCachedItems = 4;          // tensors/aux files kept open for chunking
 constexpr size_t kMaxVerifiedKept = 1u << 16;  // object digests verified once, then trusted
 constexpr std::string_view kZapDomain = "ferry-sync";
 constexpr uint64_t kPaceBurstBytes = uint64_t{1} << 20;  // credit a capped publisher may bank
@@ -26,7 +26,8 @@ constexpr uint64_t kPaceBurstBytes = uint64_t{1} << 20;  // credit a capped publ
 using Clock = std::chrono::steady_clock;
 
 int64_t NowNs() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::system_clock::now().time_since_epoch()).count();
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::system_clock::now().time_since_epoch())
+      .count();
 }
 
 std::span<const std::byte> Bytes(const zmq::message_t& m) {
@@ -115,7 +116,9 @@ class Publisher::Impl {
     return Status::OK();
   }
 
-  void StartThread() { thread_ = std::thread([this] { Loop(); }); }
+  void StartThread() {
+    thread_ = std::thread([this] { Loop(); });
+  }
 
   void Stop() {
     if (!thread_.joinable()) return;
@@ -137,7 +140,8 @@ class Publisher::Impl {
     zmq::message_t reply;
     try {
       caller_.send(Frame(req), zmq::send_flags::none);
-      if (!caller_.recv(reply, zmq::recv_flags::none)) return Status::Internal("sync publisher: no reply from its thread");
+      if (!caller_.recv(reply, zmq::recv_flags::none))
+        return Status::Internal("sync publisher: no reply from its thread");
     } catch (const zmq::error_t& e) {
       return Status::Internal(std::string("sync publisher: control socket: ") + e.what());
     }
@@ -170,17 +174,17 @@ class Publisher::Impl {
   struct Published {
     store::VersionRecord record;
     uint64_t sequence = 0;
-    std::optional<store::Digest> merged_version;  // adapter mode
-    bool base_itself = false;                      // adapter mode: the base, served whole
+    std::optional<store::Digest> merged_version;       // adapter mode
+    bool base_itself = false;                          // adapter mode: the base, served whole
     std::shared_ptr<const std::string> manifest_json;  // shared by every queued MANIFEST reply
   };
 
   // A receiver as the publisher thread tracks it (guarded by info_mu_).
   struct Peer {
     ReceiverInfo info;
-    std::set<int> fds;                 // open connections it sent messages over
-    std::string key;                   // CURVE public key (Z85) the id is bound to; "" without CURVE
-    Clock::time_point last_sign;       // last message or connection close
+    std::set<int> fds;            // open connections it sent messages over
+    std::string key;              // CURVE public key (Z85) the id is bound to; "" without CURVE
+    Clock::time_point last_sign;  // last message or connection close
   };
 
   int TickMs() const { return options_.heartbeat_ivl_ms > 0 ? options_.heartbeat_ivl_ms : 1000; }
@@ -204,8 +208,8 @@ class Publisher::Impl {
       }
       auto wake = next_tick;
       if (options_.follow_run) wake = std::min(wake, next_follow);
-      const auto timeout = std::max<int64_t>(
-          0, std::chrono::duration_cast<std::chrono::milliseconds>(wake - Clock::now()).count());
+      const auto timeout =
+          std::max<int64_t>(0, std::chrono::duration_cast<std::chrono::milliseconds>(wake - Clock::now()).count());
       try {
         zmq::poll(items.data(), items.size(), std::chrono::milliseconds(timeout));
         if (items.size() > 3 && (items[3].revents & ZMQ_POLLIN)) zap_->HandlePending();
@@ -343,7 +347,8 @@ class Publisher::Impl {
         return it->id;
       }
     }
-    return Status::FailedPrecondition("version " + rec.id.Hex() + ": adapter mode needs a stored merged version of it " +
+    return Status::FailedPrecondition("version " + rec.id.Hex() +
+                                      ": adapter mode needs a stored merged version of it " +
                                       "(kind merged, layout hf, adapter_version " + rec.id.Hex() + ", base_version " +
                                       rec.base_version->Hex() + "); record the merged version first");
   }
@@ -356,19 +361,23 @@ class Publisher::Impl {
     if (options_.mode == PublishMode::kAdapter && !is_adapter) {
       // The base the adapters apply to, served whole (receivers that hold it copy it locally).
       if (rec.kind == store::VersionKind::kMerged) {
-        return Status::FailedPrecondition("version " + v.Hex() + " is of kind merged: adapter mode publishes adapter "
+        return Status::FailedPrecondition("version " + v.Hex() +
+                                          " is of kind merged: adapter mode publishes adapter "
                                           "versions (and the base, kind base or full); publish its adapter");
       }
       p.base_itself = true;
     } else if (options_.mode == PublishMode::kAdapter) {
       if (!rec.base_version) {
-        return Status::FailedPrecondition("version " + v.Hex() + ": adapter has no base_version recorded; adapter mode "
+        return Status::FailedPrecondition("version " + v.Hex() +
+                                          ": adapter has no base_version recorded; adapter mode "
                                           "needs the base the receivers keep");
       }
       FERRY_ASSIGN_OR_RETURN(p.merged_version, FindMerged(rec));
     } else if (is_adapter) {
-      return Status::FailedPrecondition("version " + v.Hex() + " is an adapter: publish it in adapter mode, or publish "
-                                        "its merged version in " + std::string(PublishModeName(options_.mode)) + " mode");
+      return Status::FailedPrecondition("version " + v.Hex() +
+                                        " is an adapter: publish it in adapter mode, or publish "
+                                        "its merged version in " +
+                                        std::string(PublishModeName(options_.mode)) + " mode");
     }
     const uint64_t seq = sequence_.load() + 1;
     Manifest man = ManifestFor(rec);
@@ -476,7 +485,8 @@ class Publisher::Impl {
   std::string SenderId(const zmq::message_t& rid, int fd) const {
     const std::string r = rid.to_string();
     const size_t slash = r.find('/');
-    if (slash != std::string::npos && IsValidReceiverId(std::string_view(r).substr(0, slash))) return r.substr(0, slash);
+    if (slash != std::string::npos && IsValidReceiverId(std::string_view(r).substr(0, slash)))
+      return r.substr(0, slash);
     auto it = fd_owner_.find(fd);
     return it == fd_owner_.end() ? std::string() : it->second;
   }
@@ -538,9 +548,9 @@ class Publisher::Impl {
   // that asks and never reads costs references, not copies.
   static zmq::message_t Shared(std::shared_ptr<const std::string> text) {
     auto* keep = new std::shared_ptr<const std::string>(std::move(text));
-    return zmq::message_t(const_cast<char*>((*keep)->data()), (*keep)->size(),
-                          [](void*, void* hint) { delete static_cast<std::shared_ptr<const std::string>*>(hint); },
-                          keep);
+    return zmq::message_t(
+        const_cast<char*>((*keep)->data()), (*keep)->size(),
+        [](void*, void* hint) { delete static_cast<std::shared_ptr<const std::string>*>(hint); }, keep);
   }
 
   const Published* Find(const store::Digest& v) const {
@@ -577,9 +587,9 @@ class Publisher::Impl {
     FERRY_ASSIGN_OR_RETURN(std::string read, store_->ReadAux(p.record.aux[index]));
     auto text = std::make_shared<const std::string>(std::move(read));
     // The tensor owns the text: a copy of it keeps the bytes alive (see HandleFetch).
-    FERRY_ASSIGN_OR_RETURN(Tensor t, Tensor::Wrap(DType::kU8, {static_cast<int64_t>(text->size())},
-                                                  {reinterpret_cast<const std::byte*>(text->data()), text->size()},
-                                                  text));
+    FERRY_ASSIGN_OR_RETURN(Tensor t,
+                           Tensor::Wrap(DType::kU8, {static_cast<int64_t>(text->size())},
+                                        {reinterpret_cast<const std::byte*>(text->data()), text->size()}, text));
     auto& slot = cache_[key];
     slot = std::move(t);
     return &slot;
@@ -620,8 +630,9 @@ class Publisher::Impl {
       // shared text (an aux file). A heap copy of the Tensor keeps the mapping or text alive
       // until ZeroMQ releases the message (the cache may drop its own reference sooner).
       auto* keep = new Tensor(tensor);
-      zmq::message_t payload(const_cast<std::byte*>(bytes.data()), bytes.size(),
-                             [](void*, void* hint) { delete static_cast<Tensor*>(hint); }, keep);
+      zmq::message_t payload(
+          const_cast<std::byte*>(bytes.data()), bytes.size(),
+          [](void*, void* hint) { delete static_cast<Tensor*>(hint); }, keep);
       return ReplyOwned(rid, r, std::move(payload));
     }
     Reply(rid, r, bytes);
@@ -701,9 +712,9 @@ class Publisher::Impl {
   Endpoints bound_;
   std::thread thread_;
   std::mutex call_mu_;
-  std::vector<Published> published_;  // thread only
+  std::vector<Published> published_;                                       // thread only
   std::map<std::tuple<store::Digest, ItemKind, uint32_t>, Tensor> cache_;  // thread only
-  std::set<store::Digest> verified_;  // store objects already checked against their digest; thread only
+  std::set<store::Digest> verified_;     // store objects already checked against their digest; thread only
   std::map<int, std::string> fd_owner_;  // thread only: connection descriptor -> receiver id
   store::Digest follow_latest_;          // thread only: the run's latest record Follow() saw
   store::Digest follow_tried_;           // thread only: the newest version Follow() tried

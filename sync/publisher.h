@@ -27,14 +27,14 @@ namespace ferry::sync {
                                                                      PublishMode mode);
 
 struct PublisherOptions {
-  Endpoints endpoints;                 // both bound by the publisher
-  std::optional<CurveOptions> curve;   // Default: none (then tcp:// is refused)
+  Endpoints endpoints;                // both bound by the publisher
+  std::optional<CurveOptions> curve;  // Default: none (then tcp:// is refused)
   // When set, the publisher polls NewestPublishable(store, run, mode) and publishes each
   // new one itself (for a process that records versions into the same Store object, e.g.
   // the daemon; a version it cannot publish is tried once). Default: none (versions are
   // published with Publish()).
   std::optional<std::string> follow_run;
-  int follow_interval_ms = 500;        // Default: 500
+  int follow_interval_ms = 500;  // Default: 500
   // ZMTP heartbeat interval (0: no ZMTP heartbeats). Also the period of the ANNOUNCE
   // beacon and of the receiver liveness check (1000 ms when 0). Default: 1000
   int heartbeat_ivl_ms = 1000;
@@ -55,9 +55,9 @@ struct ReceiverInfo {
   std::string id;
   // The newest version it acknowledged (adapter mode: the merged version it proved).
   std::optional<store::Digest> acknowledged;
-  uint64_t acknowledged_sequence = 0;         // its publish sequence (0: unknown)
-  int64_t acknowledged_ns = 0;                // when it acknowledged, Unix epoch ns (0: never)
-  int64_t last_seen_ns = 0;                   // last message, Unix epoch ns
+  uint64_t acknowledged_sequence = 0;  // its publish sequence (0: unknown)
+  int64_t acknowledged_ns = 0;         // when it acknowledged, Unix epoch ns (0: never)
+  int64_t last_seen_ns = 0;            // last message, Unix epoch ns
   // False once the receiver has had no open connection (closed, or dropped by the ZMTP
   // heartbeat timeout) and sent no message for heartbeat_timeout_ms; true again on its next
   // message. Connections are tracked per socket descriptor (ipc://, tcp://); over inproc://

@@ -114,7 +114,8 @@ Result<std::unique_ptr<Receiver>> Receiver::Connect(ReceiverOptions o) {
   if (o.max_retries < 0) return Status::InvalidArgument("sync receiver: max_retries must be >= 0");
   if (o.keep_versions < 0) return Status::InvalidArgument("sync receiver: keep_versions must be >= 0");
   if (!IsTensorLayout(o.layout)) {
-    return Status::InvalidArgument("sync receiver: layout \"" + std::string(LayoutName(o.layout)) + "\" must be hf or fused");
+    return Status::InvalidArgument("sync receiver: layout \"" + std::string(LayoutName(o.layout)) +
+                                   "\" must be hf or fused");
   }
   FERRY_RETURN_IF_ERROR(CheckEndpoints(o.endpoints, o.curve.has_value()));
   if (o.curve) {

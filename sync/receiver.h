@@ -37,15 +37,15 @@
 namespace ferry::sync {
 
 struct ReceiverOptions {
-  std::string id;                      // [A-Za-z0-9._-]{1,64}; recorded in the publisher's events
-  Endpoints endpoints;                 // both connected by the receiver
-  std::filesystem::path dir;           // the receiver directory (created if missing)
-  std::optional<CurveOptions> curve;   // keypair + server_public_key. Default: none
-  uint32_t chunk_bytes = 1u << 20;     // bytes per FETCH (<= kMaxChunkBytes). Default: 1 MiB
-  uint32_t credit = 8;                 // FETCHes outstanding at once. Default: 8
-  int timeout_ms = 10000;              // longest wait for any reply. Default: 10 s
-  int max_retries = 3;                 // refetches of one tensor whose digest is wrong. Default: 3
-  int heartbeat_ivl_ms = 1000;         // ZMTP heartbeats (0: off). Default: 1000
+  std::string id;                     // [A-Za-z0-9._-]{1,64}; recorded in the publisher's events
+  Endpoints endpoints;                // both connected by the receiver
+  std::filesystem::path dir;          // the receiver directory (created if missing)
+  std::optional<CurveOptions> curve;  // keypair + server_public_key. Default: none
+  uint32_t chunk_bytes = 1u << 20;    // bytes per FETCH (<= kMaxChunkBytes). Default: 1 MiB
+  uint32_t credit = 8;                // FETCHes outstanding at once. Default: 8
+  int timeout_ms = 10000;             // longest wait for any reply. Default: 10 s
+  int max_retries = 3;                // refetches of one tensor whose digest is wrong. Default: 3
+  int heartbeat_ivl_ms = 1000;        // ZMTP heartbeats (0: off). Default: 1000
   // Versions kept in DIR/versions after each activation: the `keep_versions` most recently
   // activated ones (with the received directories they were prepared from, the received
   // base their adapters were merged onto, and their manifests); older ones are deleted, so
@@ -69,21 +69,21 @@ struct ReceiverOptions {
 };
 
 struct SyncResult {
-  store::Digest version;      // the version the publisher served (and this receiver acknowledged)
-  store::Digest computed;     // the manifest digest computed over the received files (== version)
-  store::Digest active;       // the id of what DIR/current holds (== version unless prepared)
+  store::Digest version;                // the version the publisher served (and this receiver acknowledged)
+  store::Digest computed;               // the manifest digest computed over the received files (== version)
+  store::Digest active;                 // the id of what DIR/current holds (== version unless prepared)
   std::optional<store::Digest> proven;  // adapter mode: the merged hf id the local merge produced
-  uint64_t sequence = 0;      // its publish sequence
-  uint64_t epoch = 0;         // the publisher's epoch
-  uint64_t bytes_received = 0;  // tensor and aux bytes fetched from the publisher
-  uint64_t bytes_reused = 0;    // tensor bytes copied locally: delta mode from the active
-                                // version, a served base from base_dir
-  uint64_t bytes_resumed = 0;   // tensor bytes a killed receiver had already received of this
-                                // version (versions/<id>.partial: whole tensors, and the whole
-                                // chunks of a tensor cut short), verified and kept
-  int refetches = 0;          // tensors fetched again after a digest mismatch
-  int skipped = 0;            // versions abandoned mid-transfer for a newer one
-  bool already_active = false;  // nothing fetched: DIR/current already was this version
+  uint64_t sequence = 0;                // its publish sequence
+  uint64_t epoch = 0;                   // the publisher's epoch
+  uint64_t bytes_received = 0;          // tensor and aux bytes fetched from the publisher
+  uint64_t bytes_reused = 0;            // tensor bytes copied locally: delta mode from the active
+                                        // version, a served base from base_dir
+  uint64_t bytes_resumed = 0;           // tensor bytes a killed receiver had already received of this
+                                        // version (versions/<id>.partial: whole tensors, and the whole
+                                        // chunks of a tensor cut short), verified and kept
+  int refetches = 0;                    // tensors fetched again after a digest mismatch
+  int skipped = 0;                      // versions abandoned mid-transfer for a newer one
+  bool already_active = false;          // nothing fetched: DIR/current already was this version
 };
 
 // One receiver. Thread-compatible (use from one thread).

@@ -238,8 +238,7 @@ Result<ActiveState> LoadActiveState(const std::filesystem::path& dir);
 // Writes DIR/manifests/<activated>.json: the MANIFEST JSON received (`manifest_json`) plus
 // activated_as, activated_ns (now), activated_layout and (adapter mode) proven.
 Status WriteActivationRecord(const std::filesystem::path& dir, const std::string& manifest_json,
-                             const store::Digest& activated, Layout layout,
-                             const std::optional<store::Digest>& proven);
+                             const store::Digest& activated, Layout layout, const std::optional<store::Digest>& proven);
 
 // Points DIR/current at versions/<v>: a symlink made under a temporary name, rename(2)d
 // over the old one, the directory fsynced.

@@ -41,11 +41,9 @@ bool IsLoraKind(AdapterKey::Kind kind) {
     case AdapterKey::kEmbeddingB:
     case AdapterKey::kMagnitude:
     case AdapterKey::kModulesToSave:
-    case AdapterKey::kTrainableTokens:
-      return true;
+    case AdapterKey::kTrainableTokens: return true;
     case AdapterKey::kBaseLayer:
-    case AdapterKey::kOther:
-      return false;
+    case AdapterKey::kOther: return false;
   }
   return false;
 }
@@ -138,7 +136,8 @@ class Merger {
       return out;
     }
     if (!CanWriteFromF32(base.dtype())) {
-      return Status::Unsupported("snapshot source: tensor " + Q(source) + " is " + std::string(DTypeName(base.dtype())) +
+      return Status::Unsupported("snapshot source: tensor " + Q(source) + " is " +
+                                 std::string(DTypeName(base.dtype())) +
                                  " and cannot be merged (only F32, F16, BF16 and F64 weights can)");
     }
     FERRY_ASSIGN_OR_RETURN(std::vector<float> w, Compute(name, base.shape()));
@@ -223,9 +222,9 @@ struct SnapshotPlanState {
   Checkpoint base;     // the normalised source tensors (views of the caller's)
   Checkpoint adapter;  // adapter tensors (views)
   std::optional<MergePlan> plan;
-  std::unique_ptr<Merger> merger;                            // refers to base, adapter, plan
-  std::map<std::string, TensorInfo> outputs;                 // output name -> dtype, shape
-  std::map<std::string, std::vector<std::string>> fused;     // fused name -> members, stacked
+  std::unique_ptr<Merger> merger;                         // refers to base, adapter, plan
+  std::map<std::string, TensorInfo> outputs;              // output name -> dtype, shape
+  std::map<std::string, std::vector<std::string>> fused;  // fused name -> members, stacked
   uint64_t bytes = 0;
 
   Result<Tensor> MakeUnfused(const std::string& name, bool copy_unchanged) {
@@ -456,9 +455,9 @@ Result<store::ImportResult> RecordSnapshotDigests(store::Store& store, const Sna
     row.nbytes = info->nbytes();
     rows.push_back(std::move(row));
   }
-  FERRY_ASSIGN_OR_RETURN(store::ImportResult result,
-                         store.RecordDerived(rows, snapshot.aux_files(),
-                                             RecordOptions(snapshot.merged(), snapshot.layout(), options)));
+  FERRY_ASSIGN_OR_RETURN(
+      store::ImportResult result,
+      store.RecordDerived(rows, snapshot.aux_files(), RecordOptions(snapshot.merged(), snapshot.layout(), options)));
   if (result.record.id != snapshot.manifest_id()) {
     return Status::Internal(what + " was recorded as version " + result.record.id.Hex() +
                             ": the manifest digests disagree");
@@ -476,7 +475,8 @@ Result<AdapterSnapshot> BuildAdapterSnapshot(const SnapshotSource& source, const
   a.config = *source.adapter_config;
   FERRY_ASSIGN_OR_RETURN(auto copies, CopyAll(in.adapter));
   for (const auto& [name, t] : copies) a.adapter_digests.emplace(name, store::TensorDigest(t));
-  a.adapter = std::make_shared<const Checkpoint>(Checkpoint::FromTensors(std::string(kAdapterOrigin), std::move(copies)));
+  a.adapter =
+      std::make_shared<const Checkpoint>(Checkpoint::FromTensors(std::string(kAdapterOrigin), std::move(copies)));
   a.expected_merged_id = merged->manifest_id();
   a.layout = options.layout;
   return a;

@@ -78,7 +78,7 @@ struct SnapshotOptions {
   // kHf or kFused (the store records it as the version's layout); kLora is kInvalidArgument.
   // Default: hf.
   Layout layout = Layout::kHf;
-  int threads = 0;                  // merge threads. Default: 0 = all hardware threads.
+  int threads = 0;  // merge threads. Default: 0 = all hardware threads.
   // The base model ties lm_head to the input embedding (config.json's tie_word_embeddings).
   // Default: false.
   bool tie_word_embeddings = false;
@@ -209,8 +209,7 @@ Result<AdapterSnapshot> BuildAdapterSnapshot(const SnapshotSource& source, const
 // `base.aux_files`; its adapter fields are ignored) and returns the merged snapshot.
 // kCorruption naming both ids when the result's manifest id differs from
 // adapter.expected_merged_id (the receiver's base or the adapter is not the publisher's).
-Result<std::shared_ptr<const Snapshot>> ApplyAdapterSnapshot(const AdapterSnapshot& adapter,
-                                                             const SnapshotSource& base,
+Result<std::shared_ptr<const Snapshot>> ApplyAdapterSnapshot(const AdapterSnapshot& adapter, const SnapshotSource& base,
                                                              const SnapshotOptions& options);
 
 // Delta publication: the names (sorted) of the snapshot's tensors whose digest is not in

@@ -58,11 +58,11 @@
 namespace ferry::sync {
 
 struct WatchOptions {
-  std::filesystem::path dir;                    // the directory the trainer saves checkpoints into (must exist)
-  std::string base;                             // a stored version id (or unique prefix), or a base model directory
-  std::string run = "default";                  // run the versions are recorded in. Default: "default"
+  std::filesystem::path dir;    // the directory the trainer saves checkpoints into (must exist)
+  std::string base;             // a stored version id (or unique prefix), or a base model directory
+  std::string run = "default";  // run the versions are recorded in. Default: "default"
   Layout layout = Layout::kHf;  // layout of the merged snapshots (hf or fused). Default: hf
-  int threads = 0;                              // merge threads. Default: 0 = all hardware threads
+  int threads = 0;              // merge threads. Default: 0 = all hardware threads
 };
 
 // What became of one settled checkpoint directory.

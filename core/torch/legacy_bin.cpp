@@ -38,7 +38,8 @@ Result<std::map<std::string, Tensor>> LoadTorchPickle(const std::filesystem::pat
     if (auto nl = what.find('\n'); nl != std::string::npos) what.resize(nl);
     return Status::Corruption(path.string() + ": not a loadable torch pickle: " + what);
   }
-  if (!value.isGenericDict()) return Status::Corruption(path.string() + ": torch pickle does not hold a dict of tensors");
+  if (!value.isGenericDict())
+    return Status::Corruption(path.string() + ": torch pickle does not hold a dict of tensors");
   std::map<std::string, Tensor> out;
   for (const auto& kv : value.toGenericDict()) {
     if (!kv.key().isString()) return Status::Corruption(path.string() + ": dict key is not a string");

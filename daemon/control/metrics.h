@@ -17,10 +17,10 @@
 #pragma once
 
 #include <cstdint>
-#include <utility>
 #include <filesystem>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -73,13 +73,13 @@ class FileTail {
 
  private:
   std::filesystem::path path_;
-  uint64_t offset_ = 0;           // end of the last line returned
-  uint64_t inode_ = 0;            // the file last read; 0: never read
-  std::string last_line_;         // the last line read (ending at offset_), with its newline
+  uint64_t offset_ = 0;    // end of the last line returned
+  uint64_t inode_ = 0;     // the file last read; 0: never read
+  std::string last_line_;  // the last line read (ending at offset_), with its newline
   bool remember_;
-  std::vector<uint64_t> hashes_;      // a hash of every line read, in order (remember_)
-  std::vector<uint64_t> replaying_;   // after a rewrite: the hashes of the lines read before it
-  size_t replay_index_ = 0;           // lines of the rewritten file matched against replaying_
+  std::vector<uint64_t> hashes_;     // a hash of every line read, in order (remember_)
+  std::vector<uint64_t> replaying_;  // after a rewrite: the hashes of the lines read before it
+  size_t replay_index_ = 0;          // lines of the rewritten file matched against replaying_
 };
 
 }  // namespace ferry::control

@@ -23,7 +23,8 @@ constexpr size_t kMaxShownBytes = 64;
 // `s` as a JSON string literal, cut to kMaxShownBytes, non-ASCII escaped, invalid UTF-8 as U+FFFD.
 std::string Quote(std::string_view s) {
   const bool cut = s.size() > kMaxShownBytes;
-  const std::string shown = Json(std::string(s.substr(0, kMaxShownBytes))).dump(-1, ' ', true, Json::error_handler_t::replace);
+  const std::string shown =
+      Json(std::string(s.substr(0, kMaxShownBytes))).dump(-1, ' ', true, Json::error_handler_t::replace);
   return cut ? shown + "..." : shown;
 }
 
@@ -208,12 +209,14 @@ Result<ControlReply> ParseReply(std::string_view message) {
     return Status::Corruption("control reply: field \"" + std::string(field) + "\": " + std::string(what));
   };
   const auto v = j.find("v");
-  if (v == j.end() || !v->is_number_unsigned() || v->get<uint64_t>() != static_cast<uint64_t>(kControlProtocolVersion)) {
+  if (v == j.end() || !v->is_number_unsigned() ||
+      v->get<uint64_t>() != static_cast<uint64_t>(kControlProtocolVersion)) {
     return bad("v", "not protocol version 1");
   }
   ControlReply r;
   const auto id = j.find("id");
-  if (id == j.end() || !(id->is_null() || id->is_number_unsigned())) return bad("id", "not an unsigned integer or null");
+  if (id == j.end() || !(id->is_null() || id->is_number_unsigned()))
+    return bad("id", "not an unsigned integer or null");
   if (id->is_number_unsigned()) r.id = id->get<uint64_t>();
   const auto ok = j.find("ok");
   if (ok == j.end() || !ok->is_boolean()) return bad("ok", "not a boolean");

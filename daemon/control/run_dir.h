@@ -28,7 +28,7 @@ inline constexpr const char* kLogFileName = "ferryd.log";
 
 // A checkpoint directory found in a run directory.
 struct CheckpointDir {
-  std::string name;  // "checkpoint-N"
+  std::string name;   // "checkpoint-N"
   uint64_t step = 0;  // N
 };
 
@@ -39,9 +39,9 @@ struct CheckpointDir {
 
 // The last logged step of a run.
 struct MetricsLine {
-  std::string text;        // the line as written, without its newline
-  uint64_t number = 0;     // its line number in the file, from 1
-  nlohmann::json value;    // the parsed object
+  std::string text;      // the line as written, without its newline
+  uint64_t number = 0;   // its line number in the file, from 1
+  nlohmann::json value;  // the parsed object
 };
 
 // The last complete (newline-terminated), non-blank line of DIR/metrics.jsonl; nullopt when

@@ -154,7 +154,8 @@ Result<std::vector<Prompt>> ReadPrompts(const GenerateFlags& f, const text::Toke
       FERRY_ASSIGN_OR_RETURN(auto messages, ParseMessages(j["prompt"], where + ": field 'prompt'"));
       p = ChatPrompt(tok, messages);
     } else if (j.contains("prompt") && j["prompt"].is_string()) {
-      p = f.chat ? ChatPrompt(tok, {{"user", j["prompt"].get<std::string>()}}) : TextPrompt(tok, j["prompt"].get<std::string>());
+      p = f.chat ? ChatPrompt(tok, {{"user", j["prompt"].get<std::string>()}})
+                 : TextPrompt(tok, j["prompt"].get<std::string>());
     }
     if (!p.ok()) return p.status().WithContext(where);
     out.push_back(std::move(*p));
@@ -167,8 +168,9 @@ Status RunGenerate(const GenerateFlags& f) {
   const int threads = runtime::SetTorchThreads(f.threads);
   const runtime::BlasInfo blas = runtime::LoadedBlas();
   if (blas.reference) {
-    std::fprintf(stderr, "ferryd: warning: LibTorch runs on the reference BLAS (%s), ~15x slower; install libopenblas0-openmp\n",
-                 blas.library.c_str());
+    std::fprintf(
+        stderr, "ferryd: warning: LibTorch runs on the reference BLAS (%s), ~15x slower; install libopenblas0-openmp\n",
+        blas.library.c_str());
   }
   FERRY_ASSIGN_OR_RETURN(text::Tokenizer tok, text::Tokenizer::FromDirectory(f.model));
   FERRY_ASSIGN_OR_RETURN(auto model, runtime::CausalLM::Load(f.model, {}));
@@ -221,7 +223,9 @@ Status RunGenerate(const GenerateFlags& f) {
       j["finish_reason"] = runtime::FinishName(c.finish);
       std::printf("%s\n", j.dump(-1, ' ', false, json::error_handler_t::replace).c_str());
     } else {
-      if (out.size() > 1) std::printf("=== prompt %zu%s\n", c.prompt_index, f.num > 1 ? (", sample " + std::to_string(i % static_cast<size_t>(f.num))).c_str() : "");
+      if (out.size() > 1)
+        std::printf("=== prompt %zu%s\n", c.prompt_index,
+                    f.num > 1 ? (", sample " + std::to_string(i % static_cast<size_t>(f.num))).c_str() : "");
       std::printf("%s\n", text.c_str());
     }
   }
@@ -237,20 +241,25 @@ Status RunGenerate(const GenerateFlags& f) {
 void SetGenerateCommand(CLI::App& app) {
   auto f = std::make_shared<GenerateFlags>();
   CLI::App* cmd = app.add_subcommand("generate", "Sample completions from a model (and a PEFT adapter)");
-  cmd->add_option("--model", f->model, "Hugging Face model directory (config.json, safetensors, tokenizer.json)")->required();
+  cmd->add_option("--model", f->model, "Hugging Face model directory (config.json, safetensors, tokenizer.json)")
+      ->required();
   cmd->add_option("--adapter", f->adapter, "PEFT LoRA adapter directory to apply");
   auto* prompt = cmd->add_option("--prompt", f->prompt, "one prompt text");
   auto* prompts = cmd->add_option("--prompts", f->prompts,
                                   "JSONL file: per line {\"prompt\": text or messages} or {\"messages\": [...]}");
   prompt->excludes(prompts);
-  cmd->add_option("--max-new-tokens", f->max_new_tokens, "tokens to generate per completion (default: "
-                                                          "generation_config.json's max_new_tokens, else 64)");
-  cmd->add_option("--temperature", f->temperature, "0 is greedy; > 0 samples (default: generation_config.json: "
-                                                    "greedy unless do_sample)");
+  cmd->add_option("--max-new-tokens", f->max_new_tokens,
+                  "tokens to generate per completion (default: "
+                  "generation_config.json's max_new_tokens, else 64)");
+  cmd->add_option("--temperature", f->temperature,
+                  "0 is greedy; > 0 samples (default: generation_config.json: "
+                  "greedy unless do_sample)");
   cmd->add_option("--top-p", f->top_p, "nucleus sampling mass in (0, 1] (default: generation_config.json, else 1)");
-  cmd->add_option("--top-k", f->top_k, "keep the k most likely tokens, 0 = off (default: generation_config.json, else 50)");
+  cmd->add_option("--top-k", f->top_k,
+                  "keep the k most likely tokens, 0 = off (default: generation_config.json, else 50)");
   cmd->add_option("--seed", f->seed, "sampling seed (default 0)");
-  cmd->add_option("-n,--num-return-sequences", f->num, "completions per prompt (default 1)")->check(CLI::PositiveNumber);
+  cmd->add_option("-n,--num-return-sequences", f->num, "completions per prompt (default 1)")
+      ->check(CLI::PositiveNumber);
   cmd->add_option("--stop", f->stop, "stop string (repeatable); the completion ends with the token completing it");
   cmd->add_flag("--chat", f->chat, "format plain-text prompts as one user message in the tokenizer's chat format");
   cmd->add_flag("--ignore-eos", f->ignore_eos, "do not stop at the EOS token");

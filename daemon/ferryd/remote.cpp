@@ -13,7 +13,7 @@ nlohmann::json Seconds(int64_t ns) {
 }  // namespace
 
 Result<std::optional<sync::CurveOptions>> ServerCurve(const std::string& what, const std::filesystem::path& key,
-                                                     const std::filesystem::path& allow) {
+                                                      const std::filesystem::path& allow) {
   if (key.empty()) return std::optional<sync::CurveOptions>();
   if (allow.empty()) {
     return Status::InvalidArgument(what + ".key needs " + what +

@@ -59,7 +59,8 @@ std::string ProgressLine(const nlohmann::json& j, int64_t total, double per_step
   };
   const int64_t step = j.value("step", int64_t{0});
   char line[512];
-  std::snprintf(line, sizeof(line), "step %lld/%lld  reward %s (std %s)  loss %s  grad_norm %s  lr %s  len %s  %.3f s/step  eta %.0f s",
+  std::snprintf(line, sizeof(line),
+                "step %lld/%lld  reward %s (std %s)  loss %s  grad_norm %s  lr %s  len %s  %.3f s/step  eta %.0f s",
                 static_cast<long long>(step), static_cast<long long>(total), num("reward", 3).c_str(),
                 num("reward_std", 3).c_str(), num("loss", 4).c_str(), num("grad_norm", 3).c_str(),
                 num("learning_rate", 6).c_str(), num("completions/mean_length", 1).c_str(), per_step,
@@ -147,9 +148,8 @@ class RunControl {
         lock.lock();
         if (path.ok()) {
           last_checkpoint_ = path->filename().string();
-          promise->set_value(nlohmann::json{{"version", trainer.generator_version()},
-                                            {"checkpoint", last_checkpoint_},
-                                            {"step", trainer.step()}});
+          promise->set_value(nlohmann::json{
+              {"version", trainer.generator_version()}, {"checkpoint", last_checkpoint_}, {"step", trainer.step()}});
         } else {
           promise->set_value(path.status());
         }
@@ -232,11 +232,10 @@ class RunControl {
       j["reward_trend"] = nullptr;
     }
     j["learning_rate"] = learning_rate_;
-    j["steps_per_second"] =
-        step_times_.size() >= 2
-            ? static_cast<double>(step_times_.size() - 1) /
-                  std::chrono::duration<double>(step_times_.back() - step_times_.front()).count()
-            : 0.0;
+    j["steps_per_second"] = step_times_.size() >= 2
+                                ? static_cast<double>(step_times_.size() - 1) /
+                                      std::chrono::duration<double>(step_times_.back() - step_times_.front()).count()
+                                : 0.0;
     j["uptime_seconds"] = std::chrono::duration<double>(Clock::now() - started_).count();
     if (remote_) j["remote_generators"] = remote_(step_);
     return j;
@@ -346,10 +345,12 @@ Status RunTrain(const TrainFlags& f) {
 
 void SetTrainCommand(CLI::App& app) {
   auto f = std::make_shared<TrainFlags>();
-  CLI::App* cmd = app.add_subcommand("train", "Run GRPO training in the foreground (resumes from the newest checkpoint)");
+  CLI::App* cmd =
+      app.add_subcommand("train", "Run GRPO training in the foreground (resumes from the newest checkpoint)");
   cmd->add_option("--config", f->config, "the run's TOML file (TRL GRPOConfig / PEFT LoraConfig names)")->required();
   cmd->add_option("--dir", f->dir, "run directory (default: the config's output_dir)");
-  cmd->add_option("--max-steps", f->max_steps, "stop after this many optimizer steps in total")->check(CLI::PositiveNumber);
+  cmd->add_option("--max-steps", f->max_steps, "stop after this many optimizer steps in total")
+      ->check(CLI::PositiveNumber);
   cmd->add_flag("--json", f->json, "print each metrics line (as metrics.jsonl gets it) to stdout");
   cmd->add_option("--publish", f->publish,
                   "also serve each step's version to remote generators (`ferry sync receive`): ipc://DIR or "

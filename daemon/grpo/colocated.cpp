@@ -53,11 +53,13 @@ Result<store::Digest> ColocatedGenerator::Sync() {
   if (!config_text) {
     return Status::InvalidArgument("snapshot " + h.snapshot->manifest_id().Hex() + " carries no config.json");
   }
-  FERRY_ASSIGN_OR_RETURN(runtime::ModelConfig config,
-                         runtime::ParseModelConfig(*config_text, "snapshot " + h.snapshot->manifest_id().Hex() + " config.json"));
+  FERRY_ASSIGN_OR_RETURN(
+      runtime::ModelConfig config,
+      runtime::ParseModelConfig(*config_text, "snapshot " + h.snapshot->manifest_id().Hex() + " config.json"));
   // Views of the snapshot's buffers; the model holds the snapshot alive.
-  FERRY_ASSIGN_OR_RETURN(std::unique_ptr<runtime::CausalLM> model,
-                         runtime::CausalLM::FromCheckpoint(config, h.snapshot->checkpoint(), options_.model, h.snapshot));
+  FERRY_ASSIGN_OR_RETURN(
+      std::unique_ptr<runtime::CausalLM> model,
+      runtime::CausalLM::FromCheckpoint(config, h.snapshot->checkpoint(), options_.model, h.snapshot));
   // The proof: the digest of the bytes this model runs, recomputed, acknowledged.
   FERRY_ASSIGN_OR_RETURN(store::Digest computed, sync::ComputeManifestId(*h.snapshot));
   FERRY_RETURN_IF_ERROR(channel_->Acknowledge(options_.receiver_id, h.sequence, computed));
@@ -68,7 +70,8 @@ Result<store::Digest> ColocatedGenerator::Sync() {
 }
 
 Result<std::vector<runtime::Completion>> ColocatedGenerator::Generate(const std::vector<std::vector<int32_t>>& prompts,
-                                                                      int n, const runtime::SamplingParams& params) const {
+                                                                      int n,
+                                                                      const runtime::SamplingParams& params) const {
   if (!model_) return Status::FailedPrecondition("the generator holds no weights yet (Sync first)");
   runtime::Generator gen(*model_, options_.generator);
   return gen.Generate(prompts, n, params);

@@ -391,9 +391,7 @@ Result<Loss> ComputeLoss(const LossInputs& in, const LossOptions& options) {
       case LossType::kGrpo:
         loss = ((per_token_loss * mask).sum(-1) / ClampedCount(mask.sum(-1))).mean() / normalizer;
         break;
-      case LossType::kBnpo:
-        loss = (per_token_loss * mask).sum() / ClampedCount(mask.sum()) / normalizer;
-        break;
+      case LossType::kBnpo: loss = (per_token_loss * mask).sum() / ClampedCount(mask.sum()) / normalizer; break;
       case LossType::kDrGrpo:
         loss = (per_token_loss * mask).sum() /
                static_cast<double>(per_token_loss.size(0) * options.max_completion_length) / normalizer;

@@ -142,7 +142,8 @@ Result<Rollout> MakeRollout(Trainer::State& s) {
   std::vector<run::RewardInput> inputs(N);
   for (size_t i = 0; i < N; ++i) {
     const size_t pi = i / static_cast<size_t>(G);
-    FERRY_ASSIGN_OR_RETURN(inputs[i].completion, s.tokenizer->Decode(completions[i].token_ids, {.skip_special_tokens = true}));
+    FERRY_ASSIGN_OR_RETURN(inputs[i].completion,
+                           s.tokenizer->Decode(completions[i].token_ids, {.skip_special_tokens = true}));
     inputs[i].prompt = prompts[pi].text;
     inputs[i].completion_tokens = static_cast<int64_t>(completions[i].token_ids.size());
     inputs[i].example = examples[pi];
@@ -245,8 +246,8 @@ Result<Rollout> MakeRollout(Trainer::State& s) {
     FERRY_ASSIGN_OR_RETURN(r.ref_logps, whole(false));
   }
   if (c.vllm_importance_sampling_correction && r.old_logps.defined()) {
-    FERRY_ASSIGN_OR_RETURN(MismatchCorrection mc,
-                           ComputeMismatchCorrection(r.old_logps, r.sampling_logps, r.completion_mask, s.mismatch_options));
+    FERRY_ASSIGN_OR_RETURN(MismatchCorrection mc, ComputeMismatchCorrection(r.old_logps, r.sampling_logps,
+                                                                            r.completion_mask, s.mismatch_options));
     r.is_ratio = mc.ratio;
     for (const auto& [k, v] : mc.metrics) r.metrics[k] = v;
   }

@@ -48,7 +48,8 @@ Status Configure(Trainer::State& s) {
   const run::RunConfig& c = s.config;
   FERRY_ASSIGN_OR_RETURN(s.schedule, ParseLrSchedule(c.lr_scheduler_type));
   FERRY_ASSIGN_OR_RETURN(s.loss_options.loss_type, ParseLossType(c.loss_type));
-  FERRY_ASSIGN_OR_RETURN(s.loss_options.importance_sampling_level, ParseImportanceSamplingLevel(c.importance_sampling_level));
+  FERRY_ASSIGN_OR_RETURN(s.loss_options.importance_sampling_level,
+                         ParseImportanceSamplingLevel(c.importance_sampling_level));
   s.loss_options.epsilon = c.epsilon;
   s.loss_options.epsilon_high = c.epsilon_high;
   s.loss_options.delta = c.delta;
@@ -173,7 +174,8 @@ Result<std::unique_ptr<Trainer>> Trainer::Create(const TrainOptions& options) {
 
   runtime::SetTorchThreads(static_cast<int>(run::ResolvedThreads(c)));
   if (const runtime::BlasInfo blas = runtime::LoadedBlas(); blas.reference) {
-    say("warning: LibTorch runs on the reference BLAS (" + blas.library + "), ~15x slower; install libopenblas0-openmp");
+    say("warning: LibTorch runs on the reference BLAS (" + blas.library +
+        "), ~15x slower; install libopenblas0-openmp");
   }
   FERRY_ASSIGN_OR_RETURN(at::Device device, ParseDevice(c.device, c.source.string()));
 
@@ -244,9 +246,9 @@ Result<std::unique_ptr<Trainer>> Trainer::Create(const TrainOptions& options) {
   // The hand-off: trainer -> channel -> co-located generator.
   s->channel = std::make_unique<sync::SnapshotChannel>(s->store.get(), c.store.run);
   FERRY_ASSIGN_OR_RETURN(AuxFiles aux, CollectAuxFiles(c.model_name_or_path));
-  s->publisher = std::make_unique<WeightPublisher>(std::move(base_ckpt), std::move(aux),
-                                                   s->model->config().tie_word_embeddings, s->channel.get(),
-                                                   static_cast<int>(run::ResolvedThreads(c)));
+  s->publisher =
+      std::make_unique<WeightPublisher>(std::move(base_ckpt), std::move(aux), s->model->config().tie_word_embeddings,
+                                        s->channel.get(), static_cast<int>(run::ResolvedThreads(c)));
   ColocatedGeneratorOptions go;
   go.model.device = device;
   if (c.bf16) go.model.dtype = at::kBFloat16;
@@ -255,7 +257,8 @@ Result<std::unique_ptr<Trainer>> Trainer::Create(const TrainOptions& options) {
 
   FERRY_ASSIGN_OR_RETURN(int64_t resumed, RestoreNewestCheckpoint(*s));
   if (resumed > 0) say("resumed from " + (s->dir / ("checkpoint-" + std::to_string(resumed))).string());
-  FERRY_ASSIGN_OR_RETURN(sync::Handoff first, resumed > 0 ? s->publisher->Publish(*s->adapter) : s->publisher->PublishBase());
+  FERRY_ASSIGN_OR_RETURN(sync::Handoff first,
+                         resumed > 0 ? s->publisher->Publish(*s->adapter) : s->publisher->PublishBase());
   FERRY_ASSIGN_OR_RETURN(store::Digest acked, s->generator->Sync());
   if (acked != first.snapshot->manifest_id()) {
     return Status::Corruption("the generator acknowledged " + acked.Hex() + " for snapshot " +
@@ -346,8 +349,8 @@ Result<StepResult> TakeStep(Trainer::State& s) {
   step_metrics["grad_norm"] = grad_norm;
   step_metrics["learning_rate"] = c.learning_rate * LrMultiplier(s.schedule, s.step, s.warmup_steps, s.total_steps);
   const run::DatasetPosition pos = s.sampler->position();
-  step_metrics["epoch"] = static_cast<double>(pos.epoch) +
-                          static_cast<double>(pos.index) / static_cast<double>(s.dataset->size());
+  step_metrics["epoch"] =
+      static_cast<double>(pos.epoch) + static_cast<double>(pos.index) / static_cast<double>(s.dataset->size());
   step_metrics["step_time"] = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   FERRY_RETURN_IF_ERROR(RecordStep(s, h, step_metrics));
 
@@ -405,7 +408,8 @@ Result<StepResult> Trainer::Step() {
       std::lock_guard<std::mutex> lock(rng.mutex());
       rng.set_state(rng_state);
     }
-    if (Status seek = s.sampler->Seek(position); !seek.ok()) return seek.WithContext("step " + std::to_string(step + 1));
+    if (Status seek = s.sampler->Seek(position); !seek.ok())
+      return seek.WithContext("step " + std::to_string(step + 1));
   }
   return r.status().WithContext("step " + std::to_string(step + 1));
 }

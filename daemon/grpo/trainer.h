@@ -75,10 +75,10 @@ struct RunHooks {
 };
 
 struct StepResult {
-  int64_t step = 0;                        // optimizer steps taken so far (1 after the first)
-  std::map<std::string, double> metrics;   // this step's, TRL's names
-  std::string generator_version;           // the id the generator acknowledged after it
-  bool logged = false;                     // a metrics.jsonl line was written
+  int64_t step = 0;                       // optimizer steps taken so far (1 after the first)
+  std::map<std::string, double> metrics;  // this step's, TRL's names
+  std::string generator_version;          // the id the generator acknowledged after it
+  bool logged = false;                    // a metrics.jsonl line was written
 };
 
 class Trainer {

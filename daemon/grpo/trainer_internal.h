@@ -31,17 +31,17 @@ using Metrics = std::map<std::string, double>;
 // One generation batch (TRL: the buffered inputs of steps_per_generation micro-batches), rows
 // ordered prompt by prompt (G completions each) until split into micro-batches.
 struct Rollout {
-  at::Tensor prompt_ids;        // long [N, P], left-padded with the pad id
-  at::Tensor prompt_mask;       // long [N, P]
-  at::Tensor completion_ids;    // long [N, C], right-padded
-  at::Tensor completion_mask;   // long [N, C]: 1 up to and including EOS (0 for masked truncations)
-  at::Tensor sampling_logps;    // float [N, C]: the generator's, 0 at padding
-  at::Tensor old_logps;         // float [N, C] or undefined (= the first forward's, detached)
-  at::Tensor ref_logps;         // float [N, C] or undefined (beta == 0)
-  at::Tensor advantages;        // float [N]
-  at::Tensor is_ratio;          // mismatch ratio [N, C] or [N, 1], or undefined
-  int64_t num_items = 0;        // completion_mask.sum() over the whole batch (dapo)
-  Metrics metrics;              // rewards/..., completions/..., sampling/..., num_tokens
+  at::Tensor prompt_ids;       // long [N, P], left-padded with the pad id
+  at::Tensor prompt_mask;      // long [N, P]
+  at::Tensor completion_ids;   // long [N, C], right-padded
+  at::Tensor completion_mask;  // long [N, C]: 1 up to and including EOS (0 for masked truncations)
+  at::Tensor sampling_logps;   // float [N, C]: the generator's, 0 at padding
+  at::Tensor old_logps;        // float [N, C] or undefined (= the first forward's, detached)
+  at::Tensor ref_logps;        // float [N, C] or undefined (beta == 0)
+  at::Tensor advantages;       // float [N]
+  at::Tensor is_ratio;         // mismatch ratio [N, C] or [N, 1], or undefined
+  int64_t num_items = 0;       // completion_mask.sum() over the whole batch (dapo)
+  Metrics metrics;             // rewards/..., completions/..., sampling/..., num_tokens
   std::vector<std::vector<int64_t>> rows_of_micro_batch;  // row indices of each micro-batch
 };
 
@@ -98,10 +98,10 @@ Result<Rollout> MakeRollout(Trainer::State& s);
 // Per-token log-probabilities and entropies of `rows` of `r` under the trainer's model (with
 // the adapter when `lora`), the LM head chunked. `training`: dropout on and autograd recorded.
 struct MicroBatchLogps {
-  at::Tensor logps;     // [n, C]
-  at::Tensor entropy;   // [n, C]
-  at::Tensor mask;      // [n, C] long
-  at::Tensor rows;      // long [n]
+  at::Tensor logps;    // [n, C]
+  at::Tensor entropy;  // [n, C]
+  at::Tensor mask;     // [n, C] long
+  at::Tensor rows;     // long [n]
 };
 Result<MicroBatchLogps> MicroBatchLogProbs(const Trainer::State& s, const Rollout& r, const std::vector<int64_t>& rows,
                                            bool lora, bool training);

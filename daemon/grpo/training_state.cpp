@@ -132,9 +132,10 @@ Result<fs::path> WriteCheckpoint(Trainer::State& s) {
     FERRY_RETURN_IF_ERROR(WriteTensorFile(d / "optimizer.safetensors", tensors, meta));
     if (s.buffer) {
       const Rollout& r = *s.buffer;
-      std::map<std::string, at::Tensor> t = {{"prompt_ids", r.prompt_ids},           {"prompt_mask", r.prompt_mask},
-                                             {"completion_ids", r.completion_ids},   {"completion_mask", r.completion_mask},
-                                             {"sampling_logps", r.sampling_logps},   {"advantages", r.advantages}};
+      std::map<std::string, at::Tensor> t = {
+          {"prompt_ids", r.prompt_ids},         {"prompt_mask", r.prompt_mask},
+          {"completion_ids", r.completion_ids}, {"completion_mask", r.completion_mask},
+          {"sampling_logps", r.sampling_logps}, {"advantages", r.advantages}};
       if (r.old_logps.defined()) t["old_logps"] = r.old_logps;
       if (r.ref_logps.defined()) t["ref_logps"] = r.ref_logps;
       if (r.is_ratio.defined()) t["is_ratio"] = r.is_ratio;
@@ -198,13 +199,14 @@ Result<int64_t> RestoreNewestCheckpoint(Trainer::State& s) {
   if (st.is_discarded() || !st.is_object()) return Status::Corruption(where + ": not a JSON object");
   try {
     if (st.at("global_step").get<int64_t>() != step) {
-      return Status::Corruption(where + ": global_step " + st.at("global_step").dump() + " in " + d.filename().string());
+      return Status::Corruption(where + ": global_step " + st.at("global_step").dump() + " in " +
+                                d.filename().string());
     }
     if (st.at("config_fingerprint").get<std::string>() != s.config.Fingerprint()) {
-      return Status::FailedPrecondition(s.config.source.string() + " differs from the configuration " +
-                                        d.filename().string() + " was trained with (fingerprint " +
-                                        st.at("config_fingerprint").get<std::string>() + ", now " +
-                                        s.config.Fingerprint() + "); resume with the same configuration or use another output_dir");
+      return Status::FailedPrecondition(
+          s.config.source.string() + " differs from the configuration " + d.filename().string() +
+          " was trained with (fingerprint " + st.at("config_fingerprint").get<std::string>() + ", now " +
+          s.config.Fingerprint() + "); resume with the same configuration or use another output_dir");
     }
     const json& ds = st.at("dataset");
     if (ds.at("digest").get<std::string>() != s.dataset->digest()) {
@@ -251,11 +253,16 @@ Result<int64_t> RestoreNewestCheckpoint(Trainer::State& s) {
           out = v.clone();
           return Status::OK();
         };
-        for (auto [name, field] : std::initializer_list<std::pair<const char*, at::Tensor*>>{
-                 {"prompt_ids", &r.prompt_ids}, {"prompt_mask", &r.prompt_mask}, {"completion_ids", &r.completion_ids},
-                 {"completion_mask", &r.completion_mask}, {"sampling_logps", &r.sampling_logps},
-                 {"advantages", &r.advantages}, {"old_logps", &r.old_logps}, {"ref_logps", &r.ref_logps},
-                 {"is_ratio", &r.is_ratio}}) {
+        for (auto [name, field] :
+             std::initializer_list<std::pair<const char*, at::Tensor*>>{{"prompt_ids", &r.prompt_ids},
+                                                                        {"prompt_mask", &r.prompt_mask},
+                                                                        {"completion_ids", &r.completion_ids},
+                                                                        {"completion_mask", &r.completion_mask},
+                                                                        {"sampling_logps", &r.sampling_logps},
+                                                                        {"advantages", &r.advantages},
+                                                                        {"old_logps", &r.old_logps},
+                                                                        {"ref_logps", &r.ref_logps},
+                                                                        {"is_ratio", &r.is_ratio}}) {
           FERRY_RETURN_IF_ERROR(get(name, *field));
         }
         r.num_items = st["rollout"].at("num_items").get<int64_t>();

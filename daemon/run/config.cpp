@@ -665,30 +665,21 @@ Status Resolve(Parse& p) {
 
 std::string_view ChatTemplateName(ChatTemplate t) {
   switch (t) {
-    case ChatTemplate::kAuto:
-      return "auto";
-    case ChatTemplate::kNone:
-      return "none";
-    case ChatTemplate::kChatML:
-      return "chatml";
-    case ChatTemplate::kLlama3:
-      return "llama3";
+    case ChatTemplate::kAuto: return "auto";
+    case ChatTemplate::kNone: return "none";
+    case ChatTemplate::kChatML: return "chatml";
+    case ChatTemplate::kLlama3: return "llama3";
   }
   return "?";
 }
 
 std::string_view RewardTypeName(RewardType t) {
   switch (t) {
-    case RewardType::kAnswerMatch:
-      return "answer_match";
-    case RewardType::kDigitMatch:
-      return "digit_match";
-    case RewardType::kRegex:
-      return "regex";
-    case RewardType::kLength:
-      return "length";
-    case RewardType::kCommand:
-      return "command";
+    case RewardType::kAnswerMatch: return "answer_match";
+    case RewardType::kDigitMatch: return "digit_match";
+    case RewardType::kRegex: return "regex";
+    case RewardType::kLength: return "length";
+    case RewardType::kCommand: return "command";
   }
   return "?";
 }

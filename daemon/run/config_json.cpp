@@ -23,13 +23,10 @@ OJson Opt(const std::optional<T>& v) {
 
 OJson SelectorJson(const ModuleSelector& s) {
   switch (s.form) {
-    case ModuleSelector::Form::kNone:
-      return nullptr;
-    case ModuleSelector::Form::kList:
-      return s.names;
+    case ModuleSelector::Form::kNone: return nullptr;
+    case ModuleSelector::Form::kList: return s.names;
     case ModuleSelector::Form::kRegex:
-    case ModuleSelector::Form::kAllLinear:
-      return s.pattern;
+    case ModuleSelector::Form::kAllLinear: return s.pattern;
   }
   return nullptr;
 }
@@ -88,9 +85,7 @@ OJson RewardJson(const RewardSpec& r) {
       j["pattern"] = *r.pattern;
       j["match"] = r.match;
       break;
-    case RewardType::kLength:
-      j["target"] = r.target;
-      break;
+    case RewardType::kLength: j["target"] = r.target; break;
     case RewardType::kCommand:
       j["command"] = r.command;
       j["timeout_seconds"] = r.timeout_seconds;
@@ -104,15 +99,11 @@ OJson RewardJson(const RewardSpec& r) {
 
 OJson NeutralJson(const NeutralValue& n) {
   switch (n.kind) {
-    case NeutralValue::Kind::kBool:
-      return n.b;
-    case NeutralValue::Kind::kFloat:
-      return n.f;
-    case NeutralValue::Kind::kString:
-      return std::string(n.s);
+    case NeutralValue::Kind::kBool: return n.b;
+    case NeutralValue::Kind::kFloat: return n.f;
+    case NeutralValue::Kind::kString: return std::string(n.s);
     case NeutralValue::Kind::kNone:
-    case NeutralValue::Kind::kNoneOrFloat:
-      return nullptr;
+    case NeutralValue::Kind::kNoneOrFloat: return nullptr;
   }
   return nullptr;
 }

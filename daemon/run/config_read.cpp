@@ -95,26 +95,16 @@ void Reader::Warn(const std::string& what) {
 
 std::string Reader::TypeName(const toml::node& v) {
   switch (v.type()) {
-    case toml::node_type::table:
-      return "a table";
-    case toml::node_type::array:
-      return "an array";
-    case toml::node_type::string:
-      return "a string";
-    case toml::node_type::integer:
-      return "an integer";
-    case toml::node_type::floating_point:
-      return "a float";
-    case toml::node_type::boolean:
-      return "a boolean";
-    case toml::node_type::date:
-      return "a date";
-    case toml::node_type::time:
-      return "a time";
-    case toml::node_type::date_time:
-      return "a date-time";
-    default:
-      return "nothing";
+    case toml::node_type::table: return "a table";
+    case toml::node_type::array: return "an array";
+    case toml::node_type::string: return "a string";
+    case toml::node_type::integer: return "an integer";
+    case toml::node_type::floating_point: return "a float";
+    case toml::node_type::boolean: return "a boolean";
+    case toml::node_type::date: return "a date";
+    case toml::node_type::time: return "a time";
+    case toml::node_type::date_time: return "a date-time";
+    default: return "nothing";
   }
 }
 
@@ -247,8 +237,7 @@ Status Reader::Neutral(const toml::node& v, const NeutralValue& n, std::string_v
       if (s != n.s) return Unsupported("only \"" + std::string(n.s) + "\" is accepted (got " + Show(s) + ")" + tail);
       return Status::OK();
     }
-    case NeutralValue::Kind::kNone:
-      return Unsupported("cannot be set" + tail);
+    case NeutralValue::Kind::kNone: return Unsupported("cannot be set" + tail);
   }
   return Status::OK();
 }

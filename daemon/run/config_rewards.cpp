@@ -24,16 +24,11 @@ Result<RewardType> ParseType(Reader& rd, const toml::node& v) {
 // The keys each type accepts besides name, type and weight.
 std::set<std::string_view> KeysOf(RewardType t) {
   switch (t) {
-    case RewardType::kAnswerMatch:
-      return {"field", "pattern", "group", "normalize"};
-    case RewardType::kDigitMatch:
-      return {"field", "pattern", "group", "align"};
-    case RewardType::kRegex:
-      return {"pattern", "match"};
-    case RewardType::kLength:
-      return {"target"};
-    case RewardType::kCommand:
-      return {"command", "timeout_seconds", "batch_size", "stderr_file"};
+    case RewardType::kAnswerMatch: return {"field", "pattern", "group", "normalize"};
+    case RewardType::kDigitMatch: return {"field", "pattern", "group", "align"};
+    case RewardType::kRegex: return {"pattern", "match"};
+    case RewardType::kLength: return {"target"};
+    case RewardType::kCommand: return {"command", "timeout_seconds", "batch_size", "stderr_file"};
   }
   return {};
 }

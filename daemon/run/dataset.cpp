@@ -28,22 +28,15 @@ std::string Hex128(const kernels::Hash128& h) {
 
 std::string JsonTypeName(const Json& j) {
   switch (j.type()) {
-    case Json::value_t::null:
-      return "null";
-    case Json::value_t::object:
-      return "an object";
-    case Json::value_t::array:
-      return "an array";
-    case Json::value_t::string:
-      return "a string";
-    case Json::value_t::boolean:
-      return "a boolean";
+    case Json::value_t::null: return "null";
+    case Json::value_t::object: return "an object";
+    case Json::value_t::array: return "an array";
+    case Json::value_t::string: return "a string";
+    case Json::value_t::boolean: return "a boolean";
     case Json::value_t::number_integer:
     case Json::value_t::number_unsigned:
-    case Json::value_t::number_float:
-      return "a number";
-    default:
-      return "something else";
+    case Json::value_t::number_float: return "a number";
+    default: return "something else";
   }
 }
 

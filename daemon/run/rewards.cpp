@@ -176,8 +176,7 @@ struct RewardScorer::Function {
         const double off = std::fabs(static_cast<double>(in.completion_tokens) - target) / target;
         return 1.0 - std::min(1.0, off);
       }
-      case RewardType::kCommand:
-        break;
+      case RewardType::kCommand: break;
     }
     return Status::Internal("reward '" + spec.name + "' is not a built-in");
   }

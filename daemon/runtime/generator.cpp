@@ -45,7 +45,8 @@ Sampled Sample(const at::Tensor& logits, const SamplingParams& p, std::mt19937_6
     const int64_t B = lf.size(0);
     std::vector<double> u(static_cast<size_t>(B));
     for (double& x : u) x = static_cast<double>(rng() >> 11) * 0x1.0p-53;
-    at::Tensor draws = at::tensor(u, at::kDouble).to(cdf.device()).to(at::kFloat).view({B, 1}) * cdf.narrow(-1, V - 1, 1);
+    at::Tensor draws =
+        at::tensor(u, at::kDouble).to(cdf.device()).to(at::kFloat).view({B, 1}) * cdf.narrow(-1, V - 1, 1);
     next = at::searchsorted(cdf, draws, /*out_int32=*/false, /*right=*/true).view({B}).clamp_max(V - 1);
   }
   at::Tensor logp = logp_all.gather(-1, next.view({-1, 1})).view({-1});
@@ -61,7 +62,8 @@ Status CheckParams(const SamplingParams& p, bool have_token_bytes) {
   if (!(p.temperature >= 0) || !std::isfinite(p.temperature)) {
     return Status::InvalidArgument("temperature must be >= 0, got " + std::to_string(p.temperature));
   }
-  if (!(p.top_p > 0 && p.top_p <= 1)) return Status::InvalidArgument("top_p must be in (0, 1], got " + std::to_string(p.top_p));
+  if (!(p.top_p > 0 && p.top_p <= 1))
+    return Status::InvalidArgument("top_p must be in (0, 1], got " + std::to_string(p.top_p));
   if (p.top_k < 0) return Status::InvalidArgument("top_k must be >= 0, got " + std::to_string(p.top_k));
   if (p.max_new_tokens < 1) return Status::InvalidArgument("max_new_tokens must be >= 1");
   if (!p.stop_strings.empty() && !have_token_bytes) {

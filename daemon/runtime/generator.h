@@ -26,9 +26,9 @@
 namespace ferry::runtime {
 
 struct SamplingParams {
-  double temperature = 1.0;    // 0: greedy. Default: 1
-  double top_p = 1.0;          // (0, 1]. Default: 1 (off)
-  int64_t top_k = 0;           // 0: off. Default: 0
+  double temperature = 1.0;  // 0: greedy. Default: 1
+  double top_p = 1.0;        // (0, 1]. Default: 1 (off)
+  int64_t top_k = 0;         // 0: off. Default: 0
   int64_t max_new_tokens = 16;
   std::vector<int64_t> eos_token_ids;     // Default: none
   std::vector<std::string> stop_strings;  // needs GeneratorOptions::token_bytes

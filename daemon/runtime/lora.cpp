@@ -40,7 +40,8 @@ Status CheckTrainable(const PeftConfig& c) {
     return Status::Unsupported(c.source + ": bias: training base biases is not supported (use \"none\")");
   }
   if (c.fan_in_fan_out) {
-    return Status::InvalidArgument(c.source + ": fan_in_fan_out is true, but Llama/Mistral/Qwen2 linear weights are (out, in)");
+    return Status::InvalidArgument(c.source +
+                                   ": fan_in_fan_out is true, but Llama/Mistral/Qwen2 linear weights are (out, in)");
   }
   return Status::OK();
 }
@@ -48,7 +49,8 @@ Status CheckTrainable(const PeftConfig& c) {
 // The modules of `model` the config targets, in model order.
 Result<std::vector<const Linear*>> Targets(const CausalLM& model, const PeftConfig& c) {
   if (model.fused()) {
-    return Status::InvalidArgument(c.source + ": the model's weights are in the fused layout (qkv_proj, gate_up_proj); "
+    return Status::InvalidArgument(c.source +
+                                   ": the model's weights are in the fused layout (qkv_proj, gate_up_proj); "
                                    "LoRA needs the Hugging Face layout");
   }
   std::vector<const Linear*> out;
@@ -62,8 +64,10 @@ Result<std::vector<const Linear*>> Targets(const CausalLM& model, const PeftConf
     }
   }
   if (out.empty()) {
-    return Status::InvalidArgument(c.source + ": target_modules matches no linear layer of the model (layers are named "
-                                   "like 'model.layers.0.self_attn.q_proj', 'model.layers.0.mlp.down_proj', 'lm_head')");
+    return Status::InvalidArgument(
+        c.source +
+        ": target_modules matches no linear layer of the model (layers are named "
+        "like 'model.layers.0.self_attn.q_proj', 'model.layers.0.mlp.down_proj', 'lm_head')");
   }
   return out;
 }
@@ -87,7 +91,8 @@ Status LoraAdapter::Bind(const CausalLM& model) {
   return Status::OK();
 }
 
-Result<std::unique_ptr<LoraAdapter>> LoraAdapter::Create(const CausalLM& model, const PeftConfig& config, uint64_t seed) {
+Result<std::unique_ptr<LoraAdapter>> LoraAdapter::Create(const CausalLM& model, const PeftConfig& config,
+                                                         uint64_t seed) {
   FERRY_RETURN_IF_ERROR(CheckTrainable(config));
   FERRY_ASSIGN_OR_RETURN(std::vector<const Linear*> targets, Targets(model, config));
   std::unique_ptr<LoraAdapter> a(new LoraAdapter());
@@ -133,7 +138,8 @@ Result<std::unique_ptr<LoraAdapter>> LoraAdapter::Load(const CausalLM& model, co
     for (char factor : {'A', 'B'}) {
       const std::string key = LoraKey(l->name, factor);
       const TensorInfo* info = ckpt.Info(key);
-      if (!info) return Status::NotFound(where + ": missing tensor '" + key + "' (the config targets '" + l->name + "')");
+      if (!info)
+        return Status::NotFound(where + ": missing tensor '" + key + "' (the config targets '" + l->name + "')");
       const Shape want = factor == 'A' ? Shape{r, l->in} : Shape{l->out, r};
       if (info->shape != want) {
         return Status::InvalidArgument(where + ": tensor '" + key + "' has shape " + ShapeToString(info->shape) +
@@ -158,7 +164,8 @@ Result<std::unique_ptr<LoraAdapter>> LoraAdapter::Load(const CausalLM& model, co
   }
   for (const std::string& name : ckpt.names()) {
     if (!used.count(name)) {
-      return Status::InvalidArgument(where + ": tensor '" + name + "' does not belong to a module the config targets on this model");
+      return Status::InvalidArgument(where + ": tensor '" + name +
+                                     "' does not belong to a module the config targets on this model");
     }
   }
   FERRY_RETURN_IF_ERROR(a->Bind(model));
@@ -228,7 +235,8 @@ Status LoraAdapter::WriteFiles(const std::filesystem::path& dir, const std::stri
   return WriteFileAtomic(dir / "adapter_config.json", ConfigJson(base_model_name_or_path));
 }
 
-Status LoraAdapter::Save(const std::filesystem::path& dir, const std::string& base_model_name_or_path, bool force) const {
+Status LoraAdapter::Save(const std::filesystem::path& dir, const std::string& base_model_name_or_path,
+                         bool force) const {
   FERRY_ASSIGN_OR_RETURN(StagingDir staging, StagingDir::Create(dir, force));
   FERRY_RETURN_IF_ERROR(WriteFiles(staging.path(), base_model_name_or_path));
   return staging.Commit();
@@ -243,7 +251,8 @@ Status LoraAdapter::LoadInto(const CausalLM& model, const std::filesystem::path&
   for (const auto& [key, p] : params_) {
     auto it = other->params_.find(key);
     if (it == other->params_.end() || !it->second.sizes().equals(p.sizes())) {
-      return Status::InvalidArgument(dir.string() + ": tensor '" + key + "' is missing or has another shape than this run's");
+      return Status::InvalidArgument(dir.string() + ": tensor '" + key +
+                                     "' is missing or has another shape than this run's");
     }
   }
   return GuardTorch("loading " + dir.string(), [&]() -> Status {

@@ -40,8 +40,10 @@ std::string ShapeText(at::IntArrayRef s) {
 
 at::Scalar Lowest(at::ScalarType t) {
   switch (t) {
-    case at::kBFloat16: return at::Scalar(static_cast<double>(static_cast<float>(std::numeric_limits<c10::BFloat16>::lowest())));
-    case at::kHalf: return at::Scalar(static_cast<double>(static_cast<float>(std::numeric_limits<c10::Half>::lowest())));
+    case at::kBFloat16:
+      return at::Scalar(static_cast<double>(static_cast<float>(std::numeric_limits<c10::BFloat16>::lowest())));
+    case at::kHalf:
+      return at::Scalar(static_cast<double>(static_cast<float>(std::numeric_limits<c10::Half>::lowest())));
     case at::kDouble: return at::Scalar(std::numeric_limits<double>::lowest());
     default: return at::Scalar(static_cast<double>(std::numeric_limits<float>::lowest()));
   }
@@ -151,8 +153,8 @@ Result<std::unique_ptr<CausalLM>> CausalLM::Load(const std::filesystem::path& di
 }
 
 Result<std::unique_ptr<CausalLM>> CausalLM::FromCheckpoint(const ModelConfig& config, const Checkpoint& weights,
-                                                          const ModelOptions& options,
-                                                          std::shared_ptr<const void> keep_alive) {
+                                                           const ModelOptions& options,
+                                                           std::shared_ptr<const void> keep_alive) {
   std::unique_ptr<CausalLM> m(new CausalLM());
   m->keep_alive_ = std::move(keep_alive);
   FERRY_RETURN_IF_ERROR(m->Init(config, weights, options));
@@ -402,7 +404,7 @@ at::Tensor CausalLM::Attention(const Layer& L, int index, const at::Tensor& x, c
   const at::Tensor& blocked = L.sliding ? c.blocked_sliding : c.blocked;
   const double scale = 1.0 / std::sqrt(static_cast<double>(D));
   at::Tensor qg = q.view({B, T, nKV, G, D}).permute({0, 2, 3, 1, 4});  // [B, nKV, G, T, D]
-  at::Tensor kt = keys.transpose(-1, -2);                               // [B, nKV, D, S]
+  at::Tensor kt = keys.transpose(-1, -2);                              // [B, nKV, D, S]
   const at::Scalar lowest = Lowest(q.scalar_type());
   std::vector<at::Tensor> outs;
   for (int64_t t0 = 0; t0 < T; t0 += attention_chunk_) {
@@ -473,8 +475,8 @@ Result<at::Tensor> CausalLM::Hidden(const ForwardArgs& a) const {
     at::Tensor ids_d = ids.to(device_);
     const int64_t lo = ids_d.min().item<int64_t>(), hi = ids_d.max().item<int64_t>();
     if (lo < 0 || hi >= config_.vocab_size) {
-      return Status::InvalidArgument("forward: token id " + std::to_string(lo < 0 ? lo : hi) + " is outside the vocabulary [0, " +
-                                     std::to_string(config_.vocab_size) + ")");
+      return Status::InvalidArgument("forward: token id " + std::to_string(lo < 0 ? lo : hi) +
+                                     " is outside the vocabulary [0, " + std::to_string(config_.vocab_size) + ")");
     }
     Context c;
     c.lora = a.lora;

@@ -116,12 +116,12 @@ struct ModelOptions {
 // One forward's inputs. Positions are RoPE positions; `attention_mask` says which key slots are
 // real tokens: [B, S] where S = cache length before the call + T (without a cache, S = T).
 struct ForwardArgs {
-  at::Tensor input_ids;       // long [B, T]
-  at::Tensor positions;       // long [B, T]
-  at::Tensor attention_mask;  // bool [B, S]; undefined = all real
+  at::Tensor input_ids;               // long [B, T]
+  at::Tensor positions;               // long [B, T]
+  at::Tensor attention_mask;          // bool [B, S]; undefined = all real
   const LoraBinding* lora = nullptr;  // null: the base model
-  bool training = false;      // LoRA dropout on
-  KvCache* cache = nullptr;   // when set: the T tokens are appended to it (slots length..length+T)
+  bool training = false;              // LoRA dropout on
+  KvCache* cache = nullptr;           // when set: the T tokens are appended to it (slots length..length+T)
   // Recompute each decoder layer in the backward pass instead of keeping its activations.
   bool checkpoint_layers = false;
 };

@@ -37,7 +37,8 @@ class Fields {
     if (!v.is_number_integer()) return Bad(field, "must be an integer");
     const int64_t x = v.get<int64_t>();
     if (x < lo || x > hi) {
-      return Bad(field, "is " + std::to_string(x) + ", outside [" + std::to_string(lo) + ", " + std::to_string(hi) + "]",
+      return Bad(field,
+                 "is " + std::to_string(x) + ", outside [" + std::to_string(lo) + ", " + std::to_string(hi) + "]",
                  StatusCode::kInvalidArgument);
     }
     return x;
@@ -77,7 +78,8 @@ Result<DType> DTypeFromTorchName(const std::string& name, const Fields& f, const
   if (n == "float32" || n == "float") return DType::kF32;
   if (n == "bfloat16") return DType::kBF16;
   if (n == "float16" || n == "half") return DType::kF16;
-  return f.Bad(field, "is '" + name + "' (the runtime computes in float32, bfloat16 or float16)", StatusCode::kUnsupported);
+  return f.Bad(field, "is '" + name + "' (the runtime computes in float32, bfloat16 or float16)",
+               StatusCode::kUnsupported);
 }
 
 Status ParseRope(const json& j, const Fields& f, ModelConfig& c) {
@@ -103,7 +105,9 @@ Status ParseRope(const json& j, const Fields& f, ModelConfig& c) {
       where = "rope_scaling";
     }
   }
-  if (!(c.rope.theta > 0)) return f.Bad(where.empty() ? "rope_theta" : where + ".rope_theta", "must be positive", StatusCode::kInvalidArgument);
+  if (!(c.rope.theta > 0))
+    return f.Bad(where.empty() ? "rope_theta" : where + ".rope_theta", "must be positive",
+                 StatusCode::kInvalidArgument);
   if (!params) return Status::OK();
   std::string type = "default";
   for (const char* key : {"rope_type", "type"}) {
@@ -120,13 +124,15 @@ Status ParseRope(const json& j, const Fields& f, ModelConfig& c) {
   c.rope.type = RopeConfig::Type::kLlama3;
   FERRY_ASSIGN_OR_RETURN(c.rope.factor, f.Number(*params, "factor", where + ".factor", 8.0));
   FERRY_ASSIGN_OR_RETURN(c.rope.low_freq_factor, f.Number(*params, "low_freq_factor", where + ".low_freq_factor", 1.0));
-  FERRY_ASSIGN_OR_RETURN(c.rope.high_freq_factor, f.Number(*params, "high_freq_factor", where + ".high_freq_factor", 4.0));
+  FERRY_ASSIGN_OR_RETURN(c.rope.high_freq_factor,
+                         f.Number(*params, "high_freq_factor", where + ".high_freq_factor", 4.0));
   FERRY_ASSIGN_OR_RETURN(double orig, f.Number(*params, "original_max_position_embeddings",
                                                where + ".original_max_position_embeddings", 8192.0));
   if (!(c.rope.factor > 0) || !(c.rope.low_freq_factor > 0) || !(c.rope.high_freq_factor > c.rope.low_freq_factor) ||
       !(orig >= 1) || orig != std::floor(orig) || orig > 1e9) {
-    return f.Bad(where, "holds llama3 values out of range (factor > 0, 0 < low_freq_factor < high_freq_factor, "
-                        "original_max_position_embeddings a positive integer)",
+    return f.Bad(where,
+                 "holds llama3 values out of range (factor > 0, 0 < low_freq_factor < high_freq_factor, "
+                 "original_max_position_embeddings a positive integer)",
                  StatusCode::kInvalidArgument);
   }
   c.rope.original_max_position_embeddings = static_cast<int64_t>(orig);
@@ -141,10 +147,10 @@ Status ParseQuantization(const json& j, const Fields& f, ModelConfig& c) {
   const std::string method = q.value("quant_method", std::string());
   const bool load_4bit = q.value("load_in_4bit", false);
   if (method != "bitsandbytes" || !load_4bit) {
-    return f.Bad("quantization_config.quant_method",
-                 "is '" + method + (load_4bit ? "" : "' without load_in_4bit") +
-                     "' (supported: bitsandbytes 4-bit, NF4 or FP4)",
-                 StatusCode::kUnsupported);
+    return f.Bad(
+        "quantization_config.quant_method",
+        "is '" + method + (load_4bit ? "" : "' without load_in_4bit") + "' (supported: bitsandbytes 4-bit, NF4 or FP4)",
+        StatusCode::kUnsupported);
   }
   QuantizationConfig qc;
   if (auto t = q.find("bnb_4bit_quant_type"); t != q.end() && !t->is_null()) {
@@ -179,8 +185,8 @@ Status ParseSliding(const json& j, const Fields& f, ModelConfig& c) {
   c.sliding_layers.assign(static_cast<size_t>(c.num_hidden_layers), false);
   if (auto it = j.find("layer_types"); it != j.end() && !it->is_null()) {
     if (!it->is_array() || it->size() != static_cast<size_t>(c.num_hidden_layers)) {
-      return f.Bad("layer_types", "must be a list of num_hidden_layers (" + std::to_string(c.num_hidden_layers) +
-                                      ") strings");
+      return f.Bad("layer_types",
+                   "must be a list of num_hidden_layers (" + std::to_string(c.num_hidden_layers) + ") strings");
     }
     for (size_t i = 0; i < it->size(); ++i) {
       const json& t = (*it)[i];
@@ -188,10 +194,12 @@ Status ParseSliding(const json& j, const Fields& f, ModelConfig& c) {
       if (!t.is_string()) return f.Bad(field, "must be a string");
       const std::string kind = t.get<std::string>();
       if (kind == "sliding_attention") {
-        if (!window) return f.Bad(field, "is sliding_attention but sliding_window is not set", StatusCode::kInvalidArgument);
+        if (!window)
+          return f.Bad(field, "is sliding_attention but sliding_window is not set", StatusCode::kInvalidArgument);
         c.sliding_layers[i] = true;
       } else if (kind != "full_attention") {
-        return f.Bad(field, "is '" + kind + "' (supported: full_attention, sliding_attention)", StatusCode::kUnsupported);
+        return f.Bad(field, "is '" + kind + "' (supported: full_attention, sliding_attention)",
+                     StatusCode::kUnsupported);
       }
     }
   } else if (window) {
@@ -200,7 +208,8 @@ Status ParseSliding(const json& j, const Fields& f, ModelConfig& c) {
     } else if (c.arch == Architecture::kQwen2) {
       FERRY_ASSIGN_OR_RETURN(bool use, f.Bool("use_sliding_window", false));
       FERRY_ASSIGN_OR_RETURN(int64_t max_window_layers, f.Int("max_window_layers", 28, 0));
-      for (int64_t i = max_window_layers; use && i < c.num_hidden_layers; ++i) c.sliding_layers[static_cast<size_t>(i)] = true;
+      for (int64_t i = max_window_layers; use && i < c.num_hidden_layers; ++i)
+        c.sliding_layers[static_cast<size_t>(i)] = true;
     }
   }
   bool any = false;
@@ -238,13 +247,15 @@ Result<ModelConfig> ParseModelConfig(std::string_view text, std::string source) 
   } else if (c.model_type == "qwen2") {
     c.arch = Architecture::kQwen2;
   } else {
-    return f.Bad("model_type", "is '" + c.model_type + "' (supported: llama, mistral, qwen2)", StatusCode::kUnsupported);
+    return f.Bad("model_type", "is '" + c.model_type + "' (supported: llama, mistral, qwen2)",
+                 StatusCode::kUnsupported);
   }
   if (auto it = j.find("architectures"); it != j.end() && it->is_array()) {
     for (const auto& a : *it) {
       if (!a.is_string() || a.get<std::string>() != ArchitectureName(c.arch)) {
-        return f.Bad("architectures", "must be [\"" + std::string(ArchitectureName(c.arch)) + "\"] for model_type " +
-                                          c.model_type + " (a causal LM head is required)",
+        return f.Bad("architectures",
+                     "must be [\"" + std::string(ArchitectureName(c.arch)) + "\"] for model_type " + c.model_type +
+                         " (a causal LM head is required)",
                      StatusCode::kUnsupported);
       }
     }
@@ -272,14 +283,16 @@ Result<ModelConfig> ParseModelConfig(std::string_view text, std::string source) 
     return f.Bad("head_dim", "is missing and hidden_size is not a multiple of num_attention_heads",
                  StatusCode::kInvalidArgument);
   }
-  if (c.head_dim % 2 != 0) return f.Bad("head_dim", "must be even (rotary embeddings rotate pairs)", StatusCode::kInvalidArgument);
+  if (c.head_dim % 2 != 0)
+    return f.Bad("head_dim", "must be even (rotary embeddings rotate pairs)", StatusCode::kInvalidArgument);
   FERRY_ASSIGN_OR_RETURN(c.max_position_embeddings, f.Int("max_position_embeddings", 2048, 1, int64_t{1} << 30));
   FERRY_ASSIGN_OR_RETURN(c.rms_norm_eps, f.Number(j, "rms_norm_eps", "rms_norm_eps", 1e-6));
   if (!(c.rms_norm_eps > 0)) return f.Bad("rms_norm_eps", "must be positive", StatusCode::kInvalidArgument);
   FERRY_RETURN_IF_ERROR(ParseRope(j, f, c));
   FERRY_ASSIGN_OR_RETURN(double attention_dropout, f.Number(j, "attention_dropout", "attention_dropout", 0.0));
   if (attention_dropout != 0) {
-    return f.Bad("attention_dropout", "is " + std::to_string(attention_dropout) + " (only 0 is supported)", StatusCode::kUnsupported);
+    return f.Bad("attention_dropout", "is " + std::to_string(attention_dropout) + " (only 0 is supported)",
+                 StatusCode::kUnsupported);
   }
   FERRY_ASSIGN_OR_RETURN(c.tie_word_embeddings, f.Bool("tie_word_embeddings", false));
 
@@ -319,7 +332,8 @@ Result<ModelConfig> ParseModelConfig(std::string_view text, std::string source) 
     std::vector<json> ids = e.is_array() ? std::vector<json>(e.begin(), e.end()) : std::vector<json>{e};
     for (const json& id : ids) {
       if (!id.is_number_integer() || id.get<int64_t>() < 0 || id.get<int64_t>() >= c.vocab_size) {
-        return f.Bad("eos_token_id", "must be a token id (or a list of them) below vocab_size", StatusCode::kInvalidArgument);
+        return f.Bad("eos_token_id", "must be a token id (or a list of them) below vocab_size",
+                     StatusCode::kInvalidArgument);
       }
       c.eos_token_ids.push_back(id.get<int64_t>());
     }

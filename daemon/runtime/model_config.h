@@ -43,9 +43,9 @@ struct RopeConfig {
 
 // bitsandbytes 4-bit quantisation as transformers records it in quantization_config.
 struct QuantizationConfig {
-  std::string quant_type = "nf4";     // bnb_4bit_quant_type: nf4 | fp4
-  bool double_quant = false;          // bnb_4bit_use_double_quant
-  DType compute_dtype = DType::kF32;  // bnb_4bit_compute_dtype. Default: float32
+  std::string quant_type = "nf4";         // bnb_4bit_quant_type: nf4 | fp4
+  bool double_quant = false;              // bnb_4bit_use_double_quant
+  DType compute_dtype = DType::kF32;      // bnb_4bit_compute_dtype. Default: float32
   std::vector<std::string> skip_modules;  // llm_int8_skip_modules
 };
 

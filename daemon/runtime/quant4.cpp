@@ -19,7 +19,7 @@ at::Tensor CopyF32(const Tensor& t) {
 }  // namespace
 
 Result<std::shared_ptr<const Quant4Weight>> Quant4Weight::Load(const Checkpoint& ckpt, const QuantState4bit& state,
-                                                                const at::Device& device) {
+                                                               const at::Device& device) {
   std::shared_ptr<Quant4Weight> w(new Quant4Weight());
   w->state_ = state;
   w->device_ = device;
@@ -40,7 +40,8 @@ Result<std::shared_ptr<const Quant4Weight>> Quant4Weight::Load(const Checkpoint&
   }
   at::Tensor map = CopyF32(quant_map);
   const float* table = kernels::Select4bitCode(state.quant_type, map.data_ptr<float>());
-  if (!table) return Status::Unsupported(ckpt.FileOf(state.weight).string() + ": '" + state.weight + "': no code table");
+  if (!table)
+    return Status::Unsupported(ckpt.FileOf(state.weight).string() + ": '" + state.weight + "': no code table");
   w->code_ = at::from_blob(const_cast<float*>(table), {16}, at::kFloat).clone().to(device);
   return std::shared_ptr<const Quant4Weight>(std::move(w));
 }

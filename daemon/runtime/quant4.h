@@ -45,11 +45,11 @@ class Quant4Weight {
   QuantState4bit state_;
   at::Device device_ = at::kCPU;
   at::ScalarType state_dtype_ = at::kFloat;
-  at::Tensor packed_;          // uint8 [ceil(n/2)]
-  at::Tensor absmax_;          // fp32 [nblocks], or uint8 codes when nested
-  at::Tensor code_;            // fp32 [16]
-  at::Tensor nested_absmax_;   // fp32, nested only
-  at::Tensor nested_code_;     // fp32 [256], nested only
+  at::Tensor packed_;         // uint8 [ceil(n/2)]
+  at::Tensor absmax_;         // fp32 [nblocks], or uint8 codes when nested
+  at::Tensor code_;           // fp32 [16]
+  at::Tensor nested_absmax_;  // fp32, nested only
+  at::Tensor nested_code_;    // fp32 [256], nested only
 };
 
 }  // namespace ferry::runtime

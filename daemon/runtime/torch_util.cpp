@@ -60,9 +60,8 @@ Result<at::Tensor> ToTorch(const Tensor& t, const at::Device& device) {
 
 Result<Tensor> ToCore(const at::Tensor& t) {
   FERRY_ASSIGN_OR_RETURN(DType dtype, CoreDType(t.scalar_type()));
-  FERRY_ASSIGN_OR_RETURN(at::Tensor cpu, GuardTorch("reading a tensor", [&] {
-                           return t.detach().to(at::kCPU).contiguous();
-                         }));
+  FERRY_ASSIGN_OR_RETURN(at::Tensor cpu,
+                         GuardTorch("reading a tensor", [&] { return t.detach().to(at::kCPU).contiguous(); }));
   auto holder = std::make_shared<at::Tensor>(std::move(cpu));
   Shape shape(holder->sizes().begin(), holder->sizes().end());
   std::span<const std::byte> bytes(static_cast<const std::byte*>(holder->data_ptr()), holder->nbytes());

@@ -62,9 +62,9 @@ auto GuardTorch(std::string_view what, Fn&& fn) -> typename internal::AsResult<d
 
 // Intra-op threads for LibTorch (Debian's build starts with one). `threads` <= 0: one per
 // hardware thread. Returns the number set. Also turns OpenMP's dynamic thread adjustment off
-// for the calling thread, the one that then runs the model (OMP_DYNAMIC=true): with it, on a loaded machine, libgomp gives a parallel region fewer
-// threads than OpenBLAS's threaded GEMM asked for, and the one thread it runs spins forever
-// waiting for a partner that never starts (a hang, seen with Debian's libopenblas0-openmp).
+// for the calling thread, the one that then runs the model (OMP_DYNAMIC=true): with it, on a loaded machine, libgomp
+// gives a parallel region fewer threads than OpenBLAS's threaded GEMM asked for, and the one thread it runs spins
+// forever waiting for a partner that never starts (a hang, seen with Debian's libopenblas0-openmp).
 int SetTorchThreads(int threads);
 
 // Whether OpenMP's dynamic thread adjustment is on (omp_get_dynamic), or nullopt when no

@@ -58,7 +58,7 @@ class AddedVocabulary {
   struct Trie {
     struct Node {
       std::vector<std::pair<unsigned char, int32_t>> children;  // sorted by byte
-      int32_t token = -1;                                        // index into tokens_
+      int32_t token = -1;                                       // index into tokens_
     };
     std::vector<Node> nodes;
     std::array<bool, 256> first_byte{};

@@ -175,7 +175,8 @@ void BpeModel::Tokenize(std::string_view piece, std::vector<int32_t>* out) const
   MergeWord(piece, out);
   std::lock_guard<std::mutex> lock(shard.mu);
   if (shard.map.size() < kCacheEntriesPerShard) {
-    shard.map.emplace(std::string(piece), std::vector<int32_t>(out->begin() + static_cast<ptrdiff_t>(first), out->end()));
+    shard.map.emplace(std::string(piece),
+                      std::vector<int32_t>(out->begin() + static_cast<ptrdiff_t>(first), out->end()));
   }
 }
 

@@ -83,11 +83,11 @@ class BpeModel {
   void MergeWord(std::string_view piece, std::vector<int32_t>* out) const;
 
   std::vector<std::string> tokens_;
-  std::vector<IndexSlot> index_;                      // open addressing, power-of-two size
-  std::vector<int32_t> ascii_ids_;                    // id of each one-byte token, -1 when absent
-  std::unordered_map<char32_t, int32_t> char_ids_;    // ids of one-character tokens above ASCII
-  std::array<int32_t, 256> byte_ids_{};               // "<0xHH>" ids, -1 when absent
-  std::vector<MergeSlot> merges_;                     // open addressing, power-of-two size
+  std::vector<IndexSlot> index_;                    // open addressing, power-of-two size
+  std::vector<int32_t> ascii_ids_;                  // id of each one-byte token, -1 when absent
+  std::unordered_map<char32_t, int32_t> char_ids_;  // ids of one-character tokens above ASCII
+  std::array<int32_t, 256> byte_ids_{};             // "<0xHH>" ids, -1 when absent
+  std::vector<MergeSlot> merges_;                   // open addressing, power-of-two size
   BpeOptions options_;
   mutable std::array<CacheShard, kCacheShards> cache_;
 };

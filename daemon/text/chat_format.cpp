@@ -35,10 +35,8 @@ bool HasAll(const Tokenizer& t, std::initializer_list<std::string_view> tokens) 
 
 std::string_view ChatFormatName(ChatFormat format) {
   switch (format) {
-    case ChatFormat::kChatML:
-      return "chatml";
-    case ChatFormat::kLlama3:
-      return "llama3";
+    case ChatFormat::kChatML: return "chatml";
+    case ChatFormat::kLlama3: return "llama3";
   }
   return "?";
 }
@@ -99,7 +97,8 @@ Result<std::string> ApplyChatTemplate(ChatFormat format, std::span<const ChatMes
     }
   }
   if (add_generation_prompt) {
-    out += format == ChatFormat::kChatML ? "<|im_start|>assistant\n" : "<|start_header_id|>assistant<|end_header_id|>\n\n";
+    out +=
+        format == ChatFormat::kChatML ? "<|im_start|>assistant\n" : "<|start_header_id|>assistant<|end_header_id|>\n\n";
   }
   return out;
 }

@@ -147,7 +147,8 @@ Status ReplaceMatches(const Pattern& pattern, const std::string& content, std::s
 
 class ReplaceNormalizer final : public Normalizer {
  public:
-  ReplaceNormalizer(Pattern pattern, std::string content) : pattern_(std::move(pattern)), content_(std::move(content)) {}
+  ReplaceNormalizer(Pattern pattern, std::string content)
+      : pattern_(std::move(pattern)), content_(std::move(content)) {}
   Status Apply(std::string* text) const override { return ReplaceMatches(pattern_, content_, text); }
 
  private:

@@ -113,8 +113,7 @@ Result<std::unique_ptr<OnigRegex>> OnigRegex::Compile(std::string_view pattern, 
   {
     // onig_new is not thread-safe (the onig crate serialises it the same way).
     std::lock_guard<std::mutex> lock(CompileMutex());
-    rc = onig_new(&reg, p, p + compiled.size(), ONIG_OPTION_NONE, ONIG_ENCODING_UTF8, ONIG_SYNTAX_DEFAULT,
-                  &info);
+    rc = onig_new(&reg, p, p + compiled.size(), ONIG_OPTION_NONE, ONIG_ENCODING_UTF8, ONIG_SYNTAX_DEFAULT, &info);
   }
   if (rc != ONIG_NORMAL) {
     std::string msg = ErrorText(rc, &info);

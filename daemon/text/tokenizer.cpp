@@ -177,9 +177,7 @@ std::optional<int32_t> Tokenizer::bos_id() const { return impl_->bos; }
 std::optional<int32_t> Tokenizer::eos_id() const { return impl_->eos; }
 std::optional<int32_t> Tokenizer::pad_id() const { return impl_->pad; }
 
-bool Tokenizer::IsSpecial(int32_t id) const {
-  return id >= 0 && id < impl_->vocab_size && impl_->special[id] != 0;
-}
+bool Tokenizer::IsSpecial(int32_t id) const { return id >= 0 && id < impl_->vocab_size && impl_->special[id] != 0; }
 
 const std::string& Tokenizer::source() const { return impl_->source; }
 const std::string& Tokenizer::chat_template() const { return impl_->chat_template; }

@@ -51,7 +51,7 @@ inline constexpr int kMaxTokenizerJsonDepth = 64;
 inline constexpr size_t kMaxVocabSize = size_t{1} << 22;
 inline constexpr size_t kMaxMerges = size_t{1} << 23;
 inline constexpr size_t kMaxAddedTokens = size_t{1} << 20;
-inline constexpr size_t kMaxTokenBytes = 16384;  // one vocabulary entry or added token
+inline constexpr size_t kMaxTokenBytes = 16384;   // one vocabulary entry or added token
 inline constexpr size_t kMaxPatternBytes = 4096;  // one regex or replacement pattern
 
 struct EncodeOptions {

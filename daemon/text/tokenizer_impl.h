@@ -29,7 +29,7 @@ struct TokenizerImpl {
 
   // Per id: the text decoding starts from (added tokens: their `form`).
   std::vector<std::string> token_text;
-  std::vector<uint8_t> special;                  // per id: a special added token
+  std::vector<uint8_t> special;                   // per id: a special added token
   std::unordered_set<std::string> special_forms;  // contents of special added tokens
   TokenIndex added_index;                         // added token content -> id
   std::string token_bytes;                        // TokenBytes of every id, back to back

@@ -45,8 +45,8 @@ std::string TypeName(const json& j) { return j.type_name(); }
 // model.vocab and model.merges, read straight from the SAX events (151k-entry objects and
 // arrays are most of a tokenizer.json; a DOM of them costs more than all the rest).
 struct StreamedModel {
-  bool have_vocab = false;   // model.vocab was an object
-  bool have_merges = false;  // model.merges was an array
+  bool have_vocab = false;                              // model.vocab was an object
+  bool have_merges = false;                             // model.merges was an array
   std::vector<std::pair<std::string, uint64_t>> vocab;  // file order
   std::vector<std::pair<std::string, std::string>> merges;
 };
@@ -60,12 +60,18 @@ class TokenizerJsonSax {
 
   Status error;  // set when a streamed field is refused or the JSON is malformed
 
-  bool null() { return Scalar("null", [&] { return dom_.null(); }); }
-  bool boolean(bool v) { return Scalar("boolean", [&] { return dom_.boolean(v); }); }
+  bool null() {
+    return Scalar("null", [&] { return dom_.null(); });
+  }
+  bool boolean(bool v) {
+    return Scalar("boolean", [&] { return dom_.boolean(v); });
+  }
   bool number_float(double v, const std::string& text) {
     return Scalar(text, [&] { return dom_.number_float(v, text); });
   }
-  bool binary(json::binary_t& v) { return Scalar("binary", [&] { return dom_.binary(v); }); }
+  bool binary(json::binary_t& v) {
+    return Scalar("binary", [&] { return dom_.binary(v); });
+  }
   bool number_integer(int64_t v) {
     if (mode_ == Mode::kVocab && v >= 0) return AddVocab(static_cast<uint64_t>(v));
     return Scalar(std::to_string(v), [&] { return dom_.number_integer(v); });
@@ -321,8 +327,8 @@ class Parser {
       if (!aps->get<bool>()) {
         // As upstream: false requires prepend_scheme "never" (the default is "always").
         if (scheme != PrependScheme::kNever) {
-          return Corrupt(Join(path, "add_prefix_space"), "false does not match prepend_scheme " +
-                                                             Quote(scheme_text ? *scheme_text : "always"));
+          return Corrupt(Join(path, "add_prefix_space"),
+                         "false does not match prepend_scheme " + Quote(scheme_text ? *scheme_text : "always"));
         }
         scheme = PrependScheme::kNever;
       }
@@ -437,15 +443,15 @@ class Parser {
         if (ids == nullptr) return Corrupt(Join(at, "ids"), "is missing");
         FERRY_RETURN_IF_ERROR(RequireArray(*ids, Join(at, "ids")));
         if (tokens != nullptr && tokens->is_array() && tokens->size() != ids->size()) {
-          return Corrupt(at, "has " + std::to_string(ids->size()) + " ids but " + std::to_string(tokens->size()) +
-                                 " tokens");
+          return Corrupt(
+              at, "has " + std::to_string(ids->size()) + " ids but " + std::to_string(tokens->size()) + " tokens");
         }
         std::vector<int32_t> list;
         for (size_t i = 0; i < ids->size(); ++i) {
           FERRY_ASSIGN_OR_RETURN(const uint64_t id, Unsigned((*ids)[i], Index(Join(at, "ids"), i), UINT32_MAX));
           if (id >= static_cast<uint64_t>(vocab_size)) {
-            return Corrupt(Index(Join(at, "ids"), i),
-                           std::to_string(id) + " is not a token id (vocabulary size " + std::to_string(vocab_size) + ")");
+            return Corrupt(Index(Join(at, "ids"), i), std::to_string(id) + " is not a token id (vocabulary size " +
+                                                          std::to_string(vocab_size) + ")");
           }
           list.push_back(static_cast<int32_t>(id));
         }
@@ -459,18 +465,21 @@ class Parser {
       for (size_t i = 0; i < single->size(); ++i) {
         const json& p = (*single)[i];
         const std::string at = Index(single_at, i);
-        if (!p.is_object() || p.size() != 1) return Corrupt(at, "must be {\"SpecialToken\": ...} or {\"Sequence\": ...}");
+        if (!p.is_object() || p.size() != 1)
+          return Corrupt(at, "must be {\"SpecialToken\": ...} or {\"Sequence\": ...}");
         const auto first = p.begin();
         const std::string kind = first.key();
         const json& body = first.value();
         FERRY_RETURN_IF_ERROR(RequireObject(body, Join(at, kind)));
         FERRY_ASSIGN_OR_RETURN(const std::string id, String(body, Join(at, kind), "id"));
         if (kind == "Sequence") {
-          if (id != "A") return Unsupported(Join(Join(at, kind), "id"), Quote(id) + " in the single template is not supported");
+          if (id != "A")
+            return Unsupported(Join(Join(at, kind), "id"), Quote(id) + " in the single template is not supported");
           pieces.push_back({true, {}});
         } else if (kind == "SpecialToken") {
           const auto it = special_ids.find(id);
-          if (it == special_ids.end()) return Corrupt(Join(Join(at, kind), "id"), Quote(id) + " is not in special_tokens");
+          if (it == special_ids.end())
+            return Corrupt(Join(Join(at, kind), "id"), Quote(id) + " is not in special_tokens");
           pieces.push_back({false, it->second});
         } else {
           return Corrupt(at, "must be {\"SpecialToken\": ...} or {\"Sequence\": ...}");
@@ -543,7 +552,8 @@ class Parser {
       if (!d->is_number()) return Corrupt("model.dropout", "must be a number or null");
       const double p = d->get<double>();
       if (!(p >= 0.0 && p <= 1.0)) return Corrupt("model.dropout", d->dump() + " is not in [0, 1]");
-      if (p != 0.0) return Unsupported("model.dropout", d->dump() + " is not supported (BPE dropout is random; null or 0 only)");
+      if (p != 0.0)
+        return Unsupported("model.dropout", d->dump() + " is not supported (BPE dropout is random; null or 0 only)");
     }
     for (const char* key : {"continuing_subword_prefix", "end_of_word_suffix"}) {
       FERRY_ASSIGN_OR_RETURN(auto v, OptString(j, path, key));
@@ -566,10 +576,11 @@ class Parser {
     std::vector<uint8_t> seen(n, 0);
     for (auto& [token, id] : streamed.vocab) {
       const std::string at = "model.vocab[" + Quote(token) + "]";
-      if (token.size() > kMaxTokenBytes) return Unsupported(at, "is longer than " + std::to_string(kMaxTokenBytes) + " bytes");
+      if (token.size() > kMaxTokenBytes)
+        return Unsupported(at, "is longer than " + std::to_string(kMaxTokenBytes) + " bytes");
       if (id >= n) {
-        return Corrupt(at, "id " + std::to_string(id) + " is outside 0.." + std::to_string(n - 1) +
-                               " (ids must be dense)");
+        return Corrupt(at,
+                       "id " + std::to_string(id) + " is outside 0.." + std::to_string(n - 1) + " (ids must be dense)");
       }
       if (seen[id]) return Corrupt(at, "id " + std::to_string(id) + " is given to two tokens");
       seen[id] = 1;
@@ -663,7 +674,8 @@ Result<json> ParseJsonText(std::string_view text, std::string_view source, size_
                                std::to_string(max_bytes) + " bytes allowed");
   }
   if (JsonNestsDeeperThan(text, kMaxTokenizerJsonDepth)) {
-    return Status::Corruption(std::string(source) + ": JSON nests deeper than " + std::to_string(kMaxTokenizerJsonDepth));
+    return Status::Corruption(std::string(source) + ": JSON nests deeper than " +
+                              std::to_string(kMaxTokenizerJsonDepth));
   }
   try {
     json j = json::parse(text.begin(), text.end());
@@ -682,7 +694,8 @@ Result<std::unique_ptr<TokenizerImpl>> ParseTokenizerJson(std::string_view text,
                                std::to_string(kMaxTokenizerJsonBytes) + " bytes allowed");
   }
   if (JsonNestsDeeperThan(text, kMaxTokenizerJsonDepth)) {
-    return Status::Corruption(std::string(source) + ": JSON nests deeper than " + std::to_string(kMaxTokenizerJsonDepth));
+    return Status::Corruption(std::string(source) + ": JSON nests deeper than " +
+                              std::to_string(kMaxTokenizerJsonDepth));
   }
   json j;
   StreamedModel streamed;

@@ -27,9 +27,7 @@ char32_t NextCodePoint(std::string_view s, size_t* i);
 
 // The length in bytes of the UTF-8 sequence that starts with `lead`.
 // REQUIRES: `lead` starts a valid sequence.
-inline size_t Utf8SequenceLength(unsigned char lead) {
-  return lead < 0x80 ? 1 : lead < 0xE0 ? 2 : lead < 0xF0 ? 3 : 4;
-}
+inline size_t Utf8SequenceLength(unsigned char lead) { return lead < 0x80 ? 1 : lead < 0xE0 ? 2 : lead < 0xF0 ? 3 : 4; }
 
 // Appends the UTF-8 encoding of `cp` (REQUIRES: a Unicode scalar value).
 void AppendUtf8(char32_t cp, std::string* out);

@@ -16,7 +16,8 @@ inline unsigned Blocks(size_t n) {
 
 __global__ void F16ToF32Kernel(const uint16_t* src, float* dst, size_t n) {
   for (size_t i = blockIdx.x * size_t{blockDim.x} + threadIdx.x; i < n; i += size_t{blockDim.x} * gridDim.x) {
-    __half_raw r; r.x = src[i];
+    __half_raw r;
+    r.x = src[i];
     dst[i] = __half2float(__half(r));
   }
 }

@@ -42,7 +42,8 @@ AuditReport Report() {
   e.run = "r<&>";
   e.sequence = 2;
   r.receivers = {e};
-  r.anomalies = {{AnomalyKind::kDigestMismatch, adapter.version.id, "", "receiver gen-1 computed <other>", std::nullopt}};
+  r.anomalies = {
+      {AnomalyKind::kDigestMismatch, adapter.version.id, "", "receiver gen-1 computed <other>", std::nullopt}};
   r.metric_names = {"reward_mean"};
   return r;
 }

@@ -8,10 +8,10 @@
 namespace ferry::testing {
 
 struct CliResult {
-  int exit_code = -1;   // the process's exit status; -1 when it did not exit normally
-  int signal = 0;       // the terminating signal, 0 when it exited
-  std::string out;      // stdout
-  std::string err;      // stderr
+  int exit_code = -1;  // the process's exit status; -1 when it did not exit normally
+  int signal = 0;      // the terminating signal, 0 when it exited
+  std::string out;     // stdout
+  std::string err;     // stderr
 };
 
 // Runs FERRY_CLI_PATH with `args` and waits for it. A failure to start is a test failure.

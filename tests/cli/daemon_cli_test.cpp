@@ -41,15 +41,16 @@ class DaemonCliTest : public ::testing::Test {
     ::setenv("FERRY_FERRYD", FAKE_FERRYD_PATH, 1);
     run_ = tmp_.path() / "run";
     config_ = tmp_.path() / "fake.json";
-    std::ofstream(config_) << Json{{"status",
-                                    {{"step", 12},
-                                     {"total_steps", 800},
-                                     {"epoch", 0.25},
-                                     {"generator_version", kVersion},
-                                     {"last_checkpoint", "checkpoint-10"},
-                                     {"reward", 0.75}}},
-                                   {"snapshot_version", kVersion}}
-                                  .dump();
+    std::ofstream(config_) << Json{
+        {"status",
+         {{"step", 12},
+          {"total_steps", 800},
+          {"epoch", 0.25},
+          {"generator_version", kVersion},
+          {"last_checkpoint", "checkpoint-10"},
+          {"reward", 0.75}}},
+        {"snapshot_version",
+         kVersion}}.dump();
   }
   void TearDown() override {
     // A fake left running by a failed test is killed, so nothing outlives the test.
@@ -128,9 +129,9 @@ TEST_F(DaemonCliTest, StatusWithoutADaemonReadsTheRunDirectory) {
   fs::create_directories(run_ / "checkpoint-40");
   fs::create_directories(run_ / "checkpoint-60.tmp");
   std::ofstream(run_ / "metrics.jsonl")
-      << R"({"step":30,"reward":0.5,"learning_rate":0.001,"generator_version":"aa"})" << "\n"
-      << R"({"step":40,"reward":0.625,"learning_rate":0.0005,"epoch":1.5,"generator_version":")" << kVersion
-      << "\"}\n"
+      << R"({"step":30,"reward":0.5,"learning_rate":0.001,"generator_version":"aa"})"
+      << "\n"
+      << R"({"step":40,"reward":0.625,"learning_rate":0.0005,"epoch":1.5,"generator_version":")" << kVersion << "\"}\n"
       << R"({"step":41,"rew)";  // being written
   auto r = RunFerry(Args({"daemon", "status", "--json"}));
   EXPECT_EQ(r.exit_code, 3) << r.err;
@@ -152,9 +153,11 @@ TEST_F(DaemonCliTest, StatusWithoutADaemonReadsTheRunDirectory) {
 TEST_F(DaemonCliTest, MetricsInThePrometheusFormat) {
   fs::create_directories(run_);
   std::ofstream(run_ / "metrics.jsonl")
-      << R"({"step":1,"reward":0.25})" << "\n"
+      << R"({"step":1,"reward":0.25})"
+      << "\n"
       << R"({"step":2,"reward":0.5,"completions/mean_length":3.5,"kl":0.001,"generator_version":")" << kVersion
-      << R"(","note":"x"})" << "\n";
+      << R"(","note":"x"})"
+      << "\n";
   auto r = RunFerry(Args({"daemon", "metrics", "--prometheus", "--run", "add"}));
   ASSERT_EQ(r.exit_code, 0) << r.err;
   EXPECT_EQ(r.out,
@@ -167,7 +170,8 @@ TEST_F(DaemonCliTest, MetricsInThePrometheusFormat) {
             "# TYPE ferry_kl gauge\n"
             "ferry_kl{run=\"add\"} 0.001\n"
             "# TYPE ferry_generator_info gauge\n"
-            "ferry_generator_info{run=\"add\",version=\"" + std::string(kVersion) + "\"} 1\n");
+            "ferry_generator_info{run=\"add\",version=\"" +
+                std::string(kVersion) + "\"} 1\n");
 
   // The run label defaults to the directory's name; --output replaces a file.
   const fs::path prom = tmp_.path() / "ferry.prom";
@@ -232,8 +236,7 @@ TEST_F(DaemonCliTest, ForegroundStartPassesFerrydsExitCodeThrough) {
   std::ofstream(config_) << R"({"exit_code": 7})";
   auto r = RunFerry(Args({"daemon", "start", "--config", config_.string(), "--max-steps", "5"}));
   EXPECT_EQ(r.exit_code, 7) << r.err;
-  EXPECT_EQ(r.out, "fake_ferryd train --config " + config_.string() + " --dir " + run_.string() +
-                       " --max-steps 5\n");
+  EXPECT_EQ(r.out, "fake_ferryd train --config " + config_.string() + " --dir " + run_.string() + " --max-steps 5\n");
 
   // Detached, a ferryd that exits before answering is reported with its log.
   r = RunFerry(Args({"daemon", "start", "--config", config_.string(), "--detach"}));

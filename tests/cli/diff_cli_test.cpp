@@ -107,8 +107,8 @@ TEST_F(DiffCliTest, OneUlpDifferenceExitsThreeUnlessToleratedAndJsonDescribesIt)
   RunResult plain = Run({"diff", a.string(), b.string()});
   EXPECT_EQ(plain.exit_code, 3) << plain.out << plain.err;
   EXPECT_NE(plain.out.find("DIFFERENT"), std::string::npos) << plain.out;
-  EXPECT_NE(plain.out.find("w "), std::string::npos) << plain.out;          // the differing tensor is listed
-  EXPECT_EQ(plain.out.find("\nids "), std::string::npos) << plain.out;      // equal ones are not, by default
+  EXPECT_NE(plain.out.find("w "), std::string::npos) << plain.out;      // the differing tensor is listed
+  EXPECT_EQ(plain.out.find("\nids "), std::string::npos) << plain.out;  // equal ones are not, by default
   EXPECT_NE(plain.out.find("at [1, 2]"), std::string::npos) << plain.out;
   EXPECT_TRUE(plain.err.empty()) << plain.err;  // a difference is not an error
 

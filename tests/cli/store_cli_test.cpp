@@ -144,8 +144,9 @@ TEST_F(StoreCli, VerifyDirectoryAgainstTheStore) {
   fs::copy_file(kCase / "base" / "model.safetensors", dir_ / "bare" / "model.safetensors");
   auto bare = RunFerry({"verify", (dir_ / "bare").string(), "--db", db_});
   EXPECT_EQ(bare.exit_code, 0) << bare.err;
-  EXPECT_NE(bare.out.find("same tensors as version " + base_.substr(0, 12) + " (run r1, seq 1, base), different aux files"),
-            std::string::npos)
+  EXPECT_NE(
+      bare.out.find("same tensors as version " + base_.substr(0, 12) + " (run r1, seq 1, base), different aux files"),
+      std::string::npos)
       << bare.out;
 
   auto wrong = RunFerry({"verify", (kCase / "merged").string(), "--db", db_, "--version", base_});
@@ -155,8 +156,8 @@ TEST_F(StoreCli, VerifyDirectoryAgainstTheStore) {
   EXPECT_NE(wrong.err.find(std::string("tensor ") + kQProj + ": digest differs"), std::string::npos) << wrong.err;
 
   // Weights recorded nowhere: a merge by Ferry rounds differently from PEFT's.
-  ASSERT_EQ(RunFerry({"convert", "--base", (kCase / "base").string(), "--adapter", (kCase / "adapter").string(), "--out",
-                      (dir_ / "ours").string()})
+  ASSERT_EQ(RunFerry({"convert", "--base", (kCase / "base").string(), "--adapter", (kCase / "adapter").string(),
+                      "--out", (dir_ / "ours").string()})
                 .exit_code,
             0);
   auto none = RunFerry({"verify", (dir_ / "ours").string(), "--db", db_});
@@ -197,7 +198,8 @@ TEST_F(StoreCli, MaterializeAdapterEqualsPeftMergeWithinTolerance) {
   auto base = RunFerry({"versions", "materialize", base_, "--db", db_, "--out", (dir_ / "b").string()});
   EXPECT_EQ(base.exit_code, 0) << base.err;
   EXPECT_TRUE(fs::exists(dir_ / "b" / "model.safetensors"));
-  auto fused = RunFerry({"versions", "materialize", base_, "--db", db_, "--out", (dir_ / "f").string(), "--layout", "fused"});
+  auto fused =
+      RunFerry({"versions", "materialize", base_, "--db", db_, "--out", (dir_ / "f").string(), "--layout", "fused"});
   EXPECT_EQ(fused.exit_code, 1);
   EXPECT_NE(fused.err.find("applies only to adapter versions"), std::string::npos) << fused.err;
   EXPECT_FALSE(fs::exists(dir_ / "f"));
@@ -306,8 +308,8 @@ TEST_F(StoreCli, DerivedVersionIsMaterializedWithItsIdAndVerified) {
   auto b = RunFerry({"store", "import", (kCase / "base").string(), "--db", db_, "--kind", "base", "--run", "r1"});
   ASSERT_EQ(b.exit_code, 0) << b.err;
   base_ = b.out.substr(0, 32);
-  adapter_ = Json({"store", "import", (kCase / "adapter").string(), "--db", db_, "--run", "r1", "--base-version",
-                   base_, "--step", "1", "--json"})["id"];
+  adapter_ = Json({"store", "import", (kCase / "adapter").string(), "--db", db_, "--run", "r1", "--base-version", base_,
+                   "--step", "1", "--json"})["id"];
   std::string derived;
   {
     ConvertOptions c;

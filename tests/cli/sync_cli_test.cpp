@@ -439,8 +439,8 @@ TEST_P(SyncCliBaseFirstTest, ReceiveStartedBeforeTheFirstCheckpointHoldsTheBaseT
                   watched.string(), "--base", (kCase / "base").string(), "--poll-ms", "100", "--json"});
   WaitForOutput("pub.err", "publishing run default");
   ASSERT_FALSE(HasFailure());
-  std::vector<std::string> recv = {"--json", "--connect", ep, "--out", (root_ / "gen").string(), "--id", "gen-1",
-                                   "--timeout-ms", "20000"};
+  std::vector<std::string> recv = {"--json", "--connect",    ep,     "--out", (root_ / "gen").string(), "--id",
+                                   "gen-1",  "--timeout-ms", "20000"};
   if (mode == "adapter") recv.insert(recv.end(), {"--base", (kCase / "base").string()});
   SpawnReceiver(recv);
   const std::string first = WaitForReceiver("recv.out", "\"version\":\"" + base_id + "\"");
@@ -527,8 +527,7 @@ TEST_F(SyncCliTest, ReceiveOfAnAdapterWithoutBaseTellsTheUserToGiveBase) {
 TEST_F(SyncCliTest, ReceiveStartedBeforeThePublisherWaitsForIt) {
   const store::Digest v = MakeStore();
   const std::string ep = "ipc://" + (root_ / "sock").string();
-  SpawnReceiver({"--json", "--connect", ep, "--out", (root_ / "gen").string(), "--id", "gen-1", "--timeout-ms",
-                 "500"});
+  SpawnReceiver({"--json", "--connect", ep, "--out", (root_ / "gen").string(), "--id", "gen-1", "--timeout-ms", "500"});
   WaitForReceiver("recv.err", "no reply from");
   ASSERT_FALSE(HasFailure());
   SpawnPublisher({"sync", "publish", "--db", (root_ / "db").string(), "--bind", ep});
@@ -583,9 +582,9 @@ TEST_F(SyncCliTest, ReceiveExitsNonZeroOnALocalWriteFailure) {
   DropCheckpoint(watched, "checkpoint-1", /*floats=*/64);  // 256 bytes of weights
   const std::string small = PublishedVersion(WaitForOutput("pub.out", "checkpoint-1"), "checkpoint-1");
   ASSERT_FALSE(HasFailure());
-  SpawnReceiver({"--json", "--connect", ep, "--out", (root_ / "gen").string(), "--id", "gen-1", "--timeout-ms",
-                 "20000"},
-                /*file_blocks=*/64);
+  SpawnReceiver(
+      {"--json", "--connect", ep, "--out", (root_ / "gen").string(), "--id", "gen-1", "--timeout-ms", "20000"},
+      /*file_blocks=*/64);
   WaitForReceiver("recv.out", "\"version\":\"" + small + "\"");
   ASSERT_FALSE(HasFailure());
 
@@ -613,8 +612,8 @@ TEST_F(SyncCliTest, StatusReportsAReceiverThePublisherDeclaredLost) {
   SpawnPublisher({"sync", "publish", "--db", (root_ / "db").string(), "--bind", ep});
   WaitForOutput("pub.err", "publishing run default");
   ASSERT_FALSE(HasFailure());
-  SpawnReceiver({"--json", "--connect", ep, "--out", (root_ / "gen").string(), "--id", "gen-1", "--timeout-ms",
-                 "20000"});
+  SpawnReceiver(
+      {"--json", "--connect", ep, "--out", (root_ / "gen").string(), "--id", "gen-1", "--timeout-ms", "20000"});
   WaitForReceiver("recv.out", "\"version\":\"" + v.Hex() + "\"");
   ASSERT_FALSE(HasFailure());
   ::kill(recv_pid_, SIGKILL);

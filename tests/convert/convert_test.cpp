@@ -46,8 +46,8 @@ std::vector<Case> LoadCases() {
     k.adapter = kCases / k.name / "adapter";
     // Ferry unties a tied lm_head it changes; PEFT's own output keeps it tied, so the fixture
     // also carries merged_untied/ (made as PEFT's warning suggests).
-    k.merged = fs::exists(kCases / k.name / "merged_untied") ? kCases / k.name / "merged_untied"
-                                                             : kCases / k.name / "merged";
+    k.merged =
+        fs::exists(kCases / k.name / "merged_untied") ? kCases / k.name / "merged_untied" : kCases / k.name / "merged";
     k.base_dtype = c.value("base_dtype", "");
     k.adapter_dtype = c.value("adapter_dtype", "");
     out.push_back(k);
@@ -108,7 +108,8 @@ void ExpectSameWeights(const fs::path& ref_dir, const fs::path& got_dir, const s
         ASSERT_LE(diff, 1e-5f * scale) << label << " " << name << " [" << i << "] " << va[i] << " vs " << vb[i];
         continue;
       }
-      const int64_t ulp = std::llabs(Ordered(a->dtype(), a->data() + i * esize) - Ordered(a->dtype(), b->data() + i * esize));
+      const int64_t ulp =
+          std::llabs(Ordered(a->dtype(), a->data() + i * esize) - Ordered(a->dtype(), b->data() + i * esize));
       if (ulp > 1) {
         ASSERT_LE(diff, 1e-6f * scale) << label << " " << name << " [" << i << "] " << ulp << " ulp";
       }
@@ -117,7 +118,8 @@ void ExpectSameWeights(const fs::path& ref_dir, const fs::path& got_dir, const s
   }
 }
 
-Result<ConvertSummary> RunConvert(const Case& c, const fs::path& out, Layout layout, const fs::path* adapter = nullptr) {
+Result<ConvertSummary> RunConvert(const Case& c, const fs::path& out, Layout layout,
+                                  const fs::path* adapter = nullptr) {
   ConvertOptions o;
   o.base = c.base;
   o.adapter = adapter ? *adapter : c.adapter;
@@ -185,7 +187,8 @@ TEST_P(MergeCase, FusedLayoutStacksTheHfTensors) {
              {"qkv_proj", {"q_proj", "k_proj", "v_proj"}}, {"gate_up_proj", {"gate_proj", "up_proj"}}}) {
       const auto pos = name.find("." + fused_leaf + ".");
       if (pos == std::string::npos || hf->Contains(name)) continue;
-      for (const auto& m : members) parts.push_back(name.substr(0, pos + 1) + m + name.substr(pos + 1 + fused_leaf.size()));
+      for (const auto& m : members)
+        parts.push_back(name.substr(0, pos + 1) + m + name.substr(pos + 1 + fused_leaf.size()));
     }
     if (parts.empty()) parts.push_back(name);
     size_t offset = 0;
@@ -214,14 +217,14 @@ TEST_P(MergeCase, LoraLayoutMergedBackEqualsHf) {
     EXPECT_NE(lora.status().message().find("convert to the hf or fused layout instead"), std::string::npos)
         << lora.status().message();
     EXPECT_FALSE(fs::exists(dir / "lora"));
-      return;
+    return;
   }
   // Clean keys and one global scaling.
   auto adapter = Checkpoint::Open(dir / "lora").value();
   for (const auto& n : adapter.names()) {
-    const bool ok = n.rfind("base_model.model.", 0) == 0 &&
-                    (n.ends_with(".lora_A.weight") || n.ends_with(".lora_B.weight") ||
-                     n.ends_with(".lora_embedding_A") || n.ends_with(".lora_embedding_B"));
+    const bool ok =
+        n.rfind("base_model.model.", 0) == 0 && (n.ends_with(".lora_A.weight") || n.ends_with(".lora_B.weight") ||
+                                                 n.ends_with(".lora_embedding_A") || n.ends_with(".lora_embedding_B"));
     EXPECT_TRUE(ok) << n;
   }
   auto cfg = nlohmann::json::parse(ReadSmallFile(dir / "lora" / "adapter_config.json").value());
@@ -272,7 +275,8 @@ UlpReport ExpectWithinUlp(const fs::path& ref_dir, const fs::path& got_dir, int6
     for (float x : va) scale = std::max(scale, std::fabs(x));
     const size_t esize = static_cast<size_t>(DTypeBits(a->dtype()) / 8);
     for (size_t i = 0; i < va.size(); ++i) {
-      const int64_t ulp = std::llabs(Ordered(a->dtype(), a->data() + i * esize) - Ordered(b->dtype(), b->data() + i * esize));
+      const int64_t ulp =
+          std::llabs(Ordered(a->dtype(), a->data() + i * esize) - Ordered(b->dtype(), b->data() + i * esize));
       ++report.elements;
       if (ulp > 0) ++report.differing;
       if (ulp <= max_ulp) continue;
@@ -423,7 +427,8 @@ TEST_P(RefuseCase, RefusedWithReasonAndNothingWritten) {
 
 std::vector<Case> RefuseCases() {
   std::vector<Case> out;
-  for (auto& c : LoadCases()) if (c.expect == "refuse") out.push_back(c);
+  for (auto& c : LoadCases())
+    if (c.expect == "refuse") out.push_back(c);
   return out;
 }
 
@@ -431,10 +436,13 @@ INSTANTIATE_TEST_SUITE_P(Fixtures, RefuseCase, ::testing::ValuesIn(RefuseCases()
                          [](const auto& p) { return p.param.name; });
 
 TEST(Convert, RefusalReasonsNameTheCause) {
-  const std::map<std::string, std::string> expect = {
-      {"refuse_pissa", "path_initial_model_for_weight_conversion"}, {"refuse_olora", "OLoRA"},
-      {"refuse_loftq", "LoftQ"}, {"refuse_alora", "aLoRA"}, {"refuse_ia3", "IA3"}, {"refuse_loha", "LOHA"},
-      {"refuse_lora_bias_no_base_bias", "lora_bias"}};
+  const std::map<std::string, std::string> expect = {{"refuse_pissa", "path_initial_model_for_weight_conversion"},
+                                                     {"refuse_olora", "OLoRA"},
+                                                     {"refuse_loftq", "LoftQ"},
+                                                     {"refuse_alora", "aLoRA"},
+                                                     {"refuse_ia3", "IA3"},
+                                                     {"refuse_loha", "LOHA"},
+                                                     {"refuse_lora_bias_no_base_bias", "lora_bias"}};
   for (const auto& c : RefuseCases()) {
     TempDir tmp(c.name + "_r");
     auto s = RunConvert(c, tmp.path() / "out", Layout::kHf);
@@ -445,23 +453,26 @@ TEST(Convert, RefusalReasonsNameTheCause) {
 }
 
 Case Find(const std::string& name) {
-  for (auto& c : LoadCases()) if (c.name == name) return c;
+  for (auto& c : LoadCases())
+    if (c.name == name) return c;
   ADD_FAILURE() << "no fixture " << name;
   return {};
 }
 
 TEST(Convert, LoraLayoutRefusesWhatEnginesCannotLoad) {
-  for (const auto& [name, needle] : std::vector<std::pair<std::string, std::string>>{
-           {"mistral_dora_f32", "DoRA"}, {"llama_modules_to_save_f32", "modules_to_save"},
-           {"llama_trainable_tokens_f32", "trainable token"}, {"llama_lora_bias_f32", "lora_bias"}}) {
+  for (const auto& [name, needle] :
+       std::vector<std::pair<std::string, std::string>>{{"mistral_dora_f32", "DoRA"},
+                                                        {"llama_modules_to_save_f32", "modules_to_save"},
+                                                        {"llama_trainable_tokens_f32", "trainable token"},
+                                                        {"llama_lora_bias_f32", "lora_bias"}}) {
     TempDir tmp(name + "_engine");
-  const fs::path dir = tmp.path();
+    const fs::path dir = tmp.path();
     auto s = RunConvert(Find(name), dir / "out", Layout::kLora);
     ASSERT_FALSE(s.ok()) << name;
     EXPECT_EQ(s.status().code(), StatusCode::kUnsupported);
     EXPECT_NE(s.status().message().find(needle), std::string::npos) << s.status().message();
     EXPECT_FALSE(fs::exists(dir / "out"));
-    }
+  }
 }
 
 TEST(Convert, LoraLayoutBakesPatternsIntoOneGlobalRank) {
@@ -566,7 +577,10 @@ TEST(Convert, ExistingOutputRefusedUnlessForce) {
   EXPECT_FALSE(fs::exists(dir / "out" / "keep.txt"));
   EXPECT_TRUE(fs::exists(dir / "out" / "model.safetensors"));
   size_t entries = 0;
-  for (auto& e : fs::directory_iterator(dir)) { (void)e; ++entries; }
+  for (auto& e : fs::directory_iterator(dir)) {
+    (void)e;
+    ++entries;
+  }
   EXPECT_EQ(entries, 1u) << "staging or old directories left behind";
 }
 
@@ -585,7 +599,8 @@ TEST(Convert, AdapterForAnotherModelNamesBothTensors) {
 }
 
 // Hand-made adapters for the shape and rank errors.
-void WriteAdapter(const fs::path& dir, const std::string& config, const std::map<std::string, std::pair<Shape, float>>& tensors) {
+void WriteAdapter(const fs::path& dir, const std::string& config,
+                  const std::map<std::string, std::pair<Shape, float>>& tensors) {
   fs::create_directories(dir);
   { std::ofstream(dir / "adapter_config.json") << config; }
   std::vector<TensorSpec> specs;
@@ -645,7 +660,8 @@ TEST(Convert, TensorNameWithAControlCharacterIsRefusedNamingIt) {
     std::ofstream(base / "model.safetensors", std::ios::binary) << file;
   }
   const std::string q = "base_model.model.model.layers.0.self_attn.q_proj.";
-  WriteAdapter(dir.path() / "adapter", R"({"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj"]})",
+  WriteAdapter(dir.path() / "adapter",
+               R"({"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj"]})",
                {{q + "lora_A.weight", {{4, 64}, 0.5f}}, {q + "lora_B.weight", {{64, 4}, 0.25f}}});
   for (Layout layout : {Layout::kHf, Layout::kFused}) {
     ConvertOptions o;
@@ -661,7 +677,8 @@ TEST(Convert, TensorNameWithAControlCharacterIsRefusedNamingIt) {
         << s.status().message();
     EXPECT_FALSE(fs::exists(dir.path() / "out"));
     size_t entries = 0;
-    for (const auto& e : fs::directory_iterator(dir.path())) entries += e.path().filename() != "base" && e.path().filename() != "adapter";
+    for (const auto& e : fs::directory_iterator(dir.path()))
+      entries += e.path().filename() != "base" && e.path().filename() != "adapter";
     EXPECT_EQ(entries, 0u) << "staging directory left behind";
   }
 }

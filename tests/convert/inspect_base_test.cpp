@@ -206,7 +206,8 @@ TEST(InspectBase, PatternsAreScaledWronglyByTheEngine) {
     EXPECT_TRUE(Contains(rank[0].message, "rank_pattern")) << rank[0].message;
     EXPECT_TRUE(Contains(rank[0].message, "vLLM applies one global scaling (lora_alpha / r)")) << rank[0].message;
     EXPECT_TRUE(Contains(rank[0].message, "(5 modules")) << rank[0].message;
-    EXPECT_TRUE(Contains(rank[0].message, "the lora layout bakes each module's scaling into lora_A")) << rank[0].message;
+    EXPECT_TRUE(Contains(rank[0].message, "the lora layout bakes each module's scaling into lora_A"))
+        << rank[0].message;
     EXPECT_EQ(rank[0].fix_layout, Layout::kLora);
     auto alpha = Findings(r, Severity::kWrong, Subject::kField, "alpha_pattern");
     ASSERT_EQ(alpha.size(), 1u);
@@ -384,7 +385,8 @@ TEST(InspectBase, BaseOnANonAdapterNamesTheBase) {
   auto r = Inspect(kCases / "llama_lora_all_linear_f32" / "base", options);
   ASSERT_FALSE(r.ok());
   EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
-  EXPECT_TRUE(Contains(r.status().message(), "a base model (" + options.base.string() + ") applies only to a PEFT adapter"))
+  EXPECT_TRUE(
+      Contains(r.status().message(), "a base model (" + options.base.string() + ") applies only to a PEFT adapter"))
       << r.status().message();
   EXPECT_TRUE(Contains(r.status().message(), "model directory")) << r.status().message();
 

@@ -56,16 +56,16 @@ class InspectTest : public ::testing::Test {
     fs::create_directories(dir);
     WriteText(dir / "adapter_config.json", R"({"peft_type": "LORA", "r": 8, "lora_alpha": 16,
         "target_modules": ["q_proj", "v_proj", "k_proj"], "rank_pattern": {"q_proj": 4},
-        "alpha_pattern": {"v_proj": 32}, "modules_to_save": ["lm_head"])" + extra_config + "}");
+        "alpha_pattern": {"v_proj": 32}, "modules_to_save": ["lm_head"])" +
+                                               extra_config + "}");
     const std::string p = "base_model.model.model.layers.0.self_attn.";
-    WriteTensors(dir / "adapter_model.safetensors",
-                 {{"base_model.model.lm_head.weight", DType::kF32, {32, 16}},
-                  {p + "k_proj.lora_A.weight", DType::kF32, {6, 16}},
-                  {p + "k_proj.lora_B.weight", DType::kF32, {8, 6}},
-                  {p + "q_proj.lora_A.weight", DType::kF32, {4, 16}},
-                  {p + "q_proj.lora_B.weight", DType::kF32, {16, 4}},
-                  {p + "v_proj.lora_A.weight", DType::kBF16, {8, 16}},
-                  {p + "v_proj.lora_B.weight", DType::kBF16, {8, 8}}});
+    WriteTensors(dir / "adapter_model.safetensors", {{"base_model.model.lm_head.weight", DType::kF32, {32, 16}},
+                                                     {p + "k_proj.lora_A.weight", DType::kF32, {6, 16}},
+                                                     {p + "k_proj.lora_B.weight", DType::kF32, {8, 6}},
+                                                     {p + "q_proj.lora_A.weight", DType::kF32, {4, 16}},
+                                                     {p + "q_proj.lora_B.weight", DType::kF32, {16, 4}},
+                                                     {p + "v_proj.lora_A.weight", DType::kBF16, {8, 16}},
+                                                     {p + "v_proj.lora_B.weight", DType::kBF16, {8, 8}}});
   }
 
   fs::path dir_;
@@ -107,9 +107,10 @@ TEST_F(InspectTest, SafetensorsFileTotals) {
 }
 
 TEST_F(InspectTest, ShardedModelDirectoryWithConfig) {
-  WriteTensors(dir_, {{"model.embed_tokens.weight", DType::kBF16, {64, 8}},
-                      {"model.norm.weight", DType::kBF16, {8}},
-                      {"lm_head.weight", DType::kBF16, {64, 8}}},
+  WriteTensors(dir_,
+               {{"model.embed_tokens.weight", DType::kBF16, {64, 8}},
+                {"model.norm.weight", DType::kBF16, {8}},
+                {"lm_head.weight", DType::kBF16, {64, 8}}},
                /*max_shard_bytes=*/1024);
   WriteText(dir_ / "config.json", R"({"model_type": "llama", "architectures": ["LlamaForCausalLM"],
       "torch_dtype": "bfloat16", "tie_word_embeddings": true,
@@ -184,15 +185,14 @@ TEST_F(InspectTest, AdapterIssuesAndRefusal) {
             R"({"peft_type": "LORA", "r": 4, "target_modules": ["q_proj"], "init_lora_weights": "olora",
                 "modules_to_save": ["score"]})");
   const std::string p = "base_model.model.model.layers.0.";
-  WriteTensors(dir_ / "adapter_model.safetensors",
-               {{p + "self_attn.q_proj.lora_A.weight", DType::kF32, {4, 8}},
-                {p + "self_attn.q_proj.lora_B.weight", DType::kF32, {8, 3}},
-                {p + "self_attn.q_proj.lora_B.bias", DType::kF32, {8}},
-                {p + "mlp.up_proj.lora_A.weight", DType::kF32, {4, 8}},
-                {p + "mlp.up_proj.lora_B.weight", DType::kF32, {8, 4}},
-                {p + "self_attn.o_proj.lora_A.weight", DType::kF32, {4, 8}},
-                {p + "input_layernorm.weight", DType::kF32, {8}},
-                {p + "self_attn.v_proj.lora_A.x.y.weight", DType::kF32, {4, 8}}});
+  WriteTensors(dir_ / "adapter_model.safetensors", {{p + "self_attn.q_proj.lora_A.weight", DType::kF32, {4, 8}},
+                                                    {p + "self_attn.q_proj.lora_B.weight", DType::kF32, {8, 3}},
+                                                    {p + "self_attn.q_proj.lora_B.bias", DType::kF32, {8}},
+                                                    {p + "mlp.up_proj.lora_A.weight", DType::kF32, {4, 8}},
+                                                    {p + "mlp.up_proj.lora_B.weight", DType::kF32, {8, 4}},
+                                                    {p + "self_attn.o_proj.lora_A.weight", DType::kF32, {4, 8}},
+                                                    {p + "input_layernorm.weight", DType::kF32, {8}},
+                                                    {p + "self_attn.v_proj.lora_A.x.y.weight", DType::kF32, {4, 8}}});
   auto r = Inspect(dir_);
   ASSERT_TRUE(r.ok()) << r.status().ToString();
   EXPECT_EQ(r->adapter->mergeable.code(), StatusCode::kUnsupported);

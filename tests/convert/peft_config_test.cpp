@@ -151,8 +151,8 @@ TEST(PeftConfigTest, TargetListUsesSuffixSemantics) {
 }
 
 TEST(PeftConfigTest, TargetRegexMustMatchWholeName) {
-  const PeftConfig c =
-      MustParse(R"js({"peft_type": "LORA", "target_modules": ".*\\.layers\\.\\d+\\.(self_attn\\.(k|o)_proj|mlp\\.up_proj)"})js");
+  const PeftConfig c = MustParse(
+      R"js({"peft_type": "LORA", "target_modules": ".*\\.layers\\.\\d+\\.(self_attn\\.(k|o)_proj|mlp\\.up_proj)"})js");
   EXPECT_EQ(c.target_modules.form, ModuleSelector::Form::kRegex);
   EXPECT_TRUE(c.IsTargeted("model.layers.0.self_attn.k_proj"));
   EXPECT_TRUE(c.IsTargeted("model.layers.12.mlp.up_proj"));
@@ -180,8 +180,8 @@ TEST(PeftConfigTest, ExcludeModulesListAndRegex) {
   EXPECT_TRUE(c.IsExcluded("model.layers.0.mlp.up_proj"));
   EXPECT_FALSE(c.IsTargeted("model.layers.0.mlp.up_proj"));
   EXPECT_TRUE(c.IsTargeted("model.layers.1.mlp.up_proj"));
-  const PeftConfig d = MustParse(
-      R"({"peft_type": "LORA", "target_modules": "all-linear", "exclude_modules": ".*\\.layers\\.1\\..*"})");
+  const PeftConfig d =
+      MustParse(R"({"peft_type": "LORA", "target_modules": "all-linear", "exclude_modules": ".*\\.layers\\.1\\..*"})");
   EXPECT_FALSE(d.IsTargeted("model.layers.1.self_attn.q_proj"));
   EXPECT_TRUE(d.IsTargeted("model.layers.0.self_attn.q_proj"));
   EXPECT_TRUE(d.IsTargeted("model.layers.11.self_attn.q_proj"));
@@ -196,7 +196,7 @@ TEST(PeftConfigTest, LayersToTransformList) {
   EXPECT_TRUE(c.IsTargeted("model.layers.3.self_attn.q_proj"));
   EXPECT_FALSE(c.IsTargeted("model.layers.0.self_attn.q_proj"));
   EXPECT_FALSE(c.IsTargeted("model.layers.13.self_attn.q_proj"));
-  EXPECT_FALSE(c.IsTargeted("lm_head.q_proj"));  // no layer index
+  EXPECT_FALSE(c.IsTargeted("lm_head.q_proj"));                  // no layer index
   EXPECT_TRUE(c.IsTargeted("model.layers.0.self_attn.v_proj"));  // exact list entry: PEFT does not filter
 }
 
@@ -204,13 +204,13 @@ TEST(PeftConfigTest, LayersToTransformIntAndDefaultNames) {
   const PeftConfig c = MustParse(R"({"peft_type": "LORA", "target_modules": ["c_attn"], "layers_to_transform": 2})");
   EXPECT_TRUE(c.layers_to_transform_is_int);
   EXPECT_EQ(c.LayerIndexOf("transformer.h.2.attn.c_attn"), 2);
-  EXPECT_EQ(c.LayerIndexOf("model.layers.7.experts.3.w1"), 7);  // the first index
+  EXPECT_EQ(c.LayerIndexOf("model.layers.7.experts.3.w1"), 7);        // the first index
   EXPECT_EQ(c.LayerIndexOf("model.decoder.5.q_proj"), std::nullopt);  // "decoder" is not a layer name
   EXPECT_EQ(c.LayerIndexOf("model.layers.5"), std::nullopt);          // the index may not be last
   EXPECT_TRUE(c.IsTargeted("transformer.h.2.attn.c_attn"));
   EXPECT_FALSE(c.IsTargeted("transformer.h.1.attn.c_attn"));
-  const PeftConfig d =
-      MustParse(R"({"peft_type": "LORA", "target_modules": ["q"], "layers_to_transform": [0], "layers_pattern": ["block"]})");
+  const PeftConfig d = MustParse(
+      R"({"peft_type": "LORA", "target_modules": ["q"], "layers_to_transform": [0], "layers_pattern": ["block"]})");
   EXPECT_EQ(d.LayerIndexOf("encoder.block.4.layer.0.SelfAttention.q"), 4);
   EXPECT_FALSE(d.IsTargeted("encoder.block.4.layer.0.SelfAttention.q"));
   EXPECT_TRUE(d.IsTargeted("encoder.block.0.layer.1.SelfAttention.q"));
@@ -318,7 +318,8 @@ TEST(PeftConfigMalformedTest, RankMustBePositiveInteger) {
 TEST(PeftConfigMalformedTest, AlphaMustBeFinite) {
   ExpectRejected(R"({"lora_alpha": "16"})", StatusCode::kCorruption, "field 'lora_alpha' must be a finite number");
   ExpectRejected(R"({"lora_alpha": 1e999})", StatusCode::kCorruption, "not valid JSON: number overflow");
-  ExpectRejected(R"({"lora_alpha": [16]})", StatusCode::kCorruption, "field 'lora_alpha' must be a finite number, got an array");
+  ExpectRejected(R"({"lora_alpha": [16]})", StatusCode::kCorruption,
+                 "field 'lora_alpha' must be a finite number, got an array");
   ExpectRejected(R"({"alpha_pattern": {"v_proj": null}})", StatusCode::kCorruption, "alpha_pattern[\"v_proj\"]");
 }
 
@@ -343,7 +344,8 @@ TEST(PeftConfigMalformedTest, BadRegexNamesFieldAndPattern) {
   ExpectRejected(R"({"target_modules": "(q_proj"})", StatusCode::kCorruption,
                  "field 'target_modules' pattern \"(q_proj\" is not a valid regular expression");
   ExpectRejected(R"({"exclude_modules": "[a-"})", StatusCode::kCorruption, "field 'exclude_modules' pattern \"[a-\"");
-  ExpectRejected(R"({"rank_pattern": {"q_proj(": 4}})", StatusCode::kCorruption, "field 'rank_pattern' pattern \"q_proj(\"");
+  ExpectRejected(R"({"rank_pattern": {"q_proj(": 4}})", StatusCode::kCorruption,
+                 "field 'rank_pattern' pattern \"q_proj(\"");
 }
 
 TEST(PeftConfigMalformedTest, PythonOnlyRegexIsUnsupported) {
@@ -480,7 +482,8 @@ TEST(AdapterKeyTest, MalformedKeysNameTheTensor) {
     auto k = ParseAdapterKey(key);
     ASSERT_FALSE(k.ok()) << key;
     EXPECT_EQ(k.status().code(), StatusCode::kCorruption) << key;
-    EXPECT_NE(k.status().message().find("tensor '" + std::string(key) + "'"), std::string::npos) << k.status().message();
+    EXPECT_NE(k.status().message().find("tensor '" + std::string(key) + "'"), std::string::npos)
+        << k.status().message();
   }
   auto huge = ParseAdapterKey(std::string(5000, 'a'));
   EXPECT_EQ(huge.status().code(), StatusCode::kCorruption);

@@ -120,8 +120,8 @@ std::vector<BadInputCase> BadInputCases() {
   // --- The JSON text.
   cases.push_back(Header("header_not_json", "{this is not json}", "", SC::kCorruption, {"not valid UTF-8 JSON"}));
   cases.push_back(Header("header_not_brace", "  \"x\"", "", SC::kCorruption, {"does not start with '{'"}));
-  cases.push_back(Header("header_json_array", "[" + Entry(w, "F32", "[2]", 0, 8) + "]", w8,
-                         SC::kCorruption, {"does not start with '{'"}));
+  cases.push_back(Header("header_json_array", "[" + Entry(w, "F32", "[2]", 0, 8) + "]", w8, SC::kCorruption,
+                         {"does not start with '{'"}));
   cases.push_back(Header("header_invalid_utf8_name", "{" + Entry("bad\xff\xfe", "F32", "[2]", 0, 8) + "}", w8,
                          SC::kCorruption, {"not valid UTF-8 JSON"}));
   cases.push_back(Header("header_truncated_json", f32x2.substr(0, f32x2.size() - 3), "", SC::kCorruption,
@@ -138,8 +138,8 @@ std::vector<BadInputCase> BadInputCases() {
 
   // --- One entry.
   cases.push_back(Header("entry_not_object", "{\"" + w + "\":[1,2]}", "", SC::kCorruption, {w, "not a JSON object"}));
-  cases.push_back(Header("missing_dtype", "{\"" + w + "\":{\"shape\":[2],\"data_offsets\":[0,8]}}", w8,
-                         SC::kCorruption, {w, "dtype"}));
+  cases.push_back(Header("missing_dtype", "{\"" + w + "\":{\"shape\":[2],\"data_offsets\":[0,8]}}", w8, SC::kCorruption,
+                         {w, "dtype"}));
   cases.push_back(Header("missing_shape", "{\"" + w + "\":{\"dtype\":\"F32\",\"data_offsets\":[0,8]}}", w8,
                          SC::kCorruption, {w, "shape"}));
   cases.push_back(Header("missing_data_offsets", "{\"" + w + "\":{\"dtype\":\"F32\",\"shape\":[2]}}", w8,
@@ -152,16 +152,16 @@ std::vector<BadInputCase> BadInputCases() {
                          SC::kCorruption, {w, "unknown field 'scale'"}));
   cases.push_back(Header("unknown_dtype_f7", "{" + Entry(w, "F7", "[2]", 0, 8) + "}", w8, SC::kUnsupported,
                          {w, "unknown dtype 'F7'"}));
-  cases.push_back(Header("dtype_not_string", "{\"" + w + "\":{\"dtype\":32,\"shape\":[2],\"data_offsets\":[0,8]}}",
-                         w8, SC::kCorruption, {w, "dtype"}));
-  cases.push_back(Header("negative_dim", "{" + Entry(w, "F32", "[-2,1]", 0, 8) + "}", w8, SC::kCorruption,
-                         {w, "non-negative"}));
+  cases.push_back(Header("dtype_not_string", "{\"" + w + "\":{\"dtype\":32,\"shape\":[2],\"data_offsets\":[0,8]}}", w8,
+                         SC::kCorruption, {w, "dtype"}));
+  cases.push_back(
+      Header("negative_dim", "{" + Entry(w, "F32", "[-2,1]", 0, 8) + "}", w8, SC::kCorruption, {w, "non-negative"}));
   cases.push_back(Header("float_dim", "{" + Entry(w, "F32", "[2.0]", 0, 8) + "}", w8, SC::kCorruption,
                          {w, "non-negative integers"}));
   cases.push_back(Header("dim_past_int64", "{" + Entry(w, "U8", "[9223372036854775808]", 0, 8) + "}", w8,
                          SC::kCorruption, {w, "too large"}));
-  cases.push_back(Header("shape_overflow_int64max_x2", "{" + Entry(w, "F32", "[9223372036854775807,2]", 0, 8) + "}",
-                         w8, SC::kCorruption, {w, "overflows"}));
+  cases.push_back(Header("shape_overflow_int64max_x2", "{" + Entry(w, "F32", "[9223372036854775807,2]", 0, 8) + "}", w8,
+                         SC::kCorruption, {w, "overflows"}));
   cases.push_back(Header("shape_overflow_2p32_cubed",
                          "{" + Entry(w, "U8", "[4294967296,4294967296,4294967296]", 0, 8) + "}", w8, SC::kCorruption,
                          {w, "overflows"}));
@@ -170,8 +170,8 @@ std::vector<BadInputCase> BadInputCases() {
   std::string dims65 = "[1";
   for (int i = 1; i < 65; ++i) dims65 += ",1";
   dims65 += "]";
-  cases.push_back(Header("too_many_dims", "{" + Entry(w, "U8", dims65, 0, 1) + "}", "\x01", SC::kCorruption,
-                         {w, "65 dimensions"}));
+  cases.push_back(
+      Header("too_many_dims", "{" + Entry(w, "U8", dims65, 0, 1) + "}", "\x01", SC::kCorruption, {w, "65 dimensions"}));
   cases.push_back(Header("dtype_size_mismatch", "{" + Entry(w, "F32", "[2,2]", 0, 8) + "}", w8, SC::kCorruption,
                          {w, "needs 16 bytes"}));
   cases.push_back(Header("f4_odd_count", "{" + Entry(w, "F4", "[3]", 0, 2) + "}", "\x12\x34", SC::kCorruption,
@@ -180,44 +180,49 @@ std::vector<BadInputCase> BadInputCases() {
                          {w, "before begin"}));
   cases.push_back(Header("negative_offset", "{\"" + w + "\":{\"dtype\":\"U8\",\"shape\":[8],\"data_offsets\":[-8,0]}}",
                          w8, SC::kCorruption, {w, "data_offsets"}));
-  cases.push_back(Header("offsets_near_u64_max",
-                         "{" + Entry(w, "F32", "[1]", std::numeric_limits<uint64_t>::max() - 4,
-                                     std::numeric_limits<uint64_t>::max()) + "}",
-                         "", SC::kCorruption, {w, "gap"}));
+  cases.push_back(Header(
+      "offsets_near_u64_max",
+      "{" + Entry(w, "F32", "[1]", std::numeric_limits<uint64_t>::max() - 4, std::numeric_limits<uint64_t>::max()) +
+          "}",
+      "", SC::kCorruption, {w, "gap"}));
   cases.push_back(Header("offsets_past_u64_max",
-                         "{\"" + w + "\":{\"dtype\":\"U8\",\"shape\":[1],\"data_offsets\":[18446744073709551616,"
-                         "18446744073709551617]}}", "", SC::kCorruption, {w, "data_offsets"}));
+                         "{\"" + w +
+                             "\":{\"dtype\":\"U8\",\"shape\":[1],\"data_offsets\":[18446744073709551616,"
+                             "18446744073709551617]}}",
+                         "", SC::kCorruption, {w, "data_offsets"}));
 
   // --- The data section.
   const std::string a = "layers.0.a";
   const std::string b = "layers.0.b";
-  cases.push_back(Header("overlapping_offsets", "{" + Entry(a, "F32", "[2]", 0, 8) + "," + Entry(b, "F32", "[2]", 4, 12) + "}",
+  cases.push_back(Header("overlapping_offsets",
+                         "{" + Entry(a, "F32", "[2]", 0, 8) + "," + Entry(b, "F32", "[2]", 4, 12) + "}",
                          std::string(12, '\x01'), SC::kCorruption, {b, "overlap"}));
-  cases.push_back(Header("gap_between_tensors", "{" + Entry(a, "F32", "[2]", 0, 8) + "," + Entry(b, "F32", "[2]", 12, 20) + "}",
+  cases.push_back(Header("gap_between_tensors",
+                         "{" + Entry(a, "F32", "[2]", 0, 8) + "," + Entry(b, "F32", "[2]", 12, 20) + "}",
                          std::string(20, '\x01'), SC::kCorruption, {b, "gap"}));
   cases.push_back(Header("data_not_from_zero", "{" + Entry(a, "F32", "[2]", 4, 12) + "}", std::string(12, '\x01'),
                          SC::kCorruption, {a, "gap"}));
   cases.push_back(Header("trailing_bytes", f32x2, w8 + "junk", SC::kCorruption, {"4 trailing bytes"}));
-  cases.push_back(Header("truncated_data", "{" + Entry(w, "F32", "[4]", 0, 16) + "}", w8, SC::kCorruption,
-                         {"truncated"}));
+  cases.push_back(
+      Header("truncated_data", "{" + Entry(w, "F32", "[4]", 0, 16) + "}", w8, SC::kCorruption, {"truncated"}));
   cases.push_back(Single("truncated_mid_header", ValidFile({{w, "F32", "[4]", 16}}).substr(0, 30), SC::kCorruption,
                          {"runs past the end"}));
 
   // --- __metadata__.
-  cases.push_back(Header("metadata_non_string", "{\"__metadata__\":{\"format\":\"pt\",\"step\":7}," +
-                         Entry(w, "F32", "[2]", 0, 8) + "}", w8, SC::kCorruption, {"__metadata__", "step"}));
-  cases.push_back(Header("metadata_not_object", "{\"__metadata__\":[\"pt\"]," + Entry(w, "F32", "[2]", 0, 8) + "}",
-                         w8, SC::kCorruption, {"__metadata__"}));
+  cases.push_back(Header("metadata_non_string",
+                         "{\"__metadata__\":{\"format\":\"pt\",\"step\":7}," + Entry(w, "F32", "[2]", 0, 8) + "}", w8,
+                         SC::kCorruption, {"__metadata__", "step"}));
+  cases.push_back(Header("metadata_not_object", "{\"__metadata__\":[\"pt\"]," + Entry(w, "F32", "[2]", 0, 8) + "}", w8,
+                         SC::kCorruption, {"__metadata__"}));
 
   // --- Sharded checkpoints (opened through the directory).
   const std::string s1 = ValidFile({{a, "F32", "[2]", 8}}, 1);
   const std::string s2 = ValidFile({{b, "F32", "[2]", 8}}, 9);
-  cases.push_back(Sharded("index_missing_shard", Index({{a, kShard1}, {b, kShard2}}, 16), s1, "", SC::kNotFound,
-                          kIndex, {std::string("{root}/") + kIndex, kShard2}));
+  cases.push_back(Sharded("index_missing_shard", Index({{a, kShard1}, {b, kShard2}}, 16), s1, "", SC::kNotFound, kIndex,
+                          {std::string("{root}/") + kIndex, kShard2}));
   cases.push_back(Sharded("index_tensor_not_in_shard", Index({{a, kShard1}, {b, kShard2}, {"layers.9.c", kShard2}}, 24),
                           s1, s2, SC::kNotFound, kIndex, {std::string("{root}/") + kIndex, "layers.9.c", kShard2}));
-  cases.push_back(Sharded("shard_tensor_not_indexed", Index({{a, kShard1}}, 8), s1 , "", SC::kCorruption, kShard1,
-                          {}));
+  cases.push_back(Sharded("shard_tensor_not_indexed", Index({{a, kShard1}}, 8), s1, "", SC::kCorruption, kShard1, {}));
   // A shard with a tensor the index does not list: shard 1 holds a and an extra x.
   cases.back().files[kShard1] = ValidFile({{a, "F32", "[2]", 8}, {"extra.x", "U8", "[4]", 4}}, 1);
   cases.back().message_contains = {std::string("{root}/") + kShard1, "extra.x"};
@@ -225,21 +230,20 @@ std::vector<BadInputCase> BadInputCases() {
                           {std::string("{root}/") + kIndex}));
   cases.push_back(Sharded("index_is_array", "[\"" + std::string(kShard1) + "\"]", s1, s2, SC::kCorruption, kIndex,
                           {std::string("{root}/") + kIndex, "JSON object"}));
-  cases.push_back(Sharded("index_nesting_bomb", "{\"weight_map\":" + std::string(500'000, '['), s1, s2,
-                          SC::kCorruption, kIndex, {std::string("{root}/") + kIndex, "nested too deeply"}));
+  cases.push_back(Sharded("index_nesting_bomb", "{\"weight_map\":" + std::string(500'000, '['), s1, s2, SC::kCorruption,
+                          kIndex, {std::string("{root}/") + kIndex, "nested too deeply"}));
   cases.push_back(Sharded("index_without_weight_map", "{\"metadata\":{\"total_size\":16}}", s1, s2, SC::kCorruption,
                           kIndex, {std::string("{root}/") + kIndex, "weight_map"}));
   cases.push_back(Sharded("index_entry_not_string", "{\"weight_map\":{\"" + a + "\":1}}", s1, s2, SC::kCorruption,
                           kIndex, {std::string("{root}/") + kIndex, a}));
   cases.push_back(Sharded("index_path_traversal", Index({{a, kShard1}, {b, "../etc/passwd"}}, 16), s1, s2,
                           SC::kCorruption, kIndex, {std::string("{root}/") + kIndex, "../etc/passwd"}));
-  cases.push_back(Sharded("index_absolute_path", Index({{a, kShard1}, {b, "/etc/passwd"}}, 16), s1, s2,
-                          SC::kCorruption, kIndex, {std::string("{root}/") + kIndex, "/etc/passwd"}));
-  cases.push_back(Sharded("index_dotdot_shard", Index({{a, kShard1}, {b, ".."}}, 16), s1, s2, SC::kCorruption,
-                          kIndex, {std::string("{root}/") + kIndex, "'..'"}));
-  cases.push_back(Sharded("index_nul_in_shard_name",
-                          Index({{a, kShard1}, {b, std::string(kShard2) + "\\u0000.x"}}, 16), s1, s2,
-                          SC::kCorruption, kIndex, {std::string("{root}/") + kIndex, "invalid shard file"}));
+  cases.push_back(Sharded("index_absolute_path", Index({{a, kShard1}, {b, "/etc/passwd"}}, 16), s1, s2, SC::kCorruption,
+                          kIndex, {std::string("{root}/") + kIndex, "/etc/passwd"}));
+  cases.push_back(Sharded("index_dotdot_shard", Index({{a, kShard1}, {b, ".."}}, 16), s1, s2, SC::kCorruption, kIndex,
+                          {std::string("{root}/") + kIndex, "'..'"}));
+  cases.push_back(Sharded("index_nul_in_shard_name", Index({{a, kShard1}, {b, std::string(kShard2) + "\\u0000.x"}}, 16),
+                          s1, s2, SC::kCorruption, kIndex, {std::string("{root}/") + kIndex, "invalid shard file"}));
   cases.push_back(Sharded("index_duplicate_key", Index({{a, kShard1}, {b, kShard2}, {a, kShard2}}, 16), s1, s2,
                           SC::kCorruption, kIndex, {std::string("{root}/") + kIndex, a, "twice"}));
   // Both shards hold `a`; the index can name only one of them.

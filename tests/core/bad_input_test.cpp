@@ -128,17 +128,43 @@ TEST(BadInputCorpus, NamesAreUniqueAndCoverTheBrief) {
   for (const auto& c : corpus::BadInputCases()) {
     EXPECT_TRUE(names.insert(c.name).second) << "duplicate case " << c.name;
     EXPECT_FALSE(c.message_contains.empty()) << c.name;
-    for (char ch : c.name) EXPECT_TRUE(std::islower(static_cast<unsigned char>(ch)) || std::isdigit(ch) || ch == '_') << c.name;
+    for (char ch : c.name)
+      EXPECT_TRUE(std::islower(static_cast<unsigned char>(ch)) || std::isdigit(ch) || ch == '_') << c.name;
   }
-  for (const char* must :
-       {"empty_file", "seven_bytes", "header_past_end", "header_over_limit", "header_length_max_u64", "header_not_json",
-        "header_not_brace", "header_json_array", "header_invalid_utf8_name", "overlapping_offsets",
-        "gap_between_tensors", "trailing_bytes", "truncated_data", "shape_overflow_int64max_x2",
-        "shape_overflow_2p32_cubed", "negative_dim", "float_dim", "dtype_size_mismatch", "unknown_dtype_f7",
-        "duplicate_tensor_name", "offsets_end_before_begin", "offsets_near_u64_max", "missing_dtype",
-        "extra_unknown_field", "metadata_non_string", "index_missing_shard", "index_tensor_not_in_shard",
-        "shard_tensor_not_indexed", "index_not_json", "index_path_traversal", "same_tensor_in_two_shards",
-        "missing_path", "directory_without_weights", "directory_two_files_no_index"}) {
+  for (const char* must : {"empty_file",
+                           "seven_bytes",
+                           "header_past_end",
+                           "header_over_limit",
+                           "header_length_max_u64",
+                           "header_not_json",
+                           "header_not_brace",
+                           "header_json_array",
+                           "header_invalid_utf8_name",
+                           "overlapping_offsets",
+                           "gap_between_tensors",
+                           "trailing_bytes",
+                           "truncated_data",
+                           "shape_overflow_int64max_x2",
+                           "shape_overflow_2p32_cubed",
+                           "negative_dim",
+                           "float_dim",
+                           "dtype_size_mismatch",
+                           "unknown_dtype_f7",
+                           "duplicate_tensor_name",
+                           "offsets_end_before_begin",
+                           "offsets_near_u64_max",
+                           "missing_dtype",
+                           "extra_unknown_field",
+                           "metadata_non_string",
+                           "index_missing_shard",
+                           "index_tensor_not_in_shard",
+                           "shard_tensor_not_indexed",
+                           "index_not_json",
+                           "index_path_traversal",
+                           "same_tensor_in_two_shards",
+                           "missing_path",
+                           "directory_without_weights",
+                           "directory_two_files_no_index"}) {
     EXPECT_TRUE(names.count(must)) << "corpus lacks " << must;
   }
 }

@@ -4,11 +4,11 @@
 
 #include <gtest/gtest.h>
 
-#include "tests/temp_dir.h"
 #include <stdlib.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
+#include "tests/temp_dir.h"
 
 #include <cstring>
 #include <filesystem>
@@ -53,16 +53,16 @@ void WriteText(const fs::path& path, const std::string& text) {
 }
 
 const std::vector<std::pair<std::string, Tensor>>& Sample() {
-  static const auto* ts = new std::vector<std::pair<std::string, Tensor>>{
-      {"model.layers.1.mlp.weight", Filled(DType::kBF16, {2, 3}, 10)},
-      {"model.embed_tokens.weight", Filled(DType::kF32, {4, 2}, 20)},
-      {"lm_head.weight", Filled(DType::kF16, {1}, 30)}};
+  static const auto* ts =
+      new std::vector<std::pair<std::string, Tensor>>{{"model.layers.1.mlp.weight", Filled(DType::kBF16, {2, 3}, 10)},
+                                                      {"model.embed_tokens.weight", Filled(DType::kF32, {4, 2}, 20)},
+                                                      {"lm_head.weight", Filled(DType::kF16, {1}, 30)}};
   return *ts;
 }
 
 void ExpectSample(const Checkpoint& ck) {
-  EXPECT_EQ(ck.names(), (std::vector<std::string>{"lm_head.weight", "model.embed_tokens.weight",
-                                                  "model.layers.1.mlp.weight"}));
+  EXPECT_EQ(ck.names(),
+            (std::vector<std::string>{"lm_head.weight", "model.embed_tokens.weight", "model.layers.1.mlp.weight"}));
   EXPECT_EQ(ck.size(), 3u);
   for (const auto& [n, t] : Sample()) {
     ASSERT_TRUE(ck.Contains(n));
@@ -296,8 +296,8 @@ TEST(Checkpoint, FromProducerMakesTensorsOnDemand) {
     for (int i = 0; i < 6; ++i) t.mutable_data_as<float>()[i] = static_cast<float>(calls[name] * 10 + i);
     return t;
   };
-  std::vector<TensorInfo> infos = {{"z", DType::kF32, {2, 3}, 0, 0}, {"a", DType::kF32, {2, 3}, 0, 0},
-                                   {"liar", DType::kF32, {2}, 0, 0}};
+  std::vector<TensorInfo> infos = {
+      {"z", DType::kF32, {2, 3}, 0, 0}, {"a", DType::kF32, {2, 3}, 0, 0}, {"liar", DType::kF32, {2}, 0, 0}};
   Checkpoint c = Checkpoint::FromProducer("<made>", infos, produce);
   EXPECT_EQ(c.names(), (std::vector<std::string>{"a", "liar", "z"}));
   EXPECT_EQ(c.total_bytes(), 24u + 24u + 8u);

@@ -4,10 +4,10 @@
 
 #include <gtest/gtest.h>
 
-#include "tests/temp_dir.h"
 #include <stdlib.h>
 #include <sys/wait.h>
 #include <unistd.h>
+#include "tests/temp_dir.h"
 
 #include <algorithm>
 #include <cmath>
@@ -149,9 +149,9 @@ TEST(SafetensorsWriter, EmptyAndScalarTensors) {
   TempDir dir;
   const fs::path path = dir.path() / "model.safetensors";
   std::vector<Named> ts = {
-      {"empty_first", Pattern(DType::kF32, {0}, 0)}, {"scalar", Pattern(DType::kF32, {}, 1)},
+      {"empty_first", Pattern(DType::kF32, {0}, 0)},      {"scalar", Pattern(DType::kF32, {}, 1)},
       {"empty_mid", Pattern(DType::kBF16, {2, 0, 3}, 0)}, {"vec", Pattern(DType::kI8, {3}, 2)},
-      {"scalar_f64", Pattern(DType::kF64, {}, 3)}, {"empty_last", Pattern(DType::kU8, {0, 5}, 0)},
+      {"scalar_f64", Pattern(DType::kF64, {}, 3)},        {"empty_last", Pattern(DType::kU8, {0, 5}, 0)},
   };
   auto w = SafetensorsWriter::CreateFile(path, SpecsOf(ts));
   ASSERT_TRUE(w.ok());
@@ -170,7 +170,8 @@ TEST(SafetensorsWriter, EmptyAndScalarTensors) {
 TEST(SafetensorsWriter, EmptyTensorsNeedNotBeWritten) {
   TempDir dir;
   const fs::path path = dir.path() / "model.safetensors";
-  std::vector<Named> ts = {{"e0", Pattern(DType::kF32, {0}, 0)}, {"a", Pattern(DType::kF32, {2}, 1)},
+  std::vector<Named> ts = {{"e0", Pattern(DType::kF32, {0}, 0)},
+                           {"a", Pattern(DType::kF32, {2}, 1)},
                            {"e1", Pattern(DType::kF32, {0, 2}, 0)}};
   auto w = SafetensorsWriter::CreateFile(path, SpecsOf(ts));
   ASSERT_TRUE(w.ok());
@@ -185,7 +186,8 @@ TEST(SafetensorsWriter, AppendInPieces) {
   TempDir dir;
   const fs::path path = dir.path() / "pieces.safetensors";
   // "big" is larger than half the writer's 8 MB buffer, so it takes the direct path.
-  std::vector<Named> ts = {{"a", Pattern(DType::kU8, {10}, 1)}, {"big", Pattern(DType::kF32, {1600000}, 2)},
+  std::vector<Named> ts = {{"a", Pattern(DType::kU8, {10}, 1)},
+                           {"big", Pattern(DType::kF32, {1600000}, 2)},
                            {"c", Pattern(DType::kBF16, {3}, 3)}};
   auto w = SafetensorsWriter::CreateFile(path, SpecsOf(ts));
   ASSERT_TRUE(w.ok());
@@ -277,7 +279,7 @@ TEST(SafetensorsWriter, NamesThatAreNotPrintableUtf8AreRefusedNamingThemEscaped)
   };
   const std::vector<Bad> bad = {
       {"layer.\xff.weight", "tensor name 'layer.\\xff.weight' is not valid UTF-8"},
-      {"x\xc0\xaf", "tensor name 'x\\xc0\\xaf' is not valid UTF-8"},            // overlong '/'
+      {"x\xc0\xaf", "tensor name 'x\\xc0\\xaf' is not valid UTF-8"},           // overlong '/'
       {"q\xed\xa0\x80", "tensor name 'q\\xed\\xa0\\x80' is not valid UTF-8"},  // a surrogate
       {"lm\x01head", "tensor name 'lm\\x01head' contains a control character"},
       {std::string("a\0b", 3), "tensor name 'a\\x00b' contains a control character"},
@@ -333,8 +335,8 @@ TEST(SafetensorsWriter, FinishWithUnwrittenTensorLeavesNothing) {
 
 TEST(SafetensorsWriter, ShardedFinishWithUnwrittenTensorLeavesNothing) {
   TempDir dir;
-  std::vector<Named> ts = {{"a", Pattern(DType::kU8, {8}, 1)}, {"b", Pattern(DType::kU8, {8}, 2)},
-                           {"c", Pattern(DType::kU8, {8}, 3)}};
+  std::vector<Named> ts = {
+      {"a", Pattern(DType::kU8, {8}, 1)}, {"b", Pattern(DType::kU8, {8}, 2)}, {"c", Pattern(DType::kU8, {8}, 3)}};
   WriterOptions o;
   o.max_shard_bytes = 8;
   auto w = SafetensorsWriter::CreateInDirectory(dir.path(), SpecsOf(ts), o);
@@ -411,17 +413,18 @@ TEST(SafetensorsWriter, CrashMidWriteLeavesOnlyATempFileThatReadersIgnore) {
 TEST(SafetensorsWriter, ShardedLayoutIndexAndOversizedTensor) {
   TempDir dir;
   // Limit 100: [a b] (80), [c] (40 + 200 > 100), [big] (200 > limit: alone), [d].
-  std::vector<Named> ts = {{"layer.a", Pattern(DType::kF32, {10}, 1)}, {"layer.b", Pattern(DType::kF32, {10}, 2)},
-                           {"layer.c", Pattern(DType::kF32, {10}, 3)}, {"big", Pattern(DType::kF32, {50}, 4)},
+  std::vector<Named> ts = {{"layer.a", Pattern(DType::kF32, {10}, 1)},
+                           {"layer.b", Pattern(DType::kF32, {10}, 2)},
+                           {"layer.c", Pattern(DType::kF32, {10}, 3)},
+                           {"big", Pattern(DType::kF32, {50}, 4)},
                            {"d", Pattern(DType::kF32, {10}, 5)}};
   WriterOptions o;
   o.max_shard_bytes = 100;
   auto w = SafetensorsWriter::CreateInDirectory(dir.path(), SpecsOf(ts), o);
   ASSERT_TRUE(w.ok()) << w.status().ToString();
   ASSERT_TRUE(WriteAll(**w, ts).ok());
-  const std::vector<std::string> shard_names = {
-      "model-00001-of-00004.safetensors", "model-00002-of-00004.safetensors", "model-00003-of-00004.safetensors",
-      "model-00004-of-00004.safetensors"};
+  const std::vector<std::string> shard_names = {"model-00001-of-00004.safetensors", "model-00002-of-00004.safetensors",
+                                                "model-00003-of-00004.safetensors", "model-00004-of-00004.safetensors"};
   std::vector<fs::path> expect_out;
   for (const auto& s : shard_names) expect_out.push_back(dir.path() / s);
   expect_out.push_back(dir.path() / "model.safetensors.index.json");
@@ -431,11 +434,13 @@ TEST(SafetensorsWriter, ShardedLayoutIndexAndOversizedTensor) {
   EXPECT_EQ(Listing(dir.path()), listing);
 
   const auto index = nlohmann::json::parse(ReadFile(dir.path() / "model.safetensors.index.json"));
-  const nlohmann::json expect_index = {
-      {"metadata", {{"total_size", 360}}},
-      {"weight_map",
-       {{"layer.a", shard_names[0]}, {"layer.b", shard_names[0]}, {"layer.c", shard_names[1]},
-        {"big", shard_names[2]}, {"d", shard_names[3]}}}};
+  const nlohmann::json expect_index = {{"metadata", {{"total_size", 360}}},
+                                       {"weight_map",
+                                        {{"layer.a", shard_names[0]},
+                                         {"layer.b", shard_names[0]},
+                                         {"layer.c", shard_names[1]},
+                                         {"big", shard_names[2]},
+                                         {"d", shard_names[3]}}}};
   EXPECT_EQ(index, expect_index);
 
   // Each shard is a complete safetensors file with its own header and metadata.
@@ -464,8 +469,10 @@ TEST(SafetensorsWriter, ShardedLayoutIndexAndOversizedTensor) {
 TEST(SafetensorsWriter, OversizedFirstTensorAndExactFit) {
   TempDir dir;
   // [big] alone first; then a + b fill exactly 16 = limit; then c.
-  std::vector<Named> ts = {{"big", Pattern(DType::kU8, {40}, 1)}, {"a", Pattern(DType::kU8, {8}, 2)},
-                           {"b", Pattern(DType::kU8, {8}, 3)}, {"c", Pattern(DType::kU8, {1}, 4)}};
+  std::vector<Named> ts = {{"big", Pattern(DType::kU8, {40}, 1)},
+                           {"a", Pattern(DType::kU8, {8}, 2)},
+                           {"b", Pattern(DType::kU8, {8}, 3)},
+                           {"c", Pattern(DType::kU8, {1}, 4)}};
   WriterOptions o;
   o.max_shard_bytes = 16;
   o.basename = "adapter";
@@ -618,9 +625,24 @@ TEST(SafetensorsHeader, SerializedHeaderIsPaddedAndParses) {
 // Casts, against the scalar reference functions of kernels/cast.h and hand-computed bits.
 
 std::vector<float> Samples() {
-  return {0.0f, -0.0f, 1.0f, -2.5f, 3.14159265f, 65504.0f, 65520.0f, 1e-8f, 6.0e-5f, 1.00390625f, 1.01171875f,
-          1.00048828125f, -1e30f, std::numeric_limits<float>::infinity(), -std::numeric_limits<float>::infinity(),
-          std::numeric_limits<float>::quiet_NaN(), 123456.789f, -7.0e-39f};
+  return {0.0f,
+          -0.0f,
+          1.0f,
+          -2.5f,
+          3.14159265f,
+          65504.0f,
+          65520.0f,
+          1e-8f,
+          6.0e-5f,
+          1.00390625f,
+          1.01171875f,
+          1.00048828125f,
+          -1e30f,
+          std::numeric_limits<float>::infinity(),
+          -std::numeric_limits<float>::infinity(),
+          std::numeric_limits<float>::quiet_NaN(),
+          123456.789f,
+          -7.0e-39f};
 }
 
 Tensor F32Tensor(const std::vector<float>& v) {
@@ -767,9 +789,9 @@ TEST(ReadAsF32, MisalignedTensorsInAFile) {
   auto big_h = CastTensor(F32Tensor(big), DType::kF16).value();
   // Offsets: odd [0,1), h [1,37), odd2 [37,39), bf [39,75), odd3 [75,77), f [77,149),
   // odd4 [149,151), big [151, ...): every float tensor starts at an odd address.
-  std::vector<Named> ts = {{"odd", Pattern(DType::kU8, {1}, 1)}, {"h", h}, {"odd2", Pattern(DType::kU8, {2}, 2)},
-                           {"bf", bf}, {"odd3", Pattern(DType::kU8, {2}, 3)}, {"f", f32},
-                           {"odd4", Pattern(DType::kU8, {2}, 4)}, {"big", big_h}};
+  std::vector<Named> ts = {
+      {"odd", Pattern(DType::kU8, {1}, 1)},  {"h", h},   {"odd2", Pattern(DType::kU8, {2}, 2)}, {"bf", bf},
+      {"odd3", Pattern(DType::kU8, {2}, 3)}, {"f", f32}, {"odd4", Pattern(DType::kU8, {2}, 4)}, {"big", big_h}};
   auto w = SafetensorsWriter::CreateFile(path, SpecsOf(ts));
   ASSERT_TRUE(w.ok());
   ASSERT_TRUE(WriteAll(**w, ts).ok());
@@ -791,7 +813,8 @@ TEST(ReadAsF32, MisalignedTensorsInAFile) {
   for (size_t i = 0; i < v.size(); ++i) ExpectSameFloat(out[i], v[i], "f");
   std::vector<float> big_out(big.size());
   ASSERT_TRUE(ReadAsF32(mbig, big_out).ok());
-  for (size_t i = 0; i < big.size(); ++i) ExpectSameFloat(big_out[i], kernels::F16ToF32(kernels::F32ToF16(big[i])), "big");
+  for (size_t i = 0; i < big.size(); ++i)
+    ExpectSameFloat(big_out[i], kernels::F16ToF32(kernels::F32ToF16(big[i])), "big");
   // Casting the misaligned views works too.
   auto cast = CastTensor(mbf, DType::kF16);
   ASSERT_TRUE(cast.ok());

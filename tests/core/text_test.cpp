@@ -60,7 +60,9 @@ TEST(Utf8Test, CheckPrintableUtf8NamesWhatAndTheEscapedText) {
   const Status bad = CheckPrintableUtf8("tensor name", "w.\xff");
   EXPECT_EQ(bad.code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(bad.message(), "tensor name 'w.\\xff' is not valid UTF-8");
-  const Status control = CheckPrintableUtf8("run name", "a\x1f" "b");
+  const Status control = CheckPrintableUtf8("run name",
+                                            "a\x1f"
+                                            "b");
   EXPECT_EQ(control.code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(control.message(), "run name 'a\\x1fb' contains a control character");
   EXPECT_EQ(CheckPrintableUtf8("x", std::string("\0", 1)).message(), "x '\\x00' contains a control character");

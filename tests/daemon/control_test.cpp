@@ -126,9 +126,8 @@ TEST(ControlProtocol, ReplyRoundTrips) {
   err.error_field = "command";
   text = SerializeReply(err);
   ASSERT_TRUE(text.ok());
-  EXPECT_EQ(*text,
-            R"({"v":1,"id":null,"ok":false,"error":{"code":"invalid_argument","field":"command",)"
-            R"("message":"control request: field \"command\": no"}})");
+  EXPECT_EQ(*text, R"({"v":1,"id":null,"ok":false,"error":{"code":"invalid_argument","field":"command",)"
+                   R"("message":"control request: field \"command\": no"}})");
   back = ParseReply(*text);
   ASSERT_TRUE(back.ok()) << back.status().ToString();
   EXPECT_FALSE(back->id.has_value());
@@ -467,9 +466,9 @@ TEST(RunLockTest, OneHolderPerDirectoryInThisProcess) {
     auto second = RunLock::Acquire(dir.path());
     ASSERT_FALSE(second.ok());
     EXPECT_EQ(second.status().code(), StatusCode::kFailedPrecondition);
-    EXPECT_NE(second.status().message().find(dir.path().string() + " is in use by ferryd pid " +
-                                             std::to_string(::getpid())),
-              std::string::npos)
+    EXPECT_NE(
+        second.status().message().find(dir.path().string() + " is in use by ferryd pid " + std::to_string(::getpid())),
+        std::string::npos)
         << second.status().message();
     RunLock moved = std::move(*lock);  // the lock travels with the object
     EXPECT_EQ(*RunLock::Holder(dir.path()), ::getpid());

@@ -5,10 +5,10 @@
 
 #include <nlohmann/json.hpp>
 
+#include <sys/wait.h>
 #include <cstdio>
 #include <fstream>
 #include <string>
-#include <sys/wait.h>
 
 namespace {
 

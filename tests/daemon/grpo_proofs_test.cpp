@@ -12,8 +12,8 @@
 #include <gtest/gtest.h>
 
 #include <ATen/ATen.h>
-#include <nlohmann/json.hpp>
 #include <torch/optim/adamw.h>
+#include <nlohmann/json.hpp>
 
 #include <sys/wait.h>
 
@@ -83,7 +83,8 @@ std::string DigitTokenizerJson() {
       {"padding", nullptr},
       {"added_tokens", {added(12, "<bos>"), added(13, "<pad>")}},
       {"normalizer", nullptr},
-      {"pre_tokenizer", {{"type", "ByteLevel"}, {"add_prefix_space", false}, {"trim_offsets", true}, {"use_regex", true}}},
+      {"pre_tokenizer",
+       {{"type", "ByteLevel"}, {"add_prefix_space", false}, {"trim_offsets", true}, {"use_regex", true}}},
       {"post_processor", nullptr},
       {"decoder", {{"type", "ByteLevel"}, {"add_prefix_space", true}, {"trim_offsets", true}, {"use_regex", true}}},
       {"model",
@@ -135,7 +136,8 @@ RunFiles MakeRun(const fs::path& root, testing::TinyModelSpec spec, const std::v
   cfg["pad_token_id"] = 13;
   WriteText(r.model / "config.json", cfg.dump(2));
   WriteText(r.model / "tokenizer.json", DigitTokenizerJson());
-  WriteText(r.model / "tokenizer_config.json", R"({"bos_token": "<bos>", "pad_token": "<pad>", "add_bos_token": false})");
+  WriteText(r.model / "tokenizer_config.json",
+            R"({"bos_token": "<bos>", "pad_token": "<pad>", "add_bos_token": false})");
   std::ofstream data(root / "train.jsonl");
   for (const std::string& p : prompts) data << json{{"prompt", p}}.dump() << "\n";
   data.close();
@@ -261,9 +263,9 @@ max_completion_length = 4
   // (LibTorch's and the store's own included: 4 to 18 MiB in our runs) stays under one base; with
   // copied snapshots it was 72 MiB (a whole base per live snapshot).
   const int64_t growth = RssAnonBytes() - rss_before;
-  std::printf("base %lld bytes; merged modules %lld bytes per snapshot; RssAnon growth over Create + %d steps: %lld bytes\n",
-              static_cast<long long>(base_bytes), static_cast<long long>(merged_bytes), kSteps,
-              static_cast<long long>(growth));
+  std::printf(
+      "base %lld bytes; merged modules %lld bytes per snapshot; RssAnon growth over Create + %d steps: %lld bytes\n",
+      static_cast<long long>(base_bytes), static_cast<long long>(merged_bytes), kSteps, static_cast<long long>(growth));
   EXPECT_LT(growth, base_bytes);
 
   // The trainer's model and the generator's run the same mapped bytes (an untargeted linear).
@@ -284,7 +286,6 @@ max_completion_length = 4
     EXPECT_EQ((*copied)->digests(), s.generator->current().snapshot->digests());
     EXPECT_NE((*copied)->checkpoint().Get("lm_head.weight")->data(), base.Get("lm_head.weight")->data());
   }
-
 }
 
 // ---- a 4,096-token context ----------------------------------------------------------------------
@@ -383,10 +384,10 @@ vllm_importance_sampling_clip_max = 1.0
     bool sequence, truncate;
     double cap;
   };
-  for (const ModeCase& c : {ModeCase{MismatchMode::kTokenTruncate, false, true, 1.0},
-                            ModeCase{MismatchMode::kTokenMask, false, false, 1.0},
-                            ModeCase{MismatchMode::kSequenceTruncate, true, true, seq_cap},
-                            ModeCase{MismatchMode::kSequenceMask, true, false, seq_cap}}) {
+  for (const ModeCase& c :
+       {ModeCase{MismatchMode::kTokenTruncate, false, true, 1.0}, ModeCase{MismatchMode::kTokenMask, false, false, 1.0},
+        ModeCase{MismatchMode::kSequenceTruncate, true, true, seq_cap},
+        ModeCase{MismatchMode::kSequenceMask, true, false, seq_cap}}) {
     MismatchOptions mo;
     mo.mode = c.mode;
     mo.clip_max = c.cap;
@@ -492,7 +493,8 @@ void ExpectSame(const Observed& a, const Observed& b) {
   ASSERT_EQ(a.params.size(), b.params.size());
   for (size_t i = 0; i < a.params.size(); ++i) EXPECT_TRUE(at::equal(a.params[i], b.params[i])) << "parameter " << i;
   ASSERT_EQ(a.optimizer.size(), b.optimizer.size());
-  for (size_t i = 0; i < a.optimizer.size(); ++i) EXPECT_TRUE(at::equal(a.optimizer[i], b.optimizer[i])) << "moment " << i;
+  for (size_t i = 0; i < a.optimizer.size(); ++i)
+    EXPECT_TRUE(at::equal(a.optimizer[i], b.optimizer[i])) << "moment " << i;
   EXPECT_EQ(a.optimizer_steps, b.optimizer_steps);
   std::set<std::string> names_a, names_b;
   for (const auto& [n, c] : a.files) names_a.insert(n);

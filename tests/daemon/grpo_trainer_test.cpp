@@ -4,8 +4,8 @@
 #include <gtest/gtest.h>
 
 #include <ATen/ATen.h>
-#include <nlohmann/json.hpp>
 #include <torch/optim/adamw.h>
+#include <nlohmann/json.hpp>
 
 #include <cmath>
 #include <filesystem>
@@ -45,9 +45,7 @@ class TempDir {
   fs::path path_;
 };
 
-void WriteText(const fs::path& p, const std::string& text) {
-  std::ofstream(p, std::ios::binary) << text;
-}
+void WriteText(const fs::path& p, const std::string& text) { std::ofstream(p, std::ios::binary) << text; }
 
 std::string ReadText(const fs::path& p) {
   std::ifstream in(p, std::ios::binary);
@@ -63,8 +61,8 @@ std::string DigitTokenizerJson() {
   const std::string chars = "0123456789+=";
   for (size_t i = 0; i < chars.size(); ++i) vocab[std::string(1, chars[i])] = i;
   auto added = [](int id, const char* content) {
-    return json{{"id", id},          {"content", content}, {"single_word", false}, {"lstrip", false},
-                {"rstrip", false},   {"normalized", false}, {"special", true}};
+    return json{{"id", id},        {"content", content},  {"single_word", false}, {"lstrip", false},
+                {"rstrip", false}, {"normalized", false}, {"special", true}};
   };
   json j = {
       {"version", "1.0"},
@@ -72,7 +70,8 @@ std::string DigitTokenizerJson() {
       {"padding", nullptr},
       {"added_tokens", {added(12, "<bos>"), added(13, "<eos>")}},
       {"normalizer", nullptr},
-      {"pre_tokenizer", {{"type", "ByteLevel"}, {"add_prefix_space", false}, {"trim_offsets", true}, {"use_regex", true}}},
+      {"pre_tokenizer",
+       {{"type", "ByteLevel"}, {"add_prefix_space", false}, {"trim_offsets", true}, {"use_regex", true}}},
       {"post_processor", nullptr},
       {"decoder", {{"type", "ByteLevel"}, {"add_prefix_space", true}, {"trim_offsets", true}, {"use_regex", true}}},
       {"model",
@@ -138,13 +137,15 @@ bf16 = false
 seed = 7
 learning_rate = 5e-3
 lr_scheduler_type = "constant"
-max_steps = )" + std::to_string(max_steps) + R"(
+max_steps = )" + std::to_string(max_steps) +
+                          R"(
 per_device_train_batch_size = 8
 num_generations = 4
 max_completion_length = 4
 temperature = 1.0
 logging_steps = 1
-save_steps = )" + std::to_string(save_steps) + R"(
+save_steps = )" + std::to_string(save_steps) +
+                          R"(
 save_total_limit = 10
 
 [lora]

@@ -201,10 +201,11 @@ TEST(RunConfigTest, PublishAndControlTables) {
   EXPECT_EQ(d.publish.mode, "adapter");
   EXPECT_TRUE(d.publish.key.empty());
   EXPECT_EQ(d.control.endpoint, "");
-  const RunConfig c = MustParse(Cfg("", "[publish]\nendpoint = \"tcp://10.0.0.1:5555\"\nmode = \"adapter\"\n"
-                                         "key = \"keys/ferryd\"\nallow = \"keys/allowed\"\n"
-                                         "[control]\nendpoint = \"tcp://0.0.0.0:7000\"\nkey = \"/k/c\"\n"
-                                         "allow = \"/k/a\"\n"));
+  const RunConfig c = MustParse(Cfg("",
+                                    "[publish]\nendpoint = \"tcp://10.0.0.1:5555\"\nmode = \"adapter\"\n"
+                                    "key = \"keys/ferryd\"\nallow = \"keys/allowed\"\n"
+                                    "[control]\nendpoint = \"tcp://0.0.0.0:7000\"\nkey = \"/k/c\"\n"
+                                    "allow = \"/k/a\"\n"));
   EXPECT_EQ(c.publish.endpoint, "tcp://10.0.0.1:5555");
   EXPECT_EQ(c.publish.key, std::filesystem::path("/cfg/keys/ferryd"));
   EXPECT_EQ(c.publish.allow, std::filesystem::path("/cfg/keys/allowed"));
@@ -215,21 +216,20 @@ TEST(RunConfigTest, PublishAndControlTables) {
   // Operational: a run resumes under another endpoint.
   EXPECT_EQ(c.Fingerprint(), d.Fingerprint());
 
-  ExpectKeyError(Cfg("", "[publish]\nmode = \"merged\"\n"), StatusCode::kUnsupported, "publish.mode",
-                 "digests only");
+  ExpectKeyError(Cfg("", "[publish]\nmode = \"merged\"\n"), StatusCode::kUnsupported, "publish.mode", "digests only");
   ExpectKeyError(Cfg("", "[publish]\nmode = \"delta\"\n"), StatusCode::kUnsupported, "publish.mode", "\"adapter\"");
   ExpectKeyError(Cfg("", "[publish]\nmode = \"full\"\n"), StatusCode::kInvalidArgument, "publish.mode",
                  "must be \"adapter\"");
-  ExpectKeyError(Cfg("", "[publish]\nendpoint = \"tcp://h:1\"\n"), StatusCode::kInvalidArgument,
-                 "publish.endpoint", "tcp:// needs CURVE");
-  ExpectKeyError(Cfg("", "[publish]\nendpoint = \"udp://h:1\"\n"), StatusCode::kInvalidArgument,
-                 "publish.endpoint", "udp://h:1");
+  ExpectKeyError(Cfg("", "[publish]\nendpoint = \"tcp://h:1\"\n"), StatusCode::kInvalidArgument, "publish.endpoint",
+                 "tcp:// needs CURVE");
+  ExpectKeyError(Cfg("", "[publish]\nendpoint = \"udp://h:1\"\n"), StatusCode::kInvalidArgument, "publish.endpoint",
+                 "udp://h:1");
   ExpectKeyError(Cfg("", "[publish]\nkey = \"k\"\n"), StatusCode::kInvalidArgument, "publish.key",
                  "needs publish.allow");
   ExpectKeyError(Cfg("", "[control]\nallow = \"a\"\n"), StatusCode::kInvalidArgument, "control.allow",
                  "needs control.key");
-  ExpectKeyError(Cfg("", "[control]\nendpoint = \"tcp://h:1\"\n"), StatusCode::kInvalidArgument,
-                 "control.endpoint", "tcp:// needs CURVE");
+  ExpectKeyError(Cfg("", "[control]\nendpoint = \"tcp://h:1\"\n"), StatusCode::kInvalidArgument, "control.endpoint",
+                 "tcp:// needs CURVE");
   ExpectKeyError(Cfg("", "[control]\nmode = \"adapter\"\n"), StatusCode::kInvalidArgument, "control.mode",
                  "unknown key");
   ExpectKeyError(Cfg("publish = \"ipc:///x\""), StatusCode::kInvalidArgument, "publish", "must be a table");

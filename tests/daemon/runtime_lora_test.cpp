@@ -88,7 +88,7 @@ TEST_F(LoraTest, NamedTargetsPatternsAndScalings) {
   const LoraBinding& b = (*a)->binding();
   ASSERT_NE(b.lm_head, nullptr);
   EXPECT_EQ(b.layers[0][static_cast<int>(Proj::kK)], nullptr);
-  EXPECT_DOUBLE_EQ(b.layers[0][static_cast<int>(Proj::kQ)]->scaling, 8.0 / 2.0);        // 8 / sqrt(4)
+  EXPECT_DOUBLE_EQ(b.layers[0][static_cast<int>(Proj::kQ)]->scaling, 8.0 / 2.0);  // 8 / sqrt(4)
   EXPECT_DOUBLE_EQ(b.layers[0][static_cast<int>(Proj::kV)]->scaling, 8.0 / std::sqrt(2.0));
   EXPECT_DOUBLE_EQ(b.layers[1][static_cast<int>(Proj::kQ)]->scaling, 3.0 / 2.0);
   EXPECT_EQ(b.layers[1][static_cast<int>(Proj::kV)]->a.size(0), 2);
@@ -105,7 +105,8 @@ TEST_F(LoraTest, RefusesTargetsThatMatchNothingAndUnsupportedKinds) {
   ASSERT_FALSE(dora.ok());
   EXPECT_EQ(dora.status().code(), StatusCode::kUnsupported);
   EXPECT_NE(dora.status().message().find("use_dora"), std::string::npos);
-  auto embed = LoraAdapter::Create(*model_, Config(R"({"peft_type": "LORA", "target_modules": ["embed_tokens", "q_proj"]})"), 1);
+  auto embed =
+      LoraAdapter::Create(*model_, Config(R"({"peft_type": "LORA", "target_modules": ["embed_tokens", "q_proj"]})"), 1);
   ASSERT_FALSE(embed.ok());
   EXPECT_EQ(embed.status().code(), StatusCode::kUnsupported);
 }
@@ -173,9 +174,10 @@ TEST_F(LoraTest, LoadRefusesTensorsThatDoNotFit) {
   auto b = LoraAdapter::Load(*model_, out);
   ASSERT_FALSE(b.ok());
   EXPECT_EQ(b.status().code(), StatusCode::kInvalidArgument);
-  EXPECT_NE(b.status().message().find("'base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight' has shape [4, 32], "
-                                      "expected [8, 32] (rank 8)"),
-            std::string::npos)
+  EXPECT_NE(
+      b.status().message().find("'base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight' has shape [4, 32], "
+                                "expected [8, 32] (rank 8)"),
+      std::string::npos)
       << b.status().message();
   // A key the config does not target.
   cfg["r"] = 4;
@@ -183,9 +185,10 @@ TEST_F(LoraTest, LoadRefusesTensorsThatDoNotFit) {
   ASSERT_TRUE(WriteFileAtomic(out / "adapter_config.json", cfg.dump(), false).ok());
   b = LoraAdapter::Load(*model_, out);
   ASSERT_FALSE(b.ok());
-  EXPECT_NE(b.status().message().find("tensor 'base_model.model.model.layers.1.self_attn.q_proj.lora_A.weight' does not "
-                                      "belong to a module the config targets"),
-            std::string::npos)
+  EXPECT_NE(
+      b.status().message().find("tensor 'base_model.model.model.layers.1.self_attn.q_proj.lora_A.weight' does not "
+                                "belong to a module the config targets"),
+      std::string::npos)
       << b.status().message();
 }
 
@@ -209,7 +212,8 @@ TEST_F(LoraTest, DropoutIsAppliedOnlyInTraining) {
 }
 
 // Gradients of every LoRA parameter for a next-token loss, with or without checkpointing.
-std::map<std::string, at::Tensor> Gradients(const CausalLM& model, LoraAdapter& a, const at::Tensor& ids, bool checkpoint) {
+std::map<std::string, at::Tensor> Gradients(const CausalLM& model, LoraAdapter& a, const at::Tensor& ids,
+                                            bool checkpoint) {
   for (auto& p : a.parameters()) {
     if (p.grad().defined()) p.mutable_grad().reset();
   }
@@ -233,8 +237,9 @@ std::map<std::string, at::Tensor> Gradients(const CausalLM& model, LoraAdapter& 
 
 TEST_F(LoraTest, ActivationCheckpointingGivesTheSameGradients) {
   for (double dropout : {0.0, 0.3}) {
-    auto a = LoraAdapter::Create(*model_, Config(R"({"peft_type": "LORA", "r": 4, "lora_dropout": )" +
-                                                 std::to_string(dropout) + R"(, "target_modules": "all-linear"})"),
+    auto a = LoraAdapter::Create(*model_,
+                                 Config(R"({"peft_type": "LORA", "r": 4, "lora_dropout": )" + std::to_string(dropout) +
+                                        R"(, "target_modules": "all-linear"})"),
                                  1);
     ASSERT_TRUE(a.ok());
     Perturb(**a);

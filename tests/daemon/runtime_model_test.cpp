@@ -223,8 +223,9 @@ TEST(RuntimeModel, AMissingOrMisShapedTensorIsNamed) {
   m = CausalLM::Load(dir.path(), {});
   ASSERT_FALSE(m.ok());
   EXPECT_EQ(m.status().code(), StatusCode::kInvalidArgument);
-  EXPECT_NE(m.status().message().find("tensor 'model.layers.0.self_attn.k_proj.weight' has shape [8, 32], expected [16, 32]"),
-            std::string::npos)
+  EXPECT_NE(
+      m.status().message().find("tensor 'model.layers.0.self_attn.k_proj.weight' has shape [8, 32], expected [16, 32]"),
+      std::string::npos)
       << m.status().message();
 
   auto extra = tensors;
@@ -232,8 +233,9 @@ TEST(RuntimeModel, AMissingOrMisShapedTensorIsNamed) {
   ASSERT_TRUE(ferry::testing::WriteTensors(dir.path() / "model.safetensors", extra).ok());
   m = CausalLM::Load(dir.path(), {});
   ASSERT_FALSE(m.ok());
-  EXPECT_NE(m.status().message().find("unexpected tensor 'base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight'"),
-            std::string::npos)
+  EXPECT_NE(
+      m.status().message().find("unexpected tensor 'base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight'"),
+      std::string::npos)
       << m.status().message();
 }
 

@@ -23,8 +23,8 @@
 // DIR/<case>/{peft_resaved,fresh}/ (Ferry-saved adapters) and DIR/<case>/{peft_resaved,fresh}.safetensors
 // (input_ids and Ferry's logits) for `generate.py --check-adapter` (fixtures/runtime/README.md).
 #include <ATen/ATen.h>
-#include <ATen/core/grad_mode.h>
 #include <ATen/CPUGeneratorImpl.h>
+#include <ATen/core/grad_mode.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -34,8 +34,8 @@
 #include <fstream>
 #include <map>
 #include <memory>
-#include <ostream>
 #include <nlohmann/json.hpp>
+#include <ostream>
 #include <string>
 #include <vector>
 
@@ -211,11 +211,8 @@ class RuntimeReferenceTest : public ::testing::TestWithParam<ReferenceParam> {
   Result<at::Tensor> Logits(const at::Tensor& ids, const LoraBinding* lora, bool training = false) {
     ForwardArgs a;
     a.input_ids = ids.to(device_);
-    a.positions = at::arange(ids.size(1), at::kLong)
-                      .view({1, -1})
-                      .expand({ids.size(0), ids.size(1)})
-                      .contiguous()
-                      .to(device_);
+    a.positions =
+        at::arange(ids.size(1), at::kLong).view({1, -1}).expand({ids.size(0), ids.size(1)}).contiguous().to(device_);
     a.lora = lora;
     a.training = training;
     FERRY_ASSIGN_OR_RETURN(at::Tensor logits, model_->Forward(a));
@@ -253,8 +250,8 @@ class RuntimeReferenceTest : public ::testing::TestWithParam<ReferenceParam> {
         const at::Tensor step = lf[static_cast<int64_t>(r)][prompt_len - 1 + static_cast<int64_t>(t)];
         const double best = step.max().item<double>();
         const double hf = step[want[r][t]].item<double>();
-        EXPECT_GE(hf, best - slack) << Name() << " row " << r << " step " << t << ": transformers' token "
-                                    << want[r][t] << " is " << best - hf << " below this runtime's best";
+        EXPECT_GE(hf, best - slack) << Name() << " row " << r << " step " << t << ": transformers' token " << want[r][t]
+                                    << " is " << best - hf << " below this runtime's best";
         if (diverged || t >= got[r].token_ids.size()) continue;
         const int64_t mine = got[r].token_ids[t];
         if (mine != want[r][t]) {

@@ -43,7 +43,7 @@ std::map<std::string, at::Tensor> RandomModelTensors(const TinyModelSpec& s) {
 std::string TinyConfigJson(const TinyModelSpec& s) {
   nlohmann::json j;
   j["model_type"] = s.model_type;
-  j["architectures"] = {s.model_type == "qwen2" ? "Qwen2ForCausalLM"
+  j["architectures"] = {s.model_type == "qwen2"     ? "Qwen2ForCausalLM"
                         : s.model_type == "mistral" ? "MistralForCausalLM"
                                                     : "LlamaForCausalLM"};
   j["vocab_size"] = s.vocab;

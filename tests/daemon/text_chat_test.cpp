@@ -32,7 +32,8 @@ TEST(ChatFormatTest, MatchesTransformersApplyChatTemplate) {
   const auto fixture = ChatFixture();
   const auto& conversations = fixture["conversations"];
   ASSERT_GE(conversations.size(), 9u);
-  for (const auto& [name, format] : {std::pair{"chatml", ChatFormat::kChatML}, std::pair{"llama3", ChatFormat::kLlama3}}) {
+  for (const auto& [name, format] :
+       {std::pair{"chatml", ChatFormat::kChatML}, std::pair{"llama3", ChatFormat::kLlama3}}) {
     const auto& expected = fixture[name];
     ASSERT_EQ(expected.size(), conversations.size());
     for (size_t i = 0; i < conversations.size(); ++i) {

@@ -20,22 +20,23 @@ constexpr const char* kSrc = "tokenizer.json";
 json Base() {
   json vocab = json::object();
   for (const char* t : {"a", "b", "c", "ab", "abc", "Ġ"}) vocab[t] = vocab.size();
-  return json{{"version", "1.0"},
-              {"truncation", nullptr},
-              {"padding", nullptr},
-              {"added_tokens", json::array({{{"id", 6}, {"content", "<s>"}, {"special", true}, {"normalized", false}}})},
-              {"normalizer", nullptr},
-              {"pre_tokenizer", {{"type", "ByteLevel"}, {"add_prefix_space", false}, {"use_regex", true}}},
-              {"post_processor", nullptr},
-              {"decoder", {{"type", "ByteLevel"}}},
-              {"model",
-               {{"type", "BPE"},
-                {"dropout", nullptr},
-                {"unk_token", nullptr},
-                {"fuse_unk", false},
-                {"byte_fallback", false},
-                {"vocab", vocab},
-                {"merges", json::array({"a b", json::array({"ab", "c"})})}}}};
+  return json{
+      {"version", "1.0"},
+      {"truncation", nullptr},
+      {"padding", nullptr},
+      {"added_tokens", json::array({{{"id", 6}, {"content", "<s>"}, {"special", true}, {"normalized", false}}})},
+      {"normalizer", nullptr},
+      {"pre_tokenizer", {{"type", "ByteLevel"}, {"add_prefix_space", false}, {"use_regex", true}}},
+      {"post_processor", nullptr},
+      {"decoder", {{"type", "ByteLevel"}}},
+      {"model",
+       {{"type", "BPE"},
+        {"dropout", nullptr},
+        {"unk_token", nullptr},
+        {"fuse_unk", false},
+        {"byte_fallback", false},
+        {"vocab", vocab},
+        {"merges", json::array({"a b", json::array({"ab", "c"})})}}}};
 }
 
 Result<Tokenizer> Load(const json& j) { return Tokenizer::FromJson(j.dump(), kSrc); }
@@ -144,8 +145,10 @@ TEST(TokenizerJsonTest, VocabularyMustBeDense) {
   ExpectRefused(j, StatusCode::kCorruption, "model.vocab is missing");
   // model.vocab and model.merges are read from the parser's events, not a DOM: every value
   // type still gets its message.
-  for (const auto& [value, shown] : {std::pair{json(1.5), std::string("1.5")}, {json(true), "boolean"},
-                                     {json(nullptr), "null"}, {json::array({1}), "array"},
+  for (const auto& [value, shown] : {std::pair{json(1.5), std::string("1.5")},
+                                     {json(true), "boolean"},
+                                     {json(nullptr), "null"},
+                                     {json::array({1}), "array"},
                                      {json::object({{"x", 1}}), "object"}}) {
     j = Base();
     j["model"]["vocab"]["abc"] = value;
@@ -196,8 +199,8 @@ TEST(TokenizerJsonTest, MergesMustNameTokens) {
   j = Base();
   j["model"]["merges"] = "a b";
   ExpectRefused(j, StatusCode::kCorruption, "model.merges must be an array, not string");
-  for (const json& bad : {json(7), json::object(), json::array({"a"}), json::array({"a", 1}),
-                          json::array({json::array({"a", "b"})})}) {
+  for (const json& bad :
+       {json(7), json::object(), json::array({"a"}), json::array({"a", 1}), json::array({json::array({"a", "b"})})}) {
     j = Base();
     j["model"]["merges"][1] = bad;
     ExpectRefused(j, StatusCode::kCorruption, "model.merges[1] must be \"a b\" or [\"a\", \"b\"]");
@@ -296,8 +299,8 @@ TEST(TokenizerJsonTest, TemplateProcessingFields) {
                            {"special_tokens", {{"<s>", {{"id", "<s>"}, {"ids", special_ids}, {"tokens", {"<s>"}}}}}}};
     return j;
   };
-  const json bos_a = json::array({{{"SpecialToken", {{"id", "<s>"}, {"type_id", 0}}}},
-                                  {{"Sequence", {{"id", "A"}, {"type_id", 0}}}}});
+  const json bos_a =
+      json::array({{{"SpecialToken", {{"id", "<s>"}, {"type_id", 0}}}}, {{"Sequence", {{"id", "A"}, {"type_id", 0}}}}});
   auto ok = Load(with(bos_a, {6}));
   ASSERT_TRUE(ok.ok()) << ok.status().ToString();
   EXPECT_EQ(*ok->Encode("ab", {.add_special_tokens = true}), (std::vector<int32_t>{6, 3}));
@@ -306,8 +309,8 @@ TEST(TokenizerJsonTest, TemplateProcessingFields) {
                 "post_processor.special_tokens.<s>.ids[0] 7 is not a token id (vocabulary size 7)");
   ExpectRefused(with(json::array({{{"Sequence", {{"id", "B"}, {"type_id", 0}}}}}), {6}), StatusCode::kUnsupported,
                 "post_processor.single[0].Sequence.id \"B\" in the single template is not supported");
-  ExpectRefused(with(json::array({{{"SpecialToken", {{"id", "</s>"}, {"type_id", 0}}}}}), {6}),
-                StatusCode::kCorruption, "post_processor.single[0].SpecialToken.id \"</s>\" is not in special_tokens");
+  ExpectRefused(with(json::array({{{"SpecialToken", {{"id", "</s>"}, {"type_id", 0}}}}}), {6}), StatusCode::kCorruption,
+                "post_processor.single[0].SpecialToken.id \"</s>\" is not in special_tokens");
 }
 
 TEST(TokenizerJsonTest, StripDecoderThatUpstreamPanicsOnIsAnError) {
@@ -316,7 +319,7 @@ TEST(TokenizerJsonTest, StripDecoderThatUpstreamPanicsOnIsAnError) {
   auto t = Load(j);
   ASSERT_TRUE(t.ok()) << t.status().ToString();
   EXPECT_EQ(*t->Decode(std::vector<int32_t>{4}), "abc");  // one token per string: "abc", nothing to strip
-  auto bad = t->Decode(std::vector<int32_t>{0});           // "a": stripping 2 runs past its start
+  auto bad = t->Decode(std::vector<int32_t>{0});          // "a": stripping 2 runs past its start
   ASSERT_FALSE(bad.ok());
   EXPECT_EQ(bad.status().code(), StatusCode::kInvalidArgument);
 }
@@ -324,7 +327,10 @@ TEST(TokenizerJsonTest, StripDecoderThatUpstreamPanicsOnIsAnError) {
 // The maximal-subpart rule of Rust's from_utf8_lossy (Unicode 15, section 3.9, table 3-8).
 TEST(Utf8Test, LossyReplacesMaximalSubparts) {
   EXPECT_EQ(Utf8Lossy("\x61\xF1\x80\x80\xE1\x80\xC2\x62\x80\x63\x80\xBF\x64"),
-            "a\xEF\xBF\xBD\xEF\xBF\xBD\xEF\xBF\xBD" "b\xEF\xBF\xBD" "c\xEF\xBF\xBD\xEF\xBF\xBD" "d");
+            "a\xEF\xBF\xBD\xEF\xBF\xBD\xEF\xBF\xBD"
+            "b\xEF\xBF\xBD"
+            "c\xEF\xBF\xBD\xEF\xBF\xBD"
+            "d");
   EXPECT_EQ(Utf8Lossy("Hello \xF0\x90\x80World"), "Hello \xEF\xBF\xBDWorld");
   EXPECT_EQ(Utf8Lossy("\xED\xA0\x80"), "\xEF\xBF\xBD\xEF\xBF\xBD\xEF\xBF\xBD");  // surrogate: 3 subparts
   EXPECT_EQ(Utf8Lossy("\xC0\xAF"), "\xEF\xBF\xBD\xEF\xBF\xBD");

@@ -13,9 +13,7 @@
 
 namespace ferry::text::testing {
 
-inline std::filesystem::path TokenizerFixtures() {
-  return std::filesystem::path(FERRY_FIXTURES_DIR) / "tokenizers";
-}
+inline std::filesystem::path TokenizerFixtures() { return std::filesystem::path(FERRY_FIXTURES_DIR) / "tokenizers"; }
 
 inline std::vector<nlohmann::json> ReadJsonLines(const std::filesystem::path& path) {
   std::vector<nlohmann::json> rows;

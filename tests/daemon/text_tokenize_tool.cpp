@@ -69,7 +69,8 @@ int main(int argc, char** argv) {
         if (!decoded.ok() || !decoded_skip.ok()) {
           out = Error(decoded.ok() ? decoded_skip.status() : decoded.status());
         } else {
-          out = json{{"ids", *ids}, {"ids_special", *ids_special}, {"decoded", *decoded}, {"decoded_skip", *decoded_skip}};
+          out = json{
+              {"ids", *ids}, {"ids_special", *ids_special}, {"decoded", *decoded}, {"decoded_skip", *decoded_skip}};
         }
       }
     } else {

@@ -24,9 +24,9 @@ using testing::Printable;
 using testing::ReadJsonLines;
 using testing::TokenizerFixtures;
 
-const char* const kFixtureTokenizers[] = {"gpt2",          "qwen2",          "llama3-style",   "qwen2-style",
-                                          "llama2-legacy", "llama2-metaspace", "mistral-style", "edge-bytelevel",
-                                          "edge-metaspace", "edge-regex"};
+const char* const kFixtureTokenizers[] = {
+    "gpt2",          "qwen2",          "llama3-style",   "qwen2-style", "llama2-legacy", "llama2-metaspace",
+    "mistral-style", "edge-bytelevel", "edge-metaspace", "edge-regex"};
 
 std::vector<int32_t> Ids(const nlohmann::json& j) { return j.get<std::vector<int32_t>>(); }
 
@@ -79,12 +79,11 @@ TEST_P(FixtureTest, RandomIdSequencesDecodeAsTokenizersPackage) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Tokenizers, FixtureTest, ::testing::ValuesIn(kFixtureTokenizers),
-                         [](const auto& param_info) {
-                           std::string n = param_info.param;
-                           for (char& c : n) c = c == '-' ? '_' : c;
-                           return n;
-                         });
+INSTANTIATE_TEST_SUITE_P(Tokenizers, FixtureTest, ::testing::ValuesIn(kFixtureTokenizers), [](const auto& param_info) {
+  std::string n = param_info.param;
+  for (char& c : n) c = c == '-' ? '_' : c;
+  return n;
+});
 
 // transformers' own encodings of llama.cpp's test strings for GPT-2 and Qwen1.5 (the .inp/.out
 // pairs of the GGUF vocabularies, produced by AutoTokenizer.encode(text, add_special_tokens=False)).
@@ -165,13 +164,15 @@ TEST(TokenizerTest, InvalidUtf8IsRefusedNamingTheByteOffset) {
     std::string text;
     size_t offset;
   } cases[] = {
-      {"abc\xff", 3},                 // never a UTF-8 byte
-      {"ab\x80", 2},                  // a lone continuation byte
-      {"x\xe4\xbd", 1},               // cut short by the end
-      {"\xe4\xbd" "a", 0},            // cut short by an ASCII byte
-      {"ok \xc0\xaf", 3},             // overlong '/'
-      {"\xed\xa0\x80", 0},            // a UTF-16 surrogate
-      {"12\xf4\x90\x80\x80", 2},      // above U+10FFFF
+      {"abc\xff", 3},    // never a UTF-8 byte
+      {"ab\x80", 2},     // a lone continuation byte
+      {"x\xe4\xbd", 1},  // cut short by the end
+      {"\xe4\xbd"
+       "a",
+       0},                              // cut short by an ASCII byte
+      {"ok \xc0\xaf", 3},               // overlong '/'
+      {"\xed\xa0\x80", 0},              // a UTF-16 surrogate
+      {"12\xf4\x90\x80\x80", 2},        // above U+10FFFF
       {"\xe2\x82\xac\xf0\x9f\x98", 3},  // valid euro sign, then a cut emoji
   };
   for (const auto& c : cases) {

@@ -49,8 +49,8 @@ TEST(Cast, F32ToF16RoundTripsEveryHalfAndRoundsToNearestEven) {
   EXPECT_EQ(F32ToF16(1.0f + 3 * std::ldexp(1.0f, -11)), 0x3C02);
   // Just above halfway rounds up.
   EXPECT_EQ(F32ToF16(std::nextafter(1.0f + std::ldexp(1.0f, -11), 2.0f)), 0x3C01);
-  EXPECT_EQ(F32ToF16(65504.0f), 0x7BFF);            // max half
-  EXPECT_EQ(F32ToF16(65520.0f), 0x7C00);            // rounds to +inf
+  EXPECT_EQ(F32ToF16(65504.0f), 0x7BFF);  // max half
+  EXPECT_EQ(F32ToF16(65520.0f), 0x7C00);  // rounds to +inf
   EXPECT_EQ(F32ToF16(-std::numeric_limits<float>::infinity()), 0xFC00);
   EXPECT_EQ(F32ToF16(std::ldexp(1.0f, -24)), 0x0001);  // smallest subnormal
   EXPECT_EQ(F32ToF16(std::ldexp(1.0f, -26)), 0x0000);  // below half the smallest subnormal: 0
@@ -79,7 +79,9 @@ TEST(Cast, VectorisedLoopsMatchScalarReference) {
   const size_t n = 100003;  // not a multiple of any vector width
   std::vector<float> f(n);
   for (auto& x : f) {
-    do { x = F32FromBits(bits(rng)); } while (std::isnan(x));
+    do {
+      x = F32FromBits(bits(rng));
+    } while (std::isnan(x));
   }
   std::vector<uint16_t> h(n), b(n);
   CastF32ToF16(f.data(), h.data(), n);
@@ -96,18 +98,18 @@ TEST(Cast, VectorisedLoopsMatchScalarReference) {
 }
 
 TEST(Cast, F8E4M3KnownValues) {
-  EXPECT_EQ(F8E4M3ToF32(0x38), 1.0f);           // 0 0111 000
-  EXPECT_EQ(F8E4M3ToF32(0x7E), 448.0f);         // max normal
+  EXPECT_EQ(F8E4M3ToF32(0x38), 1.0f);    // 0 0111 000
+  EXPECT_EQ(F8E4M3ToF32(0x7E), 448.0f);  // max normal
   EXPECT_EQ(F8E4M3ToF32(0xFE), -448.0f);
   EXPECT_EQ(F8E4M3ToF32(0x01), std::ldexp(1.0f, -9));  // smallest subnormal
   EXPECT_TRUE(std::isnan(F8E4M3ToF32(0x7F)));
   EXPECT_TRUE(std::isnan(F8E4M3ToF32(0xFF)));
-  EXPECT_EQ(F8E4M3ToF32(0x78), 256.0f);         // 0 1111 000: a number, not inf, in E4M3FN
+  EXPECT_EQ(F8E4M3ToF32(0x78), 256.0f);  // 0 1111 000: a number, not inf, in E4M3FN
 }
 
 TEST(Cast, F8E5M2KnownValues) {
   EXPECT_EQ(F8E5M2ToF32(0x3C), 1.0f);
-  EXPECT_EQ(F8E5M2ToF32(0x7B), 57344.0f);       // max normal
+  EXPECT_EQ(F8E5M2ToF32(0x7B), 57344.0f);  // max normal
   EXPECT_TRUE(std::isinf(F8E5M2ToF32(0x7C)));
   EXPECT_TRUE(std::isnan(F8E5M2ToF32(0x7D)));
   EXPECT_EQ(F8E5M2ToF32(0x01), std::ldexp(1.0f, -16));

@@ -14,7 +14,8 @@ namespace {
 class CudaCast : public ::testing::Test {
  protected:
   void SetUp() override {
-    if (cuda::DeviceCount() == 0) GTEST_SKIP() << "no CUDA device on this machine; the CPU reference is tested elsewhere";
+    if (cuda::DeviceCount() == 0)
+      GTEST_SKIP() << "no CUDA device on this machine; the CPU reference is tested elsewhere";
   }
 };
 
@@ -38,7 +39,9 @@ TEST_F(CudaCast, MatchesCpuReferenceBitForBit) {
   std::uniform_int_distribution<uint32_t> bits;
   const size_t n = 1 << 20;
   std::vector<float> f(n);
-  for (auto& x : f) do { x = F32FromBits(bits(rng)); } while (x != x);
+  for (auto& x : f) do {
+      x = F32FromBits(bits(rng));
+    } while (x != x);
   std::vector<uint16_t> h(n);
   for (auto& x : h) x = static_cast<uint16_t>(bits(rng));
 
@@ -72,7 +75,10 @@ TEST_F(CudaCast, MatchesCpuReferenceBitForBit) {
     if (cpu32[i] != cpu32[i]) ASSERT_NE(g[i], g[i]) << i;
     else ASSERT_EQ(F32Bits(g[i]), F32Bits(cpu32[i])) << i;
   }
-  cudaFree(df); cudaFree(dh); cudaFree(d16); cudaFree(d32);
+  cudaFree(df);
+  cudaFree(dh);
+  cudaFree(d16);
+  cudaFree(d32);
 }
 
 }  // namespace

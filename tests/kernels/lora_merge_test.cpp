@@ -290,7 +290,8 @@ TEST(LoraMergeRows16, BitIdenticalToUnfusedPath) {
   std::mt19937 rng(123);
   std::normal_distribution<float> dist(0.0f, 0.05f);
   for (Float16Kind kind : {Float16Kind::kBF16, Float16Kind::kF16}) {
-    for (auto [out, in, r] : std::vector<std::tuple<int64_t, int64_t, int64_t>>{{37, 129, 16}, {8, 64, 1}, {130, 70, 7}}) {
+    for (auto [out, in, r] :
+         std::vector<std::tuple<int64_t, int64_t, int64_t>>{{37, 129, 16}, {8, 64, 1}, {130, 70, 7}}) {
       const size_t n = static_cast<size_t>(out * in);
       std::vector<float> wf(n), a(static_cast<size_t>(r * in)), b(static_cast<size_t>(out * r));
       for (auto& x : wf) x = dist(rng);
@@ -314,7 +315,8 @@ TEST(LoraMergeRows16, BitIdenticalToUnfusedPath) {
         LoraMergeRows16(reinterpret_cast<const uint16_t*>(src.data() + 1), kind, a.data(), b.data(), out, in, r, 1.75f,
                         reinterpret_cast<uint16_t*>(dst.data() + 1), threads);
         ASSERT_EQ(std::memcmp(dst.data() + 1, want.data(), 2 * n), 0)
-            << (kind == Float16Kind::kBF16 ? "bf16 " : "f16 ") << out << "x" << in << " r=" << r << " threads=" << threads;
+            << (kind == Float16Kind::kBF16 ? "bf16 " : "f16 ") << out << "x" << in << " r=" << r
+            << " threads=" << threads;
       }
     }
   }
@@ -334,9 +336,17 @@ TEST(LoraMergeRows16, MatchesScalarSequenceOnManyShapes) {
   std::mt19937 rng(2024);
   std::normal_distribution<float> normal(0.0f, 0.3f);
   std::uniform_int_distribution<int> pick(0, 40);
-  const float specials[] = {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity(),
-                            -std::numeric_limits<float>::infinity(), 0.0f, -0.0f, 1e-40f, -3e-39f, 3.3e38f,
-                            -3.3e38f, 6e-8f, 65504.0f};
+  const float specials[] = {std::numeric_limits<float>::quiet_NaN(),
+                            std::numeric_limits<float>::infinity(),
+                            -std::numeric_limits<float>::infinity(),
+                            0.0f,
+                            -0.0f,
+                            1e-40f,
+                            -3e-39f,
+                            3.3e38f,
+                            -3.3e38f,
+                            6e-8f,
+                            65504.0f};
   const int64_t outs[] = {1, 3, 4, 5, 9, 17};
   const int64_t ins[] = {1, 5, 8, 15, 16, 17, 31, 32, 33, 63, 64, 65, 127, 128, 129, 200, 1031};
   const int64_t ranks[] = {0, 1, 2, 8, 16, 64};

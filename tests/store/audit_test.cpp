@@ -96,7 +96,7 @@ class AuditTest : public ::testing::Test {
   }
 
   Status Record(Event::Type type, const Digest& v, const std::string& receiver, std::optional<Digest> computed,
-               int64_t t) {
+                int64_t t) {
     store::Event e;
     e.type = type;
     e.version = v;
@@ -125,7 +125,8 @@ TEST_F(AuditTest, CleanRunReportsNoAnomalies) {
   VersionRecord a2 = Import(Adapter(2, 1), VersionKind::kAdapter, 2, base.id, std::nullopt, {{"reward_mean", 0.2}});
   VersionRecord a3 = Import(Adapter(3, 1), VersionKind::kAdapter, 3, base.id, std::nullopt, {{"reward_mean", 0.3}});
   VersionRecord m = Import(Base(2), VersionKind::kMerged, 3, base.id, a3.id);
-  for (const auto& v : {base, a1, a2, a3, m}) ASSERT_TRUE(Record(Event::Type::kPublished, v.id, "", std::nullopt, 10).ok());
+  for (const auto& v : {base, a1, a2, a3, m})
+    ASSERT_TRUE(Record(Event::Type::kPublished, v.id, "", std::nullopt, 10).ok());
   ASSERT_TRUE(Record(Event::Type::kActivated, m.id, "gen-0", m.id, 20).ok());
 
   AuditReport r = Audit();
@@ -186,7 +187,8 @@ TEST_F(AuditTest, AllZeroAdapterIsFlaggedAfterStepZero) {
   auto found = Of(r, AnomalyKind::kZeroAdapter);
   ASSERT_EQ(found.size(), 1u);
   EXPECT_EQ(found[0]->version, a.id);
-  EXPECT_NE(found[0]->message.find("adapter version " + a.id.Hex().substr(0, 12) + " (run r, seq 2) is all zero: all 1 "
+  EXPECT_NE(found[0]->message.find("adapter version " + a.id.Hex().substr(0, 12) +
+                                   " (run r, seq 2) is all zero: all 1 "
                                    "lora_B tensors are zero"),
             std::string::npos)
       << found[0]->message;
@@ -194,7 +196,8 @@ TEST_F(AuditTest, AllZeroAdapterIsFlaggedAfterStepZero) {
 
 TEST_F(AuditTest, NonFiniteTensorIsNamed) {
   Tensors t = Base();
-  t["layers.0.k_proj.weight"] = {{3}, {1, std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity()}};
+  t["layers.0.k_proj.weight"] = {{3},
+                                 {1, std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity()}};
   VersionRecord v = Import(t, VersionKind::kFull);
   AuditReport r = Audit();
   auto found = Of(r, AnomalyKind::kNonFinite);
@@ -208,7 +211,8 @@ TEST_F(AuditTest, DeltaNormJumpIsFlaggedByTheMedianRule) {
   VersionRecord base = Import(Base(), VersionKind::kBase);
   // lora_A[0] = 0, 1, 2, 3, 23: deltas 1, 1, 1, 20 -> 20x the median 1 > 10x.
   std::vector<VersionRecord> a;
-  for (float x : {0.f, 1.f, 2.f, 3.f, 23.f}) a.push_back(Import(Adapter(x, 1), VersionKind::kAdapter, int64_t(x) + 1, base.id));
+  for (float x : {0.f, 1.f, 2.f, 3.f, 23.f})
+    a.push_back(Import(Adapter(x, 1), VersionKind::kAdapter, int64_t(x) + 1, base.id));
   AuditReport r = Audit();
   auto found = Of(r, AnomalyKind::kDeltaJump);
   ASSERT_EQ(found.size(), 1u);

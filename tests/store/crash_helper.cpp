@@ -94,8 +94,7 @@ int main(int argc, char** argv) {
     *s.mutable_data_as<int64_t>() = static_cast<int64_t>(k);
     tensors["step"] = s;
     auto ckpt = ferry::Checkpoint::FromTensors("synthetic-" + std::to_string(k), std::move(tensors));
-    ferry::AuxFiles aux = {
-        {"config.json", "{\"generation\": " + std::to_string(k / 5) + "}"}};
+    ferry::AuxFiles aux = {{"config.json", "{\"generation\": " + std::to_string(k / 5) + "}"}};
     ferry::store::ImportOptions io;
     io.run = k % 3 == 0 ? "b" : "a";
     io.step = static_cast<int64_t>(k);

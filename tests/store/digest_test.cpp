@@ -199,10 +199,10 @@ TEST(ManifestDigest, ChangesWithAnyAuxFileChange) {
     return r->id;
   };
   Digest base = id({{"config.json", "{}"}});
-  EXPECT_NE(id({{"config.json", "{} "}}), base);                                 // contents
-  EXPECT_NE(id({{"generation_config.json", "{}"}}), base);                       // name
-  EXPECT_NE(id({{"config.json", "{}"}, {"merges.txt", ""}}), base);              // an added file
-  EXPECT_NE(id({}), base);                                                       // a removed file
+  EXPECT_NE(id({{"config.json", "{} "}}), base);                     // contents
+  EXPECT_NE(id({{"generation_config.json", "{}"}}), base);           // name
+  EXPECT_NE(id({{"config.json", "{}"}, {"merges.txt", ""}}), base);  // an added file
+  EXPECT_NE(id({}), base);                                           // a removed file
   EXPECT_EQ(id({{"config.json", "{}"}}), base);
   auto dup = internal::HashCheckpoint(ckpt, {{"config.json", "{}"}, {"config.json", "{}"}}, internal::HashOptions{});
   EXPECT_EQ(dup.status().code(), StatusCode::kInvalidArgument);
@@ -262,7 +262,7 @@ TEST(TensorStats, Avx2AndSse2PathsGiveBitIdenticalResults) {
   internal::SetStatsAvx2ForTesting(false);
   TensorRow f_sse2 = StatsOf(f), b_sse2 = StatsOf(bf);
   internal::SetStatsAvx2ForTesting(true);
-  if (has_avx2) {  // without AVX2 both runs took the SSE2 path
+  if (has_avx2) {                               // without AVX2 both runs took the SSE2 path
     EXPECT_EQ(f_avx2.l2_norm, f_sse2.l2_norm);  // exact equality, not near
     EXPECT_EQ(b_avx2.l2_norm, b_sse2.l2_norm);
   }

@@ -192,7 +192,8 @@ TEST_F(StoreTest, SourceChangedAfterHashingIsRefusedAndLeavesNoObject) {
 
 TEST_F(StoreTest, FineTuneWritesOnlyTheChangedTensorsAndChainsToTheParent) {
   ImportResult v1 = MustImport(tmp_ / "base");
-  const std::vector<std::string> changed = {"model.layers.0.self_attn.q_proj.weight", "model.layers.0.mlp.up_proj.weight"};
+  const std::vector<std::string> changed = {"model.layers.0.self_attn.q_proj.weight",
+                                            "model.layers.0.mlp.up_proj.weight"};
   ImportResult v2 = MustImport(FineTune("ft", changed, 50));
   EXPECT_FALSE(v2.already_present);
   EXPECT_EQ(v2.bytes_written, base_[changed[0]].nbytes() + base_[changed[1]].nbytes());  // 4096 + 3072
@@ -232,7 +233,7 @@ TEST_F(StoreTest, FineTuneWritesOnlyTheChangedTensorsAndChainsToTheParent) {
   auto all = store_->ListVersions(std::nullopt);
   ASSERT_TRUE(all.ok());
   ASSERT_EQ(all->size(), 3u);
-  EXPECT_EQ((*all)[2].id, v3.record.id);  // oldest first
+  EXPECT_EQ((*all)[2].id, v3.record.id);                  // oldest first
   auto empty = store_->ListVersions(std::string("exp"));  // a prefix of a run is not a run
   ASSERT_TRUE(empty.ok());
   EXPECT_TRUE(empty->empty());
@@ -469,7 +470,8 @@ TEST_F(StoreTest, ImportRefusesAKindThatContradictsTheDirectory) {
     EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
     EXPECT_NE(r.status().message().find((tmp_ / "adapter").string() + " is a PEFT adapter"), std::string::npos)
         << r.status().ToString();
-    EXPECT_NE(r.status().message().find("kind " + std::string(KindName(k))), std::string::npos) << r.status().ToString();
+    EXPECT_NE(r.status().message().find("kind " + std::string(KindName(k))), std::string::npos)
+        << r.status().ToString();
   }
   ImportOptions o;
   o.kind = VersionKind::kAdapter;

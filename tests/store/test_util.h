@@ -142,7 +142,8 @@ class Child {
         buffer_.erase(0, nl + 1);
         return true;
       }
-      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+      const auto left =
+          std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
       if (left.count() <= 0) return false;
       pollfd p{from_child_, POLLIN, 0};
       int r = ::poll(&p, 1, static_cast<int>(left.count()));

@@ -1,8 +1,8 @@
 // Text that goes into the store's JSON records (the UTF-8 check and escaping themselves are
-// tested in tests/core/text_test.cpp): the names import refuses before anything is stored (an auxiliary-looking file whose name is
-// not UTF-8 or holds a control character, a tensor, run, layout or metric name that is not
-// UTF-8, an adapter_config.json that is not UTF-8), a non-ASCII UTF-8 aux name that is
-// recorded and round-trips, and event text and audit reports that never fail to encode.
+// tested in tests/core/text_test.cpp): the names import refuses before anything is stored (an auxiliary-looking file
+// whose name is not UTF-8 or holds a control character, a tensor, run, layout or metric name that is not UTF-8, an
+// adapter_config.json that is not UTF-8), a non-ASCII UTF-8 aux name that is recorded and round-trips, and event text
+// and audit reports that never fail to encode.
 #include <gtest/gtest.h>
 
 #include <filesystem>

@@ -160,10 +160,10 @@ TEST(ActivateTest, NeedsPreparationTruthTable) {
     bool needs;
   };
   const Row rows[] = {
-      {K::kFull, Layout::kHf, Layout::kHf, false},         {K::kMerged, Layout::kHf, Layout::kHf, false},
-      {K::kFull, Layout::kFused, Layout::kFused, false},   {K::kFull, Layout::kHf, Layout::kFused, true},
-      {K::kMerged, Layout::kHf, Layout::kFused, true},     {K::kFull, Layout::kFused, Layout::kHf, true},
-      {K::kAdapter, Layout::kLora, Layout::kHf, true},     {K::kAdapter, Layout::kLora, Layout::kFused, true},
+      {K::kFull, Layout::kHf, Layout::kHf, false},       {K::kMerged, Layout::kHf, Layout::kHf, false},
+      {K::kFull, Layout::kFused, Layout::kFused, false}, {K::kFull, Layout::kHf, Layout::kFused, true},
+      {K::kMerged, Layout::kHf, Layout::kFused, true},   {K::kFull, Layout::kFused, Layout::kHf, true},
+      {K::kAdapter, Layout::kLora, Layout::kHf, true},   {K::kAdapter, Layout::kLora, Layout::kFused, true},
       {K::kAdapter, Layout::kHf, Layout::kHf, true},
   };
   for (const Row& r : rows) {

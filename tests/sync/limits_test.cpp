@@ -137,7 +137,7 @@ TEST_F(LimitsTest, APeerThatNeverReadsCostsReferencesNotCopies) {
   zmq::context_t ctx;
   zmq::socket_t flood(ctx, zmq::socket_type::dealer);
   flood.set(zmq::sockopt::linger, 0);
-  flood.set(zmq::sockopt::rcvhwm, 1);     // this test's own side buffers (almost) nothing
+  flood.set(zmq::sockopt::rcvhwm, 1);  // this test's own side buffers (almost) nothing
   flood.set(zmq::sockopt::rcvbuf, 65536);
   flood.set(zmq::sockopt::sndhwm, 0);
   flood.connect(endpoints_.requests);

@@ -17,25 +17,27 @@
 
 #include <zmq.hpp>
 
-#include "tests/temp_dir.h"
 #include "convert/peft_config.h"
 #include "core/checkpoint.h"
 #include "core/mapped_file.h"
 #include "core/safetensors.h"
 #include "store/store.h"
 #include "sync/keys.h"
-#include "sync/snapshot.h"
 #include "sync/protocol.h"
 #include "sync/publisher.h"
 #include "sync/receiver.h"
+#include "sync/snapshot.h"
 #include "tests/sync/sync_test_util.h"
+#include "tests/temp_dir.h"
 
 namespace ferry::sync {
 namespace {
 
 namespace fs = std::filesystem;
 
-std::span<const std::byte> AsBytes(std::string_view s) { return {reinterpret_cast<const std::byte*>(s.data()), s.size()}; }
+std::span<const std::byte> AsBytes(std::string_view s) {
+  return {reinterpret_cast<const std::byte*>(s.data()), s.size()};
+}
 
 // ---- protocol codec --------------------------------------------------------------------
 
@@ -168,7 +170,9 @@ TEST(ProtocolTest, ManifestValidation) {
     return DecodeManifest(R"({"version":")" + d + R"(","sequence":1,)" + fields + R"("tensors":[)" + tensors +
                           R"(],"aux":[)" + aux + "]}");
   };
-  auto parse = [&](const std::string& tensors, const std::string& aux) { return parse_with(plain_fields, tensors, aux); };
+  auto parse = [&](const std::string& tensors, const std::string& aux) {
+    return parse_with(plain_fields, tensors, aux);
+  };
   auto ok = parse(good_tensor, R"({"name":"config.json","digest":")" + d + R"(","size":5})");
   ASSERT_TRUE(ok.ok()) << ok.status().message();
   EXPECT_EQ(ok->tensors[0].nbytes, 24u);
@@ -1103,7 +1107,8 @@ TEST_F(ModesTest, ReceiverRefusesALayoutThatHoldsNoWeights) {
   auto r = Receiver::Connect(o);
   ASSERT_FALSE(r.ok());
   EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
-  EXPECT_NE(r.status().message().find("layout \"lora\" must be hf or fused"), std::string::npos) << r.status().message();
+  EXPECT_NE(r.status().message().find("layout \"lora\" must be hf or fused"), std::string::npos)
+      << r.status().message();
 }
 
 }  // namespace

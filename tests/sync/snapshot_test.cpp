@@ -342,7 +342,8 @@ TEST(SnapshotTest, FusedLayoutStacksTheHfTensors) {
   for (int layer = 0; layer < 2; ++layer) {
     const std::string p = "model.layers." + std::to_string(layer) + ".";
     const std::vector<std::pair<std::string, std::vector<std::string>>> groups = {
-        {"self_attn.qkv_proj.weight", {"self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"}},
+        {"self_attn.qkv_proj.weight",
+         {"self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"}},
         {"mlp.gate_up_proj.weight", {"mlp.gate_proj.weight", "mlp.up_proj.weight"}}};
     for (const auto& [fused_name, parts] : groups) {
       Tensor f = fused->checkpoint().Get(p + fused_name).value();
@@ -444,7 +445,8 @@ TEST(SnapshotTest, AdapterOnlyExpectedManifestEqualsTheMergedSnapshotAndReceiver
   for (auto& [name, t] : src.adapter_tensors) std::memset(t.mutable_data(), 0xCD, t.nbytes());
   Checkpoint fixture_adapter = Checkpoint::Open(kCase / "adapter").value();
   for (const auto& name : fixture_adapter.names()) {
-    EXPECT_EQ(store::TensorDigest(a->adapter->Get(name).value()), store::TensorDigest(fixture_adapter.Get(name).value()))
+    EXPECT_EQ(store::TensorDigest(a->adapter->Get(name).value()),
+              store::TensorDigest(fixture_adapter.Get(name).value()))
         << name;
     EXPECT_EQ(a->adapter_digests.at(name), store::TensorDigest(fixture_adapter.Get(name).value())) << name;
   }
@@ -522,8 +524,9 @@ TEST(SnapshotTest, AdapterErrorsFromThePlanNameTheTensor) {
   auto snap = BuildSnapshot(src, SnapshotOptions{});
   ASSERT_FALSE(snap.ok());
   EXPECT_EQ(snap.status().code(), StatusCode::kNotFound);
-  EXPECT_EQ(snap.status().message().rfind(
-                "snapshot: <snapshot adapter>: adapter tensor 'base_model.model.model.layers.1.self_attn.o_proj.lora_A.weight'", 0),
+  EXPECT_EQ(snap.status().message().rfind("snapshot: <snapshot adapter>: adapter tensor "
+                                          "'base_model.model.model.layers.1.self_attn.o_proj.lora_A.weight'",
+                                          0),
             0u)
       << snap.status().message();
 }
@@ -594,7 +597,6 @@ TEST(LazySnapshotTest, PlanFailsBeforeAnythingIsMade) {
   EXPECT_EQ(bad.status().code(), StatusCode::kUnsupported) << bad.status().ToString();
   EXPECT_NE(bad.status().message().find(w), std::string::npos) << bad.status().ToString();
 }
-
 
 // Recording a lazy snapshot holds one merged tensor at a time; building it in memory holds
 // them all. Four 40 MiB BF16 projections with a LoRA each (above glibc's largest mmap
@@ -668,7 +670,8 @@ TEST_P(SnapshotVsConverterTest, IdEqualsConvertedOutput) {
   SnapshotOptions o;
   o.layout = layout;
   o.threads = 2;
-  o.tie_word_embeddings = ReadText(dir / "base" / "config.json").find("\"tie_word_embeddings\": true") != std::string::npos;
+  o.tie_word_embeddings =
+      ReadText(dir / "base" / "config.json").find("\"tie_word_embeddings\": true") != std::string::npos;
   auto snap = BuildSnapshot(src, o);
   ASSERT_TRUE(snap.ok()) << snap.status().ToString();
 

@@ -325,13 +325,11 @@ class ThrowingStore final : public store::Store {
     if (path.filename() == throw_on_) throw std::runtime_error("boom in " + path.filename().string());
     return inner_->Import(path, options);
   }
-  Result<store::ImportResult> ImportCheckpoint(const Checkpoint& ckpt,
-                                               const AuxFiles& aux_files,
+  Result<store::ImportResult> ImportCheckpoint(const Checkpoint& ckpt, const AuxFiles& aux_files,
                                                const store::ImportOptions& options) override {
     return inner_->ImportCheckpoint(ckpt, aux_files, options);
   }
-  Result<store::ImportResult> RecordDerived(const std::vector<store::TensorRow>& tensors,
-                                            const AuxFiles& aux_files,
+  Result<store::ImportResult> RecordDerived(const std::vector<store::TensorRow>& tensors, const AuxFiles& aux_files,
                                             const store::ImportOptions& options) override {
     return inner_->RecordDerived(tensors, aux_files, options);
   }

@@ -52,7 +52,10 @@ struct ControlServer::Impl {
       stop_out.connect(stop_ep);
       router = zmq::socket_t(ctx, zmq::socket_type::router);
       router.set(zmq::sockopt::maxmsgsize, static_cast<int64_t>(kMaxTransportBytes));
-      router.set(zmq::sockopt::linger, 0);
+      // Replies already queued when Stop() closes the socket (the reply to `stop` itself) still go
+      // out: with linger 0 a loaded machine's I/O thread could drop them and the client waited its
+      // whole timeout. Bounded, so a client that stopped reading cannot hold the daemon's exit.
+      router.set(zmq::sockopt::linger, 1000);
       if (o.curve) FERRY_RETURN_IF_ERROR(sync::SecureServerSocket(router.handle(), *o.curve, kZapDomain));
       router.bind(endpoint);
       endpoint = router.get(zmq::sockopt::last_endpoint);

@@ -34,6 +34,7 @@
 #include "store/store.h"
 #include "sync/snapshot.h"
 #include "tests/daemon/runtime_test_util.h"
+#include "tests/temp_dir.h"
 
 namespace ferry::grpo {
 namespace {
@@ -41,65 +42,12 @@ namespace {
 namespace fs = std::filesystem;
 using nlohmann::json;
 
-class TempDir {
- public:
-  TempDir() {
-    std::string tmpl = (fs::temp_directory_path() / "ferry_grpo_proofs_XXXXXX").string();
-    path_ = ::mkdtemp(tmpl.data());
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path_, ec);
-  }
-  const fs::path& path() const { return path_; }
+using TempDir = testing::ScopedTempDir;
+using testing::ReadText;
+using testing::WriteText;
 
- private:
-  fs::path path_;
-};
-
-void WriteText(const fs::path& p, const std::string& text) { std::ofstream(p, std::ios::binary) << text; }
-
-std::string ReadText(const fs::path& p) {
-  std::ifstream in(p, std::ios::binary);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
-
-// A byte-level BPE tokenizer of 12 single characters (0-9 + =), <bos> (12) and <pad> (13), as
-// the `tokenizers` package writes one with no merges. No EOS: completions run to their
-// maximum length.
-std::string DigitTokenizerJson() {
-  json vocab = json::object();
-  const std::string chars = "0123456789+=";
-  for (size_t i = 0; i < chars.size(); ++i) vocab[std::string(1, chars[i])] = i;
-  auto added = [](int id, const char* content) {
-    return json{{"id", id},        {"content", content},  {"single_word", false}, {"lstrip", false},
-                {"rstrip", false}, {"normalized", false}, {"special", true}};
-  };
-  json j = {
-      {"version", "1.0"},
-      {"truncation", nullptr},
-      {"padding", nullptr},
-      {"added_tokens", {added(12, "<bos>"), added(13, "<pad>")}},
-      {"normalizer", nullptr},
-      {"pre_tokenizer",
-       {{"type", "ByteLevel"}, {"add_prefix_space", false}, {"trim_offsets", true}, {"use_regex", true}}},
-      {"post_processor", nullptr},
-      {"decoder", {{"type", "ByteLevel"}, {"add_prefix_space", true}, {"trim_offsets", true}, {"use_regex", true}}},
-      {"model",
-       {{"type", "BPE"},
-        {"dropout", nullptr},
-        {"unk_token", nullptr},
-        {"continuing_subword_prefix", nullptr},
-        {"end_of_word_suffix", nullptr},
-        {"fuse_unk", false},
-        {"byte_fallback", false},
-        {"ignore_merges", false},
-        {"vocab", vocab},
-        {"merges", json::array()}}}};
-  return j.dump();
-}
+// The digit tokenizer with <bos> (12) and <pad> (13). No EOS: completions run to their maximum length.
+std::string DigitTokenizerJson() { return testing::DigitTokenizerJson("<pad>"); }
 
 // A reward command (POSIX sh, started once for the run): answers {"reward": n % 5} to its n-th
 // request line, so rewards differ within every group. `fail_after` > 0: on request line

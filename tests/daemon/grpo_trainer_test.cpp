@@ -22,6 +22,7 @@
 #include "store/materialize.h"
 #include "store/store.h"
 #include "tests/daemon/runtime_test_util.h"
+#include "tests/temp_dir.h"
 
 namespace ferry::grpo {
 namespace {
@@ -29,64 +30,12 @@ namespace {
 namespace fs = std::filesystem;
 using nlohmann::json;
 
-class TempDir {
- public:
-  TempDir() {
-    std::string tmpl = (fs::temp_directory_path() / "ferry_grpo_trainer_XXXXXX").string();
-    path_ = ::mkdtemp(tmpl.data());
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path_, ec);
-  }
-  const fs::path& path() const { return path_; }
+using TempDir = testing::ScopedTempDir;
+using testing::ReadText;
+using testing::WriteText;
 
- private:
-  fs::path path_;
-};
-
-void WriteText(const fs::path& p, const std::string& text) { std::ofstream(p, std::ios::binary) << text; }
-
-std::string ReadText(const fs::path& p) {
-  std::ifstream in(p, std::ios::binary);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
-
-// A byte-level BPE tokenizer of 12 single characters (0-9 + =) and <bos>/<eos> (ids 12, 13),
-// as the `tokenizers` package writes one with no merges.
-std::string DigitTokenizerJson() {
-  json vocab = json::object();
-  const std::string chars = "0123456789+=";
-  for (size_t i = 0; i < chars.size(); ++i) vocab[std::string(1, chars[i])] = i;
-  auto added = [](int id, const char* content) {
-    return json{{"id", id},        {"content", content},  {"single_word", false}, {"lstrip", false},
-                {"rstrip", false}, {"normalized", false}, {"special", true}};
-  };
-  json j = {
-      {"version", "1.0"},
-      {"truncation", nullptr},
-      {"padding", nullptr},
-      {"added_tokens", {added(12, "<bos>"), added(13, "<eos>")}},
-      {"normalizer", nullptr},
-      {"pre_tokenizer",
-       {{"type", "ByteLevel"}, {"add_prefix_space", false}, {"trim_offsets", true}, {"use_regex", true}}},
-      {"post_processor", nullptr},
-      {"decoder", {{"type", "ByteLevel"}, {"add_prefix_space", true}, {"trim_offsets", true}, {"use_regex", true}}},
-      {"model",
-       {{"type", "BPE"},
-        {"dropout", nullptr},
-        {"unk_token", nullptr},
-        {"continuing_subword_prefix", nullptr},
-        {"end_of_word_suffix", nullptr},
-        {"fuse_unk", false},
-        {"byte_fallback", false},
-        {"ignore_merges", false},
-        {"vocab", vocab},
-        {"merges", json::array()}}}};
-  return j.dump();
-}
+// The digit tokenizer with <bos>/<eos> (ids 12, 13).
+std::string DigitTokenizerJson() { return testing::DigitTokenizerJson("<eos>"); }
 
 // A tiny Llama (or Qwen2) over the digit tokenizer, with an addition dataset and a config.
 struct RunFiles {

@@ -2,6 +2,9 @@
 
 #include <nlohmann/json.hpp>
 
+#include <fstream>
+#include <sstream>
+#include <string>
 #include <vector>
 
 #include "core/mapped_file.h"
@@ -86,6 +89,48 @@ Status WriteTinyModel(const std::filesystem::path& dir, const TinyModelSpec& spe
   if (ec) return Status::IOError(dir.string() + ": " + ec.message());
   FERRY_RETURN_IF_ERROR(WriteFileAtomic(dir / "config.json", TinyConfigJson(spec), false));
   return WriteTensors(dir / "model.safetensors", RandomModelTensors(spec));
+}
+
+void WriteText(const std::filesystem::path& p, const std::string& text) { std::ofstream(p, std::ios::binary) << text; }
+
+std::string ReadText(const std::filesystem::path& p) {
+  std::ifstream in(p, std::ios::binary);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+std::string DigitTokenizerJson(const std::string& token13) {
+  using nlohmann::json;
+  json vocab = json::object();
+  const std::string chars = "0123456789+=";
+  for (size_t i = 0; i < chars.size(); ++i) vocab[std::string(1, chars[i])] = i;
+  auto added = [](int id, const std::string& content) {
+    return json{{"id", id},        {"content", content},  {"single_word", false}, {"lstrip", false},
+                {"rstrip", false}, {"normalized", false}, {"special", true}};
+  };
+  json j = {
+      {"version", "1.0"},
+      {"truncation", nullptr},
+      {"padding", nullptr},
+      {"added_tokens", {added(12, "<bos>"), added(13, token13)}},
+      {"normalizer", nullptr},
+      {"pre_tokenizer",
+       {{"type", "ByteLevel"}, {"add_prefix_space", false}, {"trim_offsets", true}, {"use_regex", true}}},
+      {"post_processor", nullptr},
+      {"decoder", {{"type", "ByteLevel"}, {"add_prefix_space", true}, {"trim_offsets", true}, {"use_regex", true}}},
+      {"model",
+       {{"type", "BPE"},
+        {"dropout", nullptr},
+        {"unk_token", nullptr},
+        {"continuing_subword_prefix", nullptr},
+        {"end_of_word_suffix", nullptr},
+        {"fuse_unk", false},
+        {"byte_fallback", false},
+        {"ignore_merges", false},
+        {"vocab", vocab},
+        {"merges", json::array()}}}};
+  return j.dump();
 }
 
 }  // namespace ferry::testing

@@ -42,4 +42,12 @@ Status WriteTinyModel(const std::filesystem::path& dir, const TinyModelSpec& spe
 // Writes `tensors` as one safetensors file.
 Status WriteTensors(const std::filesystem::path& file, const std::map<std::string, at::Tensor>& tensors);
 
+// A file's bytes written / read whole (test set-up; no error handling beyond gtest's checks).
+void WriteText(const std::filesystem::path& p, const std::string& text);
+std::string ReadText(const std::filesystem::path& p);
+
+// A byte-level BPE tokenizer.json of 12 single characters (0-9 + =, ids 0-11), "<bos>" (12) and
+// `token13` (13), as the `tokenizers` package writes one with no merges.
+std::string DigitTokenizerJson(const std::string& token13);
+
 }  // namespace ferry::testing

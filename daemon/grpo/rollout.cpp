@@ -1,6 +1,7 @@
 // Generation batches: prompts -> completions from the co-located generator -> rewards,
 // advantages, old/reference log-probabilities and the mismatch correction.
 #include <algorithm>
+#include <map>
 #include <numeric>
 #include <random>
 
@@ -64,6 +65,30 @@ uint64_t SamplingSeed(int64_t run_seed, int64_t step) {
   return SplitMix64(SplitMix64(static_cast<uint64_t>(run_seed)) ^ static_cast<uint64_t>(step));
 }
 
+namespace {
+
+// For each row of `pid` / `pmask` ([n, p], on the CPU) the index of its distinct prompt (the
+// ids at real positions and where the padding is), and the first row of each distinct prompt.
+void GroupRowsByPrompt(const at::Tensor& pid, const at::Tensor& pmask, std::vector<int64_t>& group_of_row,
+                       std::vector<int64_t>& first_row) {
+  const at::Tensor ids = pid.to(at::kLong).contiguous();
+  const at::Tensor real = pmask.to(at::kLong).contiguous();
+  const int64_t n = ids.size(0), p = ids.size(1);
+  const int64_t* id = ids.data_ptr<int64_t>();
+  const int64_t* ok = real.data_ptr<int64_t>();
+  std::map<std::vector<int64_t>, int64_t> seen;
+  group_of_row.resize(static_cast<size_t>(n));
+  for (int64_t r = 0; r < n; ++r) {
+    std::vector<int64_t> key(static_cast<size_t>(p));
+    for (int64_t t = 0; t < p; ++t) key[static_cast<size_t>(t)] = ok[r * p + t] != 0 ? id[r * p + t] : -1;
+    auto [it, added] = seen.emplace(std::move(key), static_cast<int64_t>(first_row.size()));
+    if (added) first_row.push_back(r);
+    group_of_row[static_cast<size_t>(r)] = it->second;
+  }
+}
+
+}  // namespace
+
 Result<MicroBatchLogps> MicroBatchLogProbs(const Trainer::State& s, const Rollout& r, const std::vector<int64_t>& rows,
                                            bool lora, bool training) {
   const runtime::CausalLM& m = *s.model;
@@ -81,23 +106,56 @@ Result<MicroBatchLogps> MicroBatchLogProbs(const Trainer::State& s, const Rollou
       pid = pid.narrow(1, first, P - first);
       pmask = pmask.narrow(1, first, P - first);
     }
-    const int64_t p = pid.size(1), C = cid.size(1);
+    const int64_t n = pid.size(0), p = pid.size(1), C = cid.size(1);
     // The forward and the log-probs run on the model's device; what they return comes back to
     // the CPU, where the rollout's tensors and the loss live (autograd carries the gradient back).
     const at::Device& dev = m.device();
-    at::Tensor ids = at::cat({pid, cid}, 1).to(dev);
     at::Tensor attn = at::cat({pmask, out.mask}, 1).to(dev);
-    cid = cid.to(dev);
+    at::Tensor positions = (attn.cumsum(1) - 1).clamp_min(0);
     const at::Tensor mask = out.mask.to(dev);
     runtime::ForwardArgs a;
-    a.input_ids = ids;
-    a.positions = (attn.cumsum(1) - 1).clamp_min(0);
-    a.attention_mask = attn.to(at::kBool);
     a.lora = lora ? &s.adapter->binding() : nullptr;
     a.training = training;
     a.checkpoint_layers = training && s.config.gradient_checkpointing;
-    FERRY_ASSIGN_OR_RETURN(at::Tensor hidden, m.Hidden(a));
-    at::Tensor h = hidden.narrow(1, p - 1, C);  // position t predicts completion token t
+
+    std::vector<int64_t> group_of_row, first_row;
+    const bool dropout = training && lora && s.config.lora.lora_dropout > 0;
+    if (s.share_prompt_forward && !a.checkpoint_layers && !dropout)
+      GroupRowsByPrompt(pid, pmask, group_of_row, first_row);
+    at::Tensor h;  // [n, C, hidden]: position p - 1 + t predicts completion token t
+    if (!first_row.empty() && static_cast<int64_t>(first_row.size()) < n) {
+      // Each distinct prompt once, into a cache with room for the completions ...
+      const at::Tensor firsts = at::tensor(first_row, at::kLong).to(dev);
+      const at::Tensor group = at::tensor(group_of_row, at::kLong).to(dev);
+      out.distinct_prompts = firsts.size(0);
+      runtime::KvCache prompts(m.config(), firsts.size(0), p + C - 1, m.dtype(), dev);
+      runtime::ForwardArgs pa = a;
+      pa.input_ids = pid.to(dev).index_select(0, firsts);
+      pa.positions = positions.narrow(1, 0, p).index_select(0, firsts);
+      pa.attention_mask = attn.narrow(1, 0, p).index_select(0, firsts).to(at::kBool);
+      pa.cache = &prompts;
+      FERRY_ASSIGN_OR_RETURN(at::Tensor hp, m.Hidden(pa));
+      h = hp.select(1, p - 1).index_select(0, group).unsqueeze(1);
+      if (C > 1) {
+        // ... then every row's completion (but its last token, which predicts nothing) against
+        // its prompt's keys and values.
+        runtime::KvCache per_row = prompts.Select(group);
+        runtime::ForwardArgs ca = a;
+        ca.input_ids = cid.narrow(1, 0, C - 1).to(dev);
+        ca.positions = positions.narrow(1, p, C - 1);
+        ca.attention_mask = attn.narrow(1, p, C - 1).to(at::kBool);
+        ca.cache = &per_row;
+        FERRY_ASSIGN_OR_RETURN(at::Tensor hc, m.Hidden(ca));
+        h = at::cat({h, hc}, 1);
+      }
+    } else {
+      a.input_ids = at::cat({pid, cid}, 1).to(dev);
+      a.positions = positions;
+      a.attention_mask = attn.to(at::kBool);
+      FERRY_ASSIGN_OR_RETURN(at::Tensor hidden, m.Hidden(a));
+      h = hidden.narrow(1, p - 1, C);
+    }
+    cid = cid.to(dev);
     const runtime::LoraModule* head_lora = lora ? s.adapter->binding().lm_head : nullptr;
     Result<TokenLogProbs> lp = Status::Internal("unset");
     if (head_lora || m.lm_head().quant) {

@@ -56,6 +56,10 @@ struct Trainer::State {
   AdvantageOptions advantage_options;
   MismatchOptions mismatch_options;
   bool fast_old_logps = false;  // old log-probs = the first forward's, detached
+  // The trainer's forward computes each distinct prompt of a micro-batch once and runs only
+  // the completions per row (MicroBatchLogProbs). Off: every row's prompt is recomputed
+  // (the plain forward; tests compare the two).
+  bool share_prompt_forward = true;
 
   std::optional<text::Tokenizer> tokenizer;  // set by Create
   std::optional<text::ChatFormat> chat_format;
@@ -97,11 +101,20 @@ Result<Rollout> MakeRollout(Trainer::State& s);
 
 // Per-token log-probabilities and entropies of `rows` of `r` under the trainer's model (with
 // the adapter when `lora`), the LM head chunked. `training`: dropout on and autograd recorded.
+// The num_generations completions of a prompt share it: when s.share_prompt_forward is on and
+// rows repeat a prompt, each distinct prompt runs through the model once (into a KV cache that
+// autograd tracks) and every row then runs only its completion against that prompt's keys and
+// values. The same sums as the plain forward over prompt + completion, so the results differ
+// from it in rounding only (and gradients reach the prompt's tokens from every row through
+// the cache). Not used with LoRA dropout in training (each row must draw its own dropout on
+// its prompt) nor with activation checkpointing.
 struct MicroBatchLogps {
   at::Tensor logps;    // [n, C]
   at::Tensor entropy;  // [n, C]
   at::Tensor mask;     // [n, C] long
   at::Tensor rows;     // long [n]
+  // Distinct prompts run once each (0: the plain forward ran, every row's prompt recomputed).
+  int64_t distinct_prompts = 0;
 };
 Result<MicroBatchLogps> MicroBatchLogProbs(const Trainer::State& s, const Rollout& r, const std::vector<int64_t>& rows,
                                            bool lora, bool training);

@@ -376,6 +376,78 @@ vllm_importance_sampling_clip_max = 1.0
   EXPECT_GT(std::abs(loss_with - loss_without), 1e-4 * std::max(1e-3, std::abs(loss_without)));
 }
 
+// ---- the shared prompt forward ------------------------------------------------------------------
+
+// The trainer runs each distinct prompt of a micro-batch once and every row's completion
+// against its keys and values: the log-probs, entropies and LoRA gradients equal the plain
+// forward over prompt + completion per row, with prompts of different lengths (left padding).
+TEST(GrpoProofsTest, SharedPromptForwardEqualsThePlainForward) {
+  TempDir tmp;
+  testing::TinyModelSpec spec;
+  spec.std = 0.1;
+  RunFiles r = MakeRun(tmp.path(), spec, {"7+5=", "12+34=", "3+41=", "99+9=", "1+2=", "40+60="}, R"(bf16 = false
+max_steps = 2
+save_steps = 100
+per_device_train_batch_size = 8
+steps_per_generation = 2
+num_generations = 4
+max_completion_length = 5
+gradient_checkpointing = false
+)",
+                       RewardScript(0, ""));
+  auto trainer = Trainer::Create(Options(r.config, 2));
+  ASSERT_TRUE(trainer.ok()) << trainer.status().ToString();
+  Trainer::State& s = const_cast<Trainer::State&>(*(*trainer)->state_for_testing());
+  auto step1 = (*trainer)->Step();  // trains a little, so the adapter's B is not zero
+  ASSERT_TRUE(step1.ok()) << step1.status().ToString();
+  ASSERT_TRUE(s.buffer.has_value());
+  const Rollout& ro = *s.buffer;
+  const std::vector<int64_t>& rows = ro.rows_of_micro_batch.at(1);
+  ASSERT_EQ(rows.size(), 8u);
+  const at::Tensor pmask = ro.prompt_mask.index_select(0, at::tensor(rows, at::kLong));
+  ASSERT_GT(pmask.sum(1).max().item<int64_t>(), pmask.sum(1).min().item<int64_t>()) << "no left padding to test";
+  // The rows of a micro-batch are shuffled across the generation batch: count their prompts.
+  std::set<std::vector<int64_t>> prompts;
+  for (int64_t row : rows) {
+    const at::Tensor real = ro.prompt_mask[row].to(at::kBool);
+    const at::Tensor ids = ro.prompt_ids[row].masked_select(real).contiguous();
+    prompts.insert(std::vector<int64_t>(ids.data_ptr<int64_t>(), ids.data_ptr<int64_t>() + ids.numel()));
+  }
+  ASSERT_LT(prompts.size(), rows.size()) << "no prompt repeats in the micro-batch";
+
+  const std::vector<at::Tensor> params = s.adapter->parameters();
+  const at::Tensor weights = at::rand({8, ro.completion_ids.size(1)}, at::TensorOptions().dtype(at::kFloat));
+  struct Result {
+    MicroBatchLogps mb;
+    std::vector<at::Tensor> grads;
+  };
+  auto run = [&](bool share) {
+    s.share_prompt_forward = share;
+    for (const at::Tensor& p : params) p.mutable_grad() = at::Tensor();
+    auto mb = MicroBatchLogProbs(s, ro, rows, /*lora=*/true, /*training=*/true);
+    EXPECT_TRUE(mb.ok()) << mb.status().ToString();
+    ((mb->logps + 0.1 * mb->entropy) * weights * mb->mask).sum().backward();
+    Result out{*mb, {}};
+    for (const at::Tensor& p : params) out.grads.push_back(p.grad().clone());
+    return out;
+  };
+  const Result shared = run(true);
+  const Result plain = run(false);
+  EXPECT_EQ(shared.mb.distinct_prompts, static_cast<int64_t>(prompts.size()));
+  EXPECT_EQ(plain.mb.distinct_prompts, 0);
+  EXPECT_TRUE(at::equal(shared.mb.mask, plain.mb.mask));
+  EXPECT_LT((shared.mb.logps - plain.mb.logps).abs().max().item<double>(), 1e-5);
+  EXPECT_LT((shared.mb.entropy - plain.mb.entropy).abs().max().item<double>(), 1e-5);
+  EXPECT_GT(plain.mb.logps.abs().sum().item<double>(), 0);
+  double grad_norm = 0;
+  for (size_t i = 0; i < params.size(); ++i) {
+    const double scale = std::max(1e-3, plain.grads[i].abs().max().item<double>());
+    EXPECT_LT((shared.grads[i] - plain.grads[i]).abs().max().item<double>(), 1e-5 * scale) << "parameter " << i;
+    grad_norm += plain.grads[i].abs().sum().item<double>();
+  }
+  EXPECT_GT(grad_norm, 0);
+}
+
 // ---- a reward command that fails mid-run -----------------------------------------------------
 
 constexpr int kRowsPerStep = 8;  // per_device_train_batch_size: 2 prompts x 4 generations

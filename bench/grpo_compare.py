@@ -2,12 +2,15 @@
 """ferryd against TRL's GRPOTrainer on the same model, prompts, reward and settings, side by side in one run.
 
     /tmp/fixvenv/bin/python bench/grpo_compare.py [--ferryd build/cli/ferryd] [--demo fixtures/demo]
-        [--steps 60] [--warmup-steps 5] [--reps 2] [--threads 2]
+        [--steps 60] [--warmup-steps 5] [--reps 2] [--threads 2] [--omp-wait-policy default|PASSIVE|ACTIVE]
 
 Each repetition runs ferryd (`ferryd train` on the demo's grpo.toml with max_steps --steps and a metrics line per
 step) and then bench/trl_grpo_peer.py (TRL 1.16, the same settings: see its docstring for the fair-comparison
-protocol), alternately, so both see the same machine. Both get the same thread count and OMP_WAIT_POLICY=PASSIVE
-(on a shared machine spinning OpenMP threads slow either side many times over). Per side: the median wall time of
+protocol), alternately, so both see the same machine. Both get the same thread count and the same OpenMP wait
+policy: by default none is set (libgomp's default: a waiting thread spins briefly, then sleeps), as a user runs them;
+--omp-wait-policy PASSIVE (threads sleep at once) is for a machine other jobs load, where spinning threads slow
+either side many times over, but on an idle machine it costs ferryd, whose small operations each wake a thread, a
+factor of 2-4. Per side: the median wall time of
 an optimizer step after the warm-up steps (ferryd: its step_time metric, from the start of the step to the
 generator's acknowledgement of the new weights; the step's store record follows it and is not included (it records
 the step's metrics: docs/daemon.md "Speed"); TRL: TrainerCallback on_step_begin to on_step_end), the generated
@@ -94,9 +97,14 @@ def main():
     ap.add_argument("--warmup-steps", type=int, default=5)
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--omp-wait-policy", choices=["default", "PASSIVE", "ACTIVE"], default="default")
     args = ap.parse_args()
-    env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", OMP_NUM_THREADS=str(args.threads))
-    result = {"steps": args.steps, "warmup_steps": args.warmup_steps, "threads": args.threads, "ferryd": [], "trl": []}
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
+    env.pop("OMP_WAIT_POLICY", None)
+    if args.omp_wait_policy != "default":
+        env["OMP_WAIT_POLICY"] = args.omp_wait_policy
+    result = {"steps": args.steps, "warmup_steps": args.warmup_steps, "threads": args.threads,
+              "omp_wait_policy": args.omp_wait_policy, "ferryd": [], "trl": []}
     with tempfile.TemporaryDirectory(prefix="ferry_grpo_compare_") as work:
         for rep in range(args.reps):
             result["ferryd"].append(run_ferryd(args, env, work, rep))

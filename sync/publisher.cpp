@@ -13,12 +13,15 @@
 #include <zmq.hpp>
 
 #include "sync/protocol.h"
+#include "sync/snapshot.h"
 
 namespace ferry::sync {
 namespace {
 
 constexpr size_t kMaxPublishedKept = 8;        // versions still served after a newer one is published
 constexpr size_t kMaxCachedItems = 4;          // tensors/aux files kept open for chunking
+constexpr size_t kMaxOfferedKept = 2;          // offered snapshots waiting to be published (Offer)
+constexpr size_t kMaxSnapshotsKept = 2;        // published versions whose offered snapshot is kept
 constexpr size_t kMaxVerifiedKept = 1u << 16;  // object digests verified once, then trusted
 constexpr std::string_view kZapDomain = "ferry-sync";
 constexpr uint64_t kPaceBurstBytes = uint64_t{1} << 20;  // credit a capped publisher may bank
@@ -170,12 +173,30 @@ class Publisher::Impl {
   const Endpoints& bound() const { return bound_; }
   void Corrupt(int n) { corrupt_.fetch_add(n); }
 
+  void Offer(const store::Digest& version, std::shared_ptr<const Snapshot> snapshot) {
+    std::lock_guard lock(offer_mu_);
+    std::erase_if(offered_, [&](const auto& o) { return o.first == version; });
+    offered_.emplace_back(version, std::move(snapshot));
+    while (offered_.size() > kMaxOfferedKept) offered_.erase(offered_.begin());
+  }
+
+  // PublisherOptions::publish_first, before the serving thread starts.
+  Status PublishFirst() {
+    if (!options_.publish_first) return Status::OK();
+    return DoPublish(*options_.publish_first).status();
+  }
+
  private:
   struct Published {
     store::VersionRecord record;
     uint64_t sequence = 0;
-    std::optional<store::Digest> merged_version;       // adapter mode
-    bool base_itself = false;                          // adapter mode: the base, served whole
+    std::optional<store::Digest> merged_version;  // adapter mode
+    bool base_itself = false;                     // adapter mode: the base, served whole
+    // Merged/delta mode, a derived version: the offered snapshot holding the bytes its store
+    // rows lack (null once newer versions replaced it), and the tensor indexes already checked
+    // against their rows.
+    std::shared_ptr<const Snapshot> snapshot;
+    std::set<uint32_t> snapshot_verified;
     std::shared_ptr<const std::string> manifest_json;  // shared by every queued MANIFEST reply
   };
 
@@ -379,6 +400,14 @@ class Publisher::Impl {
                                         "its merged version in " +
                                         std::string(PublishModeName(options_.mode)) + " mode");
     }
+    if (options_.mode != PublishMode::kAdapter && rec.derived) {
+      p.snapshot = TakeOffered(v);
+      if (!p.snapshot) {
+        return Status::FailedPrecondition("version " + v.Hex() +
+                                          " is derived (recorded by its digests only) and no snapshot of it was "
+                                          "offered (Publisher::Offer): its merged tensors have no bytes to serve");
+      }
+    }
     const uint64_t seq = sequence_.load() + 1;
     Manifest man = ManifestFor(rec);
     man.sequence = seq;
@@ -391,6 +420,10 @@ class Publisher::Impl {
     p.sequence = seq;
     published_.push_back(std::move(p));
     if (published_.size() > kMaxPublishedKept) published_.erase(published_.begin());
+    size_t snapshots = 0;
+    for (auto it = published_.rbegin(); it != published_.rend(); ++it) {
+      if (it->snapshot && ++snapshots > kMaxSnapshotsKept) it->snapshot.reset();
+    }
     cache_.clear();
     sequence_.store(seq);
     store::Event e;
@@ -553,8 +586,49 @@ class Publisher::Impl {
         [](void*, void* hint) { delete static_cast<std::shared_ptr<const std::string>*>(hint); }, keep);
   }
 
-  const Published* Find(const store::Digest& v) const {
-    for (const auto& p : published_) {
+  // The offered snapshot of `v` (removed from the offers), or null.
+  std::shared_ptr<const Snapshot> TakeOffered(const store::Digest& v) {
+    std::lock_guard lock(offer_mu_);
+    for (auto it = offered_.begin(); it != offered_.end(); ++it) {
+      if (it->first == v) {
+        std::shared_ptr<const Snapshot> s = std::move(it->second);
+        offered_.erase(it);
+        return s;
+      }
+    }
+    return nullptr;
+  }
+
+  // Tensor `index` of a derived version from its offered snapshot, checked against its row
+  // the first time it is served.
+  Result<Tensor> FromSnapshot(Published& p, uint32_t index) {
+    const store::TensorRow& row = p.record.tensors[index];
+    const std::string what = "sync: tensor '" + row.name + "' of version " + p.record.id.Hex();
+    if (!p.snapshot) {
+      return Status::NotFound(what +
+                              " is no longer served (its bytes were held in memory until newer versions "
+                              "replaced it); take the latest version");
+    }
+    auto t = p.snapshot->checkpoint().Get(row.name);
+    if (!t.ok()) return Status::Corruption(what + ": not in the snapshot offered for it");
+    if (p.snapshot_verified.count(index) == 0) {
+      if (t->dtype() != row.dtype || t->shape() != row.shape) {
+        return Status::Corruption(what +
+                                  ": the offered snapshot's tensor has another dtype or shape than "
+                                  "the store records; not served");
+      }
+      const store::Digest d = store::TensorDigest(*t);
+      if (d != row.digest) {
+        return Status::Corruption(what + ": the offered bytes hash to " + d.Hex() + " but the store records " +
+                                  row.digest.Hex() + "; not served");
+      }
+      p.snapshot_verified.insert(index);
+    }
+    return std::move(*t);
+  }
+
+  Published* Find(const store::Digest& v) {
+    for (auto& p : published_) {
       if (p.record.id == v) return &p;
     }
     return nullptr;
@@ -562,7 +636,8 @@ class Publisher::Impl {
 
   // The cached item (valid until the cache changes: use it at once). Tensors are mapped
   // store objects; each object is verified against its digest the first time it is loaded.
-  Result<const Tensor*> Item(const Published& p, ItemKind kind, uint32_t index) {
+  // A derived version's rows whose object the store lacks come from its offered snapshot.
+  Result<const Tensor*> Item(Published& p, ItemKind kind, uint32_t index) {
     const auto key = std::make_tuple(p.record.id, kind, index);
     if (auto it = cache_.find(key); it != cache_.end()) return &it->second;
     if (cache_.size() >= kMaxCachedItems) cache_.clear();
@@ -572,7 +647,14 @@ class Publisher::Impl {
       }
       const store::TensorRow& row = p.record.tensors[index];
       const bool verify = verified_.count(row.digest) == 0;
-      FERRY_ASSIGN_OR_RETURN(Tensor t, store_->ReadTensor(row, verify));
+      Result<Tensor> read = store_->ReadTensor(row, verify);
+      if (!read.ok() && read.status().code() == StatusCode::kFailedPrecondition && p.record.derived) {
+        FERRY_ASSIGN_OR_RETURN(Tensor t, FromSnapshot(p, index));
+        auto& slot = cache_[key];
+        slot = std::move(t);
+        return &slot;
+      }
+      FERRY_ASSIGN_OR_RETURN(Tensor t, std::move(read));
       if (verify) {
         if (verified_.size() >= kMaxVerifiedKept) verified_.clear();
         verified_.insert(row.digest);
@@ -596,7 +678,7 @@ class Publisher::Impl {
   }
 
   void HandleFetch(const zmq::message_t& rid, const Message& m) {
-    const Published* p = Find(m.version);
+    Published* p = Find(m.version);
     if (p == nullptr) {
       return ReplyError(rid, Status::NotFound("sync FETCH: version " + m.version.Hex() + " is not published here"));
     }
@@ -716,10 +798,12 @@ class Publisher::Impl {
   std::map<std::tuple<store::Digest, ItemKind, uint32_t>, Tensor> cache_;  // thread only
   std::set<store::Digest> verified_;     // store objects already checked against their digest; thread only
   std::map<int, std::string> fd_owner_;  // thread only: connection descriptor -> receiver id
-  store::Digest follow_latest_;          // thread only: the run's latest record Follow() saw
-  store::Digest follow_tried_;           // thread only: the newest version Follow() tried
-  double pace_tokens_ = 0;               // thread only: Pace()'s bucket, in bytes
-  Clock::time_point pace_last_;          // thread only: when the bucket was last filled
+  std::mutex offer_mu_;
+  std::vector<std::pair<store::Digest, std::shared_ptr<const Snapshot>>> offered_;  // guarded by offer_mu_
+  store::Digest follow_latest_;  // thread only: the run's latest record Follow() saw
+  store::Digest follow_tried_;   // thread only: the newest version Follow() tried
+  double pace_tokens_ = 0;       // thread only: Pace()'s bucket, in bytes
+  Clock::time_point pace_last_;  // thread only: when the bucket was last filled
   std::atomic<uint64_t> sequence_{0};
   std::atomic<int> corrupt_{0};
   mutable std::mutex info_mu_;
@@ -739,6 +823,7 @@ Result<std::unique_ptr<Publisher>> Publisher::Start(store::Store* store, Publish
   }
   auto impl = std::make_unique<Impl>(store, std::move(options));
   FERRY_RETURN_IF_ERROR(impl->Bind());
+  FERRY_RETURN_IF_ERROR(impl->PublishFirst());
   impl->StartThread();
   return std::unique_ptr<Publisher>(new Publisher(std::move(impl)));
 }
@@ -750,6 +835,9 @@ std::vector<ReceiverInfo> Publisher::Receivers() const { return impl_->Receivers
 Endpoints Publisher::bound_endpoints() const { return impl_->bound(); }
 uint64_t Publisher::latest_sequence() const { return impl_->latest_sequence(); }
 uint64_t Publisher::epoch() const { return impl_->epoch(); }
+void Publisher::Offer(const store::Digest& version, std::shared_ptr<const Snapshot> snapshot) {
+  impl_->Offer(version, std::move(snapshot));
+}
 void Publisher::CorruptNextChunksForTesting(int n) { impl_->Corrupt(n); }
 
 }  // namespace ferry::sync

@@ -17,6 +17,8 @@
 
 namespace ferry::sync {
 
+class Snapshot;
+
 // PublishMode (how versions are published): sync/protocol.h.
 
 // The newest version of `run` that `mode` can publish: a merged, full or base version, or
@@ -43,6 +45,9 @@ struct PublisherOptions {
   // Default: 5000
   int heartbeat_timeout_ms = 5000;
   PublishMode mode = PublishMode::kMerged;  // Default: merged
+  // Published (sequence 1) by Start before the follower first looks at the run, which then
+  // does not publish it again (Publish's errors, naming the id). Default: none
+  std::optional<store::Digest> publish_first;
   // Caps the rate of CHUNK payload bytes sent to all receivers together (a token bucket
   // banking at most 1 MiB of credit; the serving thread waits for the rest), e.g. to leave
   // a shared link to the trainer, or to measure sync over a slower link
@@ -83,8 +88,23 @@ class Publisher {
   // kNotFound naming the id when the store does not hold it. kFailedPrecondition naming
   // the id when it has no tensors; in merged/delta mode when it is an adapter; in adapter
   // mode when it is a merged version, or an adapter without base_version or whose merged
-  // version is not stored ("record the merged version first").
+  // version is not stored ("record the merged version first"); in merged/delta mode when
+  // it is derived (recorded by its digests only) and no snapshot of it was offered (Offer).
   [[nodiscard]] Result<uint64_t> Publish(const store::Digest& version);
+
+  // Gives the publisher the tensor bytes of `version`, a merged version recorded by its
+  // digests only (a derived version, store/store.h), from the immutable snapshot that
+  // computed them (no copy: the publisher holds a reference). Served in merged and delta mode
+  // for the rows whose object the store lacks; every such tensor is checked against its
+  // recorded row (name, dtype, shape, digest) the first time it is served: a mismatch is
+  // answered with kCorruption naming the tensor and the version, never served. Thread-safe
+  // and non-blocking (a short lock, no wait for the serving thread or a receiver). Bounded,
+  // newest wins: at most 2 offered snapshots wait to be published (older ones are dropped),
+  // and once published a snapshot is kept only while its version is one of the 2 newest
+  // published (a FETCH of an older one is kNotFound "no longer served": the receiver moves
+  // to the latest). Publishing a derived version with no snapshot offered is
+  // kFailedPrecondition naming the id.
+  void Offer(const store::Digest& version, std::shared_ptr<const Snapshot> snapshot);
 
   // Receivers seen so far, sorted by id.
   std::vector<ReceiverInfo> Receivers() const;

@@ -41,16 +41,21 @@ Result<std::unique_ptr<RemotePublisher>> RemotePublisher::Start(store::Store* st
   sync::PublisherOptions po;
   po.endpoints = *endpoints;
   po.curve = options.curve;
-  po.mode = sync::PublishMode::kAdapter;
+  po.mode = options.mode;
   po.follow_run = options.run;
   po.follow_interval_ms = options.follow_interval_ms;
+  // The base first, once (the follower then skips it): a receiver started before step 1
+  // holds it, and every adapter applies to it.
+  po.publish_first = options.base_version;
   auto publisher = sync::Publisher::Start(store, std::move(po));
   if (!publisher.ok()) return publisher.status().WithContext(where);
-  // The base first: a receiver started before step 1 holds it, and every adapter applies to it.
-  // (The follower may have published it already; publishing it again gives a new sequence.)
-  auto seq = (*publisher)->Publish(options.base_version);
-  if (!seq.ok()) return seq.status().WithContext(where + ": the base");
-  return std::unique_ptr<RemotePublisher>(new RemotePublisher(store, std::move(*publisher), options.base_version));
+  return std::unique_ptr<RemotePublisher>(
+      new RemotePublisher(store, std::move(*publisher), options.base_version, options.mode));
+}
+
+void RemotePublisher::Offer(const store::Digest& version, std::shared_ptr<const sync::Snapshot> snapshot) {
+  if (mode_ == sync::PublishMode::kAdapter) return;
+  publisher_->Offer(version, std::move(snapshot));
 }
 
 nlohmann::json RemotePublisher::Generators(int64_t current_step) const {

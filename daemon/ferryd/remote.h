@@ -3,14 +3,21 @@
 // ([publish], [control]) read from their key files.
 //
 // Threads: the publisher serves from its own thread and follows the run in the store
-// (sync::PublisherOptions::follow_run): it looks for the run's newest adapter version every
-// follow interval and publishes it, so the training thread never calls into it and never
-// waits for a receiver. Its queues are bounded (the newest version wins: a slow receiver
-// skips the versions published while it was busy; at most 8 are kept to finish transfers in
-// progress; replies beyond a receiver's credit are dropped, never queued).
+// (sync::PublisherOptions::follow_run): it looks for the run's newest publishable version
+// (adapter mode: the newest adapter; merged and delta mode: the newest merged version) every
+// follow interval and publishes it, so the training thread never waits for it or for a
+// receiver. Its queues are bounded (the newest version wins: a slow receiver skips the
+// versions published while it was busy; at most 8 are kept to finish transfers in progress;
+// replies beyond a receiver's credit are dropped, never queued).
 //
-// Mode: adapter only (run::PublishSettings says why). The base is published first, before the
-// first step, so a receiver started early holds it; an adapter's manifest then names that base.
+// Modes (run::PublishSettings): adapter, merged, delta. The trainer records each merged
+// version by its digests only (store::Store::RecordDerived), so in merged and delta mode the
+// trainer hands the publisher the immutable snapshot it built for its co-located generator
+// (Offer, from the training thread: a short lock, no copy, the newest two kept); the
+// publisher serves the merged tensors from it, each checked against its recorded digest, and
+// the unchanged ones from the store's base objects (sync::Publisher::Offer).
+// The base is published first (sequence 1, once), before the first step, so a receiver
+// started early holds it; an adapter's manifest then names that base.
 #pragma once
 
 #include <filesystem>
@@ -40,15 +47,21 @@ struct RemotePublisherOptions {
   std::string run = "default";              // the store run the trainer records into. Default: "default"
   store::Digest base_version;               // the run's base, published first. REQUIRED
   int follow_interval_ms = 200;             // how often the store is looked at. Default: 200
+  sync::PublishMode mode = sync::PublishMode::kAdapter;  // Default: adapter
 };
 
 // A sync publisher following one run. Thread-safe.
 class RemotePublisher {
  public:
   // Parses and checks the endpoint (tcp:// without CURVE: kFailedPrecondition naming it),
-  // binds, publishes the base and starts following the run. Errors name the endpoint.
+  // binds, publishes the base (once: sequence 1) and starts following the run. Errors name
+  // the endpoint.
   [[nodiscard]] static Result<std::unique_ptr<RemotePublisher>> Start(store::Store* store,
                                                                       RemotePublisherOptions options);
+  // Hands the publisher the merged snapshot of version `version` (its id) that the trainer
+  // built for a step, before the step is recorded: served in merged and delta mode (ignored
+  // in adapter mode). Thread-safe, never waits (sync::Publisher::Offer).
+  void Offer(const store::Digest& version, std::shared_ptr<const sync::Snapshot> snapshot);
   // The endpoints bound: "requests" and "updates".
   [[nodiscard]] const sync::Endpoints& endpoints() const { return bound_; }
   // `remote_generators` of `ferry daemon status --json`: one object per receiver seen, sorted
@@ -58,11 +71,12 @@ class RemotePublisher {
   [[nodiscard]] nlohmann::json Generators(int64_t current_step) const;
 
  private:
-  RemotePublisher(store::Store* store, std::unique_ptr<sync::Publisher> p, store::Digest base)
-      : store_(store), publisher_(std::move(p)), base_(base), bound_(publisher_->bound_endpoints()) {}
+  RemotePublisher(store::Store* store, std::unique_ptr<sync::Publisher> p, store::Digest base, sync::PublishMode mode)
+      : store_(store), publisher_(std::move(p)), base_(base), mode_(mode), bound_(publisher_->bound_endpoints()) {}
   store::Store* store_;
   std::unique_ptr<sync::Publisher> publisher_;
   store::Digest base_;
+  sync::PublishMode mode_;
   sync::Endpoints bound_;
 };
 

@@ -283,13 +283,18 @@ Status RunTrain(const TrainFlags& f) {
     const int64_t done = std::max<int64_t>(1, j.value("step", int64_t{0}) - first_step);
     std::fprintf(stderr, "%s\n", ProgressLine(j, total, elapsed / static_cast<double>(done)).c_str());
   };
+  // Started after the trainer (it follows the trainer's store); merged/delta mode serves each
+  // step's merged snapshot handed over here (remote.h).
+  std::unique_ptr<RemotePublisher> remote;
+  o.on_snapshot = [&remote](const store::Digest& v, std::shared_ptr<const sync::Snapshot> snapshot) {
+    if (remote) remote->Offer(v, std::move(snapshot));
+  };
   FERRY_ASSIGN_OR_RETURN(std::unique_ptr<grpo::Trainer> trainer, grpo::Trainer::Create(o));
   total = trainer->total_steps();
   first_step = trainer->step();
   RunControl control(total);
   control.Started(*trainer, first_step > 0 ? "checkpoint-" + std::to_string(first_step) : "");
   const run::RunConfig& rc = trainer->config();
-  std::unique_ptr<RemotePublisher> remote;
   const std::string publish_endpoint = f.publish.empty() ? rc.publish.endpoint : f.publish;
   if (!publish_endpoint.empty()) {
     RemotePublisherOptions ro;
@@ -297,10 +302,11 @@ Status RunTrain(const TrainFlags& f) {
     FERRY_ASSIGN_OR_RETURN(ro.curve, ServerCurve("publish", rc.publish.key, rc.publish.allow));
     ro.run = rc.store.run;
     ro.base_version = trainer->base_version();
+    FERRY_ASSIGN_OR_RETURN(ro.mode, sync::ParsePublishMode(rc.publish.mode));
     FERRY_ASSIGN_OR_RETURN(remote, RemotePublisher::Start(trainer->store(), std::move(ro)));
     control.SetRemote([&remote](int64_t step) { return remote->Generators(step); });
-    std::fprintf(stderr, "ferryd: publishing (mode adapter) on %s and %s\n", remote->endpoints().requests.c_str(),
-                 remote->endpoints().updates.c_str());
+    std::fprintf(stderr, "ferryd: publishing (mode %s) on %s and %s\n", rc.publish.mode.c_str(),
+                 remote->endpoints().requests.c_str(), remote->endpoints().updates.c_str());
   }
   auto handler = [&control](const control::ControlRequest& r) { return control.Handle(r); };
   control::ControlServerOptions so;

@@ -352,6 +352,7 @@ Result<StepResult> TakeStep(Trainer::State& s) {
   step_metrics["epoch"] =
       static_cast<double>(pos.epoch) + static_cast<double>(pos.index) / static_cast<double>(s.dataset->size());
   step_metrics["step_time"] = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  if (s.options.on_snapshot) s.options.on_snapshot(h.snapshot->manifest_id(), h.snapshot);
   FERRY_RETURN_IF_ERROR(RecordStep(s, h, step_metrics));
 
   StepResult out;

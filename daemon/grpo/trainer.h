@@ -45,6 +45,10 @@
 #include "daemon/run/config.h"
 #include "store/store.h"
 
+namespace ferry::sync {
+class Snapshot;
+}  // namespace ferry::sync
+
 namespace ferry::grpo {
 
 struct TrainOptions {
@@ -58,6 +62,11 @@ struct TrainOptions {
   std::function<void(const std::string& json_line)> on_log;
   // Called for messages worth a person's attention (warnings, checkpoints).
   std::function<void(const std::string& message)> on_message;
+  // Called on the training thread after each step's hand-off with the merged snapshot the
+  // co-located generator proved and its id, before the step is recorded in the store (whose
+  // merged version has that id and records only its digests). Must not block: ferryd hands
+  // it to its remote publisher. Default: none.
+  std::function<void(const store::Digest& version, std::shared_ptr<const sync::Snapshot> snapshot)> on_snapshot;
 };
 
 struct StepResult;

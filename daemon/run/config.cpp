@@ -206,12 +206,9 @@ Status ParseEndpointTable(Parse& p, const toml::node& v, const std::string& tabl
       FERRY_ASSIGN_OR_RETURN(allow, ResolvePath(p.rd, val, p.base));
     } else if (k.str() == "mode" && mode != nullptr) {
       FERRY_ASSIGN_OR_RETURN(std::string m, p.rd.String(val));
-      if (m == "merged" || m == "delta") {
-        return p.rd.Unsupported("\"" + m + "\" cannot be served by ferryd: it records merged versions by their " +
-                                "digests only (no merged bytes in the store); use \"adapter\" (receivers merge " +
-                                "the adapter onto the base and prove the merged digest)");
+      if (m != "adapter" && m != "merged" && m != "delta") {
+        return p.rd.Error("must be \"adapter\", \"merged\" or \"delta\" (got " + Reader::Show(m) + ")");
       }
-      if (m != "adapter") return p.rd.Error("must be \"adapter\" (got " + Reader::Show(m) + ")");
       *mode = m;
     } else {
       return p.rd.Error(std::string("unknown key (the [") + table + "] table has 'endpoint', " +

@@ -159,9 +159,10 @@ struct PublishSettings {
   // "ipc://DIR" or "tcp://HOST:PORT" (announcements on PORT+1); `ferryd train --publish`
   // overrides it. Default: "" (not published)
   std::string endpoint;
-  // Only "adapter": receivers get each step's adapter plus the base once, merge, and prove
-  // the merged digest. "merged" and "delta" are refused (kUnsupported): ferryd records merged
-  // versions by their digests only, so the store holds no merged bytes to serve. Default: "adapter"
+  // "adapter": receivers get each step's adapter plus the base once, merge, and prove the
+  // merged digest; "merged": each step's merged weights whole; "delta": only the merged
+  // tensors a receiver's active version lacks (daemon/ferryd/remote.h: served from the
+  // trainer's in-memory snapshots). Default: "adapter"
   std::string mode = "adapter";
   // CURVE keypair prefix (PREFIX.key / PREFIX.pub, `ferry keys generate`); relative to the
   // config file. Default: none

@@ -6,10 +6,14 @@
 #      paused step's version (its proven digest equals the run's generator_version) and
 #      `ferry daemon status --json` shows its ack in remote_generators (lag 0); the store
 #      records the acknowledgements (kAcknowledged events, `ferry sync status`).
-#   2. Config errors named: [publish] mode "merged" (publish.mode), tcp:// without keys
+#   2. Config errors named: [publish] mode "full" (publish.mode), tcp:// without keys
 #      (publish.endpoint), --publish tcp:// without keys (the endpoint).
 #   3. [control] endpoint tcp:// with CURVE: a client with an allowed key is served, a stranger
 #      is not, and `ferry daemon status --dir` still finds the ipc socket.
+#   4. [publish] mode "merged" and "delta": a `ferry sync receive` (no --base) following ferryd
+#      activates the base first (sequence 1: published once), then the paused step's merged
+#      version, whose id is the run's generator_version (served from the trainer's in-memory
+#      snapshot: the store records it by digests only); status shows the ack (lag 0).
 # Usage: ferryd_publish_test.sh FERRY FERRYD FIXTURES_DIR
 set -euo pipefail
 FERRY=$1
@@ -84,11 +88,12 @@ grep -q '"remote_generators":\[' <<<"$STATUS" || fail "no remote_generators in $
 grep -q "$ACK" <<<"$STATUS" || fail "status lacks remote-1's ack of step $STEP's $GV with lag 0: $STATUS"
 grep -q '"id":"frozen-2"' <<<"$STATUS" || fail "the frozen receiver is missing from $STATUS"
 "$FERRY" daemon stop --dir "$RUN" >/dev/null || fail "daemon stop"
-# The first version receiver 1 activated is the run's base, served whole.
+# The first version receiver 1 activated is the run's base, served whole, published once.
 BASE=$("$FERRY" versions list --db "$RUN/store" --kind base --json | grep -o '[0-9a-f]\{32\}' | head -1)
 [ -n "$BASE" ] || fail "no base version in $RUN/store"
 [ "$(json_field "$FIRST" active)" = "$BASE" ] && [ "$(json_field "$FIRST" proven)" = null ] \
   || fail "receiver 1's first version is not the base $BASE: $FIRST"
+[ "$(json_field "$FIRST" sequence)" = 1 ] || fail "the base was not published once (sequence 1): $FIRST"
 # The store records the acknowledgements (kAcknowledged events: what the audit reads).
 SYNC=$("$FERRY" sync status --db "$RUN/store" --json | tr -d " \n")
 grep -q "\"receiver\":\"remote-1\",\"version\":\"$GV\",\"verified\":true" <<<"$SYNC" \
@@ -96,9 +101,9 @@ grep -q "\"receiver\":\"remote-1\",\"version\":\"$GV\",\"verified\":true" <<<"$S
 unset RUN
 
 echo "== 2. config errors are named"
-printf '\n[publish]\nmode = "merged"\n' | cat "$WORK/grpo.toml" - > "$WORK/merged.toml"
-if OUT=$("$FERRYD" train --config "$WORK/merged.toml" --dir "$WORK/bad1" 2>&1); then fail "mode merged was accepted"; fi
-grep -q "publish.mode" <<<"$OUT" || fail "the merged-mode refusal does not name publish.mode: $OUT"
+printf '\n[publish]\nmode = "full"\n' | cat "$WORK/grpo.toml" - > "$WORK/full.toml"
+if OUT=$("$FERRYD" train --config "$WORK/full.toml" --dir "$WORK/bad1" 2>&1); then fail "mode full was accepted"; fi
+grep -q "publish.mode" <<<"$OUT" || fail "the full-mode refusal does not name publish.mode: $OUT"
 printf '\n[publish]\nendpoint = "tcp://127.0.0.1:5999"\n' | cat "$WORK/grpo.toml" - > "$WORK/tcp.toml"
 if OUT=$("$FERRYD" train --config "$WORK/tcp.toml" --dir "$WORK/bad2" 2>&1); then fail "tcp:// without keys was accepted"; fi
 grep -q "publish.endpoint" <<<"$OUT" || fail "the tcp refusal does not name publish.endpoint: $OUT"
@@ -129,4 +134,48 @@ fi
 grep -q "no ferryd answered" <<<"$OUT" || fail "the stranger's error is not the unanswered request: $OUT"
 "$FERRY" daemon stop --dir "$RUN" >/dev/null || fail "daemon stop"
 unset RUN
+
+echo "== 4. merged and delta mode"
+for MODE in merged delta; do
+  RUN="$WORK/run-$MODE"
+  PUB="ipc://$WORK/pub-$MODE"
+  OUTF="$WORK/recv-$MODE.jsonl"
+  printf '\n[publish]\nmode = "%s"\n' "$MODE" | cat "$WORK/grpo.toml" - > "$WORK/$MODE.toml"
+  "$FERRY" sync receive --connect "$PUB" --out "$WORK/recv-$MODE" --id "gen-$MODE" --json >"$OUTF" 2>"$WORK/recv-$MODE.err" &
+  PIDS+=($!)
+  disown
+  "$FERRY" daemon start --config "$WORK/$MODE.toml" --dir "$RUN" --publish "$PUB" --detach >/dev/null \
+    || fail "$MODE: daemon start: $(tail -5 "$RUN/ferryd.log" 2>/dev/null)"
+  grep -q "publishing (mode $MODE)" "$RUN/ferryd.log" || fail "$MODE: ferryd does not say it publishes in $MODE mode"
+  for _ in $(seq 300); do [ -s "$OUTF" ] && break; sleep 0.1; done
+  FIRST=$(head -1 "$OUTF")
+  [ "$(json_field "$FIRST" sequence)" = 1 ] || fail "$MODE: the first version received is not sequence 1: $FIRST $(cat "$WORK/recv-$MODE.err")"
+  for _ in $(seq 600); do [ "$(step_of)" -ge 3 ] && break; sleep 0.2; done
+  "$FERRY" daemon pause --dir "$RUN" >/dev/null
+  sleep 1
+  STATUS=$("$FERRY" daemon status --dir "$RUN" --json)
+  GV=$(json_field "$STATUS" generator_version)
+  STEP=$(json_field "$STATUS" step)
+  [ -n "$GV" ] && [ "$STEP" -ge 3 ] || fail "$MODE: no generator_version after step 3 in $STATUS"
+  for _ in $(seq 300); do grep -q "\"active\":\"$GV\"" "$OUTF" && break; sleep 0.1; done
+  LINE=$(grep "\"active\":\"$GV\"" "$OUTF" | tail -1)
+  [ -n "$LINE" ] || fail "$MODE: the receiver never activated step $STEP's version $GV: $(tail -2 "$OUTF") $(tail -3 "$WORK/recv-$MODE.err")"
+  [ "$(json_field "$LINE" version)" = "$GV" ] && [ "$(json_field "$LINE" proven)" = null ] \
+    || fail "$MODE: the receiver was not served $GV itself: $LINE"
+  if [ "$MODE" = delta ]; then
+    [ "$(json_field "$LINE" bytes_reused)" -gt 0 ] || fail "delta: nothing reused from the active version: $LINE"
+  fi
+  ACK="\"id\":\"gen-$MODE\",\"lag\":0,\"last_ack_at\":[0-9.e+]*,\"last_seen_at\":[0-9.e+]*,\"step\":$STEP,\"version\":\"$GV\""
+  for _ in $(seq 100); do
+    STATUS=$("$FERRY" daemon status --dir "$RUN" --json)
+    grep -q "$ACK" <<<"$STATUS" && break
+    sleep 0.1
+  done
+  grep -q "$ACK" <<<"$STATUS" || fail "$MODE: status lacks gen-$MODE's ack of step $STEP's $GV with lag 0: $STATUS"
+  "$FERRY" daemon stop --dir "$RUN" >/dev/null || fail "$MODE: daemon stop"
+  # The version served is the step's merged version, recorded by its digests only.
+  "$FERRY" versions show "$GV" --db "$RUN/store" --json | tr -d " \n" | grep -q '"derived":true' \
+    || fail "$MODE: $GV is not the derived merged version in the store"
+  unset RUN
+done
 echo "PASS"

@@ -216,8 +216,9 @@ TEST(RunConfigTest, PublishAndControlTables) {
   // Operational: a run resumes under another endpoint.
   EXPECT_EQ(c.Fingerprint(), d.Fingerprint());
 
-  ExpectKeyError(Cfg("", "[publish]\nmode = \"merged\"\n"), StatusCode::kUnsupported, "publish.mode", "digests only");
-  ExpectKeyError(Cfg("", "[publish]\nmode = \"delta\"\n"), StatusCode::kUnsupported, "publish.mode", "\"adapter\"");
+  // Merged and delta mode are served from the trainer's in-memory snapshots (ferryd/remote.h).
+  EXPECT_EQ(MustParse(Cfg("", "[publish]\nmode = \"merged\"\n")).publish.mode, "merged");
+  EXPECT_EQ(MustParse(Cfg("", "[publish]\nmode = \"delta\"\n")).publish.mode, "delta");
   ExpectKeyError(Cfg("", "[publish]\nmode = \"full\"\n"), StatusCode::kInvalidArgument, "publish.mode",
                  "must be \"adapter\"");
   ExpectKeyError(Cfg("", "[publish]\nendpoint = \"tcp://h:1\"\n"), StatusCode::kInvalidArgument, "publish.endpoint",

@@ -8,6 +8,12 @@
 // --new-tokens tokens; decoding is greedy. kv_cache_bytes: the generator's cache for the run
 // (keys and values of every layer for batch x (prompt + new) positions in the compute dtype);
 // with weight_bytes (a 4-bit base counted packed) it is the floor peak memory is compared with.
+// Memory (CPU): rss_before_load_bytes is VmRSS after LibTorch has started (a small matmul on
+// --threads threads has run, so its code pages, BLAS and thread pool are resident) and before the
+// model is loaded; load_peak_rss_bytes is VmHWM after the load; peak_rss_bytes is VmHWM at the
+// end (whole process). model_peak_bytes = peak_rss_bytes - rss_before_load_bytes (what loading and
+// generating added at its peak, the mapped weight pages included) and memory_ratio =
+// model_peak_bytes / (weight_bytes + kv_cache_bytes).
 // On CUDA the timings wait for the device (results are copied back).
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
@@ -15,6 +21,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <fstream>
 #include <random>
 #include <string>
@@ -26,14 +33,18 @@ namespace {
 
 using ferry::runtime::CausalLM;
 
-int64_t PeakRssBytes() {
+// A "Vm...:" field of /proc/self/status in bytes (0 when absent).
+int64_t StatusBytes(const char* field) {
   std::ifstream f("/proc/self/status");
   std::string line;
+  const size_t n = std::strlen(field);
   while (std::getline(f, line)) {
-    if (line.rfind("VmHWM:", 0) == 0) return std::atoll(line.c_str() + 6) * 1024;
+    if (line.compare(0, n, field) == 0) return std::atoll(line.c_str() + n) * 1024;
   }
   return 0;
 }
+int64_t PeakRssBytes() { return StatusBytes("VmHWM:"); }
+int64_t RssBytes() { return StatusBytes("VmRSS:"); }
 
 double Now() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
 
@@ -74,6 +85,12 @@ int main(int argc, char** argv) {
   opts.device = device == "cuda" ? at::Device(at::kCUDA) : at::Device(at::kCPU);
   if (dtype == "f32") opts.dtype = at::kFloat;
   if (dtype == "bf16") opts.dtype = at::kBFloat16;
+  {
+    // Start LibTorch's CPU side (BLAS, thread pool) before the baseline.
+    at::Tensor w = at::ones({64, 64});
+    (void)at::matmul(w, w).sum().item<float>();
+  }
+  const int64_t rss_before_load = RssBytes();
   const double t_load = Now();
   auto model = CausalLM::Load(model_dir, opts);
   if (!model.ok()) {
@@ -81,6 +98,7 @@ int main(int argc, char** argv) {
     return 1;
   }
   const double load_s = Now() - t_load;
+  const int64_t rss_after_load = RssBytes(), load_peak_rss = PeakRssBytes();
   const CausalLM& m = **model;
   std::mt19937_64 rng(seed);
   std::vector<std::vector<int32_t>> prompts(static_cast<size_t>(batch));
@@ -126,18 +144,25 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "ferry_bench_generate: %s\n", out.status().ToString().c_str());
     return 1;
   }
+  const int64_t peak_rss = PeakRssBytes();
+  const int64_t model_peak = peak_rss - rss_before_load;
+  const int64_t floor_bytes = m.weight_bytes() + kv_cache_bytes;
   int64_t generated = 0;
   for (const auto& c : *out) generated += static_cast<int64_t>(c.token_ids.size());
   std::printf(
       "{\"system\": \"ferry\", \"device\": \"%s\", \"batch\": %lld, \"prompt_len\": %lld, \"new_tokens\": %lld, "
       "\"threads\": %lld, \"dtype\": \"%s\", \"load_s\": %.4f, \"prefill_s\": %.4f, \"prefill_tokens_per_s\": %.2f, "
       "\"generate_s\": %.4f, \"generated_tokens\": %lld, \"generate_tokens_per_s\": %.2f, \"peak_rss_bytes\": %lld, "
-      "\"weight_bytes\": %lld, \"kv_cache_bytes\": %lld, \"blas\": \"%s\"}\n",
+      "\"rss_before_load_bytes\": %lld, \"rss_after_load_bytes\": %lld, \"load_peak_rss_bytes\": %lld, "
+      "\"model_peak_bytes\": %lld, \"weight_bytes\": %lld, \"kv_cache_bytes\": %lld, \"memory_ratio\": %.4f, "
+      "\"blas\": \"%s\"}\n",
       device.c_str(), static_cast<long long>(batch), static_cast<long long>(prompt_len),
       static_cast<long long>(new_tokens), static_cast<long long>(threads), c10::toString(m.dtype()), load_s, prefill_s,
       static_cast<double>(batch * prompt_len) / prefill_s, generate_s, static_cast<long long>(generated),
-      static_cast<double>(generated) / generate_s, static_cast<long long>(PeakRssBytes()),
+      static_cast<double>(generated) / generate_s, static_cast<long long>(peak_rss),
+      static_cast<long long>(rss_before_load), static_cast<long long>(rss_after_load),
+      static_cast<long long>(load_peak_rss), static_cast<long long>(model_peak),
       static_cast<long long>(m.weight_bytes()), static_cast<long long>(kv_cache_bytes),
-      ferry::runtime::LoadedBlas().library.c_str());
+      static_cast<double>(model_peak) / static_cast<double>(floor_bytes), ferry::runtime::LoadedBlas().library.c_str());
   return 0;
 }

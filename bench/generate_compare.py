@@ -75,12 +75,16 @@ def main():
             row = {"batch": batch}
             for side, rs in runs.items():
                 row[side] = {k: statistics.median(x[k] for x in rs)
-                             for k in ("prefill_tokens_per_s", "generate_tokens_per_s", "peak_rss_bytes")}
+                             for k in ("prefill_tokens_per_s", "generate_tokens_per_s", "peak_rss_bytes",
+                                       "model_peak_bytes")}
             row["prefill_ratio"] = row["ferry"]["prefill_tokens_per_s"] / row["transformers"]["prefill_tokens_per_s"]
             row["decode_ratio"] = row["ferry"]["generate_tokens_per_s"] / row["transformers"]["generate_tokens_per_s"]
             row["rss_ratio"] = row["ferry"]["peak_rss_bytes"] / row["transformers"]["peak_rss_bytes"]
             row["weight_bytes"] = runs["ferry"][0]["weight_bytes"]
             row["kv_cache_bytes"] = runs["ferry"][0]["kv_cache_bytes"]
+            floor = row["weight_bytes"] + row["kv_cache_bytes"]
+            row["ferry"]["memory_ratio"] = row["ferry"]["model_peak_bytes"] / floor
+            row["transformers"]["memory_ratio"] = row["transformers"]["model_peak_bytes"] / floor
             results.append(row)
     finally:
         if tmp:
@@ -99,6 +103,14 @@ def main():
         print(f"{r['batch']:>5} {f['prefill_tokens_per_s']:>20.1f} {h['prefill_tokens_per_s']:>9.1f} "
               f"{r['prefill_ratio']:>6.2f} {f['generate_tokens_per_s']:>19.1f} {h['generate_tokens_per_s']:>9.1f} "
               f"{r['decode_ratio']:>6.2f} {r['rss_ratio']:>15.2f}")
+    print("memory: model_peak = peak RSS (VmHWM) - RSS before the model load; floor = ferry's weight_bytes (4-bit "
+          "counted packed) + kv_cache_bytes")
+    for r in results:
+        f, h = r["ferry"], r["transformers"]
+        print(f"{r['batch']:>5} floor {(r['weight_bytes'] + r['kv_cache_bytes']) / 1e6:.1f} MB (weights "
+              f"{r['weight_bytes'] / 1e6:.1f} + KV {r['kv_cache_bytes'] / 1e6:.1f}); model_peak ferry "
+              f"{f['model_peak_bytes'] / 1e6:.1f} MB = {f['memory_ratio']:.3f}x, transformers "
+              f"{h['model_peak_bytes'] / 1e6:.1f} MB = {h['memory_ratio']:.3f}x")
 
 
 if __name__ == "__main__":

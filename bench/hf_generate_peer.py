@@ -20,6 +20,15 @@ import torch  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 
+def rss_bytes():
+    """VmRSS of this process in bytes."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
@@ -32,6 +41,9 @@ def main():
     ap.add_argument("--seed", type=int, default=1)
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
+    w = torch.ones(64, 64)
+    float((w @ w).sum())  # start torch's CPU side (BLAS, thread pool) before the baseline, as ferry_bench_generate
+    rss_before_load = rss_bytes()
     dtype = torch.float32 if a.dtype == "f32" else torch.bfloat16
     t0 = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(a.model, dtype=dtype)
@@ -65,12 +77,14 @@ def main():
         wait()
         generate_s = time.perf_counter() - t0
     generated = int(gen[:, a.prompt_len:].numel())
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     print(json.dumps({
         "system": "transformers", "device": a.device, "batch": a.batch, "prompt_len": a.prompt_len, "new_tokens": a.new_tokens,
         "threads": a.threads, "dtype": str(dtype).replace("torch.", ""), "load_s": load_s, "prefill_s": prefill_s,
         "prefill_tokens_per_s": a.batch * a.prompt_len / prefill_s, "generate_s": generate_s,
         "generated_tokens": generated, "generate_tokens_per_s": generated / generate_s,
-        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "peak_rss_bytes": peak, "rss_before_load_bytes": rss_before_load, "model_peak_bytes": peak - rss_before_load,
+        "weight_bytes": model.get_memory_footprint(),
     }))
 
 

@@ -4,6 +4,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/grad_mode.h>
 #include <dlfcn.h>
 
 #include "core/mapped_file.h"
@@ -98,6 +99,32 @@ TEST(RuntimeModel, KvCacheDecodingEqualsTheFullForwardOver2048PositionsF32) {
   EXPECT_LT(gap, 1e-5) << "max |logp(full) - logp(cached)| over 2,048 positions";
   // Not trivially equal: the two paths run different matrix shapes.
   EXPECT_GT((full - cached).abs().sum().item<double>(), 0.0);
+}
+
+// Without autograd the MLP forms silu(gate) * up in place (less memory at a prefill's peak): the
+// logits must be bit-identical to the autograd forward's, in F32 and BF16.
+TEST(RuntimeModel, ForwardWithoutAutogradEqualsTheAutogradForwardExactly) {
+  for (const at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
+    ScopedTempDir dir;
+    TinyModelSpec spec;
+    spec.model_type = "qwen2";
+    ModelOptions opts;
+    opts.dtype = dtype;
+    auto m = LoadTiny(dir, spec, opts);
+    ASSERT_NE(m, nullptr);
+    at::manual_seed(11);
+    ForwardArgs a;
+    a.input_ids = at::randint(3, spec.vocab, {3, 40}, at::kLong);
+    a.positions = Positions(3, 0, 40);
+    ASSERT_TRUE(at::GradMode::is_enabled());
+    auto with_grad = m->Forward(a);
+    ASSERT_TRUE(with_grad.ok()) << with_grad.status().ToString();
+    at::NoGradGuard no_grad;
+    auto without = m->Forward(a);
+    ASSERT_TRUE(without.ok()) << without.status().ToString();
+    EXPECT_TRUE(at::equal(*with_grad, *without))
+        << c10::toString(dtype) << ": max |diff| " << (*with_grad - *without).abs().max().item<double>();
+  }
 }
 
 TEST(RuntimeModel, KvCacheDecodingGapInBf16IsReported) {

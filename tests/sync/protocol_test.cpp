@@ -827,27 +827,7 @@ class ModesTest : public SyncTest {
     ASSERT_TRUE(io.good());
   }
 
-  // The fixture's base + adapter with owned buffers and the base's aux files.
-  static SnapshotSource FixtureSource() {
-    SnapshotSource src;
-    for (const char* part : {"base", "adapter"}) {
-      auto ckpt = Checkpoint::Open(kCase / part);
-      EXPECT_TRUE(ckpt.ok()) << ckpt.status().ToString();
-      auto& into = std::string(part) == "base" ? src.tensors : src.adapter_tensors;
-      for (const auto& name : ckpt->names()) {
-        Tensor t = ckpt->Get(name).value();
-        Tensor copy = Tensor::Empty(t.dtype(), t.shape()).value();
-        std::memcpy(copy.mutable_data(), t.data(), t.nbytes());
-        into.emplace(name, copy);
-      }
-    }
-    src.adapter_config = LoadPeftConfig(kCase / "adapter").value();
-    for (const char* n : {"config.json", "generation_config.json", "special_tokens_map.json", "tokenizer.json",
-                          "tokenizer_config.json"}) {
-      src.aux_files.emplace_back(n, ReadSmallFile(kCase / "base" / n).value());
-    }
-    return src;
-  }
+  static SnapshotSource FixtureSource() { return FixtureSnapshotSource(kCase); }
   static store::Digest SnapshotId(Layout layout) {
     SnapshotOptions o;
     o.layout = layout;

@@ -30,26 +30,7 @@ namespace fs = std::filesystem;
 
 const fs::path kCase = fs::path(FERRY_FIXTURES_DIR) / "cases" / "llama_lora_all_linear_f32";
 
-// The fixture's base + adapter in owned buffers, and the base's aux files.
-SnapshotSource FixtureSource() {
-  SnapshotSource src;
-  for (const char* part : {"base", "adapter"}) {
-    Checkpoint ckpt = Checkpoint::Open(kCase / part).value();
-    auto& into = std::string(part) == "base" ? src.tensors : src.adapter_tensors;
-    for (const auto& name : ckpt.names()) {
-      Tensor t = ckpt.Get(name).value();
-      Tensor copy = Tensor::Empty(t.dtype(), t.shape()).value();
-      std::memcpy(copy.mutable_data(), t.data(), t.nbytes());
-      into.emplace(name, copy);
-    }
-  }
-  src.adapter_config = LoadPeftConfig(kCase / "adapter").value();
-  for (const char* n : {"config.json", "generation_config.json", "special_tokens_map.json", "tokenizer.json",
-                        "tokenizer_config.json"}) {
-    src.aux_files.emplace_back(n, ReadSmallFile(kCase / "base" / n).value());
-  }
-  return src;
-}
+SnapshotSource FixtureSource() { return FixtureSnapshotSource(kCase); }
 
 std::shared_ptr<const Snapshot> Build(const SnapshotSource& src) {
   SnapshotOptions o;

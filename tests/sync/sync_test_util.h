@@ -9,10 +9,15 @@
 #include <string>
 #include <vector>
 
-#include "core/safetensors.h"
+#include <cstring>
 
+#include "convert/peft_config.h"
+#include "core/checkpoint.h"
+#include "core/file_util.h"
+#include "core/safetensors.h"
 #include "store/store.h"
 #include "sync/receiver.h"
+#include "sync/snapshot.h"
 
 namespace ferry::sync {
 
@@ -25,6 +30,31 @@ inline uint64_t RssAnonBytes() {
     if (line.rfind("RssAnon:", 0) == 0) return std::stoull(line.substr(8)) * 1024;
   }
   return 0;
+}
+
+// A converter fixture case (fixtures/cases/NAME: base/ and adapter/) as a snapshot source: the
+// base's and the adapter's tensors copied into owned buffers, the adapter's config and the
+// base's auxiliary files (config.json, generation_config.json and the tokenizer files).
+inline SnapshotSource FixtureSnapshotSource(const std::filesystem::path& case_dir) {
+  SnapshotSource src;
+  for (const char* part : {"base", "adapter"}) {
+    auto ckpt = Checkpoint::Open(case_dir / part);
+    EXPECT_TRUE(ckpt.ok()) << ckpt.status().ToString();
+    if (!ckpt.ok()) return src;
+    auto& into = std::string(part) == "base" ? src.tensors : src.adapter_tensors;
+    for (const auto& name : ckpt->names()) {
+      Tensor t = ckpt->Get(name).value();
+      Tensor copy = Tensor::Empty(t.dtype(), t.shape()).value();
+      std::memcpy(copy.mutable_data(), t.data(), t.nbytes());
+      into.emplace(name, copy);
+    }
+  }
+  src.adapter_config = LoadPeftConfig(case_dir / "adapter").value();
+  for (const char* n : {"config.json", "generation_config.json", "special_tokens_map.json", "tokenizer.json",
+                        "tokenizer_config.json"}) {
+    src.aux_files.emplace_back(n, ReadSmallFile(case_dir / "base" / n).value());
+  }
+  return src;
 }
 
 // Checks that DIR/current points at versions/<v>, that the files it holds hash to `v`

@@ -33,6 +33,15 @@ trap cleanup EXIT
 
 fail() { echo "FAIL: $*" >&2; exit 1; }
 json_field() { sed -n "s/.*\"$2\":\s*\"\?\([^\",}]*\)\"\?.*/\1/p" <<<"$1" | head -1; }
+# Polls `ferry daemon status --json` of $RUN (up to 10 s) until it matches the regex $1; leaves
+# the last reply in STATUS.
+wait_for_status() {
+  for _ in $(seq 100); do
+    STATUS=$("$FERRY" daemon status --dir "$RUN" --json)
+    grep -q "$1" <<<"$STATUS" && return
+    sleep 0.1
+  done
+}
 
 cp -r "$FIXTURES/demo/model" "$WORK/model"
 cp "$FIXTURES/demo/train.jsonl" "$WORK/train.jsonl"
@@ -79,11 +88,7 @@ ACTIVE=$(json_field "$(grep "\"proven\":\"$GV\"" "$WORK/recv1.jsonl" | tail -1)"
 [ "$ACTIVE" = "$GV" ] || fail "receiver 1 activated $ACTIVE, not the generator's $GV"
 # remote_generators objects, keys sorted: alive, id, lag, last_ack_at, last_seen_at, step, version.
 ACK="\"id\":\"remote-1\",\"lag\":0,\"last_ack_at\":[0-9.e+]*,\"last_seen_at\":[0-9.e+]*,\"step\":$STEP,\"version\":\"$GV\""
-for _ in $(seq 100); do
-  STATUS=$("$FERRY" daemon status --dir "$RUN" --json)
-  grep -q "$ACK" <<<"$STATUS" && break
-  sleep 0.1
-done
+wait_for_status "$ACK"
 grep -q '"remote_generators":\[' <<<"$STATUS" || fail "no remote_generators in $STATUS"
 grep -q "$ACK" <<<"$STATUS" || fail "status lacks remote-1's ack of step $STEP's $GV with lag 0: $STATUS"
 grep -q '"id":"frozen-2"' <<<"$STATUS" || fail "the frozen receiver is missing from $STATUS"
@@ -166,11 +171,7 @@ for MODE in merged delta; do
     [ "$(json_field "$LINE" bytes_reused)" -gt 0 ] || fail "delta: nothing reused from the active version: $LINE"
   fi
   ACK="\"id\":\"gen-$MODE\",\"lag\":0,\"last_ack_at\":[0-9.e+]*,\"last_seen_at\":[0-9.e+]*,\"step\":$STEP,\"version\":\"$GV\""
-  for _ in $(seq 100); do
-    STATUS=$("$FERRY" daemon status --dir "$RUN" --json)
-    grep -q "$ACK" <<<"$STATUS" && break
-    sleep 0.1
-  done
+  wait_for_status "$ACK"
   grep -q "$ACK" <<<"$STATUS" || fail "$MODE: status lacks gen-$MODE's ack of step $STEP's $GV with lag 0: $STATUS"
   "$FERRY" daemon stop --dir "$RUN" >/dev/null || fail "$MODE: daemon stop"
   # The version served is the step's merged version, recorded by its digests only.

@@ -69,14 +69,7 @@ class BaseFirstTest : public ::testing::Test {
     publisher_ = std::move(*p);
   }
 
-  ReceiverOptions RecvOptions(const std::string& id) const {
-    ReceiverOptions o;
-    o.id = id;
-    o.endpoints = endpoints_;
-    o.dir = tmp_.path() / ("recv-" + id);
-    o.timeout_ms = 10000;
-    return o;
-  }
+  ReceiverOptions RecvOptions(const std::string& id) const { return TestReceiverOptions(endpoints_, tmp_.path(), id); }
 
   // What the CLI serves first: the newest publishable version of the run, which before any
   // checkpoint is the base the watcher recorded in it.

@@ -88,14 +88,7 @@ class PublisherSnapshotTest : public ::testing::Test {
     publisher_ = std::move(*p);
   }
 
-  ReceiverOptions RecvOptions(const std::string& id) const {
-    ReceiverOptions o;
-    o.id = id;
-    o.endpoints = endpoints_;
-    o.dir = tmp_.path() / ("recv-" + id);
-    o.timeout_ms = 10000;
-    return o;
-  }
+  ReceiverOptions RecvOptions(const std::string& id) const { return TestReceiverOptions(endpoints_, tmp_.path(), id); }
 
   // The names of snapshot_'s tensors whose object the store lacks (the merged ones).
   std::vector<std::string> RowsWithoutObjects(const store::Digest& v) {

@@ -57,6 +57,18 @@ inline SnapshotSource FixtureSnapshotSource(const std::filesystem::path& case_di
   return src;
 }
 
+// A receiver `id` of the tests' publisher at `endpoints`, its directory root/recv-ID, with a
+// 10 s timeout.
+inline ReceiverOptions TestReceiverOptions(const Endpoints& endpoints, const std::filesystem::path& root,
+                                           const std::string& id) {
+  ReceiverOptions o;
+  o.id = id;
+  o.endpoints = endpoints;
+  o.dir = root / ("recv-" + id);
+  o.timeout_ms = 10000;
+  return o;
+}
+
 // Checks that DIR/current points at versions/<v>, that the files it holds hash to `v`
 // (store::HashPath, independent of the receiver's own bookkeeping) and that no temporary
 // version directory (".tmp-") is left in DIR/versions. `record`, when given, receives the

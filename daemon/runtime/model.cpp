@@ -58,6 +58,26 @@ at::Tensor RmsNorm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   return weight * h.to(x.scalar_type());
 }
 
+// The attention's per-head products, batched over [batch, KV head]: q [.., M, D] with keys [.., N, D] gives q k^T
+// [.., M, N] (kDot); p [.., M, N] with values [.., N, D] gives p v [.., M, D] (kWeighted). LibTorch 1.13's CPU bmm
+// makes one BLAS call per batch item, about a microsecond each on top of the arithmetic, which is most of the cost
+// when the items are tiny (short contexts: decoding, a small model's rows). Up to `small` multiply-adds per item,
+// F32 on the CPU, a broadcast multiply and a sum is one vectorised, parallel op instead: forward and backward
+// 2-6x faster on the demo's shapes (docs/daemon.md "Speed"). It grows with M x N x D and loses from about 8k per
+// item; BF16 would round every product, so it stays on bmm.
+enum class Product { kDot, kWeighted };
+
+at::Tensor HeadProduct(Product kind, const at::Tensor& a, const at::Tensor& b, int64_t small) {
+  const int64_t M = a.size(-2), N = b.size(-2), D = kind == Product::kDot ? a.size(-1) : b.size(-1);
+  const bool broadcast = a.device().is_cpu() && a.scalar_type() == at::kFloat && M * N * D <= small;
+  if (kind == Product::kDot) {
+    if (broadcast) return (a.unsqueeze(-2) * b.unsqueeze(-3)).sum(-1);
+    return at::matmul(a, b.transpose(-1, -2));
+  }
+  if (broadcast) return (a.unsqueeze(-1) * b.unsqueeze(-3)).sum(-2);
+  return at::matmul(a, b);
+}
+
 at::Tensor RotateHalf(const at::Tensor& x) {
   const int64_t half = x.size(-1) / 2;
   return at::cat({x.narrow(-1, half, half).neg(), x.narrow(-1, 0, half)}, -1);
@@ -167,6 +187,7 @@ Status CausalLM::Init(const ModelConfig& config, const Checkpoint& weights, cons
   config_ = config;
   device_ = options.device;
   attention_chunk_ = std::max<int64_t>(1, options.attention_chunk);
+  small_attention_product_ = std::max<int64_t>(0, options.small_attention_product);
   weights_ = weights;
   const std::string where = weights.path().string();
   std::map<std::string, QuantState4bit> quant;
@@ -406,16 +427,16 @@ at::Tensor CausalLM::Attention(const Layer& L, int index, const at::Tensor& x, c
   const at::Tensor& blocked = L.sliding ? c.blocked_sliding : c.blocked;
   const double scale = 1.0 / std::sqrt(static_cast<double>(D));
   at::Tensor qg = q.view({B, T, nKV, G, D}).permute({0, 2, 3, 1, 4});  // [B, nKV, G, T, D]
-  at::Tensor kt = keys.transpose(-1, -2);                              // [B, nKV, D, S]
   const at::Scalar lowest = Lowest(q.scalar_type());
   std::vector<at::Tensor> outs;
   for (int64_t t0 = 0; t0 < T; t0 += attention_chunk_) {
     const int64_t tc = std::min(attention_chunk_, T - t0);
     at::Tensor qc = (tc == T ? qg : qg.narrow(3, t0, tc)).reshape({B, nKV, G * tc, D});
-    at::Tensor scores = at::matmul(qc, kt) * scale;
+    at::Tensor scores = HeadProduct(Product::kDot, qc, keys, small_attention_product_) * scale;
     scores = scores.view({B, nKV, G, tc, S}).masked_fill(tc == T ? blocked : blocked.narrow(3, t0, tc), lowest);
     at::Tensor probs = at::softmax(scores, -1, at::kFloat).to(q.scalar_type());
-    outs.push_back(at::matmul(probs.view({B, nKV, G * tc, S}), values).view({B, nKV, G, tc, D}));
+    outs.push_back(HeadProduct(Product::kWeighted, probs.view({B, nKV, G * tc, S}), values, small_attention_product_)
+                       .view({B, nKV, G, tc, D}));
   }
   at::Tensor out = outs.size() == 1 ? outs[0] : at::cat(outs, 3);
   out = out.permute({0, 3, 1, 2, 4}).reshape({B, T, nH * D});

@@ -111,6 +111,11 @@ struct ModelOptions {
   std::optional<at::ScalarType> dtype;
   // Queries processed per attention chunk (memory ~ chunk x context). Default: 1024.
   int64_t attention_chunk = 1024;
+  // F32 attention products on the CPU with at most this many multiply-adds per (row, KV head)
+  // (queries x keys x head_dim) run as a broadcast multiply and sum instead of a batched matmul,
+  // whose per-item BLAS calls dominate tiny products (short contexts, decoding). 0: always bmm.
+  // Default: 4096.
+  int64_t small_attention_product = 4096;
 };
 
 // One forward's inputs. Positions are RoPE positions; `attention_mask` says which key slots are
@@ -185,6 +190,7 @@ class CausalLM {
   at::Device device_ = at::kCPU;
   at::ScalarType dtype_ = at::kFloat;
   int64_t attention_chunk_ = 1024;
+  int64_t small_attention_product_ = 4096;
   bool fused_ = false;
   std::shared_ptr<const void> keep_alive_;
   Checkpoint weights_;  // keeps the mapped files open

@@ -255,5 +255,54 @@ TEST_F(LoraTest, ActivationCheckpointingGivesTheSameGradients) {
   }
 }
 
+// Short contexts run the attention products as a broadcast multiply and sum instead of a batched
+// matmul (ModelOptions::small_attention_product): logits, KV-cache decoding and LoRA gradients
+// agree with the bmm path.
+TEST_F(LoraTest, SmallAttentionProductsEqualTheBatchedMatmul) {
+  ModelOptions bmm_opts, broadcast_opts;
+  bmm_opts.small_attention_product = 0;
+  broadcast_opts.small_attention_product = int64_t{1} << 40;
+  std::map<std::string, at::Tensor> grads[2];
+  at::Tensor logits[2], decoded[2];
+  for (int i = 0; i < 2; ++i) {
+    auto m = CausalLM::Load(dir_.path() / "base", i == 0 ? bmm_opts : broadcast_opts);
+    ASSERT_TRUE(m.ok()) << m.status().ToString();
+    auto a = LoraAdapter::Create(**m, Config(R"({"peft_type": "LORA", "r": 4, "target_modules": "all-linear"})"), 1);
+    ASSERT_TRUE(a.ok()) << a.status().ToString();
+    Perturb(**a);
+    grads[i] = Gradients(**m, **a, ids_, false);
+    at::NoGradGuard no_grad;
+    ForwardArgs f;
+    f.input_ids = ids_;
+    f.positions = at::arange(10, at::kLong).view({1, 10}).expand({2, 10}).contiguous();
+    f.lora = &(*a)->binding();
+    auto full = (*m)->Forward(f);
+    ASSERT_TRUE(full.ok()) << full.status().ToString();
+    logits[i] = *full;
+    // A prefill of 4 tokens, then one token per step on the cache.
+    KvCache cache((*m)->config(), 2, 10, (*m)->dtype(), (*m)->device());
+    std::vector<at::Tensor> steps;
+    for (int64_t t0 = 0; t0 < 10; t0 += t0 == 0 ? 4 : 1) {
+      const int64_t n = t0 == 0 ? 4 : 1;
+      ForwardArgs d = f;
+      d.input_ids = ids_.narrow(1, t0, n);
+      d.positions = f.positions.narrow(1, t0, n);
+      d.cache = &cache;
+      auto r = (*m)->Forward(d);
+      ASSERT_TRUE(r.ok()) << r.status().ToString();
+      steps.push_back(*r);
+    }
+    decoded[i] = at::cat(steps, 1);
+  }
+  EXPECT_LT((logits[0] - logits[1]).abs().max().item<double>(), 1e-5);
+  EXPECT_LT((decoded[0] - decoded[1]).abs().max().item<double>(), 1e-5);
+  EXPECT_LT((decoded[1] - logits[1]).abs().max().item<double>(), 1e-5);
+  ASSERT_EQ(grads[0].size(), grads[1].size());
+  for (const auto& [k, g] : grads[0]) {
+    const double scale = std::max(1e-3, g.abs().max().item<double>());
+    EXPECT_LT((g - grads[1].at(k)).abs().max().item<double>() / scale, 1e-5) << k;
+  }
+}
+
 }  // namespace
 }  // namespace ferry::runtime

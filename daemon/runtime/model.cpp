@@ -62,20 +62,19 @@ at::Tensor RmsNorm(const at::Tensor& x, const at::Tensor& weight, double eps) {
 // [.., M, N] (kDot); p [.., M, N] with values [.., N, D] gives p v [.., M, D] (kWeighted). LibTorch 1.13's CPU bmm
 // makes one BLAS call per batch item, about a microsecond each on top of the arithmetic, which is most of the cost
 // when the items are tiny (short contexts: decoding, a small model's rows). Up to `small` multiply-adds per item,
-// F32 on the CPU, a broadcast multiply and a sum is one vectorised, parallel op instead: forward and backward
-// 2-6x faster on the demo's shapes (docs/daemon.md "Speed"). It grows with M x N x D and loses from about 8k per
-// item; BF16 would round every product, so it stays on bmm.
+// F32 on the CPU, a broadcast multiply and a sum is one vectorised, parallel op instead. On the demo's model
+// (bench/attention_bench.cpp) decoding takes 0.5x the time at 2 threads (0.7x at 1), a training forward and
+// backward 0.9x (1.1x at 1: the broadcast backward costs more). The broadcast form grows with M x N x D and loses
+// from about 8k per item; BF16 would round every product, so it stays on bmm.
 enum class Product { kDot, kWeighted };
 
 at::Tensor HeadProduct(Product kind, const at::Tensor& a, const at::Tensor& b, int64_t small) {
   const int64_t M = a.size(-2), N = b.size(-2), D = kind == Product::kDot ? a.size(-1) : b.size(-1);
-  const bool broadcast = a.device().is_cpu() && a.scalar_type() == at::kFloat && M * N * D <= small;
-  if (kind == Product::kDot) {
-    if (broadcast) return (a.unsqueeze(-2) * b.unsqueeze(-3)).sum(-1);
-    return at::matmul(a, b.transpose(-1, -2));
+  if (!a.device().is_cpu() || a.scalar_type() != at::kFloat || M * N * D > small) {
+    return kind == Product::kDot ? at::matmul(a, b.transpose(-1, -2)) : at::matmul(a, b);
   }
-  if (broadcast) return (a.unsqueeze(-1) * b.unsqueeze(-3)).sum(-2);
-  return at::matmul(a, b);
+  if (kind == Product::kDot) return (a.unsqueeze(-2) * b.unsqueeze(-3)).sum(-1);
+  return (a.unsqueeze(-1) * b.unsqueeze(-3)).sum(-2);
 }
 
 at::Tensor RotateHalf(const at::Tensor& x) {
@@ -420,6 +419,12 @@ at::Tensor CausalLM::Attention(const Layer& L, int index, const at::Tensor& x, c
     vc.narrow(2, c.start, T).copy_(v);
     keys = kc.narrow(2, 0, S);
     values = vc.narrow(2, 0, S);
+    if (at::GradMode::is_enabled()) {
+      // The products keep their operands for the backward, and a later forward on this cache
+      // writes into it: they get a copy, not a view of the cache.
+      keys = keys.clone();
+      values = values.clone();
+    }
   } else {
     keys = k;
     values = v;

@@ -262,7 +262,7 @@ TEST_F(LoraTest, SmallAttentionProductsEqualTheBatchedMatmul) {
   ModelOptions bmm_opts, broadcast_opts;
   bmm_opts.small_attention_product = 0;
   broadcast_opts.small_attention_product = int64_t{1} << 40;
-  std::map<std::string, at::Tensor> grads[2];
+  std::map<std::string, at::Tensor> grads[2], cached_grads[2];
   at::Tensor logits[2], decoded[2];
   for (int i = 0; i < 2; ++i) {
     auto m = CausalLM::Load(dir_.path() / "base", i == 0 ? bmm_opts : broadcast_opts);
@@ -271,6 +271,29 @@ TEST_F(LoraTest, SmallAttentionProductsEqualTheBatchedMatmul) {
     ASSERT_TRUE(a.ok()) << a.status().ToString();
     Perturb(**a);
     grads[i] = Gradients(**m, **a, ids_, false);
+    {
+      // As the trainer's shared prompt: a prefill into a cache, then more tokens on the same
+      // cache, one backward through both (the second forward writes the cache the first read).
+      KvCache cache((*m)->config(), 2, 10, (*m)->dtype(), (*m)->device());
+      ForwardArgs f;
+      f.lora = &(*a)->binding();
+      f.training = true;
+      f.cache = &cache;
+      f.input_ids = ids_.narrow(1, 0, 4);
+      f.positions = at::arange(4, at::kLong).view({1, 4}).expand({2, 4}).contiguous();
+      auto first = (*m)->Forward(f);
+      f.input_ids = ids_.narrow(1, 4, 6);
+      f.positions = at::arange(4, 10, at::kLong).view({1, 6}).expand({2, 6}).contiguous();
+      auto second = (*m)->Forward(f);
+      ASSERT_TRUE(first.ok() && second.ok());
+      for (auto& p : (*a)->parameters()) p.mutable_grad().reset();
+      try {
+        (first->sum() + second->sum()).backward();
+      } catch (const c10::Error& e) {
+        FAIL() << (i == 0 ? "bmm" : "broadcast") << ": " << e.what_without_backtrace();
+      }
+      for (const auto& [k, p] : (*a)->named_parameters()) cached_grads[i][k] = p.grad().clone();
+    }
     at::NoGradGuard no_grad;
     ForwardArgs f;
     f.input_ids = ids_;
@@ -301,6 +324,10 @@ TEST_F(LoraTest, SmallAttentionProductsEqualTheBatchedMatmul) {
   for (const auto& [k, g] : grads[0]) {
     const double scale = std::max(1e-3, g.abs().max().item<double>());
     EXPECT_LT((g - grads[1].at(k)).abs().max().item<double>() / scale, 1e-5) << k;
+    const at::Tensor& c = cached_grads[0].at(k);
+    EXPECT_LT((c - cached_grads[1].at(k)).abs().max().item<double>() / std::max(1e-3, c.abs().max().item<double>()),
+              1e-5)
+        << k << " (through a cache)";
   }
 }
 

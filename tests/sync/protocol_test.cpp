@@ -306,10 +306,7 @@ class SyncTest : public ::testing::Test {
   }
 
   ReceiverOptions RecvOptions(const std::string& id) {
-    ReceiverOptions o;
-    o.id = id;
-    o.endpoints = endpoints_;
-    o.dir = root_ / ("recv-" + id);
+    ReceiverOptions o = TestReceiverOptions(endpoints_, root_, id);
     o.timeout_ms = 5000;
     return o;
   }

@@ -109,7 +109,10 @@ int main(int argc, char** argv) {
   int64_t rows = 128, prompt_len = 7, completion_len = 3, threads = 2, reps = 40;
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
-    if (arg == "--help" || arg == "-h") return Usage() == 2 ? 0 : 1;
+    if (arg == "--help" || arg == "-h") {
+      Usage();
+      return 0;
+    }
     if (i + 1 >= argc) return Usage();
     const char* v = argv[++i];
     if (arg == "--model") {

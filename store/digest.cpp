@@ -381,6 +381,26 @@ std::string U64Le(uint64_t v) {
   return s;
 }
 
+std::string FileObjectRow(uint64_t size) { return U64Le(size); }
+
+std::string SmallObjectRow(std::span<const std::byte> bytes) {
+  std::string row = U64Le(bytes.size());
+  row.append(reinterpret_cast<const char*>(bytes.data()), bytes.size());
+  return row;
+}
+
+Result<std::string_view> SmallObjectBytes(std::string_view row, uint64_t nbytes) {
+  uint64_t size = 0;
+  if (row.size() >= 8) {
+    for (int i = 7; i >= 0; --i) size = (size << 8) | static_cast<unsigned char>(row[static_cast<size_t>(i)]);
+  }
+  if (row.size() < 8 || size != nbytes || (row.size() != 8 && row.size() - 8 != nbytes)) {
+    return Status::Corruption("its \"objects\" row has " + std::to_string(row.size()) + " bytes for a tensor of " +
+                              std::to_string(nbytes) + " (expected 8, or 8 + " + std::to_string(nbytes) + ")");
+  }
+  return row.substr(8);
+}
+
 std::string RunKey(const std::string& run, uint64_t sequence) {
   std::string k = run;
   k.push_back('\0');

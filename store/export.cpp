@@ -20,7 +20,8 @@ Status RocksStore::Export(const Digest& version, const std::filesystem::path& ou
   const std::string what = "export of version " + rec.id.Hex() + " to " + out.string();
   if (rec.derived) {
     for (const TensorRow& row : rec.tensors) {
-      if (!objects_.Present(ObjectStore::Kind::kTensor, row.digest, row.nbytes)) {
+      FERRY_ASSIGN_OR_RETURN(auto small, SmallObject(rocksdb::ReadOptions(), row));
+      if (!small && !objects_.Present(ObjectStore::Kind::kTensor, row.digest, row.nbytes)) {
         return Status::FailedPrecondition(Where(what + ": " + DerivedMessage(rec)));
       }
     }
@@ -39,6 +40,19 @@ Status RocksStore::Export(const Digest& version, const std::filesystem::path& ou
 
   for (const TensorRow& row : rec.tensors) {
     const std::string tensor = "tensor '" + row.name + "'";
+    FERRY_ASSIGN_OR_RETURN(auto small, SmallObject(rocksdb::ReadOptions(), row));
+    if (small) {
+      TensorDigester digester(row.dtype, row.shape);
+      const auto piece = std::as_bytes(std::span<const char>(small->data(), small->size()));
+      digester.Update(piece);
+      if (const Digest got = digester.Finish(); got != row.digest) {
+        return Status::Corruption(Where(what + ": " + tensor + " is corrupted: its small object hashes to " +
+                                        got.Hex() + ", expected " + row.digest.Hex()));
+      }
+      Status s = (*writer)->Append(piece);
+      if (!s.ok()) return Status(s.code(), Where(what + ": " + tensor + ": " + s.message()));
+      continue;
+    }
     const auto path = objects_.PathOf(ObjectStore::Kind::kTensor, row.digest);
     auto file = MappedFile::Open(path);
     if (!file.ok()) {

@@ -1,6 +1,7 @@
 // Hashing checkpoints (HashPath, HashCheckpoint) and importing them (the commit protocol).
 #include <algorithm>
 #include <atomic>
+#include <map>
 #include <mutex>
 #include <optional>
 #include <set>
@@ -201,12 +202,40 @@ Result<ImportResult> RocksStore::ImportCheckpoint(const Checkpoint& ckpt, const 
 
   // 1. Hash every tensor (on every core); write the bytes of each one not yet stored while it
   //    is mapped, to a temporary name, its writeback started.
+  //    A small tensor (at most small_object_bytes) goes into its "objects" row instead, in
+  //    the commit batch: no file, no fdatasync of its own.
   ObjectBatch batch(objects_);
+  std::mutex rows_mu;
+  std::map<Digest, std::string> object_rows;  // the "objects" rows this import writes; guarded by rows_mu
+  uint64_t small_bytes = 0;                   // guarded by rows_mu
+  int64_t small_objects = 0;                  // guarded by rows_mu
   auto store_tensor = [&](const Tensor& t, const TensorRow& row) -> Status {
     FERRY_ASSIGN_OR_RETURN(auto known, Get(rocksdb::ReadOptions(), kObjects, DigestKey(row.digest)));
-    if (known && objects_.Present(ObjectStore::Kind::kTensor, row.digest, row.nbytes)) return Status::OK();
+    if (known) {
+      auto held = SmallObjectBytes(*known, row.nbytes);
+      if (held.ok() && !held->empty()) return Status::OK();  // a small object, stored
+      if (held.ok() && objects_.Present(ObjectStore::Kind::kTensor, row.digest, row.nbytes)) return Status::OK();
+    }
+    if (row.nbytes > 0 && row.nbytes <= options_.small_object_bytes) {
+      // The bytes as they are in the row: nothing else is recorded under the digest.
+      std::string value = SmallObjectRow(t.bytes());
+      TensorDigester digester(row.dtype, row.shape);
+      digester.Update(std::as_bytes(std::span<const char>(value.data() + 8, value.size() - 8)));
+      if (const Digest got = digester.Finish(); got != row.digest) {
+        return Status::Corruption(Where("tensor '" + row.name + "' changed while it was being stored (digest " +
+                                        got.Hex() + ", hashed as " + row.digest.Hex() + "); nothing was committed"));
+      }
+      std::lock_guard lock(rows_mu);
+      if (object_rows.insert_or_assign(row.digest, std::move(value)).second) {
+        small_bytes += row.nbytes;
+        ++small_objects;
+      }
+      return Status::OK();
+    }
     Status s = batch.WriteTensor(row, t.bytes(), ckpt.RangeOf(row.name));
     if (!s.ok()) return Status(s.code(), Where(s.message()));
+    std::lock_guard lock(rows_mu);
+    object_rows[row.digest] = FileObjectRow(row.nbytes);
     return Status::OK();
   };
   HashOptions ho;
@@ -230,12 +259,18 @@ Result<ImportResult> RocksStore::ImportCheckpoint(const Checkpoint& ckpt, const 
       Status s = batch.WriteTensor(row, t.bytes(), ckpt.RangeOf(row.name));
       ckpt.Release(row.name);
       if (!s.ok()) return Status(s.code(), Where(s.message()));
+      object_rows[row.digest] = FileObjectRow(row.nbytes);
     }
   }
+  // Each tensor's "objects" row: the one written here, else the one stored (left as it is:
+  // a small object's row holds its bytes).
+  auto put_object_rows = [&](rocksdb::WriteBatch& wb) {
+    for (const auto& [digest, value] : object_rows) wb.Put(cfs_[kObjects], DigestKey(digest), value);
+  };
   if (Status s = batch.SyncDirs(); !s.ok()) return Status(s.code(), Where(s.message()));
   ImportResult result;
-  result.bytes_written = batch.bytes_written();
-  result.objects_written = batch.objects_written();
+  result.bytes_written = batch.bytes_written() + small_bytes;
+  result.objects_written = batch.objects_written() + small_objects;
 
   // 3. One synced batch makes the version visible. The existence check, the sequence and
   //    the write are one step for concurrent imports.
@@ -244,7 +279,13 @@ Result<ImportResult> RocksStore::ImportCheckpoint(const Checkpoint& ckpt, const 
   if (exists) {
     FERRY_ASSIGN_OR_RETURN(result.record, LoadVersion(MakeView().options(), rec.id));
     result.already_present = true;
-    if (!result.record.derived) return result;
+    if (!result.record.derived) {
+      if (object_rows.empty()) return result;
+      rocksdb::WriteBatch wb;  // objects that were missing, written again
+      put_object_rows(wb);
+      FERRY_RETURN_IF_ERROR(Write(wb, "store the objects of version " + rec.id.Hex()));
+      return result;
+    }
     // A derived version's bytes: now stored, the record kept but no longer derived.
     result.record.derived = false;
     result.was_derived = true;
@@ -254,8 +295,8 @@ Result<ImportResult> RocksStore::ImportCheckpoint(const Checkpoint& ckpt, const 
     for (const TensorRow& row : rec.tensors) {  // the rows gain the statistics computed here
       FERRY_ASSIGN_OR_RETURN(encoded, EncodeTensorRow(row));
       wb.Put(cfs_[kTensors], TensorKey(rec.id, row.name), encoded);
-      wb.Put(cfs_[kObjects], DigestKey(row.digest), U64Le(row.nbytes));
     }
+    put_object_rows(wb);
     result.record.tensors = rec.tensors;
     FERRY_RETURN_IF_ERROR(Write(wb, "store the bytes of derived version " + rec.id.Hex()));
     return result;
@@ -271,8 +312,8 @@ Result<ImportResult> RocksStore::ImportCheckpoint(const Checkpoint& ckpt, const 
   for (const TensorRow& row : rec.tensors) {
     FERRY_ASSIGN_OR_RETURN(encoded, EncodeTensorRow(row));
     wb.Put(cfs_[kTensors], TensorKey(rec.id, row.name), encoded);
-    wb.Put(cfs_[kObjects], DigestKey(row.digest), U64Le(row.nbytes));
   }
+  put_object_rows(wb);
   wb.Put(cfs_[kRuns], RunKey(rec.run, rec.sequence), id_key);
   wb.Put(cfs_[kLatest], rec.run, id_key);
   FERRY_RETURN_IF_ERROR(Write(wb, "commit version " + rec.id.Hex()));

@@ -45,6 +45,10 @@ class TensorStats {
   std::vector<uint16_t> halves_;
 };
 
+// Tests only: flips the lowest bit of byte `offset` of the object of tensor digest `digest` in
+// `store` (writable), whichever form the object has: a file, or a small object's "objects" row.
+Status DamageObjectForTesting(Store& store, const Digest& digest, uint64_t offset);
+
 // Tests only: allows or forbids the AVX2 statistics kernel (forbidden: the SSE2 path).
 // Returns whether this CPU has AVX2. Not thread-safe.
 bool SetStatsAvx2ForTesting(bool allowed);
@@ -61,6 +65,16 @@ using store::ManifestDigest;
 std::string U64Be(uint64_t v);
 uint64_t ReadU64Be(std::string_view bytes);  // REQUIRES: bytes.size() >= 8
 std::string U64Le(uint64_t v);
+
+// "objects" rows (store.h): u64le(size) for an object file, u64le(size) || the bytes for a
+// small object kept in its row.
+std::string FileObjectRow(uint64_t size);
+std::string SmallObjectRow(std::span<const std::byte> bytes);
+// The bytes a row holds (empty for an object file); kCorruption when the row is neither form
+// for a tensor of `nbytes` bytes.
+Result<std::string_view> SmallObjectBytes(std::string_view row, uint64_t nbytes);
+// The largest StoreOptions::small_object_bytes a store accepts.
+inline constexpr uint64_t kMaxSmallObjectBytes = uint64_t{1} << 20;
 std::string RunKey(const std::string& run, uint64_t sequence);
 std::string TensorKey(const Digest& version, const std::string& name);
 std::string EventKey(int64_t time_ns, uint64_t counter);

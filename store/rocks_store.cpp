@@ -22,7 +22,10 @@ namespace internal {
 namespace {
 
 constexpr char kSchemaKey[] = "schema";
-constexpr char kSchemaVersion[] = "1";
+// 2: "objects" rows may hold a small object's bytes. A version-1 store is a version-2 store
+// without small objects: opening it for writing relabels it.
+constexpr char kSchemaVersion[] = "2";
+constexpr char kSchemaVersion1[] = "1";
 
 bool IsHex(std::string_view s) {
   return std::all_of(s.begin(), s.end(), [](char c) { return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'f'); });
@@ -65,6 +68,10 @@ Status RocksStore::RequireWritable(std::string_view operation) const {
 
 Result<std::unique_ptr<Store>> RocksStore::OpenImpl(const std::filesystem::path& dir, const StoreOptions& options) {
   std::unique_ptr<RocksStore> store(new RocksStore(dir, options));
+  if (options.small_object_bytes > kMaxSmallObjectBytes) {
+    return Status::InvalidArgument(store->Where("small_object_bytes " + std::to_string(options.small_object_bytes) +
+                                                " is above the limit of " + std::to_string(kMaxSmallObjectBytes)));
+  }
   const auto rdir = dir / "rocksdb";
   std::error_code ec;
   const bool exists = std::filesystem::exists(rdir / "CURRENT", ec);
@@ -103,15 +110,15 @@ Result<std::unique_ptr<Store>> RocksStore::OpenImpl(const std::filesystem::path&
   store->db_.reset(raw);
 
   FERRY_ASSIGN_OR_RETURN(auto schema, store->Get(rocksdb::ReadOptions(), kDefault, kSchemaKey));
-  if (!schema) {
+  if (!schema || (*schema == kSchemaVersion1 && !options.read_only)) {
     if (!options.read_only) {
       rocksdb::WriteBatch batch;
       batch.Put(store->cfs_[kDefault], kSchemaKey, kSchemaVersion);
       FERRY_RETURN_IF_ERROR(store->Write(batch, "write schema"));
     }
-  } else if (*schema != kSchemaVersion) {
-    return Status::Unsupported(
-        store->Where("schema version " + *schema + "; this Ferry reads version " + kSchemaVersion));
+  } else if (*schema != kSchemaVersion && *schema != kSchemaVersion1) {
+    return Status::Unsupported(store->Where("schema version " + *schema + "; this Ferry reads versions " +
+                                            kSchemaVersion1 + " and " + kSchemaVersion));
   }
 
   std::unique_ptr<rocksdb::Iterator> it(store->db_->NewIterator(rocksdb::ReadOptions(), store->cfs_[kEvents]));
@@ -301,13 +308,49 @@ std::vector<Digest> RocksStore::VersionsHolding(const std::string& name, const D
   return ids;
 }
 
+Result<std::optional<std::string>> RocksStore::SmallObject(const rocksdb::ReadOptions& ro,
+                                                           const TensorRow& row) const {
+  if (row.nbytes == 0 || row.nbytes > kMaxSmallObjectBytes) return std::optional<std::string>();
+  FERRY_ASSIGN_OR_RETURN(auto value, Get(ro, kObjects, DigestKey(row.digest)));
+  if (!value) return std::optional<std::string>();
+  auto bytes = SmallObjectBytes(*value, row.nbytes);
+  if (!bytes.ok()) return Status::Corruption(Where("tensor '" + row.name + "': " + bytes.status().message()));
+  if (bytes->empty()) return std::optional<std::string>();
+  value->erase(0, 8);
+  return value;
+}
+
+Status RocksStore::CheckObject(const TensorRow& row) const {
+  FERRY_ASSIGN_OR_RETURN(auto small, SmallObject(rocksdb::ReadOptions(), row));
+  if (!small) return objects_.CheckTensor(row);
+  TensorDigester digester(row.dtype, row.shape);
+  digester.Update(std::as_bytes(std::span<const char>(small->data(), small->size())));
+  const Digest got = digester.Finish();
+  if (got != row.digest) {
+    return Status::Corruption("small object " + row.digest.Hex() + " hashes to " + got.Hex());
+  }
+  return Status::OK();
+}
+
 Result<Tensor> RocksStore::ReadTensor(const TensorRow& row, bool verify) {
-  const auto path = objects_.PathOf(ObjectStore::Kind::kTensor, row.digest);
   auto describe = [&] {
     auto holders = VersionsHolding(row.name, row.digest);
     std::string v = holders.empty() ? "no stored version" : "version " + ShortList(holders);
     return "tensor '" + row.name + "' of " + v;
   };
+  FERRY_ASSIGN_OR_RETURN(auto small, SmallObject(rocksdb::ReadOptions(), row));
+  if (small) {
+    auto owner = std::make_shared<const std::string>(std::move(*small));
+    auto t = Tensor::Wrap(row.dtype, row.shape, std::as_bytes(std::span<const char>(owner->data(), owner->size())),
+                          owner);
+    if (!t.ok()) return Status::Corruption(Where(describe() + ": " + t.status().message()));
+    if (verify && TensorDigest(*t) != row.digest) {
+      return Status::Corruption(Where(describe() + " is corrupted: its small object hashes to " +
+                                      TensorDigest(*t).Hex() + ", expected " + row.digest.Hex()));
+    }
+    return t;
+  }
+  const auto path = objects_.PathOf(ObjectStore::Kind::kTensor, row.digest);
   auto file = MappedFile::Open(path);
   if (!file.ok()) {
     if (file.status().code() == StatusCode::kNotFound) {
@@ -376,7 +419,7 @@ Result<std::vector<VerifyReport>> RocksStore::Verify(std::optional<Digest> versi
     if (!r.derived) {
       for (const TensorRow& row : r.tensors) {
         auto [it, fresh] = tensor_state.try_emplace(row.digest, StatusCode::kOk);
-        if (fresh) it->second = objects_.CheckTensor(row).code();
+        if (fresh) it->second = CheckObject(row).code();
         if (it->second == StatusCode::kNotFound) {
           rep.missing.push_back(row.name);
         } else if (it->second != StatusCode::kOk) {
@@ -466,6 +509,26 @@ Status RocksStore::Refresh() {
   rocksdb::Status st = db_->TryCatchUpWithPrimary();
   if (!st.ok()) return Translate(st, "catch up with the writer");
   return Status::OK();
+}
+
+Status RocksStore::DamageObject(const Digest& digest, uint64_t offset) {
+  FERRY_ASSIGN_OR_RETURN(auto value, Get(rocksdb::ReadOptions(), kObjects, DigestKey(digest)));
+  if (value && value->size() > 8) {
+    if (offset >= value->size() - 8) return Status::InvalidArgument(Where("offset past the small object"));
+    (*value)[8 + offset] = static_cast<char>((*value)[8 + offset] ^ 1);
+    rocksdb::WriteBatch batch;
+    batch.Put(cfs_[kObjects], DigestKey(digest), *value);
+    return Write(batch, "damage object " + digest.Hex());
+  }
+  const auto path = objects_.PathOf(ObjectStore::Kind::kTensor, digest);
+  FERRY_ASSIGN_OR_RETURN(std::string bytes, ReadSmallFile(path, kMaxSmallObjectBytes << 10));
+  if (offset >= bytes.size()) return Status::InvalidArgument(Where("offset past the object " + path.string()));
+  bytes[offset] = static_cast<char>(bytes[offset] ^ 1);
+  return WriteFileAtomic(path, bytes);
+}
+
+Status DamageObjectForTesting(Store& store, const Digest& digest, uint64_t offset) {
+  return static_cast<RocksStore&>(store).DamageObject(digest, offset);
 }
 
 }  // namespace internal

@@ -51,6 +51,9 @@ class RocksStore final : public Store {
   Result<int64_t> GarbageCollect(int64_t keep) override;
   Status Refresh() override;
 
+  // DamageObjectForTesting (internal.h) on this store.
+  Status DamageObject(const Digest& digest, uint64_t offset);
+
  private:
   // Column families, in the order they are opened.
   enum Cf { kDefault = 0, kVersions, kTensors, kRuns, kLatest, kObjects, kEvents, kNumCf };
@@ -91,6 +94,12 @@ class RocksStore final : public Store {
   // The highest sequence of `run` (0 when it has none) and the version holding it.
   // REQUIRES: commit_mu_ held (so that it stays the highest until the caller commits).
   Result<std::pair<uint64_t, std::optional<Digest>>> LastOfRun(const std::string& run) const;
+  // A small object's bytes (store.h, "objects"): nullopt when `row`'s object is a file or
+  // has no "objects" row; kCorruption naming the tensor when the row is malformed.
+  Result<std::optional<std::string>> SmallObject(const rocksdb::ReadOptions& ro, const TensorRow& row) const;
+  // Re-hashes the object of a tensor: OK when intact, else kNotFound (no object) or
+  // kCorruption (size or digest differs).
+  Status CheckObject(const TensorRow& row) const;
   // The versions holding a tensor `name` with digest `digest` (for error messages).
   std::vector<Digest> VersionsHolding(const std::string& name, const Digest& digest) const;
 

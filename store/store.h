@@ -26,6 +26,10 @@
 //                          once). Chosen over RocksDB blob files so that tensors can be
 //                          memory-mapped and copied with copy_file_range when materialised,
 //                          and verified or collected file by file.
+//                          Except small objects (StoreOptions::small_object_bytes, 64 KiB
+//                          by default): their bytes live in their "objects" row, committed
+//                          in the version's own batch (an adapter's tensors are mostly small,
+//                          and a file each made every training step's record ~60 fsyncs).
 //   DB/aux/ab/cdef…        auxiliary files by content digest, same rules.
 //
 // RocksDB column families (keys are bytes; u64be = 8-byte big-endian so keys sort numerically):
@@ -33,15 +37,21 @@
 //   "tensors"   version id || name                        -> TensorRow as JSON
 //   "runs"      run || "\0" || u64be(sequence)            -> version id
 //   "latest"    run                                       -> version id
-//   "objects"   tensor digest (16 bytes)                  -> u64le(size) (presence = stored)
+//   "objects"   tensor digest (16 bytes)                  -> u64le(size) (presence = stored; the
+//                                                            object is a file), or u64le(size)
+//                                                            || the bytes (a small object)
 //   "events"    u64be(time_ns) || u64be(event counter)    -> Event as JSON
-//   "default"   "schema"                                  -> "1"
+//   "default"   "schema"                                  -> "2" ("1": written before small
+//                                                            objects; read as is, relabelled
+//                                                            "2" when opened for writing)
 //
 // Commit protocol: each new object file is written under a temporary name, its bytes
 // re-hashed from the file and checked against its digest, fdatasynced and only then renamed
 // to its digest name, so no object file ever holds wrong or partial bytes under that name;
 // the directories touched are fsynced. Then ONE WriteBatch with sync = true adds the
-// version record, its tensor rows, the run index entry and the latest pointer. A version is
+// version record, its tensor rows, the "objects" rows of the objects it wrote (small objects'
+// bytes included, re-hashed from the row's copy), the run index entry and the latest
+// pointer. A version is
 // visible iff its batch committed, so a crash at any point leaves either the whole version
 // or none of it (orphan objects are removed by gc). Readers (the CLI) may open the store
 // while a writer holds it: they open RocksDB as a secondary instance and see every version
@@ -292,6 +302,12 @@ struct StoreOptions {
   bool create_if_missing = false;  // Default: false (opening a missing store is kNotFound)
   bool read_only = false;          // open as a RocksDB secondary: never blocks a writer
   bool sync_objects = true;        // fsync object files before committing. Default: true.
+  // A tensor of at most this many bytes (and more than 0) is stored in its "objects" row, in
+  // the commit's batch, not as a file: a training step's adapter then costs one synced
+  // write, not a file, fdatasync, rename and directory fsync per tensor. At most 1 MiB;
+  // 0: every object is a file. Reads find an object in either form, whatever this is.
+  // Default: 64 KiB.
+  uint64_t small_object_bytes = uint64_t{64} << 10;
 };
 
 // A store on disk. Thread-safe: every method may be called from any thread, concurrently

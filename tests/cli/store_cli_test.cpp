@@ -13,6 +13,7 @@
 #include "convert/converter.h"
 #include "core/aux_files.h"
 #include "core/checkpoint.h"
+#include "store/internal.h"
 #include "store/store.h"
 #include "tests/cli/cli_runner.h"
 
@@ -62,6 +63,15 @@ class StoreCli : public ::testing::Test {
   }
 
   fs::path dir_;
+  // Flips a bit of byte `offset` of the stored object of tensor digest `hex` (a file or a
+  // small object's row) while no ferry process has the store open.
+  void DamageObject(const std::string& hex, uint64_t offset) {
+    auto store = store::Store::Open(db_, store::StoreOptions{});
+    ASSERT_TRUE(store.ok()) << store.status().ToString();
+    Status s = store::internal::DamageObjectForTesting(**store, store::Digest::FromHex(hex).value(), offset);
+    ASSERT_TRUE(s.ok()) << s.ToString();
+  }
+
   std::string db_, base_, adapter_, merged_;
 };
 
@@ -218,18 +228,7 @@ TEST_F(StoreCli, CorruptedObjectIsNamedByVersionsVerify) {
     if (t["name"] == kQProj) digest = t["digest"];
   }
   ASSERT_EQ(digest.size(), 32u);
-  const fs::path object = fs::path(db_) / "objects" / digest.substr(0, 2) / digest.substr(2);
-  ASSERT_TRUE(fs::exists(object)) << object;
-  fs::permissions(object, fs::perms::owner_write, fs::perm_options::add);
-  {
-    std::fstream f(object, std::ios::in | std::ios::out | std::ios::binary);
-    f.seekg(100);
-    char c = 0;
-    f.read(&c, 1);
-    c = static_cast<char>(c ^ 0x01);
-    f.seekp(100);
-    f.write(&c, 1);
-  }
+  DamageObject(digest, 100);
   auto bad = RunFerry({"versions", "verify", base_.substr(0, 8), "--db", db_});
   EXPECT_EQ(bad.exit_code, 1);
   EXPECT_NE(bad.err.find(std::string("tensor ") + kQProj + " is corrupted"), std::string::npos) << bad.err;
@@ -373,16 +372,7 @@ TEST_F(StoreCli, DerivedVersionIsMaterializedWithItsIdAndVerified) {
   // A damaged adapter object: materialize fails naming both ids and leaves nothing.
   auto adapter = Json({"versions", "show", adapter_, "--db", db_, "--json"});
   const std::string digest = adapter["tensors"][0]["digest"];
-  const fs::path object = fs::path(db_) / "objects" / digest.substr(0, 2) / digest.substr(2);
-  fs::permissions(object, fs::perms::owner_write, fs::perm_options::add);
-  {
-    std::fstream f(object, std::ios::in | std::ios::out | std::ios::binary);
-    char c = 0;
-    f.read(&c, 1);
-    c = static_cast<char>(c ^ 0x01);
-    f.seekp(0);
-    f.write(&c, 1);
-  }
+  DamageObject(digest, 0);
   const fs::path out2 = dir_ / "mat2";
   auto bad = RunFerry({"versions", "materialize", derived, "--db", db_, "--out", out2.string()});
   EXPECT_EQ(bad.exit_code, 1);

@@ -4,7 +4,6 @@
 // adapter, kept alive with them by gc, turned into a stored version by a full import.
 #include <algorithm>
 #include <filesystem>
-#include <fstream>
 
 #include <gtest/gtest.h>
 
@@ -28,11 +27,6 @@ bool Contains(const std::string& haystack, const std::string& needle) {
   return haystack.find(needle) != std::string::npos;
 }
 
-fs::path ObjectPath(const fs::path& db, const Digest& d) {
-  const std::string hex = d.Hex();
-  return db / "objects" / hex.substr(0, 2) / hex.substr(2);
-}
-
 // Files under `dir`, recursively (0 when it does not exist).
 int64_t CountFiles(const fs::path& dir) {
   std::error_code ec;
@@ -40,17 +34,6 @@ int64_t CountFiles(const fs::path& dir) {
   int64_t n = 0;
   for (const auto& e : fs::recursive_directory_iterator(dir)) n += e.is_regular_file() ? 1 : 0;
   return n;
-}
-
-void FlipByte(const fs::path& file, std::streamoff at) {
-  fs::permissions(file, fs::perms::owner_write, fs::perm_options::add);
-  std::fstream f(file, std::ios::in | std::ios::out | std::ios::binary);
-  f.seekg(at);
-  char c;
-  f.read(&c, 1);
-  c = static_cast<char>(c ^ 0x10);
-  f.seekp(at);
-  f.write(&c, 1);
 }
 
 // The merged version the converter makes of (base dir, adapter dir), as rows and aux files:
@@ -301,7 +284,7 @@ TEST_F(DerivedTest, VerifyReportsDerivedVersionsThroughTheirBaseAndAdapter) {
     if (Contains(t.name, "layers.1.mlp.down_proj.lora_B")) victim = &t;
   }
   ASSERT_NE(victim, nullptr);
-  FlipByte(ObjectPath(db_, victim->digest), 8);
+  ASSERT_TRUE(internal::DamageObjectForTesting(*store_, victim->digest, 8).ok());
   auto one = store_->Verify(m.id);  // alone: its dependencies are loaded and checked
   ASSERT_TRUE(one.ok()) << one.status().ToString();
   ASSERT_EQ(one->size(), 1u);
@@ -328,7 +311,7 @@ TEST_F(DerivedTest, TamperedAdapterFailsMaterializeNamingBothIdsAndLeavesNothing
   const Merge m = ConverterMerge(kCase / "adapter");
   MustRecord(m, DerivedOptions(adapter_, 1));
   const VersionRecord adapter = store_->GetVersion(adapter_.Hex()).value();
-  FlipByte(ObjectPath(db_, adapter.tensors.back().digest), 4);
+  ASSERT_TRUE(internal::DamageObjectForTesting(*store_, adapter.tensors.back().digest, 4).ok());
   const fs::path out = tmp_ / "out";
   auto mat = Materialize(*store_, m.id, out, {});
   ASSERT_FALSE(mat.ok());

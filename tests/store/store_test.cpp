@@ -8,6 +8,7 @@
 #include <gtest/gtest.h>
 
 #include "core/checkpoint.h"
+#include "store/internal.h"
 #include "store/store.h"
 #include "tests/store/test_util.h"
 
@@ -46,6 +47,7 @@ class StoreTest : public ::testing::Test {
     db_ = tmp_ / "db";
     StoreOptions so;
     so.create_if_missing = true;
+    so.small_object_bytes = small_object_bytes_;
     auto s = Store::Open(db_, so);
     ASSERT_TRUE(s.ok()) << s.status().ToString();
     store_ = std::move(*s);
@@ -65,6 +67,9 @@ class StoreTest : public ::testing::Test {
     return r.ok() ? *r : ImportResult{};
   }
 
+  // Every object a file: these tests look at the object files (SmallObjectTest below keeps
+  // the default, under which this fixture's tensors are all small).
+  uint64_t small_object_bytes_ = 0;
   TempDir tmp_;
   std::map<std::string, Tensor> base_;
   std::map<std::string, std::string> aux_;
@@ -601,6 +606,162 @@ TEST_F(StoreTest, ReadOnlyStoresRefuseWritesAndSecondWritersAreRefused) {
   auto rep = (*reader)->Verify(std::nullopt);
   ASSERT_TRUE(rep.ok());
   EXPECT_TRUE((*rep)[0].ok());
+}
+
+// ---- Small objects: tensors of at most small_object_bytes kept in their "objects" rows ----
+
+class SmallObjectTest : public StoreTest {
+ protected:
+  SmallObjectTest() { small_object_bytes_ = StoreOptions{}.small_object_bytes; }
+
+  // Regular files under DB/objects.
+  int64_t ObjectFiles() {
+    int64_t n = 0;
+    for (const auto& e : std::filesystem::recursive_directory_iterator(db_ / "objects")) n += e.is_regular_file();
+    return n;
+  }
+
+  std::string Bytes(const Tensor& t) { return std::string(reinterpret_cast<const char*>(t.data()), t.nbytes()); }
+};
+
+TEST_F(SmallObjectTest, SmallTensorsAreStoredInTheirRowsAndReadBackExactly) {
+  ASSERT_LE(base_["model.embed_tokens.weight"].nbytes(), StoreOptions{}.small_object_bytes);
+  ImportResult r = MustImport(tmp_ / "base");
+  const uint64_t aux_bytes = aux_["config.json"].size() + aux_["tokenizer.json"].size();
+  EXPECT_EQ(r.bytes_written, Sum(base_) + aux_bytes);
+  EXPECT_EQ(r.objects_written, 7);
+  EXPECT_EQ(ObjectFiles(), 0) << "every tensor here is small";
+  for (const auto& [name, t] : base_) {
+    auto got = store_->ReadTensor(Row(r.record, name), true);
+    ASSERT_TRUE(got.ok()) << name << ": " << got.status().ToString();
+    EXPECT_EQ(Bytes(*got), Bytes(t)) << name;
+  }
+  auto reports = store_->Verify(std::nullopt);
+  ASSERT_TRUE(reports.ok()) << reports.status().ToString();
+  ASSERT_EQ(reports->size(), 1u);
+  EXPECT_TRUE((*reports)[0].ok());
+  ASSERT_TRUE(store_->Export(r.record.id, tmp_ / "exported", false).ok());
+  EXPECT_EQ(HashPath(tmp_ / "exported").value().id, r.record.id);
+  // A reader (RocksDB secondary) finds them too.
+  StoreOptions ro;
+  ro.read_only = true;
+  auto reader = Store::Open(db_, ro);
+  ASSERT_TRUE(reader.ok()) << reader.status().ToString();
+  auto norm = (*reader)->ReadTensor(Row(r.record, "model.norm.weight"), true);
+  ASSERT_TRUE(norm.ok()) << norm.status().ToString();
+  EXPECT_EQ(Bytes(*norm), Bytes(base_["model.norm.weight"]));
+}
+
+TEST_F(SmallObjectTest, TensorsAboveTheLimitAreFiles) {
+  store_.reset();
+  StoreOptions so;
+  so.small_object_bytes = 2048;  // k_proj (2048 bytes) and norm (128) are small; the rest files
+  auto s = Store::Open(db_, so);
+  ASSERT_TRUE(s.ok()) << s.status().ToString();
+  store_ = std::move(*s);
+  ImportResult r = MustImport(tmp_ / "base");
+  for (const auto& [name, t] : base_) {
+    EXPECT_EQ(std::filesystem::exists(ObjectPath(db_, Row(r.record, name).digest)), t.nbytes() > 2048) << name;
+    auto got = store_->ReadTensor(Row(r.record, name), true);
+    ASSERT_TRUE(got.ok()) << name << ": " << got.status().ToString();
+    EXPECT_EQ(Bytes(*got), Bytes(t)) << name;
+  }
+  EXPECT_EQ(ObjectFiles(), 3);
+}
+
+TEST_F(SmallObjectTest, LimitAboveOneMiBIsRefused) {
+  StoreOptions so;
+  so.small_object_bytes = (uint64_t{1} << 20) + 1;
+  auto s = Store::Open(tmp_ / "other", so);
+  EXPECT_EQ(s.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_TRUE(Contains(s.status().message(), "small_object_bytes 1048577 is above the limit of 1048576"))
+      << s.status().message();
+}
+
+TEST_F(SmallObjectTest, DamagedSmallObjectIsReportedForExactlyThatTensor) {
+  ImportResult r = MustImport(tmp_ / "base");
+  const TensorRow& victim = Row(r.record, "model.layers.0.mlp.up_proj.weight");
+  ASSERT_TRUE(internal::DamageObjectForTesting(*store_, victim.digest, 10).ok());
+  auto reports = store_->Verify(std::nullopt);
+  ASSERT_TRUE(reports.ok()) << reports.status().ToString();
+  ASSERT_EQ(reports->size(), 1u);
+  EXPECT_EQ((*reports)[0].corrupted, std::vector<std::string>{victim.name});
+  EXPECT_TRUE((*reports)[0].missing.empty());
+  auto read = store_->ReadTensor(victim, true);
+  EXPECT_EQ(read.status().code(), StatusCode::kCorruption);
+  EXPECT_TRUE(Contains(read.status().message(), "tensor '" + victim.name + "'")) << read.status().message();
+  EXPECT_TRUE(Contains(read.status().message(), "is corrupted")) << read.status().message();
+  auto exported = store_->Export(r.record.id, tmp_ / "exported", false);
+  EXPECT_EQ(exported.code(), StatusCode::kCorruption);
+  EXPECT_TRUE(Contains(exported.message(), "tensor '" + victim.name + "' is corrupted")) << exported.message();
+  EXPECT_FALSE(std::filesystem::exists(tmp_ / "exported"));
+}
+
+TEST_F(SmallObjectTest, SourceChangedAfterHashingIsRefused) {
+  testing::WriteModel(tmp_ / "one", {{"w", Patterned(DType::kF32, {16, 256}, 9)}});
+  const auto file = tmp_ / "one" / "model.safetensors";
+  auto opened = SafetensorsFile::Open(file);
+  ASSERT_TRUE(opened.ok()) << opened.status().ToString();
+  const uint64_t data_offset = (*opened)->data_offset();
+  opened->reset();
+  ImportOptions o;
+  bool overwritten = false;
+  o.progress = [&](uint64_t done, uint64_t total) {
+    if (done != total || overwritten) return;  // "w" is hashed; its bytes are not yet copied
+    std::fstream f(file, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(static_cast<std::streamoff>(data_offset + 100));
+    f.write("\x7f\x7f\x7f\x7f", 4);
+    overwritten = true;
+  };
+  auto r = store_->Import(tmp_ / "one", o);
+  ASSERT_TRUE(overwritten);
+  EXPECT_EQ(r.status().code(), StatusCode::kCorruption);
+  EXPECT_TRUE(Contains(r.status().message(), "tensor 'w' changed while it was being stored")) << r.status().message();
+  EXPECT_TRUE(store_->ListVersions(std::nullopt).value().empty());
+}
+
+TEST_F(SmallObjectTest, ObjectFilesOfAnEarlierStoreAreKeptAndReadAlongsideSmallOnes) {
+  // Written with every object a file (as before small objects existed) ...
+  store_.reset();
+  StoreOptions files;
+  files.small_object_bytes = 0;
+  auto s = Store::Open(db_, files);
+  ASSERT_TRUE(s.ok()) << s.status().ToString();
+  ImportResult v1 = (*s)->Import(tmp_ / "base", {}).value();
+  s->reset();
+  ASSERT_EQ(ObjectFiles(), 5);
+  // ... then a fine-tune under the default: only the changed tensor is written, as a small
+  // object; the unchanged ones stay files and are not rewritten.
+  s = Store::Open(db_, StoreOptions{});
+  ASSERT_TRUE(s.ok()) << s.status().ToString();
+  store_ = std::move(*s);
+  const std::string q = "model.layers.0.self_attn.q_proj.weight";
+  ImportResult v2 = MustImport(FineTune("ft", {q}, 77));
+  EXPECT_EQ(v2.bytes_written, base_[q].nbytes());
+  EXPECT_EQ(v2.objects_written, 1);
+  EXPECT_EQ(ObjectFiles(), 5);
+  EXPECT_FALSE(std::filesystem::exists(ObjectPath(db_, Row(v2.record, q).digest)));
+  for (const VersionRecord* v : {&v1.record, &v2.record}) {
+    for (const TensorRow& row : v->tensors) EXPECT_TRUE(store_->ReadTensor(row, true).ok()) << row.name;
+  }
+  auto reports = store_->Verify(std::nullopt);
+  ASSERT_TRUE(reports.ok());
+  for (const auto& rep : *reports) EXPECT_TRUE(rep.ok()) << rep.version.Hex();
+}
+
+TEST_F(SmallObjectTest, GarbageCollectDropsTheSmallObjectsNoKeptVersionUses) {
+  const std::string q = "model.layers.0.self_attn.q_proj.weight";
+  ImportResult v1 = MustImport(tmp_ / "base");
+  ImportResult v2 = MustImport(FineTune("ft", {q}, 77));
+  auto removed = store_->GarbageCollect(1);
+  ASSERT_TRUE(removed.ok()) << removed.status().ToString();
+  EXPECT_EQ(*removed, 1);
+  EXPECT_EQ(store_->ReadTensor(Row(v1.record, q), true).status().code(), StatusCode::kNotFound);
+  for (const TensorRow& row : v2.record.tensors) EXPECT_TRUE(store_->ReadTensor(row, true).ok()) << row.name;
+  // Importing v1's weights again writes its q_proj again (its row was collected), and only it.
+  ImportResult back = MustImport(tmp_ / "base");
+  EXPECT_FALSE(back.already_present);
+  EXPECT_EQ(back.bytes_written, base_[q].nbytes());
 }
 
 }  // namespace

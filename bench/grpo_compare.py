@@ -14,8 +14,11 @@ factor of 2-4. Per side: the median wall time of
 an optimizer step after the warm-up steps (ferryd: its step_time metric, from the start of the step to the
 generator's acknowledgement of the new weights; the step's store record follows it and is not included (it records
 the step's metrics: docs/daemon.md "Speed"); TRL: TrainerCallback on_step_begin to on_step_end), the generated
-tokens per second, the peak RSS, and the reward over the last logged steps. Prints one JSON object and a ratio
-line: `ferryd/TRL step time` (lower is better for ferryd).
+tokens per second, the peak RSS, and the reward over the last logged steps. Also each side's whole cycle: the mean
+time from one timed step to the next with everything between steps included (ferryd: the commit times of the steps'
+adapter versions in its store, so its store record counts; TRL: on_step_begin to the next on_step_begin, so its
+logging counts). Prints one JSON object and two ratio lines: `ferryd/TRL step time` and the whole-cycle ratio
+(lower is better for ferryd).
 """
 import argparse
 import json
@@ -70,7 +73,15 @@ def run_ferryd(args, env, work, rep):
     timed = [r for r in rows if r["step"] > args.warmup_steps]
     times = [r["step_time"] for r in timed]
     tokens = sum(r["completions/mean_length"] * batch for r in timed)
+    # Whole cycles: the commit times of the steps' adapter versions in the run's store (each step's
+    # store record, checkpointing and logging included), from the last warm-up step's to the last's.
+    out = subprocess.run([args.ferry, "versions", "list", "--db", os.path.join(run_dir, "store"), "--kind",
+                          "adapter", "--json"], stdout=subprocess.PIPE, text=True, check=True)
+    commit = {v["step"]: v["time_ns"] * 1e-9 for v in json.loads(out.stdout)}
+    last = max(commit)
+    cycle = (commit[last] - commit[args.warmup_steps]) / (last - args.warmup_steps)
     return {"s_per_step_median": statistics.median(times), "s_per_step_mean": statistics.mean(times),
+            "s_per_step_cycle": cycle,
             "generated_tokens_per_s": tokens / sum(times), "peak_rss_bytes": res["rss"],
             "reward_last_10": statistics.mean(r["reward"] for r in rows[-10:])}
 
@@ -85,13 +96,14 @@ def run_trl(args, env):
     j = json.loads(out.stdout.strip().splitlines()[-1])
     rewards = [r for _, r in j["reward_log"]][-10:]
     return {"s_per_step_median": j["s_per_step_median"], "s_per_step_mean": j["s_per_step_mean"],
-            "generated_tokens_per_s": j["generated_tokens_per_s"], "peak_rss_bytes": j["peak_rss_bytes"],
+            "s_per_step_cycle": j["s_per_step_cycle"], "generated_tokens_per_s": j["generated_tokens_per_s"], "peak_rss_bytes": j["peak_rss_bytes"],
             "reward_last_10": statistics.mean(rewards) if rewards else None}
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ferryd", default="build/cli/ferryd")
+    ap.add_argument("--ferry", default=None, help="the ferry command (default: beside --ferryd)")
     ap.add_argument("--demo", default="fixtures/demo")
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--warmup-steps", type=int, default=5)
@@ -99,6 +111,8 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--omp-wait-policy", choices=["default", "PASSIVE", "ACTIVE"], default="default")
     args = ap.parse_args()
+    if args.ferry is None:
+        args.ferry = os.path.join(os.path.dirname(args.ferryd), "ferry")
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
     env.pop("OMP_WAIT_POLICY", None)
     if args.omp_wait_policy != "default":
@@ -112,12 +126,17 @@ def main():
     f = statistics.median(r["s_per_step_median"] for r in result["ferryd"])
     t = statistics.median(r["s_per_step_median"] for r in result["trl"])
     result["ratio_step_time_ferryd_over_trl"] = f / t
+    fc = statistics.median(r["s_per_step_cycle"] for r in result["ferryd"])
+    tc = statistics.median(r["s_per_step_cycle"] for r in result["trl"])
+    result["ratio_cycle_ferryd_over_trl"] = fc / tc
     result["ratio_peak_rss_ferryd_over_trl"] = (statistics.median(r["peak_rss_bytes"] for r in result["ferryd"]) /
                                                  statistics.median(r["peak_rss_bytes"] for r in result["trl"]))
     result["load_average"] = os.getloadavg()
     print(json.dumps(result))
     print("ferryd %.4f s/step, TRL %.4f s/step: ferryd/TRL step time %.3f (ferryd %.1fx faster); peak RSS ratio %.2f"
           % (f, t, f / t, t / f, result["ratio_peak_rss_ferryd_over_trl"]), file=sys.stderr)
+    print("whole cycles (everything between steps included): ferryd %.4f s/step, TRL %.4f s/step: ratio %.3f "
+          "(ferryd %.1fx faster)" % (fc, tc, fc / tc, tc / fc), file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,8 @@ Prompts are plain text: TRL tokenizes them with add_special_tokens=True, so the 
 
 Output fields: steps, timed_steps, warmup_steps, threads, seed, s_per_step_median, s_per_step_mean (wall time of each
 timed optimizer step, from TrainerCallback.on_step_begin to on_step_end: generation, reward, loss, backward and the
-optimizer step), steps_per_s (timed steps / their summed time), generated_tokens (completion tokens of the timed
+optimizer step), steps_per_s (timed steps / their summed time), s_per_step_cycle (the timed steps' mean
+start-to-next-start time: everything between steps included), generated_tokens (completion tokens of the timed
 steps, EOS included, as TRL's completion mask counts them), generated_tokens_per_s, peak_rss_bytes (ru_maxrss),
 reward_log ([step, reward] for each logged step: TRL's mean reward over the steps since the previous log),
 trl_step_time_log ([step, step_time] for each logged step: TRL's own metric, the mean over the logged steps),
@@ -253,10 +254,12 @@ def _run(a, tmp):
     class Timer(TrainerCallback):
         def __init__(self):
             self.durations, self.reward_log, self.step_time_log, self.t0 = [], [], [], None
+            self.begins = {}  # step -> perf_counter() at its on_step_begin
 
         def on_step_begin(self, args, state, control, **kw):
             counts["step"] = state.global_step + 1
             self.t0 = time.perf_counter()
+            self.begins[state.global_step + 1] = self.t0
 
         def on_step_end(self, args, state, control, **kw):
             if state.global_step > a.warmup_steps:
@@ -276,6 +279,10 @@ def _run(a, tmp):
     eval_after = greedy_accuracy(trainer.model, tokenizer, eval_rows, max_completion_length) if eval_rows else None
     d = timer.durations
     total = sum(d)
+    # Whole cycles, step start to the next step's start (logging and callbacks between steps
+    # included), over the timed steps but the last (whose successor never starts).
+    first, last = a.warmup_steps + 1, max(timer.begins)
+    cycle = (timer.begins[last] - timer.begins[first]) / (last - first) if last > first else None
     result = {
         "system": "trl",
         "steps": trainer.state.global_step,
@@ -286,6 +293,7 @@ def _run(a, tmp):
         "s_per_step_median": statistics.median(d),
         "s_per_step_mean": total / len(d),
         "steps_per_s": len(d) / total,
+        "s_per_step_cycle": cycle,
         "generated_tokens": counts["tokens"],
         "generated_tokens_per_s": counts["tokens"] / total,
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,

@@ -308,8 +308,7 @@ std::vector<Digest> RocksStore::VersionsHolding(const std::string& name, const D
   return ids;
 }
 
-Result<std::optional<std::string>> RocksStore::SmallObject(const rocksdb::ReadOptions& ro,
-                                                           const TensorRow& row) const {
+Result<std::optional<std::string>> RocksStore::SmallObject(const rocksdb::ReadOptions& ro, const TensorRow& row) const {
   if (row.nbytes == 0 || row.nbytes > kMaxSmallObjectBytes) return std::optional<std::string>();
   FERRY_ASSIGN_OR_RETURN(auto value, Get(ro, kObjects, DigestKey(row.digest)));
   if (!value) return std::optional<std::string>();
@@ -341,8 +340,8 @@ Result<Tensor> RocksStore::ReadTensor(const TensorRow& row, bool verify) {
   FERRY_ASSIGN_OR_RETURN(auto small, SmallObject(rocksdb::ReadOptions(), row));
   if (small) {
     auto owner = std::make_shared<const std::string>(std::move(*small));
-    auto t = Tensor::Wrap(row.dtype, row.shape, std::as_bytes(std::span<const char>(owner->data(), owner->size())),
-                          owner);
+    auto t =
+        Tensor::Wrap(row.dtype, row.shape, std::as_bytes(std::span<const char>(owner->data(), owner->size())), owner);
     if (!t.ok()) return Status::Corruption(Where(describe() + ": " + t.status().message()));
     if (verify && TensorDigest(*t) != row.digest) {
       return Status::Corruption(Where(describe() + " is corrupted: its small object hashes to " +

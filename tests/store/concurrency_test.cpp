@@ -378,7 +378,8 @@ TEST_P(StoreConcurrencyTest, ProducedCheckpointIsMadeOneTensorAtATime) {
   EXPECT_EQ(again->record.id, r->record.id);
 }
 
-INSTANTIATE_TEST_SUITE_P(ObjectForms, StoreConcurrencyTest, ::testing::Values(uint64_t{0}, StoreOptions{}.small_object_bytes),
+INSTANTIATE_TEST_SUITE_P(ObjectForms, StoreConcurrencyTest,
+                         ::testing::Values(uint64_t{0}, StoreOptions{}.small_object_bytes),
                          [](const ::testing::TestParamInfo<uint64_t>& param) {
                            return param.param == 0 ? std::string("Files") : std::string("SmallObjects");
                          });

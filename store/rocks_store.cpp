@@ -92,6 +92,11 @@ Result<std::unique_ptr<Store>> RocksStore::OpenImpl(const std::filesystem::path&
   opts.create_missing_column_families = !options.read_only;
   opts.keep_log_file_num = 4;
   opts.max_log_file_size = 4 << 20;
+  // Small objects put a training run's adapter bytes through the WAL and the memtables: keep
+  // both bounded (RocksDB's defaults, 64 MiB memtables and a WAL kept until the quietest column
+  // family flushes, doubled a run's store on disk and grew the writer's memory by the memtable).
+  opts.write_buffer_size = 8 << 20;
+  opts.max_total_wal_size = 32 << 20;
   std::vector<rocksdb::ColumnFamilyDescriptor> descs;
   for (int i = 0; i < kNumCf; ++i) descs.emplace_back(CfName(i), rocksdb::ColumnFamilyOptions(opts));
   rocksdb::DB* raw = nullptr;

@@ -61,6 +61,30 @@ class StoreTest : public ::testing::Test {
     return tmp_ / dir;
   }
 
+  // Imports a one-tensor model ("w", F32 of `shape`) whose file is overwritten after "w" is
+  // hashed, before its bytes are stored: kCorruption naming it, nothing committed.
+  void ImportChangingTheSourceIsRefused(const Shape& shape) {
+    testing::WriteModel(tmp_ / "one", {{"w", Patterned(DType::kF32, shape, 9)}});
+    const auto file = tmp_ / "one" / "model.safetensors";
+    auto opened = SafetensorsFile::Open(file);
+    ASSERT_TRUE(opened.ok()) << opened.status().ToString();
+    const uint64_t data_offset = (*opened)->data_offset();
+    opened->reset();
+    ImportOptions o;
+    bool overwritten = false;
+    o.progress = [&](uint64_t done, uint64_t total) {
+      if (done != total || overwritten) return;  // "w" is hashed; its bytes are not yet copied
+      std::fstream f(file, std::ios::in | std::ios::out | std::ios::binary);
+      f.seekp(static_cast<std::streamoff>(data_offset + 100));
+      f.write("\x7f\x7f\x7f\x7f", 4);
+      overwritten = true;
+    };
+    auto r = store_->Import(tmp_ / "one", o);
+    ASSERT_TRUE(overwritten);
+    EXPECT_EQ(r.status().code(), StatusCode::kCorruption);
+    EXPECT_TRUE(Contains(r.status().message(), "tensor 'w' changed while it was being stored")) << r.status().message();
+  }
+
   ImportResult MustImport(const std::filesystem::path& p, const ImportOptions& o = {}) {
     auto r = store_->Import(p, o);
     EXPECT_TRUE(r.ok()) << r.status().ToString();
@@ -167,26 +191,7 @@ TEST_F(StoreTest, SecondImportOfTheSameModelWritesNothing) {
 // object file before it gets its digest's name, so nothing is stored under a wrong name and
 // nothing is committed.
 TEST_F(StoreTest, SourceChangedAfterHashingIsRefusedAndLeavesNoObject) {
-  testing::WriteModel(tmp_ / "one", {{"w", Patterned(DType::kF32, {64, 256}, 9)}});
-  const auto file = tmp_ / "one" / "model.safetensors";
-  auto opened = SafetensorsFile::Open(file);
-  ASSERT_TRUE(opened.ok()) << opened.status().ToString();
-  const uint64_t data_offset = (*opened)->data_offset();
-  opened->reset();
-  ImportOptions o;
-  bool overwritten = false;
-  o.progress = [&](uint64_t done, uint64_t total) {
-    if (done != total || overwritten) return;  // "w" is hashed; its bytes are not yet copied
-    std::fstream f(file, std::ios::in | std::ios::out | std::ios::binary);
-    f.seekp(static_cast<std::streamoff>(data_offset + 100));
-    f.write("\x7f\x7f\x7f\x7f", 4);
-    overwritten = true;
-  };
-  auto r = store_->Import(tmp_ / "one", o);
-  ASSERT_TRUE(overwritten);
-  ASSERT_FALSE(r.ok());
-  EXPECT_EQ(r.status().code(), StatusCode::kCorruption);
-  EXPECT_TRUE(Contains(r.status().message(), "tensor 'w' changed while it was being stored")) << r.status().message();
+  ImportChangingTheSourceIsRefused({64, 256});
   auto all = store_->ListVersions(std::nullopt);
   ASSERT_TRUE(all.ok());
   EXPECT_TRUE(all->empty());
@@ -698,25 +703,7 @@ TEST_F(SmallObjectTest, DamagedSmallObjectIsReportedForExactlyThatTensor) {
 }
 
 TEST_F(SmallObjectTest, SourceChangedAfterHashingIsRefused) {
-  testing::WriteModel(tmp_ / "one", {{"w", Patterned(DType::kF32, {16, 256}, 9)}});
-  const auto file = tmp_ / "one" / "model.safetensors";
-  auto opened = SafetensorsFile::Open(file);
-  ASSERT_TRUE(opened.ok()) << opened.status().ToString();
-  const uint64_t data_offset = (*opened)->data_offset();
-  opened->reset();
-  ImportOptions o;
-  bool overwritten = false;
-  o.progress = [&](uint64_t done, uint64_t total) {
-    if (done != total || overwritten) return;  // "w" is hashed; its bytes are not yet copied
-    std::fstream f(file, std::ios::in | std::ios::out | std::ios::binary);
-    f.seekp(static_cast<std::streamoff>(data_offset + 100));
-    f.write("\x7f\x7f\x7f\x7f", 4);
-    overwritten = true;
-  };
-  auto r = store_->Import(tmp_ / "one", o);
-  ASSERT_TRUE(overwritten);
-  EXPECT_EQ(r.status().code(), StatusCode::kCorruption);
-  EXPECT_TRUE(Contains(r.status().message(), "tensor 'w' changed while it was being stored")) << r.status().message();
+  ImportChangingTheSourceIsRefused({16, 256});  // 16 KiB: a small object, copied from the mapping
   EXPECT_TRUE(store_->ListVersions(std::nullopt).value().empty());
 }
 

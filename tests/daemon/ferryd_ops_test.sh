@@ -74,8 +74,10 @@ LAST_LINE_STEP=$(tail -1 "$RUN/metrics.jsonl" | sed 's/.*"step":\([0-9]*\).*/\1/
 [ -f "$RUN/checkpoint-$LAST_LINE_STEP/adapter_model.safetensors" ] || fail "SIGTERM left no checkpoint of step $LAST_LINE_STEP"
 
 echo "== 3. crash-resume under SIGKILL ($KILLS kills)"
-# 40 steps, killed after 0.3-1.2 s of each life (startup included), until KILLS kills.
-sed -e 's/^max_steps = .*/max_steps = 40/' "$WORK/grpo.toml" > "$WORK/crash.toml"
+# CRASH_STEPS steps, killed after 0.3-1.2 s of each life (startup included), until KILLS kills.
+# Enough steps that the run outlives KILLS lives: 40 did not once steps took 0.06 s (17 kills).
+CRASH_STEPS=100
+sed -e "s/^max_steps = .*/max_steps = $CRASH_STEPS/" "$WORK/grpo.toml" > "$WORK/crash.toml"
 "$FERRYD" train --config "$WORK/crash.toml" --dir "$WORK/clean" 2>/dev/null || fail "the uninterrupted run"
 RUN="$WORK/killed"
 kills=0
@@ -106,13 +108,14 @@ echo "   $kills kills, $attempts starts"
 strip() { sed 's/"step_time":[^,}]*,\?//' "$1"; }
 diff <(strip "$WORK/clean/metrics.jsonl") <(strip "$RUN/metrics.jsonl") >/dev/null \
   || fail "the resumed run's metrics differ from the uninterrupted run's: $(diff <(strip "$WORK/clean/metrics.jsonl") <(strip "$RUN/metrics.jsonl") | head -4)"
-[ "$(wc -l < "$RUN/metrics.jsonl")" = 40 ] || fail "metrics.jsonl has $(wc -l < "$RUN/metrics.jsonl") lines, not 40"
+[ "$(wc -l < "$RUN/metrics.jsonl")" = "$CRASH_STEPS" ] \
+  || fail "metrics.jsonl has $(wc -l < "$RUN/metrics.jsonl") lines, not $CRASH_STEPS"
 [ "$kills" -ge "$KILLS" ] || fail "only $kills kills landed (the run finished first)"
 # The store records every step once (one merged version per step).
 MERGED_STEPS=$("$FERRY" versions list --db "$RUN/store" --json |
   awk '/"kind":/ {kind = $2} /"step":/ {step = $2} /^  }/ {if (kind ~ /merged/) print step + 0; kind = ""; step = ""}')
 DUPS=$(sort -n <<<"$MERGED_STEPS" | uniq -c | awk '$1 != 1 {print "step " $2 " recorded " $1 " times"}')
 [ -z "$DUPS" ] || fail "$DUPS"
-[ "$(sort -n <<<"$MERGED_STEPS" | tr '\n' ' ')" = "$(seq 1 40 | tr '\n' ' ')" ] \
-  || fail "merged versions recorded for steps: $(tr '\n' ' ' <<<"$MERGED_STEPS"), not 1..40"
+[ "$(sort -n <<<"$MERGED_STEPS" | tr '\n' ' ')" = "$(seq 1 "$CRASH_STEPS" | tr '\n' ' ')" ] \
+  || fail "merged versions recorded for steps: $(tr '\n' ' ' <<<"$MERGED_STEPS"), not 1..$CRASH_STEPS"
 echo "PASS"

@@ -629,6 +629,23 @@ class SmallObjectTest : public StoreTest {
   std::string Bytes(const Tensor& t) { return std::string(reinterpret_cast<const char*>(t.data()), t.nbytes()); }
 };
 
+// The "objects" row forms: u64le(size) alone (a file), u64le(size) || the bytes; anything else
+// (short, a size that is not the tensor's, bytes of another length) is kCorruption saying so.
+TEST(SmallObjectRow, ParsesBothFormsAndRefusesAnythingElse) {
+  const std::string bytes = "abcdef";
+  const std::string small = internal::SmallObjectRow(std::as_bytes(std::span<const char>(bytes.data(), bytes.size())));
+  EXPECT_EQ(internal::SmallObjectBytes(small, 6).value(), bytes);
+  EXPECT_EQ(internal::SmallObjectBytes(internal::FileObjectRow(6), 6).value(), "");
+  for (const std::string& bad :
+       {std::string("1234567"), internal::FileObjectRow(5), small + "x", small.substr(0, 10)}) {
+    auto r = internal::SmallObjectBytes(bad, 6);
+    EXPECT_EQ(r.status().code(), StatusCode::kCorruption) << bad.size();
+    EXPECT_TRUE(Contains(r.status().message(),
+                         "its \"objects\" row has " + std::to_string(bad.size()) + " bytes for a tensor of 6"))
+        << r.status().message();
+  }
+}
+
 TEST_F(SmallObjectTest, SmallTensorsAreStoredInTheirRowsAndReadBackExactly) {
   ASSERT_LE(base_["model.embed_tokens.weight"].nbytes(), StoreOptions{}.small_object_bytes);
   ImportResult r = MustImport(tmp_ / "base");

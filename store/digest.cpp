@@ -401,6 +401,15 @@ Result<std::string_view> SmallObjectBytes(std::string_view row, uint64_t nbytes)
   return row.substr(8);
 }
 
+Status CheckSmallObject(const TensorRow& row, std::string_view bytes) {
+  TensorDigester digester(row.dtype, row.shape);
+  digester.Update(std::as_bytes(std::span<const char>(bytes.data(), bytes.size())));
+  if (const Digest got = digester.Finish(); got != row.digest) {
+    return Status::Corruption("its small object hashes to " + got.Hex() + ", expected " + row.digest.Hex());
+  }
+  return Status::OK();
+}
+
 std::string RunKey(const std::string& run, uint64_t sequence) {
   std::string k = run;
   k.push_back('\0');

@@ -42,14 +42,10 @@ Status RocksStore::Export(const Digest& version, const std::filesystem::path& ou
     const std::string tensor = "tensor '" + row.name + "'";
     FERRY_ASSIGN_OR_RETURN(auto small, SmallObject(rocksdb::ReadOptions(), row));
     if (small) {
-      TensorDigester digester(row.dtype, row.shape);
-      const auto piece = std::as_bytes(std::span<const char>(small->data(), small->size()));
-      digester.Update(piece);
-      if (const Digest got = digester.Finish(); got != row.digest) {
-        return Status::Corruption(Where(what + ": " + tensor + " is corrupted: its small object hashes to " +
-                                        got.Hex() + ", expected " + row.digest.Hex()));
+      if (Status s = CheckSmallObject(row, *small); !s.ok()) {
+        return Status::Corruption(Where(what + ": " + tensor + " is corrupted: " + s.message()));
       }
-      Status s = (*writer)->Append(piece);
+      Status s = (*writer)->Append(std::as_bytes(std::span<const char>(small->data(), small->size())));
       if (!s.ok()) return Status(s.code(), Where(what + ": " + tensor + ": " + s.message()));
       continue;
     }

@@ -73,6 +73,9 @@ std::string SmallObjectRow(std::span<const std::byte> bytes);
 // The bytes a row holds (empty for an object file); kCorruption when the row is neither form
 // for a tensor of `nbytes` bytes.
 Result<std::string_view> SmallObjectBytes(std::string_view row, uint64_t nbytes);
+// OK when a small object's `bytes` hash to `row.digest`, else kCorruption "its small object
+// hashes to X, expected Y".
+Status CheckSmallObject(const TensorRow& row, std::string_view bytes);
 // The largest StoreOptions::small_object_bytes a store accepts.
 inline constexpr uint64_t kMaxSmallObjectBytes = uint64_t{1} << 20;
 std::string RunKey(const std::string& run, uint64_t sequence);

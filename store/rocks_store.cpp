@@ -115,15 +115,14 @@ Result<std::unique_ptr<Store>> RocksStore::OpenImpl(const std::filesystem::path&
   store->db_.reset(raw);
 
   FERRY_ASSIGN_OR_RETURN(auto schema, store->Get(rocksdb::ReadOptions(), kDefault, kSchemaKey));
-  if (!schema || (*schema == kSchemaVersion1 && !options.read_only)) {
-    if (!options.read_only) {
-      rocksdb::WriteBatch batch;
-      batch.Put(store->cfs_[kDefault], kSchemaKey, kSchemaVersion);
-      FERRY_RETURN_IF_ERROR(store->Write(batch, "write schema"));
-    }
-  } else if (*schema != kSchemaVersion && *schema != kSchemaVersion1) {
+  if (schema && *schema != kSchemaVersion && *schema != kSchemaVersion1) {
     return Status::Unsupported(store->Where("schema version " + *schema + "; this Ferry reads versions " +
                                             kSchemaVersion1 + " and " + kSchemaVersion));
+  }
+  if (!options.read_only && (!schema || *schema == kSchemaVersion1)) {  // a new store, or relabelling a 1
+    rocksdb::WriteBatch batch;
+    batch.Put(store->cfs_[kDefault], kSchemaKey, kSchemaVersion);
+    FERRY_RETURN_IF_ERROR(store->Write(batch, "write schema"));
   }
 
   std::unique_ptr<rocksdb::Iterator> it(store->db_->NewIterator(rocksdb::ReadOptions(), store->cfs_[kEvents]));
@@ -327,13 +326,7 @@ Result<std::optional<std::string>> RocksStore::SmallObject(const rocksdb::ReadOp
 Status RocksStore::CheckObject(const TensorRow& row) const {
   FERRY_ASSIGN_OR_RETURN(auto small, SmallObject(rocksdb::ReadOptions(), row));
   if (!small) return objects_.CheckTensor(row);
-  TensorDigester digester(row.dtype, row.shape);
-  digester.Update(std::as_bytes(std::span<const char>(small->data(), small->size())));
-  const Digest got = digester.Finish();
-  if (got != row.digest) {
-    return Status::Corruption("small object " + row.digest.Hex() + " hashes to " + got.Hex());
-  }
-  return Status::OK();
+  return CheckSmallObject(row, *small);
 }
 
 Result<Tensor> RocksStore::ReadTensor(const TensorRow& row, bool verify) {
@@ -344,14 +337,13 @@ Result<Tensor> RocksStore::ReadTensor(const TensorRow& row, bool verify) {
   };
   FERRY_ASSIGN_OR_RETURN(auto small, SmallObject(rocksdb::ReadOptions(), row));
   if (small) {
+    if (Status s = verify ? CheckSmallObject(row, *small) : Status::OK(); !s.ok()) {
+      return Status::Corruption(Where(describe() + " is corrupted: " + s.message()));
+    }
     auto owner = std::make_shared<const std::string>(std::move(*small));
     auto t =
         Tensor::Wrap(row.dtype, row.shape, std::as_bytes(std::span<const char>(owner->data(), owner->size())), owner);
     if (!t.ok()) return Status::Corruption(Where(describe() + ": " + t.status().message()));
-    if (verify && TensorDigest(*t) != row.digest) {
-      return Status::Corruption(Where(describe() + " is corrupted: its small object hashes to " +
-                                      TensorDigest(*t).Hex() + ", expected " + row.digest.Hex()));
-    }
     return t;
   }
   const auto path = objects_.PathOf(ObjectStore::Kind::kTensor, row.digest);

@@ -276,8 +276,9 @@ struct ReceiveFlags {
 bool IsTransient(const Status& s) { return s.code() == StatusCode::kUnavailable || s.code() == StatusCode::kNotFound; }
 
 [[noreturn]] void FailReceive(const Status& s, const ReceiveFlags& f, const sync::Receiver& receiver) {
-  // Adapter mode without a local base: the activation plan lacks base_dir (kInvalidArgument).
-  if (f.base.empty() && s.code() == StatusCode::kInvalidArgument &&
+  // Adapter mode without a local base, and the publisher does not serve the base the adapters
+  // apply to (kFailedPrecondition).
+  if (f.base.empty() && s.code() == StatusCode::kFailedPrecondition &&
       receiver.served_mode() == sync::PublishMode::kAdapter) {
     Fail(s.WithContext("the publisher serves adapters: give --base DIR (the local base model)"));
   }

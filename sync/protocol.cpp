@@ -71,7 +71,9 @@ std::string EncodeHeader(const Message& m) {
   std::string out(kMagic);
   out.push_back(static_cast<char>(m.type));
   switch (m.type) {
-    case MsgType::kHello: break;
+    case MsgType::kHello:
+      if (m.wanted) PutDigest(out, *m.wanted);
+      break;
     case MsgType::kManifest:
       PutLe(out, m.sequence, 8);
       PutLe(out, m.epoch, 8);
@@ -121,7 +123,13 @@ Result<Message> Decode(std::span<const std::byte> header, const std::span<const 
   uint64_t v = 0;
   bool ok = true;
   switch (m.type) {
-    case MsgType::kHello: break;
+    case MsgType::kHello:
+      if (!r.AtEnd()) {
+        store::Digest wanted;
+        ok = r.Dig(&wanted);
+        m.wanted = wanted;
+      }
+      break;
     case MsgType::kManifest: ok = r.Le(&m.sequence, 8) && r.Le(&m.epoch, 8); break;
     case MsgType::kFetch:
     case MsgType::kChunk:

@@ -18,7 +18,7 @@
 //   (the byte order of Digest::Hex()).
 //
 //   type  name      header fields after the type byte          payload frame
-//   1     HELLO     (none)                                      receiver id
+//   1     HELLO     (none), or digest version                   receiver id
 //   2     MANIFEST  u64 sequence || u64 epoch                   manifest JSON (below)
 //   3     FETCH     digest version || u8 kind || u32 index ||   (none)
 //                   u64 offset || u32 length
@@ -43,6 +43,10 @@
 //   ACK: version = the served version, computed = the manifest digest the receiver computed
 //   over the files it received; in adapter mode proven = the manifest id of its local
 //   merge (checked equal to merged_version before activating).
+//   HELLO without a version asks for the latest version's MANIFEST; with one, for that
+//   version's, if the publisher still serves it (ERROR kNotFound otherwise). In adapter mode
+//   the publisher keeps serving the base its newest adapter applies to, so a receiver that
+//   joins after the first adapter without a base of its own fetches that base this way.
 //   A CHUNK carries the publisher's latest sequence and epoch, so a receiver learns of a
 //   newer version (or a restarted publisher) on its very next chunk and skips to it.
 //
@@ -122,6 +126,7 @@ struct Message {
   store::Digest version;                // FETCH, CHUNK, ACK, ACKED, ANNOUNCE
   store::Digest computed;               // ACK
   std::optional<store::Digest> proven;  // ACK (adapter mode): the merged id the receiver proved
+  std::optional<store::Digest> wanted;  // HELLO: the version whose manifest is asked for (none: the latest)
   ItemKind kind = ItemKind::kTensor;    // FETCH, CHUNK
   uint32_t index = 0;                   // FETCH, CHUNK
   uint64_t offset = 0;                  // FETCH, CHUNK

@@ -359,6 +359,24 @@ class Publisher::Impl {
     return true;
   }
 
+  // Whether version `v` is among those served.
+  bool Served(const store::Digest& v) const {
+    return std::any_of(published_.begin(), published_.end(), [&](const Published& p) { return p.record.id == v; });
+  }
+
+  // Gives `p` its record, sequence and manifest (merged_version and base_itself already set).
+  void Seal(Published& p, store::VersionRecord rec, uint64_t seq) const {
+    Manifest man = ManifestFor(rec);
+    man.sequence = seq;
+    man.epoch = epoch_;
+    man.mode = options_.mode;
+    man.merged_version = p.merged_version;
+    if (p.base_itself) man.base_version = rec.id;
+    p.manifest_json = std::make_shared<const std::string>(EncodeManifest(man));
+    p.record = std::move(rec);
+    p.sequence = seq;
+  }
+
   // Adapter mode: the stored merged (hf) version of adapter `rec` onto its base.
   Result<store::Digest> FindMerged(const store::VersionRecord& rec) {
     FERRY_ASSIGN_OR_RETURN(std::vector<store::VersionRecord> all, store_->ListVersions(std::nullopt));
@@ -409,17 +427,31 @@ class Publisher::Impl {
       }
     }
     const uint64_t seq = sequence_.load() + 1;
-    Manifest man = ManifestFor(rec);
-    man.sequence = seq;
-    man.epoch = epoch_;
-    man.mode = options_.mode;
-    man.merged_version = p.merged_version;
-    if (p.base_itself) man.base_version = rec.id;
-    p.manifest_json = std::make_shared<const std::string>(EncodeManifest(man));
-    p.record = std::move(rec);
-    p.sequence = seq;
+    if (options_.mode == PublishMode::kAdapter && is_adapter && !Served(*rec.base_version)) {
+      // The base this adapter applies to, never published here (a run followed from its
+      // adapters on): served too, unannounced, for receivers without a base of their own to
+      // fetch (a HELLO naming it). Left out when the store cannot serve it; such a receiver
+      // is then told it needs a local base.
+      auto base = store_->GetVersion(rec.base_version->Hex());
+      if (base.ok() && !base->tensors.empty() && !base->derived &&
+          (base->kind == store::VersionKind::kBase || base->kind == store::VersionKind::kFull)) {
+        Published b;
+        b.base_itself = true;
+        Seal(b, std::move(*base), seq);
+        published_.push_back(std::move(b));
+      }
+    }
+    Seal(p, std::move(rec), seq);
     published_.push_back(std::move(p));
-    if (published_.size() > kMaxPublishedKept) published_.erase(published_.begin());
+    while (published_.size() > kMaxPublishedKept) {
+      // The oldest goes, but in adapter mode not the base the newest adapter applies to: a
+      // receiver joining without a base fetches it (HELLO naming it) to merge onto.
+      const Published& newest = published_.back();
+      const std::optional<store::Digest> base = newest.base_itself ? newest.record.id : newest.record.base_version;
+      auto victim = published_.begin();
+      if (options_.mode == PublishMode::kAdapter && base && victim->base_itself && victim->record.id == *base) ++victim;
+      published_.erase(victim);
+    }
     size_t snapshots = 0;
     for (auto it = published_.rbegin(); it != published_.rend(); ++it) {
       if (it->snapshot && ++snapshots > kMaxSnapshotsKept) it->snapshot.reset();
@@ -502,7 +534,7 @@ class Publisher::Impl {
     switch (msg->type) {
       case MsgType::kHello:
         if (known = Touch(msg->payload, fd, key); !known.ok()) return ReplyError(rid, known);
-        return HandleHello(rid);
+        return HandleHello(rid, msg->wanted);
       case MsgType::kFetch:
         if (known = Touch(SenderId(rid, fd), fd, key); !known.ok()) return ReplyError(rid, known);
         return HandleFetch(rid, *msg);
@@ -566,9 +598,18 @@ class Publisher::Impl {
     return Status::OK();
   }
 
-  void HandleHello(const zmq::message_t& rid) {
+  // The latest version's manifest, or `wanted`'s while it is still served.
+  void HandleHello(const zmq::message_t& rid, const std::optional<store::Digest>& wanted) {
     if (published_.empty()) return ReplyError(rid, Status::NotFound("sync HELLO: nothing published yet"));
-    const Published& p = published_.back();
+    auto it = published_.rbegin();
+    if (wanted) {
+      it = std::find_if(published_.rbegin(), published_.rend(),
+                        [&](const Published& p) { return p.record.id == *wanted; });
+      if (it == published_.rend()) {
+        return ReplyError(rid, Status::NotFound("sync HELLO: version " + wanted->Hex() + " is not served"));
+      }
+    }
+    const Published& p = *it;
     Message r;
     r.type = MsgType::kManifest;
     r.sequence = p.sequence;

@@ -52,6 +52,38 @@ ActivationPlan PlanFor(const Manifest& man, const ReceiverOptions& o) {
   return plan;
 }
 
+// Adapter mode: receives the base that adapter `man` applies to into DIR/versions/<base>,
+// not activated, when this receiver holds no base to merge onto (none received earlier, no
+// ReceiverOptions::base_dir): a receiver that joins after the first adapter gets it this way.
+// The publisher keeps serving that base while its adapters are served.
+Result<Outcome> ReceiveMissingBase(Session& s, const ReceiverOptions& o, const Manifest& man, SyncResult* result) {
+  if (man.mode != PublishMode::kAdapter || man.kind != store::VersionKind::kAdapter || !man.base_version ||
+      o.base_dir) {
+    return Outcome::kDone;
+  }
+  const store::Digest& want = *man.base_version;
+  std::error_code ec;
+  if (fs::is_directory(o.dir / "versions" / want.Hex(), ec)) return Outcome::kDone;
+  std::string json;
+  Result<Manifest> base = s.Hello(&json, want);
+  if (!base.ok()) {
+    if (base.status().code() != StatusCode::kNotFound) return base.status();
+    return Status::FailedPrecondition("sync receiver " + o.id + ": adapter " + man.version.Hex() + " applies to base " +
+                                      want.Hex() +
+                                      ", which this receiver has not received and the publisher no longer serves (" +
+                                      base.status().message() + "); it needs a local base (ReceiverOptions::base_dir)");
+  }
+  if (base->epoch != man.epoch) return Outcome::kNewer;  // a restarted publisher: start over
+  if (!ServesBase(*base)) {
+    return Status::Corruption("sync receiver " + o.id + ": asked " + o.endpoints.requests + " for base " + want.Hex() +
+                              ", got a manifest of kind " + std::string(store::KindName(base->kind)));
+  }
+  s.Pin(want);
+  Result<Outcome> received = ReceiveVersion(s, o, *base, nullptr, result);
+  s.Pin(std::nullopt);
+  return received;
+}
+
 // Applies the socket options every receiver socket shares.
 void SetCommonOptions(zmq::socket_t& s, const ReceiverOptions& o) {
   s.set(zmq::sockopt::maxmsgsize, kMaxFrameBytes);
@@ -164,10 +196,15 @@ Result<SyncResult> Receiver::SyncLatestOnce() {
     result.version = man.version;
     result.sequence = man.sequence;
     result.epoch = man.epoch;
-    const ActivationPlan plan = PlanFor(man, options_);
     if (st.active && st.served == man.version && st.layout == options_.layout) {
       result.already_active = true;
     } else {
+      FERRY_ASSIGN_OR_RETURN(Outcome base, ReceiveMissingBase(s, options_, man, &result));
+      if (base == Outcome::kNewer) {
+        ++result.skipped;
+        continue;
+      }
+      const ActivationPlan plan = PlanFor(man, options_);
       std::unique_ptr<ReuseSource> reuse;
       if (man.mode == PublishMode::kDelta && st.active) {
         reuse = OpenActiveReuse(options_.dir, *st.active);

@@ -125,14 +125,16 @@ class Session {
   Session(const ReceiverOptions& o, zmq::socket_t& dealer, zmq::socket_t& sub, Link* link)
       : o_(o), dealer_(dealer), sub_(sub), link_(link) {}
 
-  // Sends HELLO and waits for the MANIFEST; `json` receives its text. kUnavailable when no
-  // reply comes within timeout_ms; the publisher's ERROR as its Status; kCorruption for a
+  // Sends HELLO and waits for the MANIFEST of the latest version, or of `wanted` when given;
+  // `json` receives its text. kUnavailable when no reply comes within timeout_ms; the
+  // publisher's ERROR as its Status (kNotFound: `wanted` is not served); kCorruption for a
   // manifest that does not validate or has no tensors.
-  Result<Manifest> Hello(std::string* json);
+  Result<Manifest> Hello(std::string* json, const std::optional<store::Digest>& wanted = std::nullopt);
 
   // Fetches bytes [start, size) of one item of `size` bytes with at most `credit` FETCHes
   // in flight, handing each chunk, in order, to `sink(bytes, offset within the item)`.
-  // kNewer as soon as an announcement, a chunk or a restarted publisher shows a newer version.
+  // kNewer as soon as an announcement, a chunk or a restarted publisher shows a newer version;
+  // for the pinned version only a restarted publisher does.
   Result<Outcome> Fetch(const Manifest& man, ItemKind kind, uint32_t index, uint64_t start, uint64_t size,
                         const PieceSink& sink);
 
@@ -141,6 +143,10 @@ class Session {
 
   // Tensor and aux bytes fetched so far.
   uint64_t bytes_received() const { return bytes_received_; }
+
+  // A version fetched to the end even when newer ones are published meanwhile (the base an
+  // adapter applies to, which newer adapters do not replace); nullopt: none.
+  void Pin(const std::optional<store::Digest>& v) { pinned_ = v; }
 
  private:
   Status Send(const Message& m, std::span<const std::byte> payload);
@@ -155,6 +161,7 @@ class Session {
   zmq::socket_t& sub_;
   Link* link_;
   uint64_t bytes_received_ = 0;
+  std::optional<store::Digest> pinned_;
 };
 
 // Reads one announcement from `sub` if one is queued (draining a malformed multipart

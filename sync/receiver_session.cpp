@@ -113,13 +113,15 @@ Status Session::PublisherError(const Message& m) const {
   return Status(static_cast<StatusCode>(c), "publisher " + o_.endpoints.requests + ": " + m.payload);
 }
 
-Result<Manifest> Session::Hello(std::string* json) {
-  FERRY_RETURN_IF_ERROR(SendWithId(MsgType::kHello, {}));
+Result<Manifest> Session::Hello(std::string* json, const std::optional<store::Digest>& wanted) {
+  Message hello;
+  hello.wanted = wanted;
+  FERRY_RETURN_IF_ERROR(SendWithId(MsgType::kHello, hello));
   const auto deadline = Deadline();
   for (;;) {
     Incoming in;
     FERRY_RETURN_IF_ERROR(Next(deadline, &in));
-    if (in.announce) continue;  // we are asking for the latest anyway
+    if (in.announce) continue;  // the reply names what was asked for either way
     if (in.msg.type == MsgType::kError) return PublisherError(in.msg);
     if (in.msg.type != MsgType::kManifest) continue;  // stale reply to an abandoned request
     auto m = DecodeManifest(in.msg.payload);
@@ -129,6 +131,7 @@ Result<Manifest> Session::Hello(std::string* json) {
                                 ": header and JSON sequence or epoch differ");
     }
     if (m->tensors.empty()) return Status::Corruption("sync MANIFEST from " + o_.endpoints.requests + ": no tensors");
+    if (wanted && !(m->version == *wanted)) continue;  // a reply to an earlier HELLO
     *json = std::move(in.msg.payload);
     return *m;
   }
@@ -138,6 +141,7 @@ Result<Outcome> Session::Fetch(const Manifest& man, ItemKind kind, uint32_t inde
                                const PieceSink& sink) {
   uint64_t next = start, received = start;
   uint32_t in_flight = 0;
+  const bool follow_newer = !(pinned_ && *pinned_ == man.version);
   auto deadline = Deadline();
   while (received < size) {
     while (in_flight < o_.credit && next < size) {
@@ -155,7 +159,7 @@ Result<Outcome> Session::Fetch(const Manifest& man, ItemKind kind, uint32_t inde
     Incoming in;
     FERRY_RETURN_IF_ERROR(Next(deadline, &in));
     if (in.announce) {
-      if (in.msg.epoch != man.epoch || in.msg.sequence > man.sequence) return Outcome::kNewer;
+      if (in.msg.epoch != man.epoch || (follow_newer && in.msg.sequence > man.sequence)) return Outcome::kNewer;
       continue;
     }
     if (in.msg.type == MsgType::kError) return PublisherError(in.msg);
@@ -177,7 +181,7 @@ Result<Outcome> Session::Fetch(const Manifest& man, ItemKind kind, uint32_t inde
     --in_flight;
     deadline = Deadline();
     if (o_.on_chunk_for_testing) o_.on_chunk_for_testing(in.msg.offset);
-    if (in.msg.sequence > man.sequence) return Outcome::kNewer;
+    if (follow_newer && in.msg.sequence > man.sequence) return Outcome::kNewer;
   }
   return Outcome::kDone;
 }

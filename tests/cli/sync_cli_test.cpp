@@ -491,10 +491,9 @@ TEST_P(SyncCliBaseFirstTest, ReceiveStartedBeforeTheFirstCheckpointHoldsTheBaseT
 INSTANTIATE_TEST_SUITE_P(MergedAndAdapter, SyncCliBaseFirstTest, ::testing::Values("merged", "adapter"));
 
 // A receiver without --base, connecting to a publisher in adapter mode after the first adapter
-// was published, has no base to merge it onto: `receive` exits 1 and tells the user to give
-// --base DIR (the hint FailReceive adds to the activation's kInvalidArgument), and nothing is
-// activated.
-TEST_F(SyncCliTest, ReceiveOfAnAdapterWithoutBaseTellsTheUserToGiveBase) {
+// was published, fetches the base that adapter applies to (not activated) and activates the
+// adapter merged onto it, proving the publisher's merged id.
+TEST_F(SyncCliTest, ReceiveOfAnAdapterWithoutBaseFetchesTheBaseFirst) {
   const fs::path watched = root_ / "trainer";
   fs::create_directories(watched);
   const std::string ep = "ipc://" + (root_ / "sock").string();
@@ -508,15 +507,53 @@ TEST_F(SyncCliTest, ReceiveOfAnAdapterWithoutBaseTellsTheUserToGiveBase) {
   auto adapter_hash = store::HashPath(kCase / "adapter");
   ASSERT_TRUE(adapter_hash.ok()) << adapter_hash.status().ToString();
   ASSERT_EQ(adapter, adapter_hash->id.Hex());  // adapter mode publishes the adapter itself
+  auto base = store::HashPath(kCase / "base");
+  ASSERT_TRUE(base.ok()) << base.status().ToString();
+
+  auto r = RunFerry({"sync", "receive", "--once", "--connect", ep, "--out", (root_ / "gen").string(), "--id", "gen-1",
+                     "--timeout-ms", "20000", "--json"});
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(r.err, "");
+  EXPECT_NE(r.out.find("\"version\":\"" + adapter + "\""), std::string::npos) << r.out;
+  EXPECT_TRUE(fs::is_directory(root_ / "gen" / "versions" / base->id.Hex()));
+  auto current = store::HashPath(root_ / "gen" / "current");
+  ASSERT_TRUE(current.ok()) << current.status().ToString();
+  EXPECT_NE(r.out.find("\"proven\":\"" + current->id.Hex() + "\""), std::string::npos) << r.out;
+  EXPECT_EQ(StopPublisher(), 0);
+}
+
+// When the publisher cannot serve the base its adapters apply to (here a version of kind
+// merged: a LoRA trained on a merged model), `receive` without --base exits 1 and tells the
+// user to give --base DIR, and nothing is activated.
+TEST_F(SyncCliTest, ReceiveOfAnAdapterWhoseBaseIsNotServedTellsTheUserToGiveBase) {
+  const std::string db = (root_ / "db").string();
+  auto base = RunFerry({"store", "import", "--db", db, "--kind", "merged", (kCase / "base").string()});
+  ASSERT_EQ(base.exit_code, 0) << base.err;
+  const std::string base_id = base.out.substr(0, 32);
+  auto adapter = RunFerry({"store", "import", "--db", db, "--base-version", base_id, (kCase / "adapter").string()});
+  ASSERT_EQ(adapter.exit_code, 0) << adapter.err;
+  const std::string adapter_id = adapter.out.substr(0, 32);
+  auto merge = RunFerry({"convert", "--base", (kCase / "base").string(), "--adapter", (kCase / "adapter").string(),
+                         "--out", (root_ / "merged").string()});
+  ASSERT_EQ(merge.exit_code, 0) << merge.err;
+  auto merged = RunFerry({"store", "import", "--db", db, "--kind", "merged", "--base-version", base_id,
+                          "--adapter-version", adapter_id, (root_ / "merged").string()});
+  ASSERT_EQ(merged.exit_code, 0) << merged.err;
+  const std::string ep = "ipc://" + (root_ / "sock").string();
+  SpawnPublisher({"sync", "publish", "--db", db, "--bind", ep, "--mode", "adapter"});
+  WaitForOutput("pub.err", "serving " + adapter_id);
+  ASSERT_FALSE(HasFailure());
 
   auto r = RunFerry({"sync", "receive", "--once", "--connect", ep, "--out", (root_ / "gen").string(), "--id", "gen-1",
                      "--timeout-ms", "20000"});
   EXPECT_EQ(r.exit_code, 1);
-  EXPECT_EQ(r.err,
-            "ferry: error: the publisher serves adapters: give --base DIR (the local base model): "
-            "adapter activation of " +
-                (root_ / "gen" / "versions" / adapter).string() +
-                ": ActivationPlan.base_dir (the local base model) is not set\n");
+  EXPECT_EQ(r.err.rfind("ferry: error: the publisher serves adapters: give --base DIR (the local base model): "
+                        "sync receiver gen-1: adapter " +
+                            adapter_id + " applies to base " + base_id,
+                        0),
+            0u)
+      << r.err;
+  EXPECT_NE(r.err.find("is not served"), std::string::npos) << r.err;
   EXPECT_EQ(r.out, "");
   EXPECT_FALSE(fs::exists(fs::symlink_status(root_ / "gen" / "current")));
   EXPECT_EQ(StopPublisher(), 0);

@@ -243,5 +243,42 @@ TEST_F(BaseFirstTest, AdapterModeReceiverWithoutALocalBaseMergesOntoTheBaseItRec
   }
 }
 
+// Adapter mode, a receiver without a local base that joins after more adapters than the
+// publisher keeps served: it fetches the base the newest adapter applies to (still served,
+// not activated) and merges onto it, proving the merged id.
+TEST_F(BaseFirstTest, AdapterModeReceiverJoiningLateFetchesTheBaseTheAdaptersApplyTo) {
+  StartPublisher(PublishMode::kAdapter);
+  PublishFirst(PublishMode::kAdapter);
+  const WatchedCheckpoint a = DropCheckpoint("checkpoint-1", /*variant=*/false);
+  const WatchedCheckpoint b = DropCheckpoint("checkpoint-2", /*variant=*/true);
+  ASSERT_TRUE(a.adapter_version && a.version && b.adapter_version && b.version);
+  // 10 adapters after the base: more than the 8 versions a publisher keeps serving.
+  for (int i = 0; i < 10; ++i) ASSERT_TRUE(publisher_->Publish(*(i % 2 == 0 ? a : b).adapter_version).ok());
+
+  auto o = RecvOptions("late");
+  auto r = Receiver::Connect(o);
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  auto s = (*r)->SyncLatest();
+  ASSERT_TRUE(s.ok()) << s.status().ToString();
+  EXPECT_EQ(s->version, *b.adapter_version);
+  EXPECT_EQ(s->proven, b.version);
+  EXPECT_EQ(s->active, *b.version);
+  EXPECT_GE(s->bytes_received, BaseTensorBytes()) << "the base was fetched";
+  ExpectActiveVersion(o.dir, *b.version);
+  EXPECT_TRUE(fs::is_directory(o.dir / "versions" / base_.Hex()));
+  EXPECT_FALSE(fs::exists(o.dir / "manifests" / (base_.Hex() + ".json"))) << "the base was not activated";
+
+  // The next adapter merges onto the same received base without fetching it again.
+  ASSERT_TRUE(publisher_->Publish(*a.adapter_version).ok());
+  auto next = (*r)->WaitForNewer(10000);
+  ASSERT_TRUE(next.ok()) << next.status().ToString();
+  EXPECT_EQ(next->active, *a.version);
+  EXPECT_LT(next->bytes_received, BaseTensorBytes());
+
+  publisher_.reset();
+  EXPECT_EQ(Acks(*b.version, "late").size(), 1u);
+  EXPECT_TRUE(Acks(base_, "late").empty()) << "a base fetched to merge onto is not acknowledged";
+}
+
 }  // namespace
 }  // namespace ferry::sync

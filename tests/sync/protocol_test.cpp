@@ -132,6 +132,32 @@ TEST(ProtocolTest, AckCarriesTheProvenMergedIdOnlyWhenSet) {
   EXPECT_NE(bad.status().message().find("ACK: field has_proven"), std::string::npos) << bad.status().message();
 }
 
+TEST(ProtocolTest, HelloNamesAVersionOnlyWhenOneIsWanted) {
+  Message m;
+  m.type = MsgType::kHello;
+  const std::string id = "gen-0";
+  const auto payload = AsBytes(id);
+  const std::string latest = EncodeHeader(m);
+  EXPECT_EQ(latest.size(), 5u);
+  auto plain = Decode(AsBytes(latest), &payload);
+  ASSERT_TRUE(plain.ok()) << plain.status().message();
+  EXPECT_FALSE(plain->wanted.has_value());
+  EXPECT_EQ(plain->payload, id);
+  m.wanted = store::Digest{7, 8};
+  const std::string named = EncodeHeader(m);
+  EXPECT_EQ(named.size(), 5u + 16u);
+  auto with = Decode(AsBytes(named), &payload);
+  ASSERT_TRUE(with.ok()) << with.status().message();
+  ASSERT_TRUE(with->wanted.has_value());
+  EXPECT_EQ(*with->wanted, (store::Digest{7, 8}));
+  for (const std::string& bad : {named.substr(0, 5 + 15), named + "x"}) {
+    auto d = Decode(AsBytes(bad), &payload);
+    ASSERT_FALSE(d.ok()) << bad.size() << " bytes accepted";
+    EXPECT_EQ(d.status().code(), StatusCode::kCorruption);
+    EXPECT_NE(d.status().message().find("HELLO"), std::string::npos) << d.status().message();
+  }
+}
+
 TEST(ProtocolTest, RejectsMalformedHeadersWithTypedErrors) {
   auto expect_corrupt = [](std::string_view header, const std::span<const std::byte>* payload, std::string_view what) {
     auto d = Decode(AsBytes(header), payload);
@@ -1012,7 +1038,10 @@ TEST_F(ModesTest, AdapterModeReceiverMergesOntoItsBaseAndProvesTheMergedId) {
   EXPECT_EQ(acks, 3);  // lora twice, lora-fused once
 }
 
-TEST_F(ModesTest, AdapterModeWithoutABaseActivatesNothing) {
+// A receiver without a local base, served an adapter whose base was never published: the
+// publisher serves that base from its store too (unannounced), and the receiver fetches it
+// (not activated) and merges onto it.
+TEST_F(ModesTest, AdapterModeReceiverWithoutABaseFetchesTheBaseFromThePublishersStore) {
   ImportFixture(/*record_merged=*/true);
   PublisherOptions po;
   po.mode = PublishMode::kAdapter;
@@ -1022,9 +1051,40 @@ TEST_F(ModesTest, AdapterModeWithoutABaseActivatesNothing) {
   auto r = Receiver::Connect(o);
   ASSERT_TRUE(r.ok()) << r.status().message();
   auto s = (*r)->SyncLatest();
+  ASSERT_TRUE(s.ok()) << s.status().ToString();
+  EXPECT_EQ(s->version, adapter_);
+  EXPECT_EQ(s->proven, merged_);
+  ExpectCurrent(o.dir, merged_);
+  EXPECT_TRUE(fs::is_directory(o.dir / "versions" / base_.Hex()));
+  EXPECT_FALSE(fs::exists(o.dir / "manifests" / (base_.Hex() + ".json"))) << "the base was not activated";
+}
+
+// An adapter whose base adapter mode cannot serve (a version of kind merged: a LoRA trained
+// on a merged model), and no local base: kFailedPrecondition naming both, nothing activated.
+TEST_F(ModesTest, AdapterModeWithoutABaseItCanServeActivatesNothing) {
+  store::ImportOptions bo;
+  bo.kind = store::VersionKind::kMerged;
+  auto base = store_->Import(kCase / "base", bo);
+  ASSERT_TRUE(base.ok()) << base.status().message();
+  store::ImportOptions ao;
+  ao.base_version = base->record.id;
+  auto adapter = store_->Import(kCase / "adapter", ao);
+  ASSERT_TRUE(adapter.ok()) << adapter.status().message();
+  base_ = base->record.id;
+  adapter_ = adapter->record.id;
+  RecordMerged(Layout::kHf);
+  PublisherOptions po;
+  po.mode = PublishMode::kAdapter;
+  StartPublisher(po);
+  ASSERT_TRUE(publisher_->Publish(adapter_).ok());
+  auto o = RecvOptions("nobase");
+  auto r = Receiver::Connect(o);
+  ASSERT_TRUE(r.ok()) << r.status().message();
+  auto s = (*r)->SyncLatest();
   ASSERT_FALSE(s.ok());
-  // The receiver's options lack the local base (sync/activate.h): kInvalidArgument naming the field.
-  EXPECT_EQ(s.status().code(), StatusCode::kInvalidArgument) << s.status().message();
+  EXPECT_EQ(s.status().code(), StatusCode::kFailedPrecondition) << s.status().message();
+  EXPECT_NE(s.status().message().find("applies to base " + base_.Hex()), std::string::npos) << s.status().message();
+  EXPECT_NE(s.status().message().find("is not served"), std::string::npos) << s.status().message();
   EXPECT_NE(s.status().message().find("base_dir"), std::string::npos) << s.status().message();
   EXPECT_FALSE(fs::exists(fs::symlink_status(o.dir / "current")));
   for (const auto& e : fs::directory_iterator(o.dir / "versions")) {

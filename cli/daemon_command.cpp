@@ -213,7 +213,17 @@ void RunStatusCommand(const Flags& f) {
 }
 
 void RunSimple(const Flags& f, ControlCommand command) {
-  const Json j = CallOrFail(f, command);
+  Json j = CallOrFail(f, command);
+  if (command == ControlCommand::kPause) {
+    // "pausing" while the step in flight finishes: wait (within --timeout-ms) for "paused",
+    // after which no step runs and the status is final.
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(f.timeout_ms);
+    while (j.value("state", "") == "pausing" && std::chrono::steady_clock::now() < deadline) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      const Json status = CallOrFail(f, ControlCommand::kStatus);
+      j["state"] = status.value("state", "");
+    }
+  }
   if (f.json) return PrintJson(j);
   const auto state = j.find("state");
   std::printf("%s\n", state != j.end() ? ValueText(*state).c_str() : "ok");
@@ -560,8 +570,10 @@ void SetDaemonCommand(CLI::App& app) {
     const char* help;
     ControlCommand command;
   };
-  for (const Simple& s : {Simple{"pause", "Finish the current step and hold", ControlCommand::kPause},
-                          Simple{"resume", "Continue a paused run", ControlCommand::kResume}}) {
+  for (const Simple& s :
+       {Simple{"pause", "Finish the current step and hold; waits (up to --timeout-ms) until no step runs",
+               ControlCommand::kPause},
+        Simple{"resume", "Continue a paused run", ControlCommand::kResume}}) {
     auto* c = daemon->add_subcommand(s.name, s.help);
     auto own = std::make_shared<Flags>();
     AddControl(c, *own, 10000);

@@ -103,15 +103,15 @@ class RunControl {
       case control::ControlCommand::kPause:
         if (state_ == State::kRunning) state_ = State::kPaused;
         cv_.notify_all();
-        return nlohmann::json{{"state", StateName(state_)}};
+        return nlohmann::json{{"state", StateNameLocked()}};
       case control::ControlCommand::kResume:
         if (state_ == State::kPaused) state_ = State::kRunning;
         cv_.notify_all();
-        return nlohmann::json{{"state", StateName(state_)}};
+        return nlohmann::json{{"state", StateNameLocked()}};
       case control::ControlCommand::kStop:
         state_ = State::kStopping;
         cv_.notify_all();
-        return nlohmann::json{{"state", StateName(state_)}};
+        return nlohmann::json{{"state", StateNameLocked()}};
       case control::ControlCommand::kSnapshot: {
         if (state_ == State::kStopping) {
           return Status::FailedPrecondition("the run is stopping; its final checkpoint is being written");
@@ -154,6 +154,7 @@ class RunControl {
           promise->set_value(path.status());
         }
       }
+      holding_ = state_ == State::kPaused;
       if (state_ == State::kStopping) return false;
       if (state_ == State::kRunning) return true;
       cv_.wait_for(lock, std::chrono::milliseconds(200));
@@ -204,10 +205,12 @@ class RunControl {
  private:
   using Clock = std::chrono::steady_clock;
 
-  static const char* StateName(State s) {
-    switch (s) {
+  // "pausing" while the step in flight at a pause request finishes: only "paused" means no
+  // step runs and the step, version and metrics of the status are final.
+  const char* StateNameLocked() const {
+    switch (state_) {
       case State::kRunning: return "running";
-      case State::kPaused: return "paused";
+      case State::kPaused: return holding_ ? "paused" : "pausing";
       case State::kStopping: return "stopping";
     }
     return "?";
@@ -216,7 +219,7 @@ class RunControl {
   nlohmann::json StatusLocked() const {
     nlohmann::json j;
     j["pid"] = static_cast<int64_t>(::getpid());
-    j["state"] = StateName(state_);
+    j["state"] = StateNameLocked();
     j["step"] = step_;
     j["total_steps"] = total_steps_;
     j["epoch"] = epoch_;
@@ -246,6 +249,7 @@ class RunControl {
   std::mutex mu_;
   std::condition_variable cv_;
   State state_ = State::kRunning;
+  bool holding_ = false;  // the loop is between steps, held by a pause
   std::deque<std::shared_ptr<std::promise<Result<nlohmann::json>>>> snapshots_;
   int64_t step_ = 0;
   double epoch_ = 0;

@@ -35,8 +35,8 @@ STATUS=$("$FERRY" daemon status --dir "$RUN" --json)
 [ "$(json_field "$STATUS" state)" = running ] || fail "state after start: $STATUS"
 PID=$(json_field "$STATUS" pid)
 [ -n "$PID" ] && kill -0 "$PID" || fail "no live pid in $STATUS"
-"$FERRY" daemon pause --dir "$RUN" >/dev/null
-sleep 1
+# pause returns once the step in flight has finished: the step read right after is final.
+[ "$("$FERRY" daemon pause --dir "$RUN")" = paused ] || fail "daemon pause did not end paused"
 S1=$(json_field "$("$FERRY" daemon status --dir "$RUN" --json)" step)
 sleep 2
 S2=$(json_field "$("$FERRY" daemon status --dir "$RUN" --json)" step)

@@ -1,6 +1,8 @@
 #include "daemon/runtime/model.h"
 
+#include <ATen/Parallel.h>
 #include <ATen/core/grad_mode.h>
+#include <torch/csrc/autograd/custom_function.h>
 
 #include <cmath>
 #include <limits>
@@ -10,6 +12,7 @@
 #include "convert/bnb4.h"
 #include "daemon/runtime/activation_checkpoint.h"
 #include "daemon/runtime/torch_util.h"
+#include "kernels/small_products.h"
 
 namespace ferry::runtime {
 
@@ -29,7 +32,9 @@ struct CausalLM::Context {
   int64_t batch = 0, tokens = 0, start = 0, keys = 0;
   at::Tensor blocked;          // bool [B, 1, 1, T, S]: key not visible to the query
   at::Tensor blocked_sliding;  // the same for sliding-window layers
-  at::Tensor cos, sin;         // [B, T, 1, D] in the compute dtype
+  // [B, T, 1, D] in the compute dtype: cos, and sin with its first half negated, so that
+  // rotate_half(x) * sin = SwapHalves(x) * sin_signed (the same products, bit for bit).
+  at::Tensor cos, sin_signed;
 };
 
 namespace {
@@ -62,24 +67,100 @@ at::Tensor RmsNorm(const at::Tensor& x, const at::Tensor& weight, double eps) {
 // [.., M, N] (kDot); p [.., M, N] with values [.., N, D] gives p v [.., M, D] (kWeighted). LibTorch 1.13's CPU bmm
 // makes one BLAS call per batch item, about a microsecond each on top of the arithmetic, which is most of the cost
 // when the items are tiny (short contexts: decoding, a small model's rows). Up to `small` multiply-adds per item,
-// F32 on the CPU, a broadcast multiply and a sum is one vectorised, parallel op instead. On the demo's model
-// (bench/attention_bench.cpp) decoding takes 0.5x the time at 2 threads (0.7x at 1), a training forward and
-// backward 0.9x (1.1x at 1: the broadcast backward costs more). The broadcast form grows with M x N x D and loses
-// from about 8k per item; BF16 would round every product, so it stays on bmm.
+// F32 on the CPU, they run as plain loops over the items instead (kernels/small_products.h), forward and backward
+// (SmallProductFunction), split across threads by item. BF16 and CUDA stay on bmm, as do items above `small`,
+// where BLAS's blocking pays.
 enum class Product { kDot, kWeighted };
+
+// Items [z0, z1) of `out` = the product `kind` of `a` and `b`, or, for the backward pass, the
+// products it takes: every operand is a contiguous F32 [Z, rows, cols] tensor.
+void SmallProducts(Product kind, const at::Tensor& a, const at::Tensor& b, at::Tensor& out, bool a_transposed = false) {
+  const int64_t Z = a.size(0);
+  const int64_t work = out.size(1) * out.size(2) * (kind == Product::kDot ? a.size(2) : b.size(1));
+  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, work));
+  const float* pa = a.data_ptr<float>();
+  const float* pb = b.data_ptr<float>();
+  float* po = out.data_ptr<float>();
+  at::parallel_for(0, Z, grain, [&](int64_t z0, int64_t z1) {
+    if (kind == Product::kDot) {
+      kernels::SmallDots(pa, pb, po, z0, z1, a.size(1), b.size(1), a.size(2));
+    } else {
+      // out[i] = sum_j a(i, j) b[j]: a [Z, I, J] or, transposed, [Z, J, I]
+      const int64_t I = out.size(1), J = b.size(1);
+      kernels::SmallCombine(pa, a_transposed, pb, po, z0, z1, I, J, b.size(2));
+    }
+  });
+}
+
+// kDot: c = a b^T; kWeighted: c = a b, for [Z, .., ..] F32 CPU tensors, with its backward:
+// kDot: da = dc b, db = dc^T a; kWeighted: da = dc b^T, db = a^T dc.
+class SmallProductFunction : public torch::autograd::Function<SmallProductFunction> {
+ public:
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, const at::Tensor& a_in,
+                                                const at::Tensor& b_in, int64_t kind) {
+    const at::Tensor a = a_in.contiguous(), b = b_in.contiguous();
+    const int64_t Z = a.size(0), M = a.size(1);
+    const int64_t N = kind == static_cast<int64_t>(Product::kDot) ? b.size(1) : b.size(2);
+    at::Tensor out = at::empty({Z, M, N}, a.options());
+    SmallProducts(static_cast<Product>(kind), a, b, out);
+    ctx->save_for_backward({a, b});
+    ctx->saved_data["kind"] = kind;
+    return {out};
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor& a = saved[0];
+    const at::Tensor& b = saved[1];
+    const at::Tensor g = grads[0].contiguous();
+    at::Tensor da, db;
+    if (static_cast<Product>(ctx->saved_data["kind"].toInt()) == Product::kDot) {
+      // a [Z, M, D], b [Z, N, D], g [Z, M, N]
+      if (ctx->needs_input_grad(0)) {
+        da = at::empty_like(a);
+        SmallProducts(Product::kWeighted, g, b, da);  // da[m] = sum_n g[m, n] b[n]
+      }
+      if (ctx->needs_input_grad(1)) {
+        db = at::empty_like(b);
+        SmallProducts(Product::kWeighted, g, a, db, /*a_transposed=*/true);  // db[n] = sum_m g[m, n] a[m]
+      }
+    } else {
+      // a [Z, M, N], b [Z, N, D], g [Z, M, D]
+      if (ctx->needs_input_grad(0)) {
+        da = at::empty_like(a);
+        SmallProducts(Product::kDot, g, b, da);  // da[m, n] = g[m] . b[n]
+      }
+      if (ctx->needs_input_grad(1)) {
+        db = at::empty_like(b);
+        SmallProducts(Product::kWeighted, a, g, db, /*a_transposed=*/true);  // db[n] = sum_m a[m, n] g[m]
+      }
+    }
+    return {da, db, at::Tensor()};
+  }
+};
 
 at::Tensor HeadProduct(Product kind, const at::Tensor& a, const at::Tensor& b, int64_t small) {
   const int64_t M = a.size(-2), N = b.size(-2), D = kind == Product::kDot ? a.size(-1) : b.size(-1);
-  if (!a.device().is_cpu() || a.scalar_type() != at::kFloat || M * N * D > small) {
+  if (!a.device().is_cpu() || a.scalar_type() != at::kFloat || b.scalar_type() != at::kFloat || M * N * D > small) {
     return kind == Product::kDot ? at::matmul(a, b.transpose(-1, -2)) : at::matmul(a, b);
   }
-  if (kind == Product::kDot) return (a.unsqueeze(-2) * b.unsqueeze(-3)).sum(-1);
-  return (a.unsqueeze(-1) * b.unsqueeze(-3)).sum(-2);
+  const int64_t Z = a.numel() / (a.size(-2) * a.size(-1));
+  at::Tensor out = SmallProductFunction::apply(a.reshape({Z, a.size(-2), a.size(-1)}),
+                                               b.reshape({Z, b.size(-2), b.size(-1)}), static_cast<int64_t>(kind))[0];
+  std::vector<int64_t> shape(a.sizes().begin(), a.sizes().end());
+  shape.back() = kind == Product::kDot ? N : D;
+  return out.view(shape);
 }
 
-at::Tensor RotateHalf(const at::Tensor& x) {
-  const int64_t half = x.size(-1) / 2;
-  return at::cat({x.narrow(-1, half, half).neg(), x.narrow(-1, 0, half)}, -1);
+// cat(x2, x1) for x = cat(x1, x2) along the last dimension (even): with the sign in the sine,
+// transformers' rotate_half(x) = cat(-x2, x1). One flip, forward and backward, where
+// narrow + neg + cat cost five ops and two zero-filled slice gradients.
+at::Tensor SwapHalves(const at::Tensor& x) {
+  std::vector<int64_t> halves(x.sizes().begin(), x.sizes().end());
+  halves.back() /= 2;
+  halves.insert(halves.end() - 1, 2);
+  return x.reshape(halves).flip({-2}).view(x.sizes());
 }
 
 }  // namespace
@@ -407,8 +488,8 @@ at::Tensor CausalLM::Attention(const Layer& L, int index, const at::Tensor& x, c
   q = q.reshape({B, T, nH, D});
   k = k.reshape({B, T, nKV, D});
   v = v.reshape({B, T, nKV, D});
-  q = q * c.cos + RotateHalf(q) * c.sin;
-  k = k * c.cos + RotateHalf(k) * c.sin;
+  q = q * c.cos + SwapHalves(q) * c.sin_signed;
+  k = k * c.cos + SwapHalves(k) * c.sin_signed;
   k = k.transpose(1, 2);  // [B, nKV, T, D]
   v = v.transpose(1, 2);
   at::Tensor keys, values;
@@ -542,7 +623,8 @@ Result<at::Tensor> CausalLM::Hidden(const ForwardArgs& a) const {
     at::Tensor angles = a.positions.to(device_).to(at::kFloat).unsqueeze(-1) * inv_freq_.view({1, 1, -1});
     at::Tensor emb = at::cat({angles, angles}, -1);  // [B, T, D]
     c.cos = emb.cos().to(dtype_).unsqueeze(2);
-    c.sin = emb.sin().to(dtype_).unsqueeze(2);
+    at::Tensor sin = angles.sin();
+    c.sin_signed = at::cat({-sin, sin}, -1).to(dtype_).unsqueeze(2);
 
     at::Tensor x = at::embedding(embed_, ids_d);
     for (size_t i = 0; i < layers_.size(); ++i) {

@@ -1,5 +1,6 @@
-// The runtime's attention products on short contexts: the same model with the tiny products as a
-// broadcast multiply and sum (ModelOptions::small_attention_product, the default) and with every
+// The runtime's attention products on short contexts: the same model with the tiny products as
+// plain batched loops (kernels/small_products.h; ModelOptions::small_attention_product, the
+// default) and with every
 // product on LibTorch's batched matmul (small_attention_product = 0), alternated in one run.
 //
 // Usage: ferry_bench_attention [--model fixtures/demo/model] [--rows 128] [--prompt 7]
@@ -10,7 +11,7 @@
 //   train:  with autograd and a LoRA adapter on every projection, a prefill of the prompts into a
 //           cache, then --completion tokens per row against it, and the backward of the logits'
 //           sum (the trainer's shared-prompt forward, daemon/grpo/rollout.cpp).
-// Prints one JSON object, then `broadcast/bmm` time ratios (below 1: the broadcast form is faster).
+// Prints one JSON object, then `small/bmm` time ratios (below 1: the small-products path is faster).
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
 
@@ -173,11 +174,11 @@ int main(int argc, char** argv) {
   const double md = Median(cases[1].decode_s), mt = Median(cases[1].train_s);
   std::printf(
       "{\"model\": \"%s\", \"rows\": %lld, \"prompt\": %lld, \"completion\": %lld, \"threads\": %lld, \"reps\": %lld, "
-      "\"broadcast_decode_s\": %.6f, \"bmm_decode_s\": %.6f, \"broadcast_train_s\": %.6f, \"bmm_train_s\": %.6f}\n",
+      "\"small_decode_s\": %.6f, \"bmm_decode_s\": %.6f, \"small_train_s\": %.6f, \"bmm_train_s\": %.6f}\n",
       model_dir.c_str(), static_cast<long long>(rows), static_cast<long long>(prompt_len),
       static_cast<long long>(completion_len), static_cast<long long>(threads), static_cast<long long>(reps), bd, md, bt,
       mt);
-  std::printf("decode (%lld steps): broadcast/bmm %.2f\n", static_cast<long long>(completion_len), bd / md);
-  std::printf("train forward + backward: broadcast/bmm %.2f\n", bt / mt);
+  std::printf("decode (%lld steps): small/bmm %.2f\n", static_cast<long long>(completion_len), bd / md);
+  std::printf("train forward + backward: small/bmm %.2f\n", bt / mt);
   return 0;
 }

@@ -112,8 +112,9 @@ struct ModelOptions {
   // Queries processed per attention chunk (memory ~ chunk x context). Default: 1024.
   int64_t attention_chunk = 1024;
   // F32 attention products on the CPU with at most this many multiply-adds per (row, KV head)
-  // (queries x keys x head_dim) run as a broadcast multiply and sum instead of a batched matmul,
-  // whose per-item BLAS calls dominate tiny products (short contexts, decoding). 0: always bmm.
+  // (queries x keys x head_dim) run as plain batched loops (kernels/small_products.h) instead of
+  // a batched matmul, whose per-item BLAS calls dominate tiny products (short contexts,
+  // decoding). 0: always bmm.
   // Default: 4096.
   int64_t small_attention_product = 4096;
 };

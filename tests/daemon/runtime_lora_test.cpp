@@ -255,17 +255,17 @@ TEST_F(LoraTest, ActivationCheckpointingGivesTheSameGradients) {
   }
 }
 
-// Short contexts run the attention products as a broadcast multiply and sum instead of a batched
+// Short contexts run the attention products as plain batched loops (kernels/small_products.h) instead of a batched
 // matmul (ModelOptions::small_attention_product): logits, KV-cache decoding and LoRA gradients
 // agree with the bmm path.
 TEST_F(LoraTest, SmallAttentionProductsEqualTheBatchedMatmul) {
-  ModelOptions bmm_opts, broadcast_opts;
+  ModelOptions bmm_opts, small_opts;
   bmm_opts.small_attention_product = 0;
-  broadcast_opts.small_attention_product = int64_t{1} << 40;
+  small_opts.small_attention_product = int64_t{1} << 40;
   std::map<std::string, at::Tensor> grads[2], cached_grads[2];
   at::Tensor logits[2], decoded[2];
   for (int i = 0; i < 2; ++i) {
-    auto m = CausalLM::Load(dir_.path() / "base", i == 0 ? bmm_opts : broadcast_opts);
+    auto m = CausalLM::Load(dir_.path() / "base", i == 0 ? bmm_opts : small_opts);
     ASSERT_TRUE(m.ok()) << m.status().ToString();
     auto a = LoraAdapter::Create(**m, Config(R"({"peft_type": "LORA", "r": 4, "target_modules": "all-linear"})"), 1);
     ASSERT_TRUE(a.ok()) << a.status().ToString();
@@ -290,7 +290,7 @@ TEST_F(LoraTest, SmallAttentionProductsEqualTheBatchedMatmul) {
       try {
         (first->sum() + second->sum()).backward();
       } catch (const c10::Error& e) {
-        FAIL() << (i == 0 ? "bmm" : "broadcast") << ": " << e.what_without_backtrace();
+        FAIL() << (i == 0 ? "bmm" : "small products") << ": " << e.what_without_backtrace();
       }
       for (const auto& [k, p] : (*a)->named_parameters()) cached_grads[i][k] = p.grad().clone();
     }

@@ -463,7 +463,8 @@ at::Tensor CausalLM::Apply(const Linear& l, const at::Tensor& x, const LoraModul
     at::Tensor xa = x.scalar_type() == lora->a.scalar_type() ? x : x.to(lora->a.scalar_type());
     if (training && lora->dropout > 0) xa = at::dropout(xa, lora->dropout, /*train=*/true);
     at::Tensor delta = at::linear(at::linear(xa, lora->a), lora->b);
-    y = (y + delta * lora->scaling).to(y.scalar_type());
+    // y + delta * scaling as one add (alpha = scaling): one op and one backward node fewer.
+    y = at::add(y, delta, lora->scaling).to(y.scalar_type());
   }
   return y;
 }

@@ -182,6 +182,7 @@ class Publisher::Impl {
 
   // PublisherOptions::publish_first, before the serving thread starts.
   Status PublishFirst() {
+    if (options_.offer_first) Offer(options_.offer_first->manifest_id(), options_.offer_first);
     if (!options_.publish_first) return Status::OK();
     return DoPublish(*options_.publish_first).status();
   }

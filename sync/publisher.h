@@ -48,6 +48,10 @@ struct PublisherOptions {
   // Published (sequence 1) by Start before the follower first looks at the run, which then
   // does not publish it again (Publish's errors, naming the id). Default: none
   std::optional<store::Digest> publish_first;
+  // Offered (Publisher::Offer, under its manifest id) before publish_first is published: the
+  // snapshot holding a derived publish_first's bytes (a resumed trainer's current version).
+  // Default: none
+  std::shared_ptr<const Snapshot> offer_first;
   // Caps the rate of CHUNK payload bytes sent to all receivers together (a token bucket
   // banking at most 1 MiB of credit; the serving thread waits for the rest), e.g. to leave
   // a shared link to the trainer, or to measure sync over a slower link

@@ -45,8 +45,14 @@ Result<std::unique_ptr<RemotePublisher>> RemotePublisher::Start(store::Store* st
   po.follow_run = options.run;
   po.follow_interval_ms = options.follow_interval_ms;
   // The base first, once (the follower then skips it): a receiver started before step 1
-  // holds it, and every adapter applies to it.
+  // holds it, and every adapter applies to it. A resumed run in merged or delta mode starts
+  // with the version it resumed from (derived: its snapshot offered first), never the base.
   po.publish_first = options.base_version;
+  if (options.mode != sync::PublishMode::kAdapter && options.resumed &&
+      store->GetVersion(options.resumed->manifest_id().Hex()).ok()) {
+    po.publish_first = options.resumed->manifest_id();
+    po.offer_first = options.resumed;
+  }
   auto publisher = sync::Publisher::Start(store, std::move(po));
   if (!publisher.ok()) return publisher.status().WithContext(where);
   return std::unique_ptr<RemotePublisher>(

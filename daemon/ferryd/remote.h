@@ -17,7 +17,8 @@
 // publisher serves the merged tensors from it, each checked against its recorded digest, and
 // the unchanged ones from the store's base objects (sync::Publisher::Offer).
 // The base is published first (sequence 1, once), before the first step, so a receiver
-// started early holds it; an adapter's manifest then names that base.
+// started early holds it; an adapter's manifest then names that base. A resumed run in merged
+// or delta mode publishes the version it resumed from first instead.
 #pragma once
 
 #include <filesystem>
@@ -31,6 +32,7 @@
 #include "store/store.h"
 #include "sync/endpoints.h"
 #include "sync/publisher.h"
+#include "sync/snapshot.h"
 
 namespace ferry::ferryd {
 
@@ -46,7 +48,11 @@ struct RemotePublisherOptions {
   std::optional<sync::CurveOptions> curve;  // required for tcp://. Default: none
   std::string run = "default";              // the store run the trainer records into. Default: "default"
   store::Digest base_version;               // the run's base, published first. REQUIRED
-  int follow_interval_ms = 200;             // how often the store is looked at. Default: 200
+  // Merged and delta mode, a resumed run: the snapshot of the step it resumed from (the
+  // generator's), published first instead of the base, so that no receiver is served the base
+  // while the run is past it. Ignored when the store lacks its version. Default: none
+  std::shared_ptr<const sync::Snapshot> resumed;
+  int follow_interval_ms = 200;                          // how often the store is looked at. Default: 200
   sync::PublishMode mode = sync::PublishMode::kAdapter;  // Default: adapter
 };
 

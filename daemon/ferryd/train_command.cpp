@@ -306,6 +306,7 @@ Status RunTrain(const TrainFlags& f) {
     FERRY_ASSIGN_OR_RETURN(ro.curve, ServerCurve("publish", rc.publish.key, rc.publish.allow));
     ro.run = rc.store.run;
     ro.base_version = trainer->base_version();
+    if (first_step > 0) ro.resumed = trainer->generator_snapshot();
     FERRY_ASSIGN_OR_RETURN(ro.mode, sync::ParsePublishMode(rc.publish.mode));
     FERRY_ASSIGN_OR_RETURN(remote, RemotePublisher::Start(trainer->store(), std::move(ro)));
     control.SetRemote([&remote](int64_t step) { return remote->Generators(step); });

@@ -150,6 +150,7 @@ Trainer::~Trainer() {
 
 int64_t Trainer::step() const { return s_->step; }
 const std::string& Trainer::generator_version() const { return s_->generator_version; }
+std::shared_ptr<const sync::Snapshot> Trainer::generator_snapshot() const { return s_->generator_snapshot; }
 int64_t Trainer::total_steps() const { return s_->total_steps; }
 const run::RunConfig& Trainer::config() const { return s_->config; }
 const fs::path& Trainer::dir() const { return s_->dir; }
@@ -265,6 +266,7 @@ Result<std::unique_ptr<Trainer>> Trainer::Create(const TrainOptions& options) {
                               first.snapshot->manifest_id().Hex());
   }
   s->generator_version = acked.Hex();
+  s->generator_snapshot = first.snapshot;
   FERRY_RETURN_IF_ERROR(WriteFileAtomic(s->dir / "run_config.json", c.ToJson()));
   return std::unique_ptr<Trainer>(new Trainer(std::move(s)));
 }
@@ -339,6 +341,7 @@ Result<StepResult> TakeStep(Trainer::State& s) {
                               " but the snapshot after the update is " + h.snapshot->manifest_id().Hex());
   }
   s.generator_version = acked.Hex();
+  s.generator_snapshot = h.snapshot;
 
   for (const auto& [k, v] : micro) {
     double sum = 0;

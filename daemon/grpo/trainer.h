@@ -117,6 +117,9 @@ class Trainer {
   // The id (32 hex) of the snapshot the generator acknowledged last: the merged weights after
   // step(), or the base before the first step.
   const std::string& generator_version() const;
+  // The snapshot whose id generator_version() is (the generator runs its bytes): for a
+  // resumed run, the rebuilt version of the step it resumed from.
+  std::shared_ptr<const sync::Snapshot> generator_snapshot() const;
   int64_t total_steps() const;
   const run::RunConfig& config() const;
   const std::filesystem::path& dir() const;

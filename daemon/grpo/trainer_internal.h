@@ -80,7 +80,8 @@ struct Trainer::State {
   std::unique_ptr<sync::SnapshotChannel> channel;
   std::unique_ptr<WeightPublisher> publisher;
   std::unique_ptr<ColocatedGenerator> generator;
-  std::string generator_version;  // hex id the generator acknowledged last
+  std::string generator_version;                             // hex id the generator acknowledged last
+  std::shared_ptr<const sync::Snapshot> generator_snapshot;  // the snapshot of that id
 
   int64_t step = 0;        // optimizer steps taken
   int64_t micro_step = 0;  // micro-batches taken (TRL's _step)

@@ -75,8 +75,9 @@ LAST_LINE_STEP=$(tail -1 "$RUN/metrics.jsonl" | sed 's/.*"step":\([0-9]*\).*/\1/
 
 echo "== 3. crash-resume under SIGKILL ($KILLS kills)"
 # CRASH_STEPS steps, killed after 0.3-1.2 s of each life (startup included), until KILLS kills.
-# Enough steps that the run outlives KILLS lives: 40 did not once steps took 0.06 s (17 kills).
-CRASH_STEPS=100
+# Enough steps that the run outlives KILLS lives: 40 did not once steps took 0.06 s (17 kills),
+# nor 100 once they took 0.05 s (15 kills).
+CRASH_STEPS=250
 sed -e "s/^max_steps = .*/max_steps = $CRASH_STEPS/" "$WORK/grpo.toml" > "$WORK/crash.toml"
 "$FERRYD" train --config "$WORK/crash.toml" --dir "$WORK/clean" 2>/dev/null || fail "the uninterrupted run"
 RUN="$WORK/killed"

@@ -188,6 +188,21 @@ for MODE in merged delta; do
   # The version served is the step's merged version, recorded by its digests only.
   "$FERRY" versions show "$GV" --db "$RUN/store" --json | tr -d " \n" | grep -q '"derived":true' \
     || fail "$MODE: $GV is not the derived merged version in the store"
+  if [ "$MODE" = merged ]; then
+    # A resumed run publishes the version it resumed from first (sequence 1), never the base:
+    # a generator must not run the base while the run is past it.
+    LAST=$(json_field "$(tail -1 "$RUN/metrics.jsonl")" generator_version)
+    BASE_M=$("$FERRY" versions list --db "$RUN/store" --kind base --json | grep -o '[0-9a-f]\{32\}' | head -1)
+    "$FERRY" daemon start --config "$WORK/$MODE.toml" --dir "$RUN" --publish "$PUB" --detach >/dev/null \
+      || fail "$MODE: resumed daemon start: $(tail -5 "$RUN/ferryd.log")"
+    R=$("$FERRY" sync receive --once --connect "$PUB" --out "$WORK/recv-resumed" --id resumed --json) \
+      || fail "$MODE: a receiver of the resumed run got nothing"
+    [ "$(json_field "$R" version)" != "$BASE_M" ] || fail "$MODE: the resumed run served the base: $R"
+    if [ "$(json_field "$R" sequence)" = 1 ]; then
+      [ "$(json_field "$R" version)" = "$LAST" ] || fail "$MODE: sequence 1 of the resumed run is not $LAST: $R"
+    fi
+    "$FERRY" daemon stop --dir "$RUN" >/dev/null || fail "$MODE: resumed daemon stop"
+  fi
   unset RUN
 done
 echo "PASS"

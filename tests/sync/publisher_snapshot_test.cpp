@@ -166,6 +166,38 @@ INSTANTIATE_TEST_SUITE_P(MergedAndDelta, PublisherSnapshotModesTest,
                          ::testing::Values(PublishMode::kMerged, PublishMode::kDelta),
                          [](const auto& p) { return std::string(PublishModeName(p.param)); });
 
+// As a resumed ferryd starts in merged or delta mode: the version it resumed from (derived)
+// is published first, its snapshot offered first, and served bit-identical; the base is not
+// published.
+TEST_P(PublisherSnapshotModesTest, ADerivedVersionPublishedFirstIsServedFromTheSnapshotOfferedFirst) {
+  const store::Digest v = RecordDerived();
+  ASSERT_EQ(v, snapshot_->manifest_id());
+  PublisherOptions po;
+  po.mode = GetParam();
+  po.follow_run = "rl";
+  po.follow_interval_ms = 20;
+  po.publish_first = v;
+  po.offer_first = snapshot_;
+  StartPublisher(po);
+  EXPECT_EQ(publisher_->latest_sequence(), 1u);
+  auto r = Receiver::Connect(RecvOptions("gen"));
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  auto first = (*r)->SyncLatest();
+  ASSERT_TRUE(first.ok()) << first.status().ToString();
+  EXPECT_EQ(first->version, v);
+  EXPECT_EQ(first->computed, v);
+  EXPECT_EQ(first->sequence, 1u);
+  ExpectActiveVersion(RecvOptions("gen").dir, v);
+  auto received = Checkpoint::Open(RecvOptions("gen").dir / "current");
+  ASSERT_TRUE(received.ok()) << received.status().ToString();
+  for (const std::string& name : RowsWithoutObjects(v)) {
+    Tensor got = received->Get(name).value();
+    Tensor want = snapshot_->checkpoint().Get(name).value();
+    ASSERT_EQ(got.nbytes(), want.nbytes()) << name;
+    EXPECT_EQ(std::memcmp(got.data(), want.data(), want.nbytes()), 0) << name;
+  }
+}
+
 TEST_F(PublisherSnapshotTest, DerivedVersionWithoutAnOfferedSnapshotIsRefusedNamingIt) {
   const store::Digest v = RecordDerived();
   StartPublisher({});

@@ -893,6 +893,19 @@ class ModesTest : public SyncTest {
 
   void ExpectCurrent(const fs::path& dir, const store::Digest& v) { ExpectActiveVersion(dir, v); }
 
+  // adapter_ published in adapter mode, then one SyncLatest of receiver "nobase", which has no
+  // local base (RecvOptions("nobase")).
+  Result<SyncResult> SyncAdapterWithoutABase() {
+    PublisherOptions po;
+    po.mode = PublishMode::kAdapter;
+    StartPublisher(po);
+    if (!publisher_) return Status::Internal("the publisher did not start");
+    if (auto seq = publisher_->Publish(adapter_); !seq.ok()) return seq.status();
+    auto r = Receiver::Connect(RecvOptions("nobase"));
+    if (!r.ok()) return r.status();
+    return (*r)->SyncLatest();
+  }
+
   store::Digest base_, adapter_, merged_, merged_fused_;
 };
 
@@ -1043,14 +1056,8 @@ TEST_F(ModesTest, AdapterModeReceiverMergesOntoItsBaseAndProvesTheMergedId) {
 // (not activated) and merges onto it.
 TEST_F(ModesTest, AdapterModeReceiverWithoutABaseFetchesTheBaseFromThePublishersStore) {
   ImportFixture(/*record_merged=*/true);
-  PublisherOptions po;
-  po.mode = PublishMode::kAdapter;
-  StartPublisher(po);
-  ASSERT_TRUE(publisher_->Publish(adapter_).ok());
-  auto o = RecvOptions("nobase");
-  auto r = Receiver::Connect(o);
-  ASSERT_TRUE(r.ok()) << r.status().message();
-  auto s = (*r)->SyncLatest();
+  const ReceiverOptions o = RecvOptions("nobase");
+  auto s = SyncAdapterWithoutABase();
   ASSERT_TRUE(s.ok()) << s.status().ToString();
   EXPECT_EQ(s->version, adapter_);
   EXPECT_EQ(s->proven, merged_);
@@ -1073,14 +1080,8 @@ TEST_F(ModesTest, AdapterModeWithoutABaseItCanServeActivatesNothing) {
   base_ = base->record.id;
   adapter_ = adapter->record.id;
   RecordMerged(Layout::kHf);
-  PublisherOptions po;
-  po.mode = PublishMode::kAdapter;
-  StartPublisher(po);
-  ASSERT_TRUE(publisher_->Publish(adapter_).ok());
-  auto o = RecvOptions("nobase");
-  auto r = Receiver::Connect(o);
-  ASSERT_TRUE(r.ok()) << r.status().message();
-  auto s = (*r)->SyncLatest();
+  const ReceiverOptions o = RecvOptions("nobase");
+  auto s = SyncAdapterWithoutABase();
   ASSERT_FALSE(s.ok());
   EXPECT_EQ(s.status().code(), StatusCode::kFailedPrecondition) << s.status().message();
   EXPECT_NE(s.status().message().find("applies to base " + base_.Hex()), std::string::npos) << s.status().message();

@@ -107,6 +107,18 @@ class PublisherSnapshotTest : public ::testing::Test {
     return out;
   }
 
+  // Bit-identical: each of `names` in the receiver's active version equals snapshot_'s bytes.
+  void ExpectReceivedAsTheSnapshot(const fs::path& receiver_dir, const std::vector<std::string>& names) {
+    auto received = Checkpoint::Open(receiver_dir / "current");
+    ASSERT_TRUE(received.ok()) << received.status().ToString();
+    for (const std::string& name : names) {
+      Tensor got = received->Get(name).value();
+      Tensor want = snapshot_->checkpoint().Get(name).value();
+      ASSERT_EQ(got.nbytes(), want.nbytes()) << name;
+      EXPECT_EQ(std::memcmp(got.data(), want.data(), want.nbytes()), 0) << name;
+    }
+  }
+
   testing::ScopedTempDir tmp_{"ferry-publisher-snapshot-test-"};
   std::unique_ptr<store::Store> store_;
   std::unique_ptr<Publisher> publisher_;
@@ -152,14 +164,7 @@ TEST_P(PublisherSnapshotModesTest, FollowedRunServesTheOfferedSnapshotBitIdentic
   // Bit-identical: the received files hash to the recorded id, and each merged tensor equals
   // the snapshot's bytes.
   ExpectActiveVersion(RecvOptions("gen").dir, v);
-  auto received = Checkpoint::Open(RecvOptions("gen").dir / "current");
-  ASSERT_TRUE(received.ok()) << received.status().ToString();
-  for (const std::string& name : merged) {
-    Tensor got = received->Get(name).value();
-    Tensor want = snapshot_->checkpoint().Get(name).value();
-    ASSERT_EQ(got.nbytes(), want.nbytes()) << name;
-    EXPECT_EQ(std::memcmp(got.data(), want.data(), want.nbytes()), 0) << name;
-  }
+  ExpectReceivedAsTheSnapshot(RecvOptions("gen").dir, merged);
 }
 
 INSTANTIATE_TEST_SUITE_P(MergedAndDelta, PublisherSnapshotModesTest,
@@ -188,14 +193,7 @@ TEST_P(PublisherSnapshotModesTest, ADerivedVersionPublishedFirstIsServedFromTheS
   EXPECT_EQ(first->computed, v);
   EXPECT_EQ(first->sequence, 1u);
   ExpectActiveVersion(RecvOptions("gen").dir, v);
-  auto received = Checkpoint::Open(RecvOptions("gen").dir / "current");
-  ASSERT_TRUE(received.ok()) << received.status().ToString();
-  for (const std::string& name : RowsWithoutObjects(v)) {
-    Tensor got = received->Get(name).value();
-    Tensor want = snapshot_->checkpoint().Get(name).value();
-    ASSERT_EQ(got.nbytes(), want.nbytes()) << name;
-    EXPECT_EQ(std::memcmp(got.data(), want.data(), want.nbytes()), 0) << name;
-  }
+  ExpectReceivedAsTheSnapshot(RecvOptions("gen").dir, RowsWithoutObjects(v));
 }
 
 TEST_F(PublisherSnapshotTest, DerivedVersionWithoutAnOfferedSnapshotIsRefusedNamingIt) {

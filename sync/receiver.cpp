@@ -70,7 +70,7 @@ Result<Outcome> ReceiveMissingBase(Session& s, const ReceiverOptions& o, const M
     if (base.status().code() != StatusCode::kNotFound) return base.status();
     return Status::FailedPrecondition("sync receiver " + o.id + ": adapter " + man.version.Hex() + " applies to base " +
                                       want.Hex() +
-                                      ", which this receiver has not received and the publisher no longer serves (" +
+                                      ", which this receiver has not received and the publisher does not serve (" +
                                       base.status().message() + "); it needs a local base (ReceiverOptions::base_dir)");
   }
   if (base->epoch != man.epoch) return Outcome::kNewer;  // a restarted publisher: start over

@@ -624,8 +624,11 @@ Result<at::Tensor> CausalLM::Hidden(const ForwardArgs& a) const {
     at::Tensor angles = a.positions.to(device_).to(at::kFloat).unsqueeze(-1) * inv_freq_.view({1, 1, -1});
     at::Tensor emb = at::cat({angles, angles}, -1);  // [B, T, D]
     c.cos = emb.cos().to(dtype_).unsqueeze(2);
-    at::Tensor sin = angles.sin();
-    c.sin_signed = at::cat({-sin, sin}, -1).to(dtype_).unsqueeze(2);
+    // The sine's values exactly as emb.sin() gives them (a vectorised kernel and its scalar
+    // tail may round differently), the first half negated.
+    const int64_t half = emb.size(-1) / 2;
+    at::Tensor sin = emb.sin();
+    c.sin_signed = at::cat({sin.narrow(-1, 0, half).neg(), sin.narrow(-1, half, half)}, -1).to(dtype_).unsqueeze(2);
 
     at::Tensor x = at::embedding(embed_, ids_d);
     for (size_t i = 0; i < layers_.size(); ++i) {

@@ -24,7 +24,7 @@
 //            M        a human-readable sentence naming what was refused
 //
 // The command's fields (ferryd fills them; `ferry daemon` shows them):
-//   status    pid, state ("running" | "paused" | "stopping"), step, total_steps, epoch,
+//   status    pid, state ("running" | "pausing" | "paused" | "stopping"), step, total_steps, epoch,
 //             generator_version (32 hex), last_checkpoint ("checkpoint-N" or null), reward,
 //             reward_trend (mean reward of the last 10 logged steps minus the 10 before),
 //             learning_rate, steps_per_second, uptime_seconds

@@ -69,15 +69,15 @@ Result<ImportResult> RocksStore::RecordDerived(const std::vector<TensorRow>& ten
   rec.id = ManifestDigest(rec.tensors, rec.aux);
 
   std::shared_lock gc_lock(gc_mu_);  // the base and adapter stay while this commits
-  // The versions it derives from.
+  // The versions it derives from (their records: the tensor rows are not needed).
   const View view = MakeView();
-  auto base = LoadVersion(view.options(), *options.base_version);
+  auto base = LoadVersionHeader(view.options(), *options.base_version);
   if (!base.ok()) {
     if (base.status().code() != StatusCode::kNotFound) return base.status();
     return Status::NotFound(
         Where(what + " " + rec.id.Hex() + ": base version " + options.base_version->Hex() + " is not in the store"));
   }
-  auto adapter = LoadVersion(view.options(), *options.adapter_version);
+  auto adapter = LoadVersionHeader(view.options(), *options.adapter_version);
   if (!adapter.ok()) {
     if (adapter.status().code() != StatusCode::kNotFound) return adapter.status();
     return Status::NotFound(Where(what + " " + rec.id.Hex() + ": adapter version " + options.adapter_version->Hex() +

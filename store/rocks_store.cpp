@@ -191,13 +191,18 @@ Result<std::vector<TensorRow>> RocksStore::LoadTensors(const rocksdb::ReadOption
   return rows;
 }
 
-Result<VersionRecord> RocksStore::LoadVersion(const rocksdb::ReadOptions& ro, const Digest& id) const {
+Result<VersionRecord> RocksStore::LoadVersionHeader(const rocksdb::ReadOptions& ro, const Digest& id) const {
   FERRY_ASSIGN_OR_RETURN(auto json, Get(ro, kVersions, DigestKey(id)));
   if (!json) return Status::NotFound(Where("version " + id.Hex() + " not found"));
   auto rec = DecodeVersion(*json);
   if (!rec.ok()) return Status::Corruption(Where(rec.status().message()));
-  FERRY_ASSIGN_OR_RETURN(rec->tensors, LoadTensors(ro, id));
   return std::move(*rec);
+}
+
+Result<VersionRecord> RocksStore::LoadVersion(const rocksdb::ReadOptions& ro, const Digest& id) const {
+  FERRY_ASSIGN_OR_RETURN(VersionRecord rec, LoadVersionHeader(ro, id));
+  FERRY_ASSIGN_OR_RETURN(rec.tensors, LoadTensors(ro, id));
+  return rec;
 }
 
 Result<std::vector<VersionRecord>> RocksStore::LoadAllVersions(const rocksdb::ReadOptions& ro) const {

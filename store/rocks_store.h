@@ -87,6 +87,8 @@ class RocksStore final : public Store {
   Status Write(rocksdb::WriteBatch& batch, std::string_view what);
   // The record (tensors included); kNotFound naming the id when absent.
   Result<VersionRecord> LoadVersion(const rocksdb::ReadOptions& ro, const Digest& id) const;
+  // The record without its tensor rows (`tensors` empty): its id, kind, lineage and totals.
+  Result<VersionRecord> LoadVersionHeader(const rocksdb::ReadOptions& ro, const Digest& id) const;
   Result<bool> HasVersion(const rocksdb::ReadOptions& ro, const Digest& id) const;
   Result<std::vector<TensorRow>> LoadTensors(const rocksdb::ReadOptions& ro, const Digest& id) const;
   // Every version (tensors included) as `ro` sees them, oldest first.

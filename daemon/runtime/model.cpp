@@ -11,6 +11,7 @@
 
 #include "convert/bnb4.h"
 #include "daemon/runtime/activation_checkpoint.h"
+#include "daemon/runtime/fused_ops.h"
 #include "daemon/runtime/torch_util.h"
 #include "kernels/small_products.h"
 
@@ -54,13 +55,6 @@ at::Scalar Lowest(at::ScalarType t) {
     case at::kDouble: return at::Scalar(std::numeric_limits<double>::lowest());
     default: return at::Scalar(static_cast<double>(std::numeric_limits<float>::lowest()));
   }
-}
-
-at::Tensor RmsNorm(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  at::Tensor h = x.to(at::kFloat);
-  at::Tensor variance = h.pow(2).mean(-1, /*keepdim=*/true);
-  h = h * at::rsqrt(variance + eps);
-  return weight * h.to(x.scalar_type());
 }
 
 // The attention's per-head products, batched over [batch, KV head]: q [.., M, D] with keys [.., N, D] gives q k^T
@@ -446,6 +440,11 @@ std::vector<at::Tensor> CausalLM::tensors() const {
 // ---- forward -------------------------------------------------------------------------------
 
 at::Tensor CausalLM::Apply(const Linear& l, const at::Tensor& x, const LoraModule* lora, bool training) const {
+  if (lora && !l.quant && !(training && lora->dropout > 0) && x.scalar_type() == l.weight.scalar_type() &&
+      lora->a.scalar_type() == x.scalar_type() && lora->b.scalar_type() == x.scalar_type() &&
+      (!l.bias.defined() || l.bias.scalar_type() == x.scalar_type())) {
+    return LoraLinear(x, l.weight, l.bias, lora->a, lora->b, lora->scaling);
+  }
   at::Tensor y;
   if (l.quant) {
     // bitsandbytes Linear4bit: input and bias in the compute dtype, the weight dequantised to

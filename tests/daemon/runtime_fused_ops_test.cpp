@@ -1,0 +1,129 @@
+// daemon/runtime/fused_ops.h against the LibTorch compositions they replace, their gradients
+// from LibTorch's own autograd: the LoRA linear in double (the same products, so nearly exact)
+// and in float, RMSNorm against transformers' formula computed in double.
+#include <gtest/gtest.h>
+
+#include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
+
+#include <vector>
+
+#include "daemon/runtime/fused_ops.h"
+
+namespace ferry::runtime {
+namespace {
+
+double MaxRelError(const at::Tensor& got, const at::Tensor& want) {
+  const at::Tensor g = got.to(at::kDouble), w = want.to(at::kDouble);
+  return ((g - w).abs().max() / w.abs().max().clamp_min(1e-12)).item<double>();
+}
+
+struct LoraCase {
+  at::ScalarType dtype;
+  bool bias;
+  bool weight_grad;
+  double tolerance;
+};
+
+class LoraLinearTest : public ::testing::TestWithParam<LoraCase> {};
+
+TEST_P(LoraLinearTest, OutputAndEveryGradientEqualAutogradOfTheComposition) {
+  const LoraCase p = GetParam();
+  at::manual_seed(5);
+  const auto o = at::TensorOptions().dtype(p.dtype);
+  const double scaling = 1.7;  // not a power of two: its rounding shows
+  std::vector<at::Tensor> inputs = {at::randn({3, 5, 24}, o), at::randn({20, 24}, o) * 0.2, at::randn({20}, o),
+                                    at::randn({6, 24}, o) * 0.3, at::randn({20, 6}, o) * 0.3};
+  auto run = [&](bool fused) {
+    std::vector<at::Tensor> in;
+    for (const at::Tensor& t : inputs) in.push_back(t.clone());
+    in[0].requires_grad_(true);
+    in[1].requires_grad_(p.weight_grad);
+    in[2].requires_grad_(p.bias);
+    in[3].requires_grad_(true);
+    in[4].requires_grad_(true);
+    const at::Tensor bias = p.bias ? in[2] : at::Tensor();
+    at::Tensor y = fused ? LoraLinear(in[0], in[1], bias, in[3], in[4], scaling)
+                         : at::linear(in[0], in[1], bias) + scaling * at::linear(at::linear(in[0], in[3]), in[4]);
+    const at::Tensor dy = at::randn(y.sizes(), o);
+    (y * dy).sum().backward();
+    std::vector<at::Tensor> out = {y.detach()};
+    for (const at::Tensor& t : in) out.push_back(t.grad());
+    return out;
+  };
+  at::manual_seed(9);
+  const std::vector<at::Tensor> want = run(false);
+  at::manual_seed(9);
+  const std::vector<at::Tensor> got = run(true);
+  const char* names[] = {"y", "dx", "dW", "dbias", "dA", "dB"};
+  for (size_t i = 0; i < want.size(); ++i) {
+    ASSERT_EQ(got[i].defined(), want[i].defined()) << names[i];
+    if (!want[i].defined()) continue;
+    EXPECT_EQ(got[i].sizes(), want[i].sizes()) << names[i];
+    EXPECT_LT(MaxRelError(got[i], want[i]), p.tolerance) << names[i];
+  }
+  // Without gradients recorded: the same output, no graph.
+  at::NoGradGuard no_grad;
+  const at::Tensor y =
+      LoraLinear(inputs[0], inputs[1], p.bias ? inputs[2] : at::Tensor(), inputs[3], inputs[4], scaling);
+  EXPECT_FALSE(y.requires_grad());
+  EXPECT_LT(MaxRelError(y, want[0]), p.tolerance);
+}
+
+INSTANTIATE_TEST_SUITE_P(Cases, LoraLinearTest,
+                         ::testing::Values(LoraCase{at::kDouble, false, false, 1e-13},
+                                           LoraCase{at::kDouble, true, true, 1e-13},
+                                           LoraCase{at::kFloat, true, false, 1e-5},
+                                           LoraCase{at::kFloat, false, true, 1e-5}));
+
+// transformers' LlamaRMSNorm in double.
+at::Tensor RmsNormReference(const at::Tensor& x, const at::Tensor& w, double eps) {
+  const at::Tensor h = x.to(at::kDouble);
+  return w.to(at::kDouble) * (h * at::rsqrt(h.pow(2).mean(-1, true) + eps));
+}
+
+TEST(RmsNormTest, OutputAndInputGradientEqualTheFormula) {
+  at::manual_seed(3);
+  for (int64_t D : {8, 40, 131}) {  // whole vectors of 8 lanes, and a tail
+    const at::Tensor x0 = at::randn({4, 9, D}) * 3 + 0.5;
+    const at::Tensor w = at::rand({D}) + 0.5;
+    const at::Tensor dy = at::randn({4, 9, D});
+    const double eps = 1e-6;
+    at::Tensor xd = x0.to(at::kDouble).requires_grad_(true);
+    at::Tensor want = RmsNormReference(xd, w, eps);
+    (want * dy.to(at::kDouble)).sum().backward();
+    at::Tensor x = x0.clone().requires_grad_(true);
+    at::Tensor y = RmsNorm(x, w, eps);
+    ASSERT_TRUE(y.requires_grad());
+    (y * dy).sum().backward();
+    EXPECT_LT(MaxRelError(y.detach(), want.detach()), 1e-6) << "D " << D;
+    EXPECT_LT(MaxRelError(x.grad(), xd.grad()), 1e-5) << "D " << D;
+    {
+      at::NoGradGuard no_grad;
+      EXPECT_TRUE(at::equal(RmsNorm(x0, w, eps), y.detach())) << "D " << D;
+      // A non-contiguous input gives the same rows.
+      const at::Tensor xt = x0.transpose(0, 1).contiguous().transpose(0, 1);
+      ASSERT_FALSE(xt.is_contiguous());
+      EXPECT_TRUE(at::equal(RmsNorm(xt, w, eps), y.detach())) << "D " << D;
+    }
+  }
+}
+
+TEST(RmsNormTest, OtherDtypesAndATrainedWeightTakeLibTorchsPath) {
+  at::manual_seed(4);
+  const at::Tensor x = at::randn({5, 16});
+  const at::Tensor w = at::rand({16}) + 0.5;
+  const at::Tensor bf = x.to(at::kBFloat16), wbf = w.to(at::kBFloat16);
+  at::Tensor h = bf.to(at::kFloat);
+  const at::Tensor want_bf = wbf * (h * at::rsqrt(h.pow(2).mean(-1, true) + 1e-5)).to(at::kBFloat16);
+  EXPECT_TRUE(at::equal(RmsNorm(bf, wbf, 1e-5), want_bf));
+  // A weight that takes a gradient gets one.
+  at::Tensor wg = w.clone().requires_grad_(true);
+  RmsNorm(x, wg, 1e-5).sum().backward();
+  ASSERT_TRUE(wg.grad().defined());
+  const at::Tensor want_dw = (x.to(at::kDouble) * at::rsqrt(x.to(at::kDouble).pow(2).mean(-1, true) + 1e-5)).sum(0);
+  EXPECT_LT(MaxRelError(wg.grad(), want_dw), 1e-5);
+}
+
+}  // namespace
+}  // namespace ferry::runtime

@@ -15,6 +15,7 @@
 #include "core/aux_files.h"
 #include "core/checkpoint.h"
 #include "core/mapped_file.h"
+#include "daemon/grpo/optimizer.h"
 #include "daemon/grpo/trainer_internal.h"
 #include "daemon/runtime/torch_util.h"
 #include "daemon/text/chat_format.h"
@@ -92,25 +93,6 @@ Status RecordStep(Trainer::State& s, const sync::Handoff& h, const Metrics& metr
   mo.metrics = metrics;
   FERRY_RETURN_IF_ERROR(sync::RecordSnapshotDigests(*s.store, *h.snapshot, mo).status());
   return Status::OK();
-}
-
-// torch.nn.utils.clip_grad_norm_ (as TRL's accelerator calls it): the 2-norm of all gradients
-// together; when max_norm > 0, every gradient scaled by min(1, max_norm / (norm + 1e-6)).
-// Returns the norm before clipping.
-double ClipGradNorm(const std::vector<at::Tensor>& params, double max_norm) {
-  std::vector<at::Tensor> norms;
-  for (const at::Tensor& p : params) {
-    if (p.grad().defined()) norms.push_back(p.grad().detach().norm(2));
-  }
-  if (norms.empty()) return 0;
-  const at::Tensor total = at::stack(norms).norm(2);
-  if (max_norm > 0) {
-    const at::Tensor coef = (max_norm / (total + 1e-6)).clamp_max(1.0);
-    for (const at::Tensor& p : params) {
-      if (p.grad().defined()) p.grad().detach().mul_(coef);
-    }
-  }
-  return total.item<double>();
 }
 
 // Appends `line` and a newline to `path` and makes it durable (one metrics.jsonl line per
@@ -326,8 +308,7 @@ Result<StepResult> TakeStep(Trainer::State& s) {
     for (auto& group : s.optimizer->param_groups()) {
       static_cast<torch::optim::AdamWOptions&>(group.options()).lr(lr);
     }
-    s.optimizer->step();
-    s.optimizer->zero_grad();
+    AdamWStep(*s.optimizer);
     return Status::OK();
   }));
   ++s.step;

@@ -25,6 +25,7 @@
 #include "core/mapped_file.h"
 #include "core/safetensors.h"
 #include "core/staging_dir.h"
+#include "daemon/grpo/optimizer.h"
 #include "daemon/grpo/trainer_internal.h"
 #include "daemon/runtime/torch_util.h"
 
@@ -93,20 +94,6 @@ std::vector<std::pair<int64_t, fs::path>> ListCheckpoints(const fs::path& dir) {
   }
   std::sort(out.begin(), out.end());
   return out;
-}
-
-// The optimizer state's key of parameter `p`: LibTorch 1.13 keys it by the TensorImpl address
-// printed as a string, LibTorch 2.x by the address itself.
-using OptimizerStateKey = std::decay_t<decltype(std::declval<torch::optim::Optimizer&>().state())>::key_type;
-template <typename Key = OptimizerStateKey>
-Key StateKey(const at::Tensor& p) {
-  if constexpr (std::is_same_v<Key, std::string>) {
-    std::ostringstream key;  // what 1.13's c10::guts::to_string does
-    key << p.unsafeGetTensorImpl();
-    return key.str();
-  } else {
-    return p.unsafeGetTensorImpl();
-  }
 }
 
 }  // namespace

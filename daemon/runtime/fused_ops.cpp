@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "kernels/rms_norm.h"
+#include "kernels/rope.h"
 
 namespace ferry::runtime {
 namespace {
@@ -114,6 +115,49 @@ class RmsNormFunction : public torch::autograd::Function<RmsNormFunction> {
   static int64_t Grain(int64_t D) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(1, D)); }
 };
 
+// Rotary's F32 CPU path as one autograd node: forward and backward as loops, split across
+// threads by (batch, token) row.
+class RotaryFunction : public torch::autograd::Function<RotaryFunction> {
+ public:
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& cos,
+                            const at::Tensor& sin_signed) {
+    ctx->save_for_backward({cos, sin_signed});
+    return Run(x.contiguous(), cos, sin_signed, /*backward=*/false);
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    return {Run(grads[0].contiguous(), saved[0], saved[1], /*backward=*/true), at::Tensor(), at::Tensor()};
+  }
+
+  // x (or the output's gradient) [B, T, H, D] contiguous; cos and sin_signed [B, T, 1, D] contiguous.
+  static at::Tensor Run(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin_signed, bool backward) {
+    at::Tensor y = at::empty_like(x);
+    const int64_t H = x.size(2), D = x.size(3), rows = x.size(0) * x.size(1);
+    const float *px = x.data_ptr<float>(), *pc = cos.data_ptr<float>(), *ps = sin_signed.data_ptr<float>();
+    float* py = y.data_ptr<float>();
+    at::parallel_for(0, rows, std::max<int64_t>(1, 32768 / std::max<int64_t>(1, H * D)), [&](int64_t r0, int64_t r1) {
+      if (backward) {
+        kernels::RopeBackwardRows(px, pc, ps, py, r0, r1, H, D);
+      } else {
+        kernels::RopeRows(px, pc, ps, py, r0, r1, H, D);
+      }
+    });
+    return y;
+  }
+};
+
+// cat(x2, x1) for x = cat(x1, x2) along the last dimension (even): with the sign in the sine,
+// transformers' rotate_half(x) = cat(-x2, x1). One flip, forward and backward, where
+// narrow + neg + cat cost five ops and two zero-filled slice gradients.
+at::Tensor SwapHalves(const at::Tensor& x) {
+  std::vector<int64_t> halves(x.sizes().begin(), x.sizes().end());
+  halves.back() /= 2;
+  halves.insert(halves.end() - 1, 2);
+  return x.reshape(halves).flip({-2}).view(x.sizes());
+}
+
 }  // namespace
 
 at::Tensor LoraLinear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, const at::Tensor& a,
@@ -140,6 +184,20 @@ at::Tensor RmsNorm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   at::Tensor variance = h.pow(2).mean(-1, /*keepdim=*/true);
   h = h * at::rsqrt(variance + eps);
   return weight * h.to(x.scalar_type());
+}
+
+at::Tensor Rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin_signed) {
+  auto fits = [&](const at::Tensor& t) {
+    return t.device().is_cpu() && t.scalar_type() == at::kFloat && t.dim() == 4 && t.is_contiguous() &&
+           t.size(0) == x.size(0) && t.size(1) == x.size(1) && t.size(2) == 1 && t.size(3) == x.size(3) &&
+           !t.requires_grad();
+  };
+  if (x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 4 && x.size(3) % 2 == 0 && fits(cos) &&
+      fits(sin_signed)) {
+    if (at::GradMode::is_enabled() && x.requires_grad()) return RotaryFunction::apply(x, cos, sin_signed);
+    return RotaryFunction::Run(x.contiguous(), cos, sin_signed, /*backward=*/false);
+  }
+  return x * cos + SwapHalves(x) * sin_signed;
 }
 
 }  // namespace ferry::runtime

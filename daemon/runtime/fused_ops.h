@@ -19,4 +19,11 @@ at::Tensor LoraLinear(const at::Tensor& x, const at::Tensor& w, const at::Tensor
 // (kernels/rms_norm.h); anything else as LibTorch ops.
 at::Tensor RmsNorm(const at::Tensor& x, const at::Tensor& weight, double eps);
 
+// transformers' x * cos + rotate_half(x) * sin for x [B, T, H, D] and cos, sin [B, T, 1, D],
+// given sin_signed: sin with its first half negated, so that rotate_half(x) * sin is
+// SwapHalves(x) * sin_signed (the same products, bit for bit). F32 CPU tensors run as loops
+// (kernels/rope.h) with the same roundings; anything else as LibTorch ops. cos and sin_signed
+// take no gradient.
+at::Tensor Rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin_signed);
+
 }  // namespace ferry::runtime

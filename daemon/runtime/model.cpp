@@ -147,16 +147,6 @@ at::Tensor HeadProduct(Product kind, const at::Tensor& a, const at::Tensor& b, i
   return out.view(shape);
 }
 
-// cat(x2, x1) for x = cat(x1, x2) along the last dimension (even): with the sign in the sine,
-// transformers' rotate_half(x) = cat(-x2, x1). One flip, forward and backward, where
-// narrow + neg + cat cost five ops and two zero-filled slice gradients.
-at::Tensor SwapHalves(const at::Tensor& x) {
-  std::vector<int64_t> halves(x.sizes().begin(), x.sizes().end());
-  halves.back() /= 2;
-  halves.insert(halves.end() - 1, 2);
-  return x.reshape(halves).flip({-2}).view(x.sizes());
-}
-
 }  // namespace
 
 std::string_view ProjName(Proj p) {
@@ -488,8 +478,8 @@ at::Tensor CausalLM::Attention(const Layer& L, int index, const at::Tensor& x, c
   q = q.reshape({B, T, nH, D});
   k = k.reshape({B, T, nKV, D});
   v = v.reshape({B, T, nKV, D});
-  q = q * c.cos + SwapHalves(q) * c.sin_signed;
-  k = k * c.cos + SwapHalves(k) * c.sin_signed;
+  q = Rotary(q, c.cos, c.sin_signed);
+  k = Rotary(k, c.cos, c.sin_signed);
   k = k.transpose(1, 2);  // [B, nKV, T, D]
   v = v.transpose(1, 2);
   at::Tensor keys, values;

@@ -125,5 +125,41 @@ TEST(RmsNormTest, OtherDtypesAndATrainedWeightTakeLibTorchsPath) {
   EXPECT_LT(MaxRelError(wg.grad(), want_dw), 1e-5);
 }
 
+// transformers' rotate_half, spelled out.
+at::Tensor RotateHalf(const at::Tensor& x) {
+  const int64_t h = x.size(-1) / 2;
+  return at::cat({-x.narrow(-1, h, h), x.narrow(-1, 0, h)}, -1);
+}
+
+TEST(RotaryTest, SameBitsAsTransformersFormulaForwardAndBackward) {
+  at::manual_seed(6);
+  const at::Tensor angles = at::rand({3, 5, 1, 8}) * 10;
+  const at::Tensor cos = at::cat({angles, angles}, -1).cos();
+  const at::Tensor sin = at::cat({angles, angles}, -1).sin();
+  const at::Tensor sin_signed = at::cat({-sin.narrow(-1, 0, 8), sin.narrow(-1, 8, 8)}, -1).contiguous();
+  const at::Tensor x0 = at::randn({3, 5, 4, 16});
+  const at::Tensor g = at::randn({3, 5, 4, 16});
+  at::Tensor xr = x0.clone().requires_grad_(true);
+  const at::Tensor want = xr * cos + RotateHalf(xr) * sin;
+  want.backward(g);
+  for (bool narrowed : {false, true}) {  // narrowed: heads of a fused projection, not contiguous
+    at::Tensor leaf = (narrowed ? at::cat({x0, x0}, -1) : x0).clone().requires_grad_(true);
+    const at::Tensor x = narrowed ? leaf.narrow(-1, 0, 16) : leaf;
+    ASSERT_EQ(x.is_contiguous(), !narrowed);
+    const at::Tensor y = Rotary(x, cos, sin_signed);
+    EXPECT_TRUE(at::equal(y, want.detach())) << narrowed;
+    y.backward(g);
+    EXPECT_TRUE(at::equal(narrowed ? leaf.grad().narrow(-1, 0, 16) : leaf.grad(), xr.grad())) << narrowed;
+    if (narrowed) {
+      EXPECT_EQ(leaf.grad().narrow(-1, 16, 16).abs().max().item<float>(), 0.0f);
+    }
+  }
+  at::NoGradGuard no_grad;
+  EXPECT_TRUE(at::equal(Rotary(x0, cos, sin_signed), want.detach()));
+  // BF16 takes LibTorch's ops: the same formula in BF16.
+  const at::Tensor xb = x0.to(at::kBFloat16), cb = cos.to(at::kBFloat16), sb = sin.to(at::kBFloat16);
+  EXPECT_TRUE(at::equal(Rotary(xb, cb, sin_signed.to(at::kBFloat16)), xb * cb + RotateHalf(xb) * sb));
+}
+
 }  // namespace
 }  // namespace ferry::runtime

@@ -134,7 +134,11 @@ Result<VersionRecord> HashCheckpoint(const Checkpoint& ckpt, const AuxFiles& aux
         if (!rows[i]->ok()) failed = true;
       }
     };
-    const size_t threads = std::min<size_t>(std::max(1u, std::thread::hardware_concurrency()), names.size());
+    // Below ~1 MiB (a trainer's adapter per step) starting a thread costs about what hashing
+    // the whole checkpoint does: the caller's thread does it alone.
+    constexpr uint64_t kParallelBytes = uint64_t{1} << 20;
+    const size_t threads =
+        total < kParallelBytes ? 1 : std::min<size_t>(std::max(1u, std::thread::hardware_concurrency()), names.size());
     std::vector<std::thread> pool;
     for (size_t k = 1; k < threads; ++k) pool.emplace_back(worker);
     worker();

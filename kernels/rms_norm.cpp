@@ -2,31 +2,15 @@
 
 #include <cmath>
 
+#include "kernels/lane_dot.h"
+
 namespace ferry::kernels {
-namespace {
-
-constexpr int64_t kLanes = 8;  // independent partial sums, so the loops over d vectorise
-
-// sum_d a[d] * b[d]
-float Dot(const float* a, const float* b, int64_t D) {
-  float lane[kLanes] = {};
-  int64_t d = 0;
-  for (; d + kLanes <= D; d += kLanes) {
-    for (int64_t l = 0; l < kLanes; ++l) lane[l] += a[d + l] * b[d + l];
-  }
-  float sum = 0;
-  for (; d < D; ++d) sum += a[d] * b[d];
-  for (int64_t l = 0; l < kLanes; ++l) sum += lane[l];
-  return sum;
-}
-
-}  // namespace
 
 void RmsNormRows(const float* x, const float* w, float eps, float* y, float* rstd, int64_t r0, int64_t r1, int64_t D) {
   for (int64_t r = r0; r < r1; ++r) {
     const float* xr = x + r * D;
     float* yr = y + r * D;
-    const float variance = Dot(xr, xr, D) / static_cast<float>(D);
+    const float variance = LaneDot(xr, xr, D) / static_cast<float>(D);
     const float s = 1.0f / std::sqrt(variance + eps);
     for (int64_t d = 0; d < D; ++d) yr[d] = w[d] * (xr[d] * s);
     if (rstd) rstd[r] = s;
@@ -41,7 +25,7 @@ void RmsNormBackwardRows(const float* dy, const float* x, const float* w, const 
     float* dxr = dx + r * D;
     for (int64_t d = 0; d < D; ++d) dxr[d] = dyr[d] * w[d];  // g
     const float s = rstd[r];
-    const float c = Dot(dxr, xr, D) / static_cast<float>(D) * s * s * s;
+    const float c = LaneDot(dxr, xr, D) / static_cast<float>(D) * s * s * s;
     for (int64_t d = 0; d < D; ++d) dxr[d] = s * dxr[d] - c * xr[d];
   }
 }

@@ -1,9 +1,10 @@
 #include "kernels/small_products.h"
 
+#include "kernels/lane_dot.h"
+
 namespace ferry::kernels {
 
 void SmallDots(const float* x, const float* y, float* out, int64_t z0, int64_t z1, int64_t I, int64_t J, int64_t D) {
-  constexpr int64_t kLanes = 8;  // independent partial sums, so the loop over d vectorises
   for (int64_t z = z0; z < z1; ++z) {
     const float* xz = x + z * I * D;
     const float* yz = y + z * J * D;
@@ -11,16 +12,7 @@ void SmallDots(const float* x, const float* y, float* out, int64_t z0, int64_t z
     for (int64_t i = 0; i < I; ++i) {
       const float* xi = xz + i * D;
       for (int64_t j = 0; j < J; ++j) {
-        const float* yj = yz + j * D;
-        float lane[kLanes] = {};
-        int64_t d = 0;
-        for (; d + kLanes <= D; d += kLanes) {
-          for (int64_t l = 0; l < kLanes; ++l) lane[l] += xi[d + l] * yj[d + l];
-        }
-        float sum = 0;
-        for (; d < D; ++d) sum += xi[d] * yj[d];
-        for (int64_t l = 0; l < kLanes; ++l) sum += lane[l];
-        oz[i * J + j] = sum;
+        oz[i * J + j] = LaneDot(xi, yz + j * D, D);
       }
     }
   }

@@ -78,6 +78,16 @@ class PublisherSnapshotTest : public ::testing::Test {
     return r.ok() ? r->record.id : store::Digest{};
   }
 
+  // As ferryd's publisher runs: following run "rl" in `mode`, `first` published first.
+  static PublisherOptions FollowingOptions(PublishMode mode, const store::Digest& first) {
+    PublisherOptions po;
+    po.mode = mode;
+    po.follow_run = "rl";
+    po.follow_interval_ms = 20;
+    po.publish_first = first;
+    return po;
+  }
+
   void StartPublisher(PublisherOptions po) {
     auto ep = PrivateIpcEndpoints(tmp_.path() / "sock");
     ASSERT_TRUE(ep.ok()) << ep.status().ToString();
@@ -132,12 +142,7 @@ class PublisherSnapshotModesTest : public PublisherSnapshotTest, public ::testin
 // As ferryd runs it: the base published first, once; the run followed; the step's snapshot
 // offered before its derived version is recorded.
 TEST_P(PublisherSnapshotModesTest, FollowedRunServesTheOfferedSnapshotBitIdentical) {
-  PublisherOptions po;
-  po.mode = GetParam();
-  po.follow_run = "rl";
-  po.follow_interval_ms = 20;
-  po.publish_first = base_;
-  StartPublisher(po);
+  StartPublisher(FollowingOptions(GetParam(), base_));
   EXPECT_EQ(publisher_->latest_sequence(), 1u);
   auto r = Receiver::Connect(RecvOptions("gen"));
   ASSERT_TRUE(r.ok()) << r.status().ToString();
@@ -177,11 +182,7 @@ INSTANTIATE_TEST_SUITE_P(MergedAndDelta, PublisherSnapshotModesTest,
 TEST_P(PublisherSnapshotModesTest, ADerivedVersionPublishedFirstIsServedFromTheSnapshotOfferedFirst) {
   const store::Digest v = RecordDerived();
   ASSERT_EQ(v, snapshot_->manifest_id());
-  PublisherOptions po;
-  po.mode = GetParam();
-  po.follow_run = "rl";
-  po.follow_interval_ms = 20;
-  po.publish_first = v;
+  PublisherOptions po = FollowingOptions(GetParam(), v);
   po.offer_first = snapshot_;
   StartPublisher(po);
   EXPECT_EQ(publisher_->latest_sequence(), 1u);

@@ -3,7 +3,8 @@
 // (bench/hf_generate_peer.py) on the same model, threads and shapes, and prints the ratios.
 //
 // Usage: ferry_bench_generate --model DIR [--batch 16] [--prompt-len 128] [--new-tokens 128]
-//          [--threads 2] [--dtype f32|bf16|model] [--device cpu|cuda] [--seed 1]
+//          [--threads 2] [--dtype f32|bf16|model] [--device cpu|cuda] [--seed 1] [--skinny-rows 8]
+// --skinny-rows: ModelOptions::skinny_linear_rows (0: every linear layer on the BLAS).
 // Prompts are random token ids (seeded); EOS is ignored so every row decodes exactly
 // --new-tokens tokens; decoding is greedy. kv_cache_bytes: the generator's cache for the run
 // (keys and values of every layer for batch x (prompt + new) positions in the compute dtype);
@@ -51,7 +52,8 @@ double Now() { return std::chrono::duration<double>(std::chrono::steady_clock::n
 int Usage() {
   std::fprintf(stderr,
                "usage: ferry_bench_generate --model DIR [--batch 16] [--prompt-len 128] [--new-tokens 128]\n"
-               "                            [--threads 2] [--dtype f32|bf16|model] [--device cpu|cuda] [--seed 1]\n");
+               "                            [--threads 2] [--dtype f32|bf16|model] [--device cpu|cuda] [--seed 1]\n"
+               "                            [--skinny-rows 8]\n");
   return 2;
 }
 
@@ -61,6 +63,7 @@ int main(int argc, char** argv) {
   std::string model_dir, dtype = "f32", device = "cpu";
   int64_t batch = 16, prompt_len = 128, new_tokens = 128, threads = 2;
   uint64_t seed = 1;
+  int64_t skinny_rows = ferry::runtime::ModelOptions().skinny_linear_rows;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     auto next = [&]() -> std::string { return i + 1 < argc ? argv[++i] : ""; };
@@ -72,6 +75,7 @@ int main(int argc, char** argv) {
     else if (a == "--dtype") dtype = next();
     else if (a == "--device") device = next();
     else if (a == "--seed") seed = std::strtoull(next().c_str(), nullptr, 10);
+    else if (a == "--skinny-rows") skinny_rows = std::atoll(next().c_str());
     else return Usage();
   }
   if (model_dir.empty() || batch < 1 || prompt_len < 1 || new_tokens < 1) return Usage();
@@ -85,6 +89,7 @@ int main(int argc, char** argv) {
   opts.device = device == "cuda" ? at::Device(at::kCUDA) : at::Device(at::kCPU);
   if (dtype == "f32") opts.dtype = at::kFloat;
   if (dtype == "bf16") opts.dtype = at::kBFloat16;
+  opts.skinny_linear_rows = skinny_rows;
   {
     // Start LibTorch's CPU side (BLAS, thread pool) before the baseline.
     at::Tensor w = at::ones({64, 64});

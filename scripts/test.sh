@@ -12,6 +12,10 @@ cd "$(dirname "$0")/.."
 JOBS=${FERRY_JOBS:-$(nproc)}
 FUZZ_SECONDS=${FERRY_FUZZ_SECONDS:-20}
 
+# Each phase's header says how long the run has taken so far (where CI's minutes go).
+start=$SECONDS
+phase() { printf '== %s [%dm%02ds]\n' "$1" $(((SECONDS - start) / 60)) $(((SECONDS - start) % 60)); }
+
 bash scripts/setup.sh
 
 # ccache, when installed, serves the four builds below (a CI cache of ~/.ccache, or a developer's,
@@ -21,17 +25,17 @@ if command -v ccache >/dev/null; then
   export CMAKE_CXX_COMPILER_LAUNCHER="${CMAKE_CXX_COMPILER_LAUNCHER:-ccache}"
 fi
 
-echo "== format (scripts/format.sh --check)"
+phase "format (scripts/format.sh --check)"
 bash scripts/format.sh --check
 
-echo "== build (warnings are errors)"
+phase "build (warnings are errors)"
 cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DFERRY_WERROR=ON >/dev/null
 cmake --build build -j "$JOBS"
 
-echo "== tests"
+phase "tests"
 ctest --test-dir build --output-on-failure -j "$JOBS" --timeout 600
 
-echo "== tests under ASan + UBSan (core, kernels, convert, the tokenizer and the run config parsers)"
+phase "tests under ASan + UBSan (core, kernels, convert, the tokenizer and the run config parsers)"
 # Only the test executables this regex runs are built (ferry_matching_tests, tests/CMakeLists.txt).
 ASAN_TESTS='^(core|kernels|convert|daemon_text|daemon_run)_'
 cmake -S . -B build-asan -G Ninja -DCMAKE_BUILD_TYPE=Debug -DFERRY_WERROR=ON -DFERRY_SANITIZE=ON \
@@ -40,7 +44,7 @@ cmake --build build-asan -j "$JOBS" --target ferry_matching_tests
 ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
   ctest --test-dir build-asan --output-on-failure -j "$JOBS" --timeout 900 -R "$ASAN_TESTS"
 
-echo "== tests under ThreadSanitizer (one Store shared by threads; sync tests sharing one)"
+phase "tests under ThreadSanitizer (one Store shared by threads; sync tests sharing one)"
 TSAN_TESTS=(store_concurrency_test sync_handoff_test sync_watch_test sync_limits_test)
 cmake -S . -B build-tsan -G Ninja -DCMAKE_BUILD_TYPE=Debug -DFERRY_WERROR=ON -DFERRY_TSAN=ON \
   -DFERRY_BUILD_BENCH=OFF >/dev/null
@@ -54,7 +58,7 @@ TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1 ignore_noninstrumented_mod
   -R "^($(IFS='|'; echo "${TSAN_TESTS[*]}"))\."
 
 if [ "$FUZZ_SECONDS" -gt 0 ] && [ -f scripts/fuzz.sh ]; then
-  echo "== fuzzing (${FUZZ_SECONDS}s per target)"
+  phase "fuzzing (${FUZZ_SECONDS}s per target)"
   bash scripts/fuzz.sh "$FUZZ_SECONDS"
 fi
-echo "== all tests passed"
+phase "all tests passed"

@@ -9,6 +9,7 @@
 
 #include "kernels/rms_norm.h"
 #include "kernels/rope.h"
+#include "kernels/skinny_gemm.h"
 
 namespace ferry::runtime {
 namespace {
@@ -198,6 +199,36 @@ at::Tensor Rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
     return RotaryFunction::Run(x.contiguous(), cos, sin_signed, /*backward=*/false);
   }
   return x * cos + SwapHalves(x) * sin_signed;
+}
+
+at::Tensor SkinnyLinearOrUndefined(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, int64_t max_rows) {
+  if (max_rows < 1 || !kernels::SkinnyLinearFast() || x.dim() < 1) return {};
+  const int64_t k = x.size(-1);
+  const int64_t rows = k > 0 ? x.numel() / k : 0;
+  if (rows < 1 || rows > max_rows || k < 1 || w.dim() != 2 || w.size(1) != k) return {};
+  auto plain = [](const at::Tensor& t) { return t.device().is_cpu() && t.scalar_type() == at::kFloat; };
+  if (!plain(x) || !plain(w) || !w.is_contiguous()) return {};
+  if (bias.defined() && (!plain(bias) || bias.dim() != 1 || bias.size(0) != w.size(0) || !bias.is_contiguous())) {
+    return {};
+  }
+  if (at::GradMode::is_enabled() &&
+      (x.requires_grad() || w.requires_grad() || (bias.defined() && bias.requires_grad()))) {
+    return {};
+  }
+  const at::Tensor x2 = x.reshape({rows, k}).contiguous();
+  const int64_t n = w.size(0);
+  at::Tensor y = at::empty({rows, n}, x.options());
+  const float* xp = x2.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  const float* bp = bias.defined() ? bias.data_ptr<float>() : nullptr;
+  float* yp = y.data_ptr<float>();
+  // Weight rows per task: about 64 KB of weight, so that a small layer is not split finer than it pays.
+  const int64_t grain = std::max<int64_t>(1, (int64_t{16} << 10) / k);
+  at::parallel_for(0, n, grain,
+                   [&](int64_t j0, int64_t j1) { kernels::SkinnyLinear(xp, rows, k, wp, bp, yp, n, j0, j1); });
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = n;
+  return y.view(shape);
 }
 
 }  // namespace ferry::runtime

@@ -252,6 +252,7 @@ Status CausalLM::Init(const ModelConfig& config, const Checkpoint& weights, cons
   device_ = options.device;
   attention_chunk_ = std::max<int64_t>(1, options.attention_chunk);
   small_attention_product_ = std::max<int64_t>(0, options.small_attention_product);
+  skinny_linear_rows_ = std::max<int64_t>(0, options.skinny_linear_rows);
   weights_ = weights;
   const std::string where = weights.path().string();
   std::map<std::string, QuantState4bit> quant;
@@ -444,7 +445,8 @@ at::Tensor CausalLM::Apply(const Linear& l, const at::Tensor& x, const LoraModul
     at::Tensor w = l.quant->Dequantize(compute);
     y = at::linear(x.to(compute), w, l.bias.defined() ? l.bias.to(compute) : at::Tensor()).to(x.scalar_type());
   } else {
-    y = at::linear(x, l.weight, l.bias);
+    y = lora ? at::Tensor() : SkinnyLinearOrUndefined(x, l.weight, l.bias, skinny_linear_rows_);
+    if (!y.defined()) y = at::linear(x, l.weight, l.bias);
   }
   if (lora) {
     // PEFT: result = result + lora_B(lora_A(dropout(x))) * scaling, with x cast to the

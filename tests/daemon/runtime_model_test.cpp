@@ -127,6 +127,32 @@ TEST(RuntimeModel, ForwardWithoutAutogradEqualsTheAutogradForwardExactly) {
   }
 }
 
+// Decoding a few rows without autograd runs the linear layers as kernels/skinny_gemm.h loops
+// (ModelOptions::skinny_linear_rows): the same logits as the BLAS within F32 rounding, q/k/v
+// biases included, and not the same bits (the loops did run).
+TEST(RuntimeModel, SkinnyLinearDecodingEqualsTheBlasWithinF32Rounding) {
+  ScopedTempDir dir;
+  TinyModelSpec spec;
+  spec.model_type = "qwen2";  // with q/k/v biases
+  ModelOptions blas_opts, skinny_opts;
+  blas_opts.skinny_linear_rows = 0;
+  skinny_opts.skinny_linear_rows = 8;
+  auto blas = LoadTiny(dir, spec, blas_opts);
+  ASSERT_NE(blas, nullptr);
+  auto skinny = CausalLM::Load(dir.path() / "m", skinny_opts);
+  ASSERT_TRUE(skinny.ok()) << skinny.status().ToString();
+  at::manual_seed(12);
+  const at::Tensor ids = at::randint(3, spec.vocab, {3, 40}, at::kLong);
+  at::NoGradGuard no_grad;
+  // 3 rows per decoding step (skinny), after a 120-row prefill (the BLAS on both).
+  const at::Tensor a = CachedLogprobs(*blas, ids, 8), b = CachedLogprobs(**skinny, ids, 8);
+  ASSERT_EQ(a.sizes(), b.sizes());
+  EXPECT_LT((a - b).abs().max().item<double>(), 1e-5);
+  EXPECT_FALSE(at::equal(a.narrow(1, 8, 31), b.narrow(1, 8, 31)))
+      << "the decoded positions are bit for bit the BLAS's: the loops did not run";
+  EXPECT_TRUE(at::equal(a.narrow(1, 0, 7), b.narrow(1, 0, 7))) << "the prefill (120 rows) is the BLAS's on both";
+}
+
 TEST(RuntimeModel, KvCacheDecodingGapInBf16IsReported) {
   ScopedTempDir dir;
   TinyModelSpec spec;

@@ -1,0 +1,79 @@
+#include "kernels/skinny_gemm.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <random>
+#include <vector>
+
+namespace ferry::kernels {
+namespace {
+
+std::vector<float> Random(size_t n, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  std::vector<float> v(n);
+  for (float& x : v) x = u(rng);
+  return v;
+}
+
+struct Shape {
+  int64_t m, k, n, j0, j1;
+};
+
+// Rows m = 1..9 (the 4-row tiles and every remainder), k with and without an 8-lane tail,
+// column ranges that start and end off the 3-row weight tiles, and a wider ldy.
+class SkinnyGemmTest : public ::testing::TestWithParam<Shape> {};
+
+void Check(const Shape& s, bool with_bias) {
+  const int64_t ldy = s.n + 3;
+  const auto x = Random(s.m * s.k, 1), w = Random(s.n * s.k, 2), bias = Random(s.n, 3);
+  std::vector<float> y(s.m * ldy, -7.0f);
+  SkinnyLinear(x.data(), s.m, s.k, w.data(), with_bias ? bias.data() : nullptr, y.data(), ldy, s.j0, s.j1);
+  for (int64_t i = 0; i < s.m; ++i) {
+    for (int64_t j = 0; j < ldy; ++j) {
+      const float got = y[i * ldy + j];
+      if (j < s.j0 || j >= s.j1) {
+        EXPECT_EQ(got, -7.0f) << "column " << j << " is outside [" << s.j0 << ", " << s.j1 << ") and was written";
+        continue;
+      }
+      double want = with_bias ? bias[j] : 0.0;
+      for (int64_t k = 0; k < s.k; ++k) want += double(x[i * s.k + k]) * double(w[j * s.k + k]);
+      EXPECT_NEAR(got, want, 2e-6 * std::sqrt(double(s.k)) + 1e-6) << "row " << i << " column " << j;
+    }
+  }
+}
+
+TEST_P(SkinnyGemmTest, EqualsADoubleReferenceWithoutBias) { Check(GetParam(), false); }
+TEST_P(SkinnyGemmTest, EqualsADoubleReferenceWithBias) { Check(GetParam(), true); }
+
+INSTANTIATE_TEST_SUITE_P(Shapes, SkinnyGemmTest,
+                         ::testing::Values(Shape{1, 8, 3, 0, 3}, Shape{2, 13, 7, 1, 6}, Shape{3, 1, 5, 0, 5},
+                                           Shape{4, 64, 9, 2, 9}, Shape{5, 40, 10, 0, 10}, Shape{6, 7, 4, 1, 3},
+                                           Shape{7, 130, 11, 0, 11}, Shape{8, 896, 8, 3, 8}, Shape{9, 33, 6, 0, 6}));
+
+// The result of a row does not depend on the other rows or on the column split (a fixed
+// order of sums): what lets callers split the columns across threads and batch rows freely.
+TEST(SkinnyGemm, RowsAndSplitsDoNotChangeTheResult) {
+  const int64_t m = 6, k = 77, n = 13;
+  const auto x = Random(m * k, 4), w = Random(n * k, 5);
+  std::vector<float> whole(m * n), split(m * n), one(n);
+  SkinnyLinear(x.data(), m, k, w.data(), nullptr, whole.data(), n, 0, n);
+  SkinnyLinear(x.data(), m, k, w.data(), nullptr, split.data(), n, 0, 5);
+  SkinnyLinear(x.data(), m, k, w.data(), nullptr, split.data(), n, 5, n);
+  EXPECT_EQ(whole, split);
+  for (int64_t i = 0; i < m; ++i) {
+    SkinnyLinear(x.data() + i * k, 1, k, w.data(), nullptr, one.data(), n, 0, n);
+    for (int64_t j = 0; j < n; ++j) EXPECT_EQ(one[j], whole[i * n + j]) << "row " << i << " column " << j;
+  }
+}
+
+TEST(SkinnyGemm, AnEmptyColumnRangeWritesNothing) {
+  const auto x = Random(8, 6), w = Random(16, 7);
+  std::vector<float> y(2, -7.0f);
+  SkinnyLinear(x.data(), 1, 8, w.data(), nullptr, y.data(), 2, 1, 1);
+  EXPECT_EQ(y, std::vector<float>(2, -7.0f));
+}
+
+}  // namespace
+}  // namespace ferry::kernels

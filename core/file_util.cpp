@@ -30,6 +30,20 @@ Status WriteAll(int fd, std::span<const std::byte> bytes, const std::filesystem:
   return Status::OK();
 }
 
+Status PwriteAll(int fd, std::span<const std::byte> bytes, uint64_t offset, const std::filesystem::path& path) {
+  size_t done = 0;
+  while (done < bytes.size()) {
+    const ssize_t n = ::pwrite(fd, bytes.data() + done, bytes.size() - done, static_cast<off_t>(offset + done));
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      return Status::IOError(path.string() + ": write at offset " + std::to_string(offset + done) +
+                             " failed: " + std::strerror(n < 0 ? errno : EIO));
+    }
+    done += static_cast<size_t>(n);
+  }
+  return Status::OK();
+}
+
 Result<std::string> ReadSmallFile(const std::filesystem::path& path, size_t limit) {
   int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);  // see MappedFile::Open
   if (fd < 0) return ErrnoStatus(path.string(), errno);

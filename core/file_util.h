@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <filesystem>
 #include <span>
 #include <string>
@@ -18,6 +19,12 @@ namespace ferry {
 // calls. Errors are kIOError "<path>: write: <strerror>" (a write that returns 0 is EIO).
 inline constexpr size_t kMaxWriteCall = size_t{1} << 20;
 Status WriteAll(int fd, std::span<const std::byte> bytes, const std::filesystem::path& path);
+
+// Writes all of `bytes` at `offset` of `fd` with pwrite(2) (retrying on EINTR and short
+// writes; the file offset is not moved, so threads may write disjoint ranges of one fd).
+// Errors are kIOError "<path>: write at offset <n> failed: <strerror>" (0 written is EIO).
+[[nodiscard]] Status PwriteAll(int fd, std::span<const std::byte> bytes, uint64_t offset,
+                               const std::filesystem::path& path);
 
 // Reads a whole (small) file into a string. `limit` bounds the size accepted.
 Result<std::string> ReadSmallFile(const std::filesystem::path& path, size_t limit = 64u << 20);

@@ -519,12 +519,8 @@ Status SafetensorsWriter::FlushPendingRange() {
   }
   if (header_over_copy_) {
     header_over_copy_ = false;
-    for (size_t done = 0; done < header_.size();) {
-      const ssize_t n = ::pwrite(fd_, header_.data() + done, header_.size() - done, static_cast<off_t>(done));
-      if (n < 0 && errno == EINTR) continue;
-      if (n <= 0) return ErrnoStatus(path.string() + ": writing the header", errno);
-      done += static_cast<size_t>(n);
-    }
+    FERRY_RETURN_IF_ERROR(
+        PwriteAll(fd_, {reinterpret_cast<const std::byte*>(header_.data()), header_.size()}, 0, path));
   }
   return Status::OK();
 }

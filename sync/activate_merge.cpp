@@ -20,6 +20,7 @@
 #include "convert/peft_config.h"
 #include "core/aux_files.h"
 #include "core/checkpoint.h"
+#include "core/file_util.h"
 #include "core/mapped_file.h"
 #include "core/safetensors.h"
 #include "core/staging_dir.h"
@@ -39,31 +40,6 @@ constexpr size_t kPieceBytes = size_t{256} << 10;
 constexpr int kWriters = 2;
 // Merged tensors waiting for a writer (bounds memory to a few tensors).
 constexpr size_t kQueueDepth = 2;
-
-Status PwriteAll(int fd, const std::byte* p, size_t n, uint64_t offset, const fs::path& path) {
-  size_t done = 0;
-  while (done < n) {
-    const ssize_t w = ::pwrite(fd, p + done, n - done, static_cast<off_t>(offset + done));
-    if (w < 0 && errno == EINTR) continue;
-    if (w <= 0) {
-      return Status::IOError(path.string() + ": write at offset " + std::to_string(offset + done) +
-                             " failed: " + std::strerror(errno));
-    }
-    done += static_cast<size_t>(w);
-  }
-  return Status::OK();
-}
-
-bool TiesWordEmbeddings(const AuxFiles& aux) {
-  for (const auto& [name, contents] : aux) {
-    if (name != "config.json") continue;
-    const auto j = nlohmann::json::parse(contents, nullptr, /*allow_exceptions=*/false);
-    if (!j.is_object()) return false;
-    const auto it = j.find("tie_word_embeddings");
-    return it != j.end() && it->is_boolean() && it->get<bool>();
-  }
-  return false;
-}
 
 // Output buffers of the fused merge, recycled: a fresh buffer per tensor would cost a page
 // fault and the zeroing of every page, as much as the merge itself.
@@ -165,7 +141,7 @@ class HashingWriter {
     for (size_t done = 0; done < bytes.size();) {
       const size_t n = std::min(kPieceBytes, bytes.size() - done);
       digester.Update(bytes.subspan(done, n));
-      FERRY_RETURN_IF_ERROR(PwriteAll(fd_, bytes.data() + done, n, job.offset + done, path_));
+      FERRY_RETURN_IF_ERROR(PwriteAll(fd_, {bytes.data() + done, n}, job.offset + done, path_));
       done += n;
     }
     (*digests_)[job.index] = digester.Finish();
@@ -290,7 +266,7 @@ Result<store::Digest> WriteMergedAdapter(const fs::path& received, const fs::pat
   if (fd.fd < 0) return Status::IOError(model.string() + ": cannot create: " + std::strerror(errno));
   uint64_t offset = header.size();
   for (const auto& row : rows) offset += row.nbytes;
-  FERRY_RETURN_IF_ERROR(PwriteAll(fd.fd, reinterpret_cast<const std::byte*>(header.data()), header.size(), 0, model));
+  FERRY_RETURN_IF_ERROR(PwriteAll(fd.fd, {reinterpret_cast<const std::byte*>(header.data()), header.size()}, 0, model));
   if (::ftruncate(fd.fd, static_cast<off_t>(offset)) != 0) {
     return Status::IOError(model.string() + ": cannot size to " + std::to_string(offset) +
                            " bytes: " + std::strerror(errno));

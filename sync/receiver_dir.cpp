@@ -11,6 +11,7 @@
 #include <nlohmann/json.hpp>
 #include <set>
 
+#include "core/file_util.h"
 #include "core/mapped_file.h"
 #include "sync/receiver_internal.h"
 
@@ -45,20 +46,6 @@ TempDirGuard::~TempDirGuard() {
     std::error_code ec;
     fs::remove_all(path_, ec);
   }
-}
-
-Status PwriteAll(int fd, std::span<const std::byte> bytes, uint64_t offset, const fs::path& path) {
-  size_t done = 0;
-  while (done < bytes.size()) {
-    const ssize_t n = ::pwrite(fd, bytes.data() + done, bytes.size() - done, static_cast<off_t>(offset + done));
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) {
-      return Status::IOError(path.string() + ": write at offset " + std::to_string(offset + done) +
-                             " failed: " + std::strerror(errno));
-    }
-    done += static_cast<size_t>(n);
-  }
-  return Status::OK();
 }
 
 Result<bool> HashRange(int fd, uint64_t offset, uint64_t length, store::TensorDigester& digester,

@@ -74,11 +74,6 @@ class TempDirGuard {
   std::filesystem::path path_;
 };
 
-// Writes all of `bytes` at `offset` of `fd` (retrying short writes and EINTR); kIOError
-// naming `path` and the offset otherwise.
-[[nodiscard]] Status PwriteAll(int fd, std::span<const std::byte> bytes, uint64_t offset,
-                               const std::filesystem::path& path);
-
 // `s`, with kNotFound (a local file missing: errno ENOENT) turned into kIOError: from a
 // sync, kNotFound means only that the publisher lacks something.
 [[nodiscard]] Status LocalIO(Status s);

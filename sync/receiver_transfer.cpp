@@ -9,6 +9,7 @@
 #include <cstring>
 #include <limits>
 
+#include "core/file_util.h"
 #include "core/mapped_file.h"
 #include "core/safetensors.h"
 #include "sync/receiver_internal.h"

@@ -2,6 +2,8 @@
 
 #include <algorithm>
 
+#include <nlohmann/json.hpp>
+
 #include "core/file_util.h"
 #include "core/text.h"
 
@@ -64,6 +66,17 @@ Result<AuxFiles> CollectAuxFiles(const std::filesystem::path& dir) {
     out.push_back(AuxFileData{std::move(name), std::move(contents)});
   }
   return out;
+}
+
+bool TiesWordEmbeddings(const AuxFiles& aux) {
+  for (const auto& [name, contents] : aux) {
+    if (name != "config.json") continue;
+    const auto j = nlohmann::json::parse(contents, nullptr, /*allow_exceptions=*/false);
+    if (!j.is_object()) return false;
+    const auto it = j.find("tie_word_embeddings");
+    return it != j.end() && it->is_boolean() && it->get<bool>();
+  }
+  return false;
 }
 
 }  // namespace ferry

@@ -59,4 +59,8 @@ Result<std::vector<std::string>> ListAuxFiles(const std::filesystem::path& dir);
 // whose names do not match the list are ignored.
 Result<AuxFiles> CollectAuxFiles(const std::filesystem::path& dir);
 
+// config.json's tie_word_embeddings among `aux`: false when there is no config.json, it is not
+// a JSON object or the key is absent or not a boolean (transformers' default).
+bool TiesWordEmbeddings(const AuxFiles& aux);
+
 }  // namespace ferry

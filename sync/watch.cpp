@@ -61,17 +61,6 @@ Result<std::vector<std::string>> ListSubdirs(const fs::path& dir) {
   return names;
 }
 
-bool TieWordEmbeddings(const AuxFiles& aux) {
-  for (const auto& [name, contents] : aux) {
-    if (name != "config.json") continue;
-    auto j = nlohmann::json::parse(contents, nullptr, /*allow_exceptions=*/false);
-    if (!j.is_object()) return false;
-    auto it = j.find("tie_word_embeddings");
-    return it != j.end() && it->is_boolean() && it->get<bool>();
-  }
-  return false;
-}
-
 }  // namespace
 
 bool NaturalLess(std::string_view a, std::string_view b) {
@@ -186,7 +175,7 @@ Status CheckpointWatcher::LoadBase() {
     base_aux_.push_back(AuxFileData{aux.name, std::move(*contents)});
   }
   base_version_ = rec.id;
-  tie_word_embeddings_ = TieWordEmbeddings(base_aux_);
+  tie_word_embeddings_ = TiesWordEmbeddings(base_aux_);
   return Status::OK();
 }
 

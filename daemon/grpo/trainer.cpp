@@ -388,7 +388,8 @@ Result<StepResult> Trainer::Step() {
     s.micro_step = micro_step;
     s.num_tokens = num_tokens;
     s.buffer = std::move(buffer);
-    s.optimizer->zero_grad();
+    // Gradients back to none, as after a step (AdamWStep): not zero-filled tensors.
+    for (at::Tensor& p : s.adapter->parameters()) p.mutable_grad().reset();
     {
       std::lock_guard<std::mutex> lock(rng.mutex());
       rng.set_state(rng_state);

@@ -24,7 +24,11 @@ void SkinnyLinear(const float* x, int64_t m, int64_t k_dim, const float* w, cons
                   int64_t j0, int64_t j1);
 
 namespace detail {
-// The AVX2 + FMA implementation (skinny_gemm_avx2.cpp); same contract.
+// The two implementations SkinnyLinear chooses between, same contract (public for tests).
+// Plain loops (LaneDot), for any CPU:
+void SkinnyLinearPortable(const float* x, int64_t m, int64_t k_dim, const float* w, const float* bias, float* y,
+                          int64_t ldy, int64_t j0, int64_t j1);
+// AVX2 + FMA (skinny_gemm_avx2.cpp). REQUIRES: SkinnyLinearFast().
 void SkinnyLinearAvx2(const float* x, int64_t m, int64_t k_dim, const float* w, const float* bias, float* y,
                       int64_t ldy, int64_t j0, int64_t j1);
 }  // namespace detail

@@ -202,10 +202,9 @@ at::Tensor Rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
 }
 
 at::Tensor SkinnyLinearOrUndefined(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, int64_t max_rows) {
-  if (max_rows < 1 || !kernels::SkinnyLinearFast() || x.dim() < 1) return {};
-  const int64_t k = x.size(-1);
-  const int64_t rows = k > 0 ? x.numel() / k : 0;
-  if (rows < 1 || rows > max_rows || k < 1 || w.dim() != 2 || w.size(1) != k) return {};
+  if (max_rows < 1 || !kernels::SkinnyLinearFast() || x.dim() < 1 || x.size(-1) < 1) return {};
+  const int64_t k = x.size(-1), rows = x.numel() / k;
+  if (rows < 1 || rows > max_rows || w.dim() != 2 || w.size(1) != k) return {};
   auto plain = [](const at::Tensor& t) { return t.device().is_cpu() && t.scalar_type() == at::kFloat; };
   if (!plain(x) || !plain(w) || !w.is_contiguous()) return {};
   if (bias.defined() && (!plain(bias) || bias.dim() != 1 || bias.size(0) != w.size(0) || !bias.is_contiguous())) {

@@ -21,15 +21,19 @@ struct Shape {
   int64_t m, k, n, j0, j1;
 };
 
+using Impl = void (*)(const float*, int64_t, int64_t, const float*, const float*, float*, int64_t, int64_t, int64_t);
+
 // Rows m = 1..9 (the 4-row tiles and every remainder), k with and without an 8-lane tail,
-// column ranges that start and end off the 3-row weight tiles, and a wider ldy.
+// column ranges that start and end off the 3-row weight tiles, and a wider ldy; each through
+// SkinnyLinear (what callers get) and through the portable loops (what a CPU without AVX2 +
+// FMA gets; SkinnyLinear on this one may be the AVX2 copy).
 class SkinnyGemmTest : public ::testing::TestWithParam<Shape> {};
 
-void Check(const Shape& s, bool with_bias) {
+void Check(const Shape& s, bool with_bias, Impl impl) {
   const int64_t ldy = s.n + 3;
   const auto x = Random(s.m * s.k, 1), w = Random(s.n * s.k, 2), bias = Random(s.n, 3);
   std::vector<float> y(s.m * ldy, -7.0f);
-  SkinnyLinear(x.data(), s.m, s.k, w.data(), with_bias ? bias.data() : nullptr, y.data(), ldy, s.j0, s.j1);
+  impl(x.data(), s.m, s.k, w.data(), with_bias ? bias.data() : nullptr, y.data(), ldy, s.j0, s.j1);
   for (int64_t i = 0; i < s.m; ++i) {
     for (int64_t j = 0; j < ldy; ++j) {
       const float got = y[i * ldy + j];
@@ -44,8 +48,12 @@ void Check(const Shape& s, bool with_bias) {
   }
 }
 
-TEST_P(SkinnyGemmTest, EqualsADoubleReferenceWithoutBias) { Check(GetParam(), false); }
-TEST_P(SkinnyGemmTest, EqualsADoubleReferenceWithBias) { Check(GetParam(), true); }
+TEST_P(SkinnyGemmTest, EqualsADoubleReferenceWithoutBias) { Check(GetParam(), false, SkinnyLinear); }
+TEST_P(SkinnyGemmTest, EqualsADoubleReferenceWithBias) { Check(GetParam(), true, SkinnyLinear); }
+TEST_P(SkinnyGemmTest, PortableLoopsEqualADoubleReference) {
+  Check(GetParam(), false, detail::SkinnyLinearPortable);
+  Check(GetParam(), true, detail::SkinnyLinearPortable);
+}
 
 INSTANTIATE_TEST_SUITE_P(Shapes, SkinnyGemmTest,
                          ::testing::Values(Shape{1, 8, 3, 0, 3}, Shape{2, 13, 7, 1, 6}, Shape{3, 1, 5, 0, 5},

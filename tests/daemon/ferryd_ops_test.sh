@@ -74,12 +74,16 @@ LAST_LINE_STEP=$(tail -1 "$RUN/metrics.jsonl" | sed 's/.*"step":\([0-9]*\).*/\1/
 [ -f "$RUN/checkpoint-$LAST_LINE_STEP/adapter_model.safetensors" ] || fail "SIGTERM left no checkpoint of step $LAST_LINE_STEP"
 
 echo "== 3. crash-resume under SIGKILL ($KILLS kills)"
-# CRASH_STEPS steps, killed after 0.3-1.2 s of each life (startup included), until KILLS kills.
-# Enough steps that the run outlives KILLS lives: 40 did not once steps took 0.06 s (17 kills),
-# nor 100 once they took 0.05 s (15 kills).
+# CRASH_STEPS steps, each life killed at a random time until KILLS kills. The lives are scaled to
+# this machine's speed (fixed 0.3-1.2 s lives let the run finish first on faster machines: 40, 100
+# and then 250 steps each fell short once steps got faster): each lasts 0.1-1.0 x the uninterrupted
+# run's wall time / KILLS, start-up included, so KILLS lives cover about half of that run.
 CRASH_STEPS=250
 sed -e "s/^max_steps = .*/max_steps = $CRASH_STEPS/" "$WORK/grpo.toml" > "$WORK/crash.toml"
+T0=$(date +%s.%N)
 "$FERRYD" train --config "$WORK/crash.toml" --dir "$WORK/clean" 2>/dev/null || fail "the uninterrupted run"
+LIFE=$(awk -v a="$T0" -v b="$(date +%s.%N)" -v k="$KILLS" 'BEGIN { print (b - a) / k }')
+echo "   lives of up to ${LIFE}s"
 RUN="$WORK/killed"
 kills=0
 attempts=0
@@ -89,7 +93,7 @@ while :; do
   "$FERRYD" train --config "$WORK/crash.toml" --dir "$RUN" 2>>"$WORK/killed.log" &
   PID=$!
   if [ "$kills" -lt "$KILLS" ]; then
-    sleep "$(awk -v r=$RANDOM 'BEGIN { printf "%.3f", 0.3 + 0.9 * r / 32767 }')"
+    sleep "$(awk -v r=$RANDOM -v l="$LIFE" 'BEGIN { printf "%.3f", l * (0.1 + 0.9 * r / 32767) }')"
     if kill -9 "$PID" 2>/dev/null; then
       wait "$PID" 2>/dev/null || true
       kills=$((kills + 1))

@@ -4,12 +4,18 @@
 
 namespace ferry::kernels {
 
-bool SkinnyLinearFast() {
-  static const bool fast = __builtin_cpu_supports("avx2") != 0 && __builtin_cpu_supports("fma") != 0;
-  return fast;
+namespace detail {
+
+bool HasAvx2Fma() {
+  static const bool has = __builtin_cpu_supports("avx2") != 0 && __builtin_cpu_supports("fma") != 0;
+  return has;
 }
 
-namespace detail {
+// libgcc's check includes the OS saving the 512-bit state (XCR0).
+bool HasAvx512() {
+  static const bool has = __builtin_cpu_supports("avx512f") != 0;
+  return has;
+}
 
 void SkinnyLinearPortable(const float* x, int64_t m, int64_t k_dim, const float* w, const float* bias, float* y,
                           int64_t ldy, int64_t j0, int64_t j1) {
@@ -23,9 +29,18 @@ void SkinnyLinearPortable(const float* x, int64_t m, int64_t k_dim, const float*
 
 }  // namespace detail
 
+bool SkinnyLinearFast() { return detail::HasAvx512() || detail::HasAvx2Fma(); }
+
+int64_t SkinnyLinearRowsThatPay() {
+  if (detail::HasAvx512()) return 32;
+  return detail::HasAvx2Fma() ? 8 : 0;
+}
+
 void SkinnyLinear(const float* x, int64_t m, int64_t k_dim, const float* w, const float* bias, float* y, int64_t ldy,
                   int64_t j0, int64_t j1) {
-  if (SkinnyLinearFast()) {
+  if (detail::HasAvx512()) {
+    detail::SkinnyLinearAvx512(x, m, k_dim, w, bias, y, ldy, j0, j1);
+  } else if (detail::HasAvx2Fma()) {
     detail::SkinnyLinearAvx2(x, m, k_dim, w, bias, y, ldy, j0, j1);
   } else {
     detail::SkinnyLinearPortable(x, m, k_dim, w, bias, y, ldy, j0, j1);

@@ -23,10 +23,10 @@ struct Shape {
 
 using Impl = void (*)(const float*, int64_t, int64_t, const float*, const float*, float*, int64_t, int64_t, int64_t);
 
-// Rows m = 1..9 (the 4-row tiles and every remainder), k with and without an 8-lane tail,
-// column ranges that start and end off the 3-row weight tiles, and a wider ldy; each through
-// SkinnyLinear (what callers get) and through the portable loops (what a CPU without AVX2 +
-// FMA gets; SkinnyLinear on this one may be the AVX2 copy).
+// Rows m = 1..9 (the 4-row tiles and every remainder), k with and without an 8- or 16-lane
+// tail, column ranges that start and end off the 3- and 6-row weight tiles, and a wider ldy;
+// each through SkinnyLinear (what callers get) and through every copy this CPU can run: the
+// portable loops always, the AVX2 and AVX-512 copies where the CPU has them.
 class SkinnyGemmTest : public ::testing::TestWithParam<Shape> {};
 
 void Check(const Shape& s, bool with_bias, Impl impl) {
@@ -54,11 +54,22 @@ TEST_P(SkinnyGemmTest, PortableLoopsEqualADoubleReference) {
   Check(GetParam(), false, detail::SkinnyLinearPortable);
   Check(GetParam(), true, detail::SkinnyLinearPortable);
 }
+TEST_P(SkinnyGemmTest, Avx2CopyEqualsADoubleReference) {
+  if (!detail::HasAvx2Fma()) GTEST_SKIP() << "this CPU has no AVX2 + FMA";
+  Check(GetParam(), false, detail::SkinnyLinearAvx2);
+  Check(GetParam(), true, detail::SkinnyLinearAvx2);
+}
+TEST_P(SkinnyGemmTest, Avx512CopyEqualsADoubleReference) {
+  if (!detail::HasAvx512()) GTEST_SKIP() << "this CPU has no AVX-512";
+  Check(GetParam(), false, detail::SkinnyLinearAvx512);
+  Check(GetParam(), true, detail::SkinnyLinearAvx512);
+}
 
 INSTANTIATE_TEST_SUITE_P(Shapes, SkinnyGemmTest,
                          ::testing::Values(Shape{1, 8, 3, 0, 3}, Shape{2, 13, 7, 1, 6}, Shape{3, 1, 5, 0, 5},
                                            Shape{4, 64, 9, 2, 9}, Shape{5, 40, 10, 0, 10}, Shape{6, 7, 4, 1, 3},
-                                           Shape{7, 130, 11, 0, 11}, Shape{8, 896, 8, 3, 8}, Shape{9, 33, 6, 0, 6}));
+                                           Shape{7, 130, 11, 0, 11}, Shape{8, 896, 8, 3, 8}, Shape{9, 33, 6, 0, 6},
+                                           Shape{4, 47, 20, 1, 19}, Shape{5, 16, 13, 0, 13}, Shape{2, 900, 7, 0, 7}));
 
 // The result of a row does not depend on the other rows or on the column split (a fixed
 // order of sums): what lets callers split the columns across threads and batch rows freely.
@@ -74,6 +85,20 @@ TEST(SkinnyGemm, RowsAndSplitsDoNotChangeTheResult) {
     SkinnyLinear(x.data() + i * k, 1, k, w.data(), nullptr, one.data(), n, 0, n);
     for (int64_t j = 0; j < n; ++j) EXPECT_EQ(one[j], whole[i * n + j]) << "row " << i << " column " << j;
   }
+}
+
+// Each copy rounds in its own order, so SkinnyLinear's result names the copy it ran.
+TEST(SkinnyGemm, SkinnyLinearRunsTheWidestCopyThisCpuHas) {
+  const int64_t m = 5, k = 301, n = 17;
+  const auto x = Random(m * k, 8), w = Random(n * k, 9);
+  std::vector<float> got(m * n), want(m * n);
+  SkinnyLinear(x.data(), m, k, w.data(), nullptr, got.data(), n, 0, n);
+  Impl widest = detail::HasAvx512()    ? detail::SkinnyLinearAvx512
+                : detail::HasAvx2Fma() ? detail::SkinnyLinearAvx2
+                                       : detail::SkinnyLinearPortable;
+  widest(x.data(), m, k, w.data(), nullptr, want.data(), n, 0, n);
+  EXPECT_EQ(got, want);
+  EXPECT_EQ(SkinnyLinearFast(), detail::HasAvx512() || detail::HasAvx2Fma());
 }
 
 TEST(SkinnyGemm, AnEmptyColumnRangeWritesNothing) {

@@ -1,10 +1,12 @@
 // ferryd's generator on one model: prefill and decode throughput and peak memory, one line of
-// JSON per run. bench/generate_compare.sh runs it side by side with transformers' generate
+// JSON per run. bench/generate_compare.py runs it side by side with transformers' generate
 // (bench/hf_generate_peer.py) on the same model, threads and shapes, and prints the ratios.
 //
 // Usage: ferry_bench_generate --model DIR [--batch 16] [--prompt-len 128] [--new-tokens 128]
-//          [--threads 2] [--dtype f32|bf16|model] [--device cpu|cuda] [--seed 1] [--skinny-rows 8]
+//          [--threads 2] [--dtype f32|bf16|model] [--device cpu|cuda] [--seed 1] [--skinny-rows N]
+//          [--small-attention N]
 // --skinny-rows: ModelOptions::skinny_linear_rows (0: every linear layer on the BLAS).
+// --small-attention: ModelOptions::small_attention_product (0: every attention product on bmm).
 // Prompts are random token ids (seeded); EOS is ignored so every row decodes exactly
 // --new-tokens tokens; decoding is greedy. kv_cache_bytes: the generator's cache for the run
 // (keys and values of every layer for batch x (prompt + new) positions in the compute dtype);
@@ -53,7 +55,7 @@ int Usage() {
   std::fprintf(stderr,
                "usage: ferry_bench_generate --model DIR [--batch 16] [--prompt-len 128] [--new-tokens 128]\n"
                "                            [--threads 2] [--dtype f32|bf16|model] [--device cpu|cuda] [--seed 1]\n"
-               "                            [--skinny-rows 8]\n");
+               "                            [--skinny-rows N] [--small-attention N]\n");
   return 2;
 }
 
@@ -64,6 +66,7 @@ int main(int argc, char** argv) {
   int64_t batch = 16, prompt_len = 128, new_tokens = 128, threads = 2;
   uint64_t seed = 1;
   int64_t skinny_rows = ferry::runtime::ModelOptions().skinny_linear_rows;
+  int64_t small_attention = ferry::runtime::ModelOptions().small_attention_product;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     auto next = [&]() -> std::string { return i + 1 < argc ? argv[++i] : ""; };
@@ -76,6 +79,7 @@ int main(int argc, char** argv) {
     else if (a == "--device") device = next();
     else if (a == "--seed") seed = std::strtoull(next().c_str(), nullptr, 10);
     else if (a == "--skinny-rows") skinny_rows = std::atoll(next().c_str());
+    else if (a == "--small-attention") small_attention = std::atoll(next().c_str());
     else return Usage();
   }
   if (model_dir.empty() || batch < 1 || prompt_len < 1 || new_tokens < 1) return Usage();
@@ -90,6 +94,7 @@ int main(int argc, char** argv) {
   if (dtype == "f32") opts.dtype = at::kFloat;
   if (dtype == "bf16") opts.dtype = at::kBFloat16;
   opts.skinny_linear_rows = skinny_rows;
+  opts.small_attention_product = small_attention;
   {
     // Start LibTorch's CPU side (BLAS, thread pool) before the baseline.
     at::Tensor w = at::ones({64, 64});

@@ -1,12 +1,12 @@
 #include "daemon/runtime/fused_ops.h"
 
-#include <ATen/Parallel.h>
 #include <ATen/core/grad_mode.h>
 #include <torch/csrc/autograd/custom_function.h>
 
 #include <algorithm>
 #include <vector>
 
+#include "daemon/runtime/parallel.h"
 #include "kernels/rms_norm.h"
 #include "kernels/rope.h"
 #include "kernels/skinny_gemm.h"
@@ -201,6 +201,43 @@ at::Tensor Rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
   return x * cos + SwapHalves(x) * sin_signed;
 }
 
+namespace {
+
+// y = x W^T + bias over the kernels/skinny_gemm.h loops, split across the intra-op threads by
+// output column. x [rows, k] F32 contiguous; W [n, k] and bias [n] (or undefined) contiguous.
+at::Tensor SkinnyProduct(const at::Tensor& x2, const at::Tensor& w, const at::Tensor& bias) {
+  const int64_t rows = x2.size(0), k = x2.size(1), n = w.size(0);
+  at::Tensor y = at::empty({rows, n}, x2.options());
+  const float* xp = x2.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  const float* bp = bias.defined() ? bias.data_ptr<float>() : nullptr;
+  float* yp = y.data_ptr<float>();
+  // Weight rows per task: about 64 KB of weight, so that a small layer is not split finer than it pays.
+  const int64_t grain = std::max<int64_t>(1, (int64_t{16} << 10) / k);
+  at::parallel_for(0, n, grain,
+                   [&](int64_t j0, int64_t j1) { kernels::SkinnyLinear(xp, rows, k, wp, bp, yp, n, j0, j1); });
+  return y;
+}
+
+// The few-row product as an autograd node for an x that requires grad (a frozen W and bias):
+// dx = dy W through the BLAS.
+class SkinnyLinearFunction : public torch::autograd::Function<SkinnyLinearFunction> {
+ public:
+  // The bias by pointer: an undefined tensor cannot be an input of a custom function's apply.
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x2, const at::Tensor& w,
+                            const at::Tensor* bias) {
+    ctx->saved_data["w"] = w;
+    return SkinnyProduct(x2, w, *bias);
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const at::Tensor w = ctx->saved_data["w"].toTensor();
+    return {grads[0].mm(w), at::Tensor(), at::Tensor()};
+  }
+};
+
+}  // namespace
+
 at::Tensor SkinnyLinearOrUndefined(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, int64_t max_rows) {
   if (max_rows < 1 || !kernels::SkinnyLinearFast() || x.dim() < 1 || x.size(-1) < 1) return {};
   const int64_t k = x.size(-1), rows = x.numel() / k;
@@ -210,23 +247,13 @@ at::Tensor SkinnyLinearOrUndefined(const at::Tensor& x, const at::Tensor& w, con
   if (bias.defined() && (!plain(bias) || bias.dim() != 1 || bias.size(0) != w.size(0) || !bias.is_contiguous())) {
     return {};
   }
-  if (at::GradMode::is_enabled() &&
-      (x.requires_grad() || w.requires_grad() || (bias.defined() && bias.requires_grad()))) {
-    return {};
-  }
+  const bool grad = at::GradMode::is_enabled();
+  if (grad && (w.requires_grad() || (bias.defined() && bias.requires_grad()))) return {};
   const at::Tensor x2 = x.reshape({rows, k}).contiguous();
-  const int64_t n = w.size(0);
-  at::Tensor y = at::empty({rows, n}, x.options());
-  const float* xp = x2.data_ptr<float>();
-  const float* wp = w.data_ptr<float>();
-  const float* bp = bias.defined() ? bias.data_ptr<float>() : nullptr;
-  float* yp = y.data_ptr<float>();
-  // Weight rows per task: about 64 KB of weight, so that a small layer is not split finer than it pays.
-  const int64_t grain = std::max<int64_t>(1, (int64_t{16} << 10) / k);
-  at::parallel_for(0, n, grain,
-                   [&](int64_t j0, int64_t j1) { kernels::SkinnyLinear(xp, rows, k, wp, bp, yp, n, j0, j1); });
+  const at::Tensor y =
+      grad && x.requires_grad() ? SkinnyLinearFunction::apply(x2, w, &bias) : SkinnyProduct(x2, w, bias);
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-  shape.back() = n;
+  shape.back() = w.size(0);
   return y.view(shape);
 }
 

@@ -14,12 +14,12 @@ namespace ferry::runtime {
 at::Tensor LoraLinear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, const at::Tensor& a,
                       const at::Tensor& b, double scaling);
 
-// x W^T + bias without autograd, for F32 CPU tensors whose x has at most `max_rows` rows (x
-// [..., in], W [out, in] contiguous, bias [out] or undefined): the kernels/skinny_gemm.h loops
-// across the intra-op threads, which read each weight row once where a BLAS packs the whole
-// weight first. Returns an undefined tensor when the inputs do not qualify (another dtype or
-// device, more rows, a tensor that requires grad with grad mode on, no AVX2 + FMA): the caller
-// then runs at::linear.
+// x W^T + bias for F32 CPU tensors whose x has at most `max_rows` rows (x [..., in], W [out, in]
+// contiguous, bias [out] or undefined): the kernels/skinny_gemm.h loops across the intra-op
+// threads, which read each weight row once where a BLAS packs the whole weight first. An x that
+// requires grad gets it (dx = dy W); W and bias must be frozen. Returns an undefined tensor when
+// the inputs do not qualify (another dtype or device, more rows, a W or bias that requires grad
+// with grad mode on, no AVX-512 or AVX2 + FMA): the caller then runs at::linear.
 at::Tensor SkinnyLinearOrUndefined(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, int64_t max_rows);
 
 // transformers' LlamaRMSNorm: weight * (x * rsqrt(mean(x^2, -1) + eps)) in float, cast back to

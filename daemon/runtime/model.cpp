@@ -1,6 +1,5 @@
 #include "daemon/runtime/model.h"
 
-#include <ATen/Parallel.h>
 #include <ATen/core/grad_mode.h>
 #include <torch/csrc/autograd/custom_function.h>
 
@@ -12,6 +11,7 @@
 #include "convert/bnb4.h"
 #include "daemon/runtime/activation_checkpoint.h"
 #include "daemon/runtime/fused_ops.h"
+#include "daemon/runtime/parallel.h"
 #include "daemon/runtime/torch_util.h"
 #include "kernels/small_products.h"
 
@@ -431,22 +431,26 @@ std::vector<at::Tensor> CausalLM::tensors() const {
 // ---- forward -------------------------------------------------------------------------------
 
 at::Tensor CausalLM::Apply(const Linear& l, const at::Tensor& x, const LoraModule* lora, bool training) const {
-  if (lora && !l.quant && !(training && lora->dropout > 0) && x.scalar_type() == l.weight.scalar_type() &&
-      lora->a.scalar_type() == x.scalar_type() && lora->b.scalar_type() == x.scalar_type() &&
-      (!l.bias.defined() || l.bias.scalar_type() == x.scalar_type())) {
+  // A few rows take the few-row kernel (kernels/skinny_gemm.h) for the frozen base product,
+  // with or without an adapter and autograd: the adapter's delta is then added below, so the
+  // base product rounds the same whether an adapter is bound or not (a fresh adapter, B = 0,
+  // leaves the output bit for bit the base model's, as the reference policy needs).
+  at::Tensor y;
+  if (!l.quant) y = SkinnyLinearOrUndefined(x, l.weight, l.bias, skinny_linear_rows_);
+  if (!y.defined() && lora && !l.quant && !(training && lora->dropout > 0) &&
+      x.scalar_type() == l.weight.scalar_type() && lora->a.scalar_type() == x.scalar_type() &&
+      lora->b.scalar_type() == x.scalar_type() && (!l.bias.defined() || l.bias.scalar_type() == x.scalar_type())) {
     return LoraLinear(x, l.weight, l.bias, lora->a, lora->b, lora->scaling);
   }
-  at::Tensor y;
-  if (l.quant) {
+  if (!y.defined() && l.quant) {
     // bitsandbytes Linear4bit: input and bias in the compute dtype, the weight dequantised to
     // it, the product cast back to the input's dtype.
     at::ScalarType compute = at::kFloat;
     if (config_.quantization) compute = TorchDType(config_.quantization->compute_dtype).value();
     at::Tensor w = l.quant->Dequantize(compute);
     y = at::linear(x.to(compute), w, l.bias.defined() ? l.bias.to(compute) : at::Tensor()).to(x.scalar_type());
-  } else {
-    y = lora ? at::Tensor() : SkinnyLinearOrUndefined(x, l.weight, l.bias, skinny_linear_rows_);
-    if (!y.defined()) y = at::linear(x, l.weight, l.bias);
+  } else if (!y.defined()) {
+    y = at::linear(x, l.weight, l.bias);
   }
   if (lora) {
     // PEFT: result = result + lora_B(lora_A(dropout(x))) * scaling, with x cast to the

@@ -40,6 +40,7 @@
 #include "core/status.h"
 #include "daemon/runtime/model_config.h"
 #include "daemon/runtime/quant4.h"
+#include "kernels/skinny_gemm.h"
 
 namespace ferry::runtime {
 
@@ -117,11 +118,12 @@ struct ModelOptions {
   // decoding). 0: always bmm.
   // Default: 4096.
   int64_t small_attention_product = 4096;
-  // Linear layers over at most this many rows (tokens) without autograd, F32 on a CPU with
-  // AVX2 + FMA, run as kernels/skinny_gemm.h loops instead of a BLAS GEMM (decoding a few
-  // sequences: the BLAS packs the whole weight for a handful of rows). 0: always the BLAS.
-  // Default: 8.
-  int64_t skinny_linear_rows = 8;
+  // Linear layers over at most this many rows (tokens) with a frozen F32 weight, on a CPU with
+  // AVX-512 or AVX2 + FMA, run as kernels/skinny_gemm.h loops instead of a BLAS GEMM (decoding a
+  // few sequences: the BLAS packs the whole weight for a handful of rows); an adapter's delta is
+  // added to their result. 0: always the BLAS.
+  // Default: as many as pay on this CPU (32 with AVX-512, 8 with AVX2, 0 otherwise).
+  int64_t skinny_linear_rows = kernels::SkinnyLinearRowsThatPay();
 };
 
 // One forward's inputs. Positions are RoPE positions; `attention_mask` says which key slots are
@@ -197,7 +199,7 @@ class CausalLM {
   at::ScalarType dtype_ = at::kFloat;
   int64_t attention_chunk_ = 1024;
   int64_t small_attention_product_ = 4096;
-  int64_t skinny_linear_rows_ = 8;
+  int64_t skinny_linear_rows_ = 0;
   bool fused_ = false;
   std::shared_ptr<const void> keep_alive_;
   Checkpoint weights_;  // keeps the mapped files open

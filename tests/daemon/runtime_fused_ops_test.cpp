@@ -1,6 +1,7 @@
 // daemon/runtime/fused_ops.h against the LibTorch compositions they replace, their gradients
 // from LibTorch's own autograd: the LoRA linear in double (the same products, so nearly exact)
-// and in float, RMSNorm against transformers' formula computed in double.
+// and in float, RMSNorm against transformers' formula computed in double, the few-row linear
+// against at::linear in double.
 #include <gtest/gtest.h>
 
 #include <ATen/ATen.h>
@@ -9,6 +10,7 @@
 #include <vector>
 
 #include "daemon/runtime/fused_ops.h"
+#include "kernels/skinny_gemm.h"
 
 namespace ferry::runtime {
 namespace {
@@ -80,6 +82,37 @@ INSTANTIATE_TEST_SUITE_P(Cases, LoraLinearTest,
 at::Tensor RmsNormReference(const at::Tensor& x, const at::Tensor& w, double eps) {
   const at::Tensor h = x.to(at::kDouble);
   return w.to(at::kDouble) * (h * at::rsqrt(h.pow(2).mean(-1, true) + eps));
+}
+
+// The few-row product (kernels/skinny_gemm.h) as a node: its output and x's gradient against
+// at::linear's in double, with and without bias; the same bits with and without autograd; a W
+// that takes gradients, too many rows or another dtype leave it to the caller.
+TEST(SkinnyLinearTest, OutputAndInputGradientEqualTheLinearOfLibTorch) {
+  if (!kernels::SkinnyLinearFast()) GTEST_SKIP() << "no AVX-512 or AVX2 + FMA on this CPU";
+  at::manual_seed(4);
+  for (bool with_bias : {false, true}) {
+    const at::Tensor x0 = at::randn({2, 3, 37}), w = at::randn({29, 37}), dy = at::randn({2, 3, 29});
+    const at::Tensor bias = with_bias ? at::randn({29}) : at::Tensor();
+    at::Tensor xd = x0.to(at::kDouble).requires_grad_(true);
+    const at::Tensor want = at::linear(xd, w.to(at::kDouble), with_bias ? bias.to(at::kDouble) : at::Tensor());
+    (want * dy.to(at::kDouble)).sum().backward();
+    at::Tensor x = x0.clone().requires_grad_(true);
+    const at::Tensor y = SkinnyLinearOrUndefined(x, w, bias, 8);
+    ASSERT_TRUE(y.defined());
+    ASSERT_TRUE(y.requires_grad());
+    EXPECT_EQ(y.sizes(), (at::IntArrayRef{2, 3, 29}));
+    (y * dy).sum().backward();
+    EXPECT_LT(MaxRelError(y.detach(), want.detach()), 1e-6) << "bias " << with_bias;
+    EXPECT_LT(MaxRelError(x.grad(), xd.grad()), 1e-6) << "bias " << with_bias;
+    at::NoGradGuard no_grad;
+    EXPECT_TRUE(at::equal(SkinnyLinearOrUndefined(x0, w, bias, 8), y.detach()));
+  }
+  const at::Tensor x = at::randn({9, 16}), w = at::randn({5, 16});
+  EXPECT_FALSE(SkinnyLinearOrUndefined(x, w, at::Tensor(), 8).defined()) << "9 rows, at most 8";
+  EXPECT_TRUE(SkinnyLinearOrUndefined(x, w, at::Tensor(), 9).defined());
+  EXPECT_FALSE(SkinnyLinearOrUndefined(x.to(at::kDouble), w.to(at::kDouble), at::Tensor(), 9).defined());
+  const at::Tensor trained = w.clone().requires_grad_(true);
+  EXPECT_FALSE(SkinnyLinearOrUndefined(x, trained, at::Tensor(), 9).defined()) << "a W that takes gradients";
 }
 
 TEST(RmsNormTest, OutputAndInputGradientEqualTheFormula) {

@@ -217,14 +217,15 @@ ferry::Status WriteAdapter(const Flags& f) {
   return ferry::WriteFileAtomic(f.adapter / "adapter_config.json", config.dump(2) + "\n");
 }
 
+// The usage on stderr with exit status 2 after an error, on stdout with 0 for --help.
 [[noreturn]] void Usage(const char* argv0, const std::string& error) {
   if (!error.empty()) std::fprintf(stderr, "%s: %s\n", argv0, error.c_str());
-  std::fprintf(stderr,
+  std::fprintf(error.empty() ? stdout : stderr,
                "usage: %s --base DIR --adapter DIR [--hidden 2048] [--intermediate 5632] [--layers 22]\n"
                "          [--vocab 32000] [--heads 32] [--kv-heads 4] [--rank 16] [--alpha 32]\n"
                "          [--max-shard-bytes 1000000000] [--seed 1]\n",
                argv0);
-  std::exit(2);
+  std::exit(error.empty() ? 0 : 2);
 }
 
 bool ParsePositive(std::string_view text, int64_t* out) {
@@ -242,6 +243,7 @@ int main(int argc, char** argv) {
   Flags f;
   for (int i = 1; i < argc; ++i) {
     const std::string_view flag = argv[i];
+    if (flag == "--help" || flag == "-h") Usage(argv[0], "");
     if (i + 1 >= argc) Usage(argv[0], "flag " + std::string(flag) + " needs a value");
     const std::string_view value = argv[++i];
     int64_t n = 0;

@@ -1,9 +1,9 @@
-// Argument checks and the LibTorch error edge shared by the GRPO maths files (not a public API).
+// Argument checks shared by the GRPO maths files (not a public API); their LibTorch error edge is
+// runtime::GuardTorch (daemon/runtime/torch_util.h).
 #pragma once
 
 #include <ATen/ATen.h>
 
-#include <exception>
 #include <string>
 #include <string_view>
 
@@ -28,18 +28,5 @@ std::string SizesString(at::IntArrayRef sizes);
 
 // The mask as TRL holds it: int64 0/1 (any nonzero value counts as 1).
 at::Tensor LongMask(const at::Tensor& mask);
-
-// Runs `fn` (returning Result<T> or Status) and turns an exception thrown inside LibTorch into
-// kInternal "<what>: <first line of the message>".
-template <typename Fn>
-auto Guarded(std::string_view what, Fn&& fn) -> decltype(fn()) {
-  try {
-    return fn();
-  } catch (const std::exception& e) {
-    std::string msg = e.what();
-    if (auto nl = msg.find('\n'); nl != std::string::npos) msg.resize(nl);
-    return Status::Internal(std::string(what) + ": " + msg);
-  }
-}
 
 }  // namespace ferry::grpo::internal

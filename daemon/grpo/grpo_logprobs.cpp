@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "daemon/grpo/grpo_internal.h"
+#include "daemon/runtime/torch_util.h"
 
 namespace ferry::grpo {
 namespace {
@@ -18,7 +19,6 @@ using internal::CheckDefined;
 using internal::CheckDevice;
 using internal::CheckFloating;
 using internal::CheckSizes;
-using internal::Guarded;
 using internal::LongMask;
 using internal::SizesString;
 using torch::autograd::AutogradContext;
@@ -48,7 +48,7 @@ Status CheckTokens(std::string_view what, const at::Tensor& token_ids, const at:
     FERRY_RETURN_IF_ERROR(CheckSizes(what, mask, "mask", {b, t}));
     FERRY_RETURN_IF_ERROR(CheckDevice(what, mask, "mask", device));
   }
-  return Guarded(what, [&]() -> Status {
+  return runtime::GuardTorch(what, [&]() -> Status {
     at::Tensor bad = at::logical_or(token_ids < 0, token_ids >= vocab);
     if (mask.defined()) bad = at::logical_and(bad, at::ne(mask, 0));
     if (!bad.any().item<bool>()) return Status::OK();
@@ -211,7 +211,7 @@ Result<TokenLogProbs> TokenLogProbsFromLogits(const at::Tensor& logits, const at
   const int64_t t = logits.size(1);
   const int64_t vocab = logits.size(2);
   FERRY_RETURN_IF_ERROR(CheckTokens(kWhat, token_ids, mask, b, t, vocab, logits.device()));
-  return Guarded(kWhat, [&]() -> Result<TokenLogProbs> {
+  return runtime::GuardTorch(kWhat, [&]() -> Result<TokenLogProbs> {
     // trainer/utils.py selective_log_softmax_and_entropy, then selective_log_softmax and
     // entropy_from_logits (the paths taken without a Triton-capable device).
     const at::Tensor long_mask = mask.defined() ? LongMask(mask) : at::Tensor();
@@ -274,7 +274,7 @@ Result<TokenLogProbs> TokenLogProbsFromHidden(const at::Tensor& hidden, const at
                                    std::to_string(options.token_chunk) + " and " + std::to_string(options.vocab_chunk));
   }
   FERRY_RETURN_IF_ERROR(CheckTokens(kWhat, token_ids, mask, b, t, vocab, device));
-  return Guarded(kWhat, [&]() -> Result<TokenLogProbs> {
+  return runtime::GuardTorch(kWhat, [&]() -> Result<TokenLogProbs> {
     // trainer/utils.py add_fused_lm_head's forward (the non-compact path) around
     // kernels/chunked_logprob.py ChunkedLogProbFunction.
     const at::Tensor long_mask = mask.defined() ? LongMask(mask) : at::Tensor();

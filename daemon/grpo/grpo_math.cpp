@@ -11,6 +11,7 @@
 #include <utility>
 
 #include "daemon/grpo/grpo_internal.h"
+#include "daemon/runtime/torch_util.h"
 
 namespace ferry::grpo {
 
@@ -58,7 +59,6 @@ using internal::CheckDefined;
 using internal::CheckDevice;
 using internal::CheckFloating;
 using internal::CheckSizes;
-using internal::Guarded;
 using internal::LongMask;
 using internal::SizesString;
 
@@ -181,7 +181,7 @@ Result<Advantages> ComputeAdvantages(const at::Tensor& rewards_per_func, const A
     return Status::InvalidArgument(std::string(kWhat) + ": " + std::to_string(options.reward_names.size()) +
                                    " reward_names for " + std::to_string(f) + " reward functions");
   }
-  return Guarded(kWhat, [&]() -> Result<Advantages> {
+  return runtime::GuardTorch(kWhat, [&]() -> Result<Advantages> {
     at::NoGradGuard no_grad;
     const at::Tensor& rpf = rewards_per_func;
     std::vector<float> w(static_cast<size_t>(f), 1.0f);
@@ -250,7 +250,7 @@ Result<MismatchCorrection> ComputeMismatchCorrection(const at::Tensor& old_per_t
     return Status::InvalidArgument(std::string(kWhat) + ": clip_min (" + std::to_string(*options.clip_min) +
                                    ") must be less than clip_max (" + std::to_string(*options.clip_max) + ")");
   }
-  return Guarded(kWhat, [&]() -> Result<MismatchCorrection> {
+  return runtime::GuardTorch(kWhat, [&]() -> Result<MismatchCorrection> {
     at::NoGradGuard no_grad;
     const at::Tensor& old = old_per_token_logps;
     const at::Tensor& sampling = sampling_per_token_logps;
@@ -355,7 +355,7 @@ Result<Loss> ComputeLoss(const LossInputs& in, const LossOptions& options) {
                                    std::to_string(in.num_items_in_batch));
   }
 
-  return Guarded(kWhat, [&]() -> Result<Loss> {
+  return runtime::GuardTorch(kWhat, [&]() -> Result<Loss> {
     // grpo_trainer.py, GRPOTrainer._compute_loss.
     const at::Tensor mask = LongMask(in.completion_mask);
     const at::Tensor advantages = in.advantages.dim() == 1 ? in.advantages.unsqueeze(1) : in.advantages;

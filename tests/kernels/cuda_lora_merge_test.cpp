@@ -18,9 +18,12 @@
 #include "kernels/cuda/lora_merge.cuh"
 #include "kernels/dequant_4bit.h"
 #include "kernels/lora_merge.h"
+#include "tests/kernels/random_floats.h"
 
 namespace ferry::kernels {
 namespace {
+
+using ferry::testing::RandomFloats;
 
 class CudaLoraMerge : public ::testing::Test {
  protected:
@@ -47,14 +50,6 @@ std::vector<T> FromDevice(const T* p, size_t n) {
   return v;
 }
 
-std::vector<float> Random(size_t n, uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
-  std::vector<float> v(n);
-  for (auto& x : v) x = dist(rng);
-  return v;
-}
-
 void ExpectSame(const std::vector<float>& gpu, const std::vector<float>& cpu, const char* what) {
   ASSERT_EQ(gpu.size(), cpu.size());
   for (size_t i = 0; i < gpu.size(); ++i) {
@@ -73,9 +68,9 @@ TEST_F(CudaLoraMerge, MergeMatchesCpuReference) {
   uint32_t seed = 1;
   for (const Case& c : {Case{1, 1, 1}, Case{33, 97, 16}, Case{256, 4096, 64}, Case{1000, 77, 33}, Case{5, 5, 0}}) {
     for (Variant v : {Variant::kLinear, Variant::kFanInFanOut, Variant::kEmbedding}) {
-      const auto A = Random(c.r * c.in, seed++);
-      const auto B = Random(c.out * c.r, seed++);
-      const auto W0 = Random(c.out * c.in, seed++);
+      const auto A = RandomFloats(c.r * c.in, seed++);
+      const auto B = RandomFloats(c.out * c.r, seed++);
+      const auto W0 = RandomFloats(c.out * c.in, seed++);
       auto cpu = W0;
       float* dA = ToDevice(A);
       float* dB = ToDevice(B);
@@ -127,7 +122,7 @@ TEST_F(CudaLoraMerge, Dequant4bitMatchesCpuBitForBit) {
       std::vector<uint8_t> packed(Packed4bitBytes(n));
       for (auto& b : packed) b = static_cast<uint8_t>(rng());
       const int64_t nblocks = Num4bitBlocks(n, bs);
-      const auto absmax = Random(nblocks, static_cast<uint32_t>(n + bs));
+      const auto absmax = RandomFloats(nblocks, static_cast<uint32_t>(n + bs));
       const std::vector<float> code(kNf4Code, kNf4Code + 16);
       std::vector<float> cpu(n);
       ASSERT_EQ(Dequantize4bit(packed.data(), n, absmax.data(), bs, code.data(), cpu.data()), Dequant4bitStatus::kOk);
@@ -152,8 +147,8 @@ TEST_F(CudaLoraMerge, NestedAbsmaxMatchesCpuBitForBit) {
   std::mt19937 rng(9);
   std::vector<uint8_t> q(nblocks);
   for (auto& b : q) b = static_cast<uint8_t>(rng());
-  const auto nested_code = Random(256, 10);
-  const auto nested_absmax = Random((nblocks + nbs - 1) / nbs, 11);
+  const auto nested_code = RandomFloats(256, 10);
+  const auto nested_absmax = RandomFloats((nblocks + nbs - 1) / nbs, 11);
   std::vector<float> cpu(nblocks);
   ASSERT_EQ(
       DequantizeAbsmaxNested(q.data(), nblocks, nested_code.data(), nested_absmax.data(), nbs, 0.0508f, cpu.data()),

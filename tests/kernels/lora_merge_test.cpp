@@ -2,6 +2,7 @@
 #include "kernels/lora_merge.h"
 
 #include "kernels/cast.h"
+#include "tests/kernels/random_floats.h"
 
 #include <gtest/gtest.h>
 
@@ -16,13 +17,7 @@
 namespace ferry::kernels {
 namespace {
 
-std::vector<float> Random(size_t n, uint32_t seed, float lo = -1.0f, float hi = 1.0f) {
-  std::mt19937 rng(seed);
-  std::uniform_real_distribution<float> dist(lo, hi);
-  std::vector<float> v(n);
-  for (auto& x : v) x = dist(rng);
-  return v;
-}
+using ferry::testing::RandomFloats;
 
 uint32_t Bits(float f) {
   uint32_t u;
@@ -101,9 +96,9 @@ TEST(LoraMerge, HandComputedEmbedding) {
 TEST(LoraMerge, LinearMatchesDoubleReference) {
   uint32_t seed = 1;
   for (const Shape& sh : kShapes) {
-    const auto A = Random(sh.r * sh.in, seed++);
-    const auto B = Random(sh.out * sh.r, seed++);
-    const auto W0 = Random(sh.out * sh.in, seed++, -2.0f, 2.0f);
+    const auto A = RandomFloats(sh.r * sh.in, seed++);
+    const auto B = RandomFloats(sh.out * sh.r, seed++);
+    const auto W0 = RandomFloats(sh.out * sh.in, seed++, -2.0f, 2.0f);
     const float s = 1.75f;
     auto W = W0;
     LoraDeltaAccumulate(A.data(), B.data(), sh.out, sh.in, sh.r, s, W.data());
@@ -121,9 +116,9 @@ TEST(LoraMerge, LinearMatchesDoubleReference) {
 TEST(LoraMerge, FanInFanOutMatchesDoubleReference) {
   uint32_t seed = 100;
   for (const Shape& sh : kShapes) {
-    const auto A = Random(sh.r * sh.in, seed++);
-    const auto B = Random(sh.out * sh.r, seed++);
-    const auto W0 = Random(sh.in * sh.out, seed++, -2.0f, 2.0f);  // [in, out]
+    const auto A = RandomFloats(sh.r * sh.in, seed++);
+    const auto B = RandomFloats(sh.out * sh.r, seed++);
+    const auto W0 = RandomFloats(sh.in * sh.out, seed++, -2.0f, 2.0f);  // [in, out]
     const float s = -0.5f;
     auto W = W0;
     LoraDeltaAccumulateFanInFanOut(A.data(), B.data(), sh.out, sh.in, sh.r, s, W.data());
@@ -140,9 +135,9 @@ TEST(LoraMerge, FanInFanOutMatchesDoubleReference) {
 
 TEST(LoraMerge, EmbeddingMatchesDoubleReference) {
   const int64_t num_embeddings = 301, dim = 37, r = 8;
-  const auto A = Random(r * num_embeddings, 7);     // lora_embedding_A [r, num_embeddings]
-  const auto B = Random(dim * r, 8);                // lora_embedding_B [dim, r]
-  const auto W0 = Random(num_embeddings * dim, 9);  // [num_embeddings, dim]
+  const auto A = RandomFloats(r * num_embeddings, 7);     // lora_embedding_A [r, num_embeddings]
+  const auto B = RandomFloats(dim * r, 8);                // lora_embedding_B [dim, r]
+  const auto W0 = RandomFloats(num_embeddings * dim, 9);  // [num_embeddings, dim]
   const float s = 2.0f;
   auto W = W0;
   LoraEmbeddingDeltaAccumulate(A.data(), B.data(), num_embeddings, dim, r, s, W.data());
@@ -165,9 +160,9 @@ TEST(LoraMerge, EmbeddingMatchesDoubleReference) {
 // (volatile temporaries so the compiler cannot contract into FMA).
 TEST(LoraMerge, FollowsDocumentedRoundingSequence) {
   for (const Shape& sh : {Shape{33, 97, 16}, Shape{5, 200, 64}, Shape{9, 70, 1}}) {
-    const auto A = Random(sh.r * sh.in, 21, -3.0f, 3.0f);
-    const auto B = Random(sh.out * sh.r, 22, -3.0f, 3.0f);
-    const auto W0 = Random(sh.out * sh.in, 23);
+    const auto A = RandomFloats(sh.r * sh.in, 21, -3.0f, 3.0f);
+    const auto B = RandomFloats(sh.out * sh.r, 22, -3.0f, 3.0f);
+    const auto W0 = RandomFloats(sh.out * sh.in, 23);
     const float s = 0.3f;
     auto want = W0;
     for (int64_t o = 0; o < sh.out; ++o) {
@@ -201,9 +196,9 @@ TEST(LoraMerge, FollowsDocumentedRoundingSequence) {
 TEST(LoraMerge, ThreadedEqualsSingleThreadBitForBit) {
   // 301 * 997 * 16 multiply-adds: enough work for several threads.
   const int64_t out = 301, in = 997, r = 16;
-  const auto A = Random(r * in, 31);
-  const auto B = Random(out * r, 32);
-  const auto W0 = Random(out * in, 33);
+  const auto A = RandomFloats(r * in, 31);
+  const auto B = RandomFloats(out * r, 32);
+  const auto W0 = RandomFloats(out * in, 33);
   auto single = W0;
   LoraDeltaAccumulate(A.data(), B.data(), out, in, r, 1.25f, single.data(), 1);
   for (int threads : {2, 3, 4, 7, 64}) {
@@ -255,8 +250,8 @@ TEST(Dora, ZeroRowStaysZero) {
 
 TEST(Dora, MatchesDoubleReferenceBothLayouts) {
   for (const Shape& sh : {Shape{17, 33, 0}, Shape{1, 500, 0}, Shape{64, 7, 0}}) {
-    const auto W0 = Random(sh.out * sh.in, 41, -2.0f, 2.0f);  // [out, in]
-    const auto m = Random(sh.out, 42, 0.1f, 3.0f);
+    const auto W0 = RandomFloats(sh.out * sh.in, 41, -2.0f, 2.0f);  // [out, in]
+    const auto m = RandomFloats(sh.out, 42, 0.1f, 3.0f);
     auto W = W0;
     DoraApply(W.data(), m.data(), sh.out, sh.in, false);
     std::vector<float> Wt(W0.size());

@@ -1,21 +1,15 @@
 #include "kernels/skinny_gemm.h"
+#include "tests/kernels/random_floats.h"
 
 #include <gtest/gtest.h>
 
 #include <cmath>
-#include <random>
 #include <vector>
 
 namespace ferry::kernels {
 namespace {
 
-std::vector<float> Random(size_t n, uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
-  std::vector<float> v(n);
-  for (float& x : v) x = u(rng);
-  return v;
-}
+using ferry::testing::RandomFloats;
 
 struct Shape {
   int64_t m, k, n, j0, j1;
@@ -31,7 +25,7 @@ class SkinnyGemmTest : public ::testing::TestWithParam<Shape> {};
 
 void Check(const Shape& s, bool with_bias, Impl impl) {
   const int64_t ldy = s.n + 3;
-  const auto x = Random(s.m * s.k, 1), w = Random(s.n * s.k, 2), bias = Random(s.n, 3);
+  const auto x = RandomFloats(s.m * s.k, 1), w = RandomFloats(s.n * s.k, 2), bias = RandomFloats(s.n, 3);
   std::vector<float> y(s.m * ldy, -7.0f);
   impl(x.data(), s.m, s.k, w.data(), with_bias ? bias.data() : nullptr, y.data(), ldy, s.j0, s.j1);
   for (int64_t i = 0; i < s.m; ++i) {
@@ -75,7 +69,7 @@ INSTANTIATE_TEST_SUITE_P(Shapes, SkinnyGemmTest,
 // order of sums): what lets callers split the columns across threads and batch rows freely.
 TEST(SkinnyGemm, RowsAndSplitsDoNotChangeTheResult) {
   const int64_t m = 6, k = 77, n = 13;
-  const auto x = Random(m * k, 4), w = Random(n * k, 5);
+  const auto x = RandomFloats(m * k, 4), w = RandomFloats(n * k, 5);
   std::vector<float> whole(m * n), split(m * n), one(n);
   SkinnyLinear(x.data(), m, k, w.data(), nullptr, whole.data(), n, 0, n);
   SkinnyLinear(x.data(), m, k, w.data(), nullptr, split.data(), n, 0, 5);
@@ -90,7 +84,7 @@ TEST(SkinnyGemm, RowsAndSplitsDoNotChangeTheResult) {
 // Each copy rounds in its own order, so SkinnyLinear's result names the copy it ran.
 TEST(SkinnyGemm, SkinnyLinearRunsTheWidestCopyThisCpuHas) {
   const int64_t m = 5, k = 301, n = 17;
-  const auto x = Random(m * k, 8), w = Random(n * k, 9);
+  const auto x = RandomFloats(m * k, 8), w = RandomFloats(n * k, 9);
   std::vector<float> got(m * n), want(m * n);
   SkinnyLinear(x.data(), m, k, w.data(), nullptr, got.data(), n, 0, n);
   Impl widest = detail::HasAvx512()    ? detail::SkinnyLinearAvx512
@@ -102,7 +96,7 @@ TEST(SkinnyGemm, SkinnyLinearRunsTheWidestCopyThisCpuHas) {
 }
 
 TEST(SkinnyGemm, AnEmptyColumnRangeWritesNothing) {
-  const auto x = Random(8, 6), w = Random(16, 7);
+  const auto x = RandomFloats(8, 6), w = RandomFloats(16, 7);
   std::vector<float> y(2, -7.0f);
   SkinnyLinear(x.data(), 1, 8, w.data(), nullptr, y.data(), 2, 1, 1);
   EXPECT_EQ(y, std::vector<float>(2, -7.0f));

@@ -1,28 +1,22 @@
 #include "kernels/small_products.h"
+#include "tests/kernels/random_floats.h"
 
 #include <gtest/gtest.h>
 
 #include <cmath>
-#include <random>
 #include <vector>
 
 namespace ferry::kernels {
 namespace {
 
-std::vector<float> Random(size_t n, uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
-  std::vector<float> v(n);
-  for (float& x : v) x = u(rng);
-  return v;
-}
+using ferry::testing::RandomFloats;
 
 // D = 13 and 40: the 8-lane loop with and without a remainder; items [1, 3) of 4 only.
 class SmallProductsTest : public ::testing::TestWithParam<int64_t> {};
 
 TEST_P(SmallProductsTest, DotsEqualADoubleReference) {
   const int64_t Z = 4, I = 3, J = 5, D = GetParam();
-  const auto x = Random(Z * I * D, 1), y = Random(Z * J * D, 2);
+  const auto x = RandomFloats(Z * I * D, 1), y = RandomFloats(Z * J * D, 2);
   std::vector<float> out(Z * I * J, -7.0f);
   SmallDots(x.data(), y.data(), out.data(), 1, 3, I, J, D);
   for (int64_t z = 0; z < Z; ++z) {
@@ -43,7 +37,7 @@ TEST_P(SmallProductsTest, DotsEqualADoubleReference) {
 
 TEST_P(SmallProductsTest, CombineEqualsADoubleReferencePlainAndTransposed) {
   const int64_t Z = 4, I = 3, J = 5, D = GetParam();
-  const auto w = Random(Z * I * J, 3), y = Random(Z * J * D, 4);
+  const auto w = RandomFloats(Z * I * J, 3), y = RandomFloats(Z * J * D, 4);
   for (bool transposed : {false, true}) {
     std::vector<float> out(Z * I * D, -7.0f);
     SmallCombine(w.data(), transposed, y.data(), out.data(), 1, 3, I, J, D);

@@ -134,6 +134,7 @@ int main(int argc, char** argv) {
   }
   if (rows < 1 || prompt_len < 1 || completion_len < 1 || threads < 1 || reps < 1) return Usage();
   ferry::runtime::SetTorchThreads(static_cast<int>(threads));
+  ferry::runtime::KeepFreedTensorMemory();
 
   Case cases[2];
   for (int k = 0; k < 2; ++k) {

@@ -89,6 +89,7 @@ int main(int argc, char** argv) {
     return 1;
   }
   ferry::runtime::SetTorchThreads(static_cast<int>(threads));
+  ferry::runtime::KeepFreedTensorMemory();
   ferry::runtime::ModelOptions opts;
   opts.device = device == "cuda" ? at::Device(at::kCUDA) : at::Device(at::kCPU);
   if (dtype == "f32") opts.dtype = at::kFloat;

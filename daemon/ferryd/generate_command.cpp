@@ -166,6 +166,7 @@ Result<std::vector<Prompt>> ReadPrompts(const GenerateFlags& f, const text::Toke
 
 Status RunGenerate(const GenerateFlags& f) {
   const int threads = runtime::SetTorchThreads(f.threads);
+  runtime::KeepFreedTensorMemory();
   const runtime::BlasInfo blas = runtime::LoadedBlas();
   if (blas.reference) {
     std::fprintf(

@@ -156,6 +156,7 @@ Result<std::unique_ptr<Trainer>> Trainer::Create(const TrainOptions& options) {
   FERRY_RETURN_IF_ERROR(Configure(*s));
 
   runtime::SetTorchThreads(static_cast<int>(run::ResolvedThreads(c)));
+  runtime::KeepFreedTensorMemory();
   if (const runtime::BlasInfo blas = runtime::LoadedBlas(); blas.reference) {
     say("warning: LibTorch runs on the reference BLAS (" + blas.library +
         "), ~15x slower; install libopenblas0-openmp");

@@ -2,6 +2,7 @@
 
 #include <ATen/Parallel.h>
 #include <dlfcn.h>
+#include <malloc.h>
 
 #include <memory>
 #include <thread>
@@ -81,6 +82,12 @@ int SetTorchThreads(int threads) {
   if (auto set_dynamic = reinterpret_cast<SetDynamic>(::dlsym(RTLD_DEFAULT, "omp_set_dynamic"))) set_dynamic(0);
   at::set_num_threads(threads);
   return threads;
+}
+
+void KeepFreedTensorMemory() {
+  constexpr int kThreshold = 1 << 30;
+  ::mallopt(M_MMAP_THRESHOLD, kThreshold);
+  ::mallopt(M_TRIM_THRESHOLD, kThreshold);
 }
 
 std::optional<bool> OpenMpDynamic() {

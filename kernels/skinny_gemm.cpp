@@ -32,7 +32,7 @@ void SkinnyLinearPortable(const float* x, int64_t m, int64_t k_dim, const float*
 bool SkinnyLinearFast() { return detail::HasAvx512() || detail::HasAvx2Fma(); }
 
 int64_t SkinnyLinearRowsThatPay() {
-  if (detail::HasAvx512()) return 32;
+  if (detail::HasAvx512()) return 64;
   return detail::HasAvx2Fma() ? 8 : 0;
 }
 

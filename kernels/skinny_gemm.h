@@ -4,9 +4,12 @@
 // once, straight from its storage, and keep it in L1 while every row of x meets it.
 // Figures against OpenBLAS's sgemm: docs/daemon.md, "Generation speed against transformers".
 //
-// Sums run over k in vector lanes with FMA and are added up in a fixed order: the result does not
-// depend on the thread split or on m, but it rounds differently from a BLAS (a few ulps), and
-// the AVX-512 and AVX2 copies round differently from each other.
+// Sums run in a fixed order, so the result does not depend on the thread split, but it rounds
+// differently from a BLAS (a few ulps), and the copies round differently from each other:
+// - below 12 rows (and in the AVX2 and portable copies at any m), over k in vector lanes with
+//   FMA, the lanes added up at the end: a row's result does not depend on m;
+// - from 12 rows on in the AVX-512 copy, one FMA per k in order for each output (the rows sit
+//   in the lanes): a row's result is the same for every m >= 12.
 #pragma once
 
 #include <cstdint>
@@ -18,8 +21,8 @@ namespace ferry::kernels {
 bool SkinnyLinearFast();
 
 // Up to how many rows of x SkinnyLinear is faster than a BLAS GEMM on this CPU (measured against
-// OpenBLAS on a [4864, 896] weight read from memory): 32 with AVX-512 (level at 64), 8 with AVX2 +
-// FMA (level at 16), 0 with neither.
+// OpenBLAS on a [4864, 896] weight read from memory, bench/skinny_bench.cpp): 64 with AVX-512
+// (1.3x there, level at 128), 8 with AVX2 + FMA (level at 16), 0 with neither.
 int64_t SkinnyLinearRowsThatPay();
 
 // y[i * ldy + j] = sum_k x[i * k_dim + k] * w[j * k_dim + k] (+ bias[j]) for i in [0, m) and

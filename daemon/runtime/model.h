@@ -122,7 +122,7 @@ struct ModelOptions {
   // AVX-512 or AVX2 + FMA, run as kernels/skinny_gemm.h loops instead of a BLAS GEMM (decoding a
   // few sequences: the BLAS packs the whole weight for a handful of rows); an adapter's delta is
   // added to their result. 0: always the BLAS.
-  // Default: as many as pay on this CPU (32 with AVX-512, 8 with AVX2, 0 otherwise).
+  // Default: as many as pay on this CPU (64 with AVX-512, 8 with AVX2, 0 otherwise).
   int64_t skinny_linear_rows = kernels::SkinnyLinearRowsThatPay();
 };
 

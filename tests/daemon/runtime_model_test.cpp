@@ -101,15 +101,21 @@ TEST(RuntimeModel, KvCacheDecodingEqualsTheFullForwardOver2048PositionsF32) {
   EXPECT_GT((full - cached).abs().sum().item<double>(), 0.0);
 }
 
-// Without autograd the MLP forms silu(gate) * up in place (less memory at a prefill's peak): the
-// logits must be bit-identical to the autograd forward's, in F32 and BF16.
+// Without autograd the MLP forms silu(gate) * up in place (less memory at a prefill's peak) and
+// the attention's BLAS products are split across threads by item: the logits must be
+// bit-identical to the autograd forward's, in F32 and BF16, with the attention on the small
+// products' loops or all on the BLAS.
 TEST(RuntimeModel, ForwardWithoutAutogradEqualsTheAutogradForwardExactly) {
-  for (const at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
+  const int threads = at::get_num_threads();
+  at::set_num_threads(2);
+  for (const auto& [dtype, small] : {std::pair{at::kFloat, int64_t{4096}}, std::pair{at::kFloat, int64_t{0}},
+                                     std::pair{at::kBFloat16, int64_t{4096}}}) {
     ScopedTempDir dir;
     TinyModelSpec spec;
     spec.model_type = "qwen2";
     ModelOptions opts;
     opts.dtype = dtype;
+    opts.small_attention_product = small;
     auto m = LoadTiny(dir, spec, opts);
     ASSERT_NE(m, nullptr);
     at::manual_seed(11);
@@ -123,8 +129,10 @@ TEST(RuntimeModel, ForwardWithoutAutogradEqualsTheAutogradForwardExactly) {
     auto without = m->Forward(a);
     ASSERT_TRUE(without.ok()) << without.status().ToString();
     EXPECT_TRUE(at::equal(*with_grad, *without))
-        << c10::toString(dtype) << ": max |diff| " << (*with_grad - *without).abs().max().item<double>();
+        << c10::toString(dtype) << ", small products up to " << small << ": max |diff| "
+        << (*with_grad - *without).abs().max().item<double>();
   }
+  at::set_num_threads(threads);
 }
 
 // Decoding a few rows without autograd runs the linear layers as kernels/skinny_gemm.h loops

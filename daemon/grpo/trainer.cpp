@@ -235,7 +235,13 @@ Result<std::unique_ptr<Trainer>> Trainer::Create(const TrainOptions& options) {
                                         s->channel.get(), static_cast<int>(run::ResolvedThreads(c)));
   ColocatedGeneratorOptions go;
   go.model.device = device;
-  if (c.bf16) go.model.dtype = at::kBFloat16;
+  switch (c.generation_dtype) {
+    case run::GenerationDtype::kAuto:  // the trainer's, as mopts above
+      if (c.bf16) go.model.dtype = at::kBFloat16;
+      break;
+    case run::GenerationDtype::kFloat32: go.model.dtype = at::kFloat; break;
+    case run::GenerationDtype::kBFloat16: go.model.dtype = at::kBFloat16; break;
+  }
   go.generator.max_batch = std::max<int64_t>(c.generation_batch_size, 1);
   s->generator = std::make_unique<ColocatedGenerator>(s->channel.get(), go);
 

@@ -153,6 +153,21 @@ Status ParseDevice(Parse& p, const toml::node& v) {
   return p.rd.Error("must be \"cpu\", \"cuda\" or \"cuda:N\" (got " + Reader::Show(s) + ")");
 }
 
+Status ParseGenerationDtype(Parse& p, const toml::node& v) {
+  FERRY_ASSIGN_OR_RETURN(std::string s, p.rd.String(v));
+  for (GenerationDtype d : {GenerationDtype::kAuto, GenerationDtype::kFloat32, GenerationDtype::kBFloat16}) {
+    if (s == GenerationDtypeName(d)) {
+      p.c.generation_dtype = d;
+      return Status::OK();
+    }
+  }
+  if (s == "float16" || s == "half") {
+    return p.rd.Unsupported("\"" + s + "\" is a vLLM dtype ferryd's generator does not run (it has \"auto\", " +
+                            "\"float32\" or \"bfloat16\")");
+  }
+  return p.rd.Error("must be \"auto\", \"float32\" or \"bfloat16\" (got " + Reader::Show(s) + ")");
+}
+
 Status ParseChatTemplate(Parse& p, const toml::node& v) {
   FERRY_ASSIGN_OR_RETURN(std::string s, p.rd.String(v));
   for (ChatTemplate t : {ChatTemplate::kAuto, ChatTemplate::kNone, ChatTemplate::kChatML, ChatTemplate::kLlama3}) {
@@ -252,6 +267,7 @@ const std::map<std::string, Handler, std::less<>>& TopHandlers() {
       {"threads", [](Parse& p, const toml::node& v) { return Into(p.rd.Int(v, 0, kMaxThreads), p.c.threads); }},
       {"device", ParseDevice},
       {"chat_template", ParseChatTemplate},
+      {"generation_dtype", ParseGenerationDtype},
       {"store",
        [](Parse& p, const toml::node& v) {
          p.store = &v;
@@ -666,6 +682,15 @@ std::string_view ChatTemplateName(ChatTemplate t) {
     case ChatTemplate::kNone: return "none";
     case ChatTemplate::kChatML: return "chatml";
     case ChatTemplate::kLlama3: return "llama3";
+  }
+  return "?";
+}
+
+std::string_view GenerationDtypeName(GenerationDtype d) {
+  switch (d) {
+    case GenerationDtype::kAuto: return "auto";
+    case GenerationDtype::kFloat32: return "float32";
+    case GenerationDtype::kBFloat16: return "bfloat16";
   }
   return "?";
 }

@@ -80,6 +80,17 @@ enum class ChatTemplate {
 // "auto" | "none" | "chatml" | "llama3".
 std::string_view ChatTemplateName(ChatTemplate t);
 
+// The dtype the co-located generator computes in (vLLM's `dtype`): the trainer's own, or another, as
+// when vLLM samples in BF16 for a trainer in F32. The snapshot the generator receives is the same either
+// way (the merge in the base's dtype); the generator casts its copy.
+enum class GenerationDtype {
+  kAuto,      // the trainer's: BF16 with bf16 = true, else the weights' own
+  kFloat32,   // F32
+  kBFloat16,  // BF16
+};
+// "auto" | "float32" | "bfloat16".
+std::string_view GenerationDtypeName(GenerationDtype d);
+
 // The answer answer_match and digit_match look for when a reward sets no pattern: the last
 // number in the completion (an optional minus sign, digits with optional thousands commas,
 // an optional decimal part). RE2 syntax; no capture groups.
@@ -194,6 +205,7 @@ struct RunConfig {
   int64_t threads = 0;                               // LibTorch intra-op threads; 0: hardware threads. Default: 0
   std::string device = "cpu";                        // "cpu", "cuda" or "cuda:N". Default: "cpu"
   ChatTemplate chat_template = ChatTemplate::kAuto;  // Default: "auto"
+  GenerationDtype generation_dtype = GenerationDtype::kAuto;  // Default: "auto"
   StoreSettings store;
   PublishSettings publish;
   ControlSettings control;

@@ -117,6 +117,7 @@ OJson ConfigJson(const RunConfig& c) {
   j["threads"] = c.threads;
   j["device"] = c.device;
   j["chat_template"] = std::string(ChatTemplateName(c.chat_template));
+  j["generation_dtype"] = std::string(GenerationDtypeName(c.generation_dtype));
   j["store"] = {{"path", PathJson(c.store.path)}, {"run", c.store.run}};
 
   j["learning_rate"] = c.learning_rate;
@@ -181,7 +182,11 @@ constexpr auto kReplace = nlohmann::json::error_handler_t::replace;
 std::string RunConfig::ToJson() const { return ConfigJson(*this).dump(2, ' ', false, kReplace) + "\n"; }
 
 std::string RunConfig::Fingerprint() const {
-  const std::string text = ConfigJson(*this).dump(-1, ' ', false, kReplace);
+  OJson j = ConfigJson(*this);
+  // Keys added after runs were made count only when set away from their default, so a run made
+  // before them still resumes (its checkpoints hold the fingerprint without them).
+  if (generation_dtype == GenerationDtype::kAuto) j.erase("generation_dtype");
+  const std::string text = j.dump(-1, ' ', false, kReplace);
   const kernels::Hash128 h = kernels::Xxh3_128(text.data(), text.size());
   static const char* hex = "0123456789abcdef";
   std::string out(32, '0');

@@ -248,8 +248,11 @@ at::Tensor ExpectedRatio(const at::Tensor& old, const at::Tensor& sampling, cons
   return truncate ? ratio.clamp_max(cap) : ratio.masked_fill(ratio > cap, 0.0);
 }
 
-TEST(GrpoProofsTest, A4096TokenContextShowsTheGapAndTheCorrectionChangesTheLossAsTrlSays) {
-  TempDir tmp;
+constexpr int64_t kContext = 4096, kCompletion = 32, kPrompt = kContext - kCompletion;
+
+// A run whose one generation (1 prompt x 2 completions of 32 tokens) fills 4,096 positions, on a
+// 1-layer model; `config` adds its keys to the shared ones.
+RunFiles MakeLongContextRun(const fs::path& root, const std::string& config) {
   testing::TinyModelSpec spec;
   spec.hidden = 32;
   spec.intermediate = 64;
@@ -258,27 +261,31 @@ TEST(GrpoProofsTest, A4096TokenContextShowsTheGapAndTheCorrectionChangesTheLossA
   spec.layers = 1;
   spec.max_positions = 4096;
   spec.std = 0.1;
-  constexpr int64_t kContext = 4096, kCompletion = 32, kPrompt = kContext - kCompletion;
   std::vector<std::string> prompts;
-  for (int i = 0; i < 2; ++i) {  // one generation of 1 prompt x 2 completions
+  for (int i = 0; i < 2; ++i) {
     std::string p;
     for (int64_t t = 0; t < kPrompt; ++t) p += static_cast<char>('0' + (t * (3 + 2 * i) + i) % 10);
     prompts.push_back(p);
   }
-  // The generator decodes through its KV cache, the trainer runs whole sequences: their fp32
-  // log-probs differ in the last bits. The correction per token, masked above a cap of 1, so
-  // it is active on the tokens where the trainer's log-prob is the higher.
-  RunFiles r = MakeRun(tmp.path(), spec, prompts, R"(bf16 = false
-max_steps = 2
+  return MakeRun(root, spec, prompts, R"(max_steps = 2
 save_steps = 100
 per_device_train_batch_size = 1
 steps_per_generation = 2
 num_generations = 2
 max_completion_length = 32
+)" + config,
+                 RewardScript(0, ""));
+}
+
+TEST(GrpoProofsTest, A4096TokenContextShowsTheGapAndTheCorrectionChangesTheLossAsTrlSays) {
+  TempDir tmp;
+  // The generator decodes through its KV cache, the trainer runs whole sequences: their fp32
+  // log-probs differ in the last bits. The correction per token, masked above a cap of 1, so
+  // it is active on the tokens where the trainer's log-prob is the higher.
+  RunFiles r = MakeLongContextRun(tmp.path(), R"(bf16 = false
 vllm_importance_sampling_mode = "token_mask"
 vllm_importance_sampling_clip_max = 1.0
-)",
-                       RewardScript(0, ""));
+)");
   auto trainer = Trainer::Create(Options(r.config, 2));
   ASSERT_TRUE(trainer.ok()) << trainer.status().ToString();
   const Trainer::State& s = *(*trainer)->state_for_testing();
@@ -374,6 +381,50 @@ vllm_importance_sampling_clip_max = 1.0
               loss_with, loss_without);
   EXPECT_NEAR(step2->metrics.at("loss"), loss_with, 1e-6 * std::max(1.0, std::abs(loss_with)));
   EXPECT_GT(std::abs(loss_with - loss_without), 1e-4 * std::max(1e-3, std::abs(loss_without)));
+}
+
+// vLLM's usual case: the generator samples in BF16 (generation_dtype) for a trainer in F32. At
+// 4,096 positions the gap is that of BF16 rounding, thousands of times the F32 one above, the
+// metrics report it, and the correction (per token, truncated at 1) caps the ratio as TRL does.
+TEST(GrpoProofsTest, ABf16GeneratorForAnF32TrainerShowsItsGapAt4096Tokens) {
+  TempDir tmp;
+  RunFiles r = MakeLongContextRun(tmp.path(), R"(bf16 = false
+generation_dtype = "bfloat16"
+vllm_importance_sampling_mode = "token_truncate"
+vllm_importance_sampling_clip_max = 1.0
+)");
+  auto trainer = Trainer::Create(Options(r.config, 1));
+  ASSERT_TRUE(trainer.ok()) << trainer.status().ToString();
+  const Trainer::State& s = *(*trainer)->state_for_testing();
+  EXPECT_EQ(s.model->dtype(), at::kFloat);
+  ASSERT_NE(s.generator->model(), nullptr);
+  EXPECT_EQ(s.generator->model()->dtype(), at::kBFloat16);
+  auto step1 = (*trainer)->Step();
+  ASSERT_TRUE(step1.ok()) << step1.status().ToString();
+  ASSERT_TRUE(s.buffer.has_value());
+  const Rollout& ro = *s.buffer;
+  EXPECT_EQ(ro.prompt_ids.size(1) + ro.completion_ids.size(1), kContext);
+  const at::Tensor old = ro.old_logps, sampling = ro.sampling_logps, mask = ro.completion_mask;
+  ASSERT_TRUE(old.defined() && sampling.defined());
+  EXPECT_EQ(old.scalar_type(), at::kFloat);
+  const at::Tensor gap = (old.to(at::kDouble) - sampling.to(at::kDouble)).abs() * mask;
+  const double gap_mean = gap.sum().item<double>() / static_cast<double>(mask.sum().item<int64_t>());
+  const Metrics& m = step1->metrics;
+  std::printf(
+      "4096-token context, BF16 generator, F32 trainer: |old - sampling| mean %.6g max %.6g; ratio min %.6g "
+      "mean %.6g max %.6g\n",
+      m.at("sampling/sampling_logp_difference/mean"), m.at("sampling/sampling_logp_difference/max"),
+      m.at("sampling/importance_sampling_ratio/min"), m.at("sampling/importance_sampling_ratio/mean"),
+      m.at("sampling/importance_sampling_ratio/max"));
+  // BF16 keeps 8 bits of mantissa: a gap far above the F32 run's ~1e-7.
+  EXPECT_GT(gap_mean, 1e-4);
+  EXPECT_NEAR(m.at("sampling/sampling_logp_difference/mean"), gap_mean, 1e-6 * gap_mean);
+  EXPECT_NEAR(m.at("sampling/sampling_logp_difference/max"), gap.max().item<double>(), 1e-12);
+  // Truncated at 1: every ratio at most 1, some well below it, and exactly TRL's formula.
+  ASSERT_TRUE(ro.is_ratio.defined());
+  EXPECT_TRUE(at::equal(ro.is_ratio, ExpectedRatio(old, sampling, mask, false, true, 1.0)));
+  EXPECT_LE(m.at("sampling/importance_sampling_ratio/max"), 1.0);
+  EXPECT_LT(m.at("sampling/importance_sampling_ratio/min"), 1.0 - 1e-4);
 }
 
 // ---- the shared prompt forward ------------------------------------------------------------------

@@ -119,6 +119,7 @@ TEST(RunConfigTest, DefaultsAreTrls) {
   EXPECT_GE(ResolvedThreads(c), 1);
   EXPECT_EQ(c.device, "cpu");
   EXPECT_EQ(c.chat_template, ChatTemplate::kAuto);
+  EXPECT_EQ(c.generation_dtype, GenerationDtype::kAuto);
   EXPECT_EQ(c.store.path, std::filesystem::path("/cfg/trainer_output/store"));
   EXPECT_EQ(c.store.run, "default");
   ASSERT_EQ(c.rewards.size(), 1u);
@@ -316,6 +317,17 @@ TEST(RunConfigTest, BadValuesNameTheKey) {
   ExpectKeyError(Cfg("lr_scheduler_type = \"cosine_hard\""), StatusCode::kInvalidArgument, "lr_scheduler_type");
   ExpectKeyError(Cfg("lr_scheduler_type = \"polynomial\""), StatusCode::kUnsupported, "lr_scheduler_type",
                  "ferryd does not implement");
+}
+
+TEST(RunConfigTest, GenerationDtypeAsVllmNamesIt) {
+  EXPECT_EQ(MustParse(Cfg("generation_dtype = \"auto\"")).generation_dtype, GenerationDtype::kAuto);
+  EXPECT_EQ(MustParse(Cfg("generation_dtype = \"float32\"")).generation_dtype, GenerationDtype::kFloat32);
+  EXPECT_EQ(MustParse(Cfg("generation_dtype = \"bfloat16\"")).generation_dtype, GenerationDtype::kBFloat16);
+  ExpectKeyError(Cfg("generation_dtype = \"float16\""), StatusCode::kUnsupported, "generation_dtype", "does not run");
+  ExpectKeyError(Cfg("generation_dtype = \"fp32\""), StatusCode::kInvalidArgument, "generation_dtype",
+                 "\"auto\", \"float32\" or \"bfloat16\" (got \"fp32\")");
+  ExpectKeyError(Cfg("generation_dtype = 16"), StatusCode::kInvalidArgument, "generation_dtype");
+  EXPECT_EQ(Json::parse(MustParse(Cfg("generation_dtype = \"bfloat16\"")).ToJson()).at("generation_dtype"), "bfloat16");
 }
 
 TEST(RunConfigTest, DeviceNames) {
@@ -656,6 +668,7 @@ TEST(RunConfigTest, ToJsonHasEveryKey) {
                           "threads",
                           "device",
                           "chat_template",
+                          "generation_dtype",
                           "store",
                           "learning_rate",
                           "lr_scheduler_type",
@@ -723,10 +736,12 @@ TEST(RunConfigTest, FingerprintIsStableAndSeesEveryChange) {
       MustParse(Cfg("seed = 42\nlearning_rate = 1e-6\nepsilon_high = 0.2\nsteps_per_generation = 1")).Fingerprint(),
       fp);
   for (const char* change : {"seed = 43", "learning_rate = 2e-6", "top_k = 5", "output_dir = \"x\"",
-                             "max_prompt_length = 64", "bf16 = false"}) {
+                             "max_prompt_length = 64", "bf16 = false", "generation_dtype = \"bfloat16\""}) {
     EXPECT_NE(MustParse(Cfg(change)).Fingerprint(), fp) << change;
   }
   EXPECT_NE(MustParse(Cfg("", "[lora]\nr = 4\n")).Fingerprint(), fp);
+  // generation_dtype's default written out (the fingerprint leaves it out: runs made before the key still resume).
+  EXPECT_EQ(MustParse(Cfg("generation_dtype = \"auto\"")).Fingerprint(), fp);
   auto moved = ParseRunConfig(Cfg(), "/elsewhere/run.toml");
   ASSERT_TRUE(moved.ok());
   EXPECT_NE(moved->Fingerprint(), fp);  // paths are part of the resolved config

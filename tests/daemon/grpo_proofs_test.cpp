@@ -277,6 +277,14 @@ max_completion_length = 32
                  RewardScript(0, ""));
 }
 
+// One line with the step's generator/trainer gap metrics, for the log.
+void PrintGap(const char* what, const Metrics& m) {
+  std::printf("%s: |old - sampling| mean %.6g max %.6g; ratio min %.6g mean %.6g max %.6g\n", what,
+              m.at("sampling/sampling_logp_difference/mean"), m.at("sampling/sampling_logp_difference/max"),
+              m.at("sampling/importance_sampling_ratio/min"), m.at("sampling/importance_sampling_ratio/mean"),
+              m.at("sampling/importance_sampling_ratio/max"));
+}
+
 TEST(GrpoProofsTest, A4096TokenContextShowsTheGapAndTheCorrectionChangesTheLossAsTrlSays) {
   TempDir tmp;
   // The generator decodes through its KV cache, the trainer runs whole sequences: their fp32
@@ -313,10 +321,7 @@ vllm_importance_sampling_clip_max = 1.0
   ASSERT_TRUE(old.defined());
   const at::Tensor gap = (old.to(at::kDouble) - sampling.to(at::kDouble)).abs() * mask;
   const double gap_mean = gap.sum().item<double>() / static_cast<double>(mask.sum().item<int64_t>());
-  std::printf("4096-token context: |old - sampling| mean %.6g max %.6g; ratio min %.6g mean %.6g max %.6g\n",
-              m.at("sampling/sampling_logp_difference/mean"), m.at("sampling/sampling_logp_difference/max"),
-              m.at("sampling/importance_sampling_ratio/min"), m.at("sampling/importance_sampling_ratio/mean"),
-              m.at("sampling/importance_sampling_ratio/max"));
+  PrintGap("4096-token context", m);
   EXPECT_GT(m.at("sampling/sampling_logp_difference/mean"), 0.0);
   EXPECT_NEAR(m.at("sampling/sampling_logp_difference/mean"), gap_mean, 1e-6 * gap_mean);
   EXPECT_NEAR(m.at("sampling/sampling_logp_difference/max"), gap.max().item<double>(), 1e-12);
@@ -410,12 +415,7 @@ vllm_importance_sampling_clip_max = 1.0
   const at::Tensor gap = (old.to(at::kDouble) - sampling.to(at::kDouble)).abs() * mask;
   const double gap_mean = gap.sum().item<double>() / static_cast<double>(mask.sum().item<int64_t>());
   const Metrics& m = step1->metrics;
-  std::printf(
-      "4096-token context, BF16 generator, F32 trainer: |old - sampling| mean %.6g max %.6g; ratio min %.6g "
-      "mean %.6g max %.6g\n",
-      m.at("sampling/sampling_logp_difference/mean"), m.at("sampling/sampling_logp_difference/max"),
-      m.at("sampling/importance_sampling_ratio/min"), m.at("sampling/importance_sampling_ratio/mean"),
-      m.at("sampling/importance_sampling_ratio/max"));
+  PrintGap("4096-token context, BF16 generator, F32 trainer", m);
   // BF16 keeps 8 bits of mantissa: a gap far above the F32 run's ~1e-7.
   EXPECT_GT(gap_mean, 1e-4);
   EXPECT_NEAR(m.at("sampling/sampling_logp_difference/mean"), gap_mean, 1e-6 * gap_mean);

@@ -33,6 +33,9 @@ cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DFERRY_WERROR=ON
 cmake --build build -j "$JOBS"
 
 phase "tests"
+# ctest runs JOBS tests at once, and each LibTorch test would start an OpenMP thread per core:
+# on a 16-core machine (ctest -j16) two long tests then ran 30x slower and timed out.
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
 ctest --test-dir build --output-on-failure -j "$JOBS" --timeout 600
 
 phase "tests under ASan + UBSan (core, kernels, convert, the tokenizer and the run config parsers)"

@@ -125,7 +125,10 @@ RunLock::~RunLock() { Release(); }
 
 void RunLock::Release() {
   if (fd_ < 0) return;
-  (void)::ftruncate(fd_, 0);
+  // Best effort: a stale pid left behind is harmless (the next holder truncates it). A (void)
+  // cast does not silence glibc's warn_unused_result under GCC.
+  if (::ftruncate(fd_, 0) != 0) {
+  }
   ::close(fd_);  // releases the lock
   fd_ = -1;
 }

@@ -28,6 +28,7 @@
 
 #include "core/checkpoint.h"
 #include "daemon/grpo/grpo_math.h"
+#include "daemon/grpo/optimizer.h"
 #include "daemon/grpo/trainer.h"
 #include "daemon/grpo/trainer_internal.h"
 #include "daemon/runtime/model.h"
@@ -541,7 +542,7 @@ Observed Observe(const Trainer& t) {
   for (const at::Tensor& p : s.adapter->parameters()) {
     o.params.push_back(p.detach().clone());
     EXPECT_FALSE(p.grad().defined()) << "a gradient is left over (a step, failed or not, resets them to none)";
-    auto it = state.find(c10::guts::to_string(p.unsafeGetTensorImpl()));
+    auto it = state.find(grpo::StateKey(p));
     if (it == state.end()) continue;
     const auto& st = static_cast<const torch::optim::AdamWParamState&>(*it->second);
     o.optimizer.push_back(st.exp_avg().clone());

@@ -68,6 +68,9 @@ struct F32Rows {
   int64_t ld;
   FERRY_INLINE float LoadOne(int64_t i, int64_t j) const { return w[i * ld + j]; }
   FERRY_INLINE void StoreOne(int64_t i, int64_t j, float y) const { w[i * ld + j] = y; }
+  FERRY_INLINE void Prefetch(int64_t i, int64_t j, int64_t n) const {
+    for (int64_t b = 0; b < n * 4; b += 64) __builtin_prefetch(w + i * ld + j + b / 4, 1);
+  }
 };
 
 // BF16 rows in and out (round to nearest even, NaN kept quiet); a group is the even and the
@@ -85,6 +88,9 @@ struct Bf16Rows {
   FERRY_INLINE void StoreOne(int64_t i, int64_t j, float y) const {
     const uint16_t v = F32ToBF16(y);
     std::memcpy(dst + 2 * (i * ld + j), &v, 2);
+  }
+  FERRY_INLINE void Prefetch(int64_t i, int64_t j, int64_t n) const {
+    for (int64_t b = 0; b < n * 2; b += 64) __builtin_prefetch(src + 2 * (i * ld + j) + b);
   }
 };
 
@@ -177,12 +183,21 @@ FERRY_INLINE void Block(const Rows& rows, const UpdateJob& job, int64_t i0, int6
   }
 }
 
-// Columns [j0, j1) of R rows from i0: wide blocks, then single groups, then scalars.
+// Columns [j0, j1) of R rows from i0: wide blocks, then single groups, then scalars. While
+// a wide block runs, the base rows of the next block (rows [i0 + R, i0 + 2R) below
+// prefetch_end) at the same columns are prefetched: a block reads R short runs of one row
+// each, too short for the hardware prefetchers to start on a weight read from memory
+// (merging a 0.5B model's mapped BF16 weights on one thread: 0.40 s without, 0.30 s with).
 template <int N, int R, int V, class Rows>
-FERRY_INLINE void RowBlock(const Rows& rows, const UpdateJob& job, int64_t i0, int64_t j0, int64_t j1) {
+FERRY_INLINE void RowBlock(const Rows& rows, const UpdateJob& job, int64_t i0, int64_t j0, int64_t j1,
+                           int64_t prefetch_end) {
   constexpr int kGroupCols = Rows::kGroup * N;
+  const int ahead = static_cast<int>(std::clamp<int64_t>(prefetch_end - (i0 + R), 0, R));
   int64_t j = j0;
-  for (; j + V * N <= j1; j += V * N) Block<N, R, V>(rows, job, i0, j);
+  for (; j + V * N <= j1; j += V * N) {
+    for (int i = 0; i < ahead; ++i) rows.Prefetch(i0 + R + i, j, V * N);
+    Block<N, R, V>(rows, job, i0, j);
+  }
   for (; j + kGroupCols <= j1; j += kGroupCols) Block<N, R, Rows::kGroup>(rows, job, i0, j);
   for (; j < j1; ++j) {
     for (int i = 0; i < R; ++i) UpdateOne(rows, job, i0 + i, j);
@@ -197,8 +212,8 @@ FERRY_INLINE void UpdateRowsImpl(const Rows& rows, const UpdateJob& job, int64_t
   for (int64_t j0 = 0; j0 < job.ncols; j0 += tile) {
     const int64_t j1 = std::min(job.ncols, j0 + tile);
     int64_t i = row_begin;
-    for (; i + kBlockRows <= row_end; i += kBlockRows) RowBlock<N, kBlockRows, V>(rows, job, i, j0, j1);
-    for (; i < row_end; ++i) RowBlock<N, 1, V>(rows, job, i, j0, j1);
+    for (; i + kBlockRows <= row_end; i += kBlockRows) RowBlock<N, kBlockRows, V>(rows, job, i, j0, j1, row_end);
+    for (; i < row_end; ++i) RowBlock<N, 1, V>(rows, job, i, j0, j1, row_end);
   }
 }
 

@@ -14,13 +14,13 @@ namespace ferry::sync::activate_internal {
 // the merged version (sync/snapshot.h LazySnapshot: the converter's rules and arithmetic,
 // the fused 16-bit kernel on `threads` threads, config.json rewritten), and writes it into
 // the new directory `out`: one model.safetensors laid out from the merged tensors' specs and
-// the aux files. One tensor is merged while the previous one is hashed (store::TensorDigester)
-// and written by a second thread, so the bytes are hashed while they are in cache and never
-// read back. The manifest id of what was written must be `expected` (the publisher's merged
-// version); then the files are fsynced and `out` appears (renamed from a staging directory).
-// Errors (nothing is left at `out`): kCorruption naming both ids and the base when the id
-// differs; kFailedPrecondition naming the base when it cannot be read; the planner's errors
-// (an adapter that does not fit the base, e.g. kNotFound naming a tensor it lacks) with the
+// the aux files. Each tensor is merged and hashed (store::TensorDigester) while the one
+// before it is written by a second thread, so no byte is read back from the file. The
+// manifest id of what was written must be `expected` (the publisher's merged version); then
+// the files are fsynced and `out` appears (renamed from a staging directory). Errors (nothing
+// is left at `out`): kCorruption naming both ids and the base when the id differs;
+// kFailedPrecondition naming the base when it cannot be read; the planner's errors (an
+// adapter that does not fit the base, e.g. kNotFound naming a tensor it lacks) with the
 // received and base directories named; kIOError naming the file for local I/O.
 [[nodiscard]] Result<store::Digest> WriteMergedAdapter(const std::filesystem::path& received,
                                                        const std::filesystem::path& base_dir,

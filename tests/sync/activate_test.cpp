@@ -11,6 +11,8 @@
 #include <cmath>
 #include <cstring>
 #include <filesystem>
+#include <map>
+#include <random>
 #include <set>
 #include <string>
 #include <vector>
@@ -225,6 +227,76 @@ TEST(ActivateTest, SixteenBitAndShardedBasesProveThePublishersMergedId) {
     EXPECT_EQ(prepared->proven, std::optional<store::Digest>(converted));
     EXPECT_EQ(IdOf(out), converted);
     EXPECT_EQ(Entries(tmp.path()), (std::set<std::string>{"active", "converted", "received"}));
+  }
+}
+
+// Writes `tensors` as dir/model.safetensors.
+void WriteSafetensors(const fs::path& dir, const std::map<std::string, Tensor>& tensors) {
+  std::vector<TensorSpec> specs;
+  for (const auto& [name, x] : tensors) specs.push_back({name, x.dtype(), x.shape()});
+  auto w = SafetensorsWriter::CreateFile(dir / "model.safetensors", specs);
+  ASSERT_TRUE(w.ok()) << w.status().ToString();
+  for (const auto& [name, x] : tensors) ASSERT_TRUE((*w)->Write(name, x).ok());
+  ASSERT_TRUE((*w)->Finish().ok());
+}
+
+// The receiver merges a 16-bit weight a piece of rows at a time (about 1 MiB per merge thread),
+// hashing each piece while it is in cache. A weight of 70,000 rows takes three pieces on one
+// thread (the last one partial) and two on two; the result must still be the publisher's.
+TEST(ActivateTest, AWeightMergedInSeveralRowPiecesProvesThePublishersMergedId) {
+  constexpr int64_t kOut = 70000, kIn = 16, kRank = 4;
+  TempDir tmp;
+  std::mt19937 rng(7);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  auto random_tensor = [&](DType dtype, std::vector<int64_t> shape, float scale) {
+    Tensor t = Tensor::Empty(dtype, shape).value();
+    const int64_t n = t.numel();
+    for (int64_t i = 0; i < n; ++i) {
+      const float v = scale * normal(rng);
+      if (dtype == DType::kF32) {
+        t.mutable_data_as<float>()[i] = v;
+      } else {
+        uint32_t bits;
+        std::memcpy(&bits, &v, 4);
+        t.mutable_data_as<uint16_t>()[i] = static_cast<uint16_t>(bits >> 16);
+      }
+    }
+    return t;
+  };
+  const fs::path base = tmp.path() / "base", received = tmp.path() / "received";
+  fs::create_directories(base);
+  fs::create_directories(received);
+  const std::string weight = "model.layers.0.mlp.down_proj.weight";
+  std::map<std::string, Tensor> base_tensors{{weight, random_tensor(DType::kBF16, {kOut, kIn}, 0.05f)},
+                                             {"model.norm.weight", random_tensor(DType::kBF16, {kIn}, 1.0f)}};
+  WriteSafetensors(base, base_tensors);
+  const std::string prefix = "base_model.model.model.layers.0.mlp.down_proj.";
+  std::map<std::string, Tensor> adapter_tensors{
+      {prefix + "lora_A.weight", random_tensor(DType::kF32, {kRank, kIn}, 0.1f)},
+      {prefix + "lora_B.weight", random_tensor(DType::kF32, {kOut, kRank}, 0.1f)}};
+  WriteSafetensors(received, adapter_tensors);
+  fs::rename(received / "model.safetensors", received / "adapter_model.safetensors");
+  ASSERT_TRUE(WriteFileAtomic(received / "adapter_config.json",
+                              R"({"peft_type": "LORA", "r": 4, "lora_alpha": 12, "target_modules": ["down_proj"],)"
+                              R"( "use_rslora": true, "bias": "none"})")
+                  .ok());
+
+  SnapshotSource s;
+  s.tensors = base_tensors;
+  s.adapter_tensors = OwnedCopies(received);
+  s.adapter_config = LoadPeftConfig(received).value();
+  auto ref = BuildSnapshot(s, SnapshotOptions{});
+  ASSERT_TRUE(ref.ok()) << ref.status().ToString();
+  ASSERT_NE((*ref)->manifest_id(), IdOf(base)) << "the adapter changes the weight";
+  for (int threads : {1, 2}) {
+    SCOPED_TRACE(threads);
+    const fs::path out = tmp.path() / ("active" + std::to_string(threads));
+    ActivationPlan plan = AdapterPlan((*ref)->manifest_id(), base, Layout::kHf);
+    plan.threads = threads;
+    auto prepared = PrepareActivation(received, plan, out);
+    ASSERT_TRUE(prepared.ok()) << prepared.status().ToString();
+    EXPECT_EQ(prepared->proven, std::optional<store::Digest>((*ref)->manifest_id()));
+    EXPECT_EQ(IdOf(out), (*ref)->manifest_id());
   }
 }
 

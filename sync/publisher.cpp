@@ -171,7 +171,7 @@ class Publisher::Impl {
   uint64_t latest_sequence() const { return sequence_.load(); }
   uint64_t epoch() const { return epoch_; }
   const Endpoints& bound() const { return bound_; }
-  void Corrupt(int n) { corrupt_.fetch_add(n); }
+  void Corrupt(int n) { corrupt_.store(n); }
 
   void Offer(const store::Digest& version, std::shared_ptr<const Snapshot> snapshot) {
     std::lock_guard lock(offer_mu_);

@@ -119,7 +119,7 @@ class Publisher {
   // This publisher's epoch: random, non-zero, chosen at Start.
   uint64_t epoch() const;
 
-  // Test hook: flips one byte of the next `n` CHUNKs sent.
+  // Test hook: flips one byte of each of the next `n` CHUNKs sent (0: stops flipping).
   void CorruptNextChunksForTesting(int n);
 
  private:

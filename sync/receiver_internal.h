@@ -133,6 +133,22 @@ class Session {
   Result<Outcome> Fetch(const Manifest& man, ItemKind kind, uint32_t index, uint64_t start, uint64_t size,
                         const PieceSink& sink);
 
+  // One item of a run: bytes [start, size) of item `index` of `kind`.
+  struct RunItem {
+    ItemKind kind = ItemKind::kTensor;
+    uint32_t index = 0;
+    uint64_t start = 0, size = 0;
+  };
+  // Fetch over several items with one credit window: the requests for the next items go out
+  // while the current one arrives, so a version of many small tensors (an adapter: hundreds
+  // of a few hundred KB) does not wait a round trip per tensor. Chunks arrive in the order
+  // asked, item after item, each handed to `sink(position in items, bytes, offset within
+  // the item)`; `done(position)` is called, in order, once all of an item's bytes are in
+  // (at once for an item with nothing left to fetch). kNewer as Fetch.
+  using RunSink = std::function<Status(size_t, std::span<const std::byte>, uint64_t)>;
+  Result<Outcome> FetchRun(const Manifest& man, const std::vector<RunItem>& items, const RunSink& sink,
+                           const std::function<Status(size_t)>& done);
+
   // Sends ACK (served id, computed id, proven merged id in adapter mode) and waits for ACKED.
   Status Ack(const store::Digest& v, const store::Digest& computed, const std::optional<store::Digest>& proven);
 

@@ -139,22 +139,51 @@ Result<Manifest> Session::Hello(std::string* json, const std::optional<store::Di
 
 Result<Outcome> Session::Fetch(const Manifest& man, ItemKind kind, uint32_t index, uint64_t start, uint64_t size,
                                const PieceSink& sink) {
-  uint64_t next = start, received = start;
-  uint32_t in_flight = 0;
+  return FetchRun(
+      man, {RunItem{kind, index, start, size}},
+      [&](size_t, std::span<const std::byte> bytes, uint64_t offset) { return sink(bytes, offset); },
+      [](size_t) { return Status::OK(); });
+}
+
+Result<Outcome> Session::FetchRun(const Manifest& man, const std::vector<RunItem>& items, const RunSink& sink,
+                                  const std::function<Status(size_t)>& done) {
+  struct Asked {
+    size_t item;
+    uint64_t offset;
+    uint64_t length;
+  };
+  std::deque<Asked> in_flight;  // in the order asked, which is the order answered
+  size_t to_ask = 0;            // the item whose next chunk is asked next
+  uint64_t next = items.empty() ? 0 : items[0].start;
+  size_t reported = 0;  // items before this one are complete and reported to `done`
+  // Moves to_ask past items with nothing (left) to ask for.
+  auto skip_asked = [&] {
+    while (to_ask < items.size() && next >= items[to_ask].size) {
+      if (++to_ask < items.size()) next = items[to_ask].start;
+    }
+  };
+  skip_asked();
   const bool follow_newer = !(pinned_ && *pinned_ == man.version);
   auto deadline = Deadline();
-  while (received < size) {
-    while (in_flight < o_.credit && next < size) {
+  for (;;) {
+    // An item is complete once every chunk of it was asked for and none is still in flight.
+    while (reported < to_ask && (in_flight.empty() || in_flight.front().item > reported)) {
+      FERRY_RETURN_IF_ERROR(done(reported++));
+    }
+    if (reported == items.size()) return Outcome::kDone;
+    while (in_flight.size() < o_.credit && to_ask < items.size()) {
+      const RunItem& item = items[to_ask];
       Message f;
       f.type = MsgType::kFetch;
       f.version = man.version;
-      f.kind = kind;
-      f.index = index;
+      f.kind = item.kind;
+      f.index = item.index;
       f.offset = next;
-      f.length = static_cast<uint32_t>(std::min<uint64_t>(o_.chunk_bytes, size - next));
+      f.length = static_cast<uint32_t>(std::min<uint64_t>(o_.chunk_bytes, item.size - next));
       FERRY_RETURN_IF_ERROR(Send(f, {}));
+      in_flight.push_back({to_ask, next, f.length});
       next += f.length;
-      ++in_flight;
+      skip_asked();
     }
     Incoming in;
     FERRY_RETURN_IF_ERROR(Next(deadline, &in));
@@ -163,27 +192,26 @@ Result<Outcome> Session::Fetch(const Manifest& man, ItemKind kind, uint32_t inde
       continue;
     }
     if (in.msg.type == MsgType::kError) return PublisherError(in.msg);
-    if (in.msg.type != MsgType::kChunk || !(in.msg.version == man.version) || in.msg.kind != kind ||
-        in.msg.index != index || in.msg.offset != received) {
+    const Asked& want = in_flight.front();
+    const RunItem& item = items[want.item];
+    if (in.msg.type != MsgType::kChunk || !(in.msg.version == man.version) || in.msg.kind != item.kind ||
+        in.msg.index != item.index || in.msg.offset != want.offset) {
       continue;  // stale
     }
     if (in.msg.epoch != man.epoch) return Outcome::kNewer;  // answered by a restarted publisher
-    const uint64_t expect = std::min<uint64_t>(o_.chunk_bytes, size - received);
     const auto bytes = Bytes(in.payload);
-    if (bytes.size() != expect) {
+    if (bytes.size() != want.length) {
       return Status::Corruption("sync CHUNK from " + o_.endpoints.requests + ": " + std::to_string(bytes.size()) +
-                                " bytes at offset " + std::to_string(received) + ", expected " +
-                                std::to_string(expect));
+                                " bytes at offset " + std::to_string(want.offset) + ", expected " +
+                                std::to_string(want.length));
     }
-    FERRY_RETURN_IF_ERROR(sink(bytes, received));
-    received += bytes.size();
+    FERRY_RETURN_IF_ERROR(sink(want.item, bytes, want.offset));
     bytes_received_ += bytes.size();
-    --in_flight;
+    in_flight.pop_front();
     deadline = Deadline();
     if (o_.on_chunk_for_testing) o_.on_chunk_for_testing(in.msg.offset);
     if (follow_newer && in.msg.sequence > man.sequence) return Outcome::kNewer;
   }
-  return Outcome::kDone;
 }
 
 Status Session::Ack(const store::Digest& v, const store::Digest& computed, const std::optional<store::Digest>& proven) {

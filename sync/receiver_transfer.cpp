@@ -7,6 +7,7 @@
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
 #include <limits>
 
 #include "core/file_util.h"
@@ -51,6 +52,16 @@ Result<Outcome> ReceiveFiles(Session& s, const ReceiverOptions& o, const Manifes
     }
   }
   std::vector<std::byte> piece;
+  // What is not held or reused locally is fetched in one run (Session::FetchRun), each
+  // tensor hashed as it arrives; a tensor that fails its digest is fetched again on its own.
+  struct Wanted {
+    uint32_t tensor;
+    uint64_t at;     // file offset of the tensor
+    uint64_t start;  // bytes held from a killed transfer, already hashed
+    store::TensorDigester digester;
+  };
+  std::deque<Wanted> wanted;  // a deque: digesters stay in place
+  std::vector<Session::RunItem> items;
   uint64_t begin = header.size();
   for (uint32_t i = 0; i < man.tensors.size(); ++i) {
     const auto& row = man.tensors[i];
@@ -73,36 +84,51 @@ Result<Outcome> ReceiveFiles(Session& s, const ReceiverOptions& o, const Manifes
         }
       }
     }
-    for (int attempt = 0;; ++attempt) {
-      store::TensorDigester digester(row.dtype, row.shape);
-      // First attempt of a resumed tensor: hash the prefix already on disk, fetch the rest.
-      uint64_t start = 0;
-      if (attempt == 0 && held > 0) {
-        FERRY_ASSIGN_OR_RETURN(bool read, HashRange(fd.get(), at, held, digester, piece, kDiscard));
-        if (!read) {  // unreadable: fetch the whole tensor, as if nothing were held
-          held = 0;
-          --attempt;
-          continue;
-        }
-        start = held;
+    Wanted& w = wanted.emplace_back(Wanted{i, at, 0, store::TensorDigester(row.dtype, row.shape)});
+    if (held > 0) {  // hash the prefix already on disk, fetch the rest
+      FERRY_ASSIGN_OR_RETURN(bool read, HashRange(fd.get(), at, held, w.digester, piece, kDiscard));
+      if (read) {
+        w.start = held;
+      } else {  // unreadable: fetch the whole tensor, as if nothing were held
+        w.digester = store::TensorDigester(row.dtype, row.shape);
       }
+    }
+    items.push_back({ItemKind::kTensor, i, w.start, row.nbytes});
+  }
+  std::vector<uint32_t> failed;
+  FERRY_ASSIGN_OR_RETURN(Outcome run, s.FetchRun(
+                                          man, items,
+                                          [&](size_t k, std::span<const std::byte> bytes, uint64_t offset) {
+                                            wanted[k].digester.Update(bytes);
+                                            return PwriteAll(fd.get(), bytes, wanted[k].at + offset, model);
+                                          },
+                                          [&](size_t k) {
+                                            if (wanted[k].digester.Finish() == man.tensors[wanted[k].tensor].digest) {
+                                              result->bytes_resumed += wanted[k].start;
+                                            } else {
+                                              failed.push_back(static_cast<uint32_t>(k));
+                                            }
+                                            return Status::OK();
+                                          }));
+  if (run == Outcome::kNewer) return run;
+  for (uint32_t k : failed) {
+    const auto& row = man.tensors[wanted[k].tensor];
+    for (int attempt = 1;; ++attempt) {
+      if (attempt > o.max_retries || row.nbytes == 0) {
+        return Status::Corruption("sync: tensor " + row.name + " of version " + man.version.Hex() +
+                                  " still fails its digest after " + std::to_string(attempt - 1) + " refetches");
+      }
+      ++result->refetches;
+      store::TensorDigester digester(row.dtype, row.shape);
       if (row.nbytes > 0) {
-        FERRY_ASSIGN_OR_RETURN(Outcome oc, s.Fetch(man, ItemKind::kTensor, i, start, row.nbytes,
+        FERRY_ASSIGN_OR_RETURN(Outcome oc, s.Fetch(man, ItemKind::kTensor, wanted[k].tensor, 0, row.nbytes,
                                                    [&](std::span<const std::byte> bytes, uint64_t offset) {
                                                      digester.Update(bytes);
-                                                     return PwriteAll(fd.get(), bytes, at + offset, model);
+                                                     return PwriteAll(fd.get(), bytes, wanted[k].at + offset, model);
                                                    }));
         if (oc == Outcome::kNewer) return oc;
       }
-      if (digester.Finish() == row.digest) {
-        result->bytes_resumed += start;
-        break;
-      }
-      if (attempt >= o.max_retries || row.nbytes == 0) {
-        return Status::Corruption("sync: tensor " + row.name + " of version " + man.version.Hex() +
-                                  " still fails its digest after " + std::to_string(attempt) + " refetches");
-      }
-      ++result->refetches;
+      if (digester.Finish() == row.digest) break;
     }
   }
   if (::fsync(fd.get()) != 0) return Status::IOError(model.string() + ": fsync failed: " + std::strerror(errno));

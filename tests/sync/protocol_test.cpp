@@ -498,7 +498,9 @@ TEST_F(SyncTest, CorruptedChunkIsDetectedAndRefetched) {
 TEST_F(SyncTest, PersistentCorruptionFailsWithoutActivating) {
   StartPublisher();
   ASSERT_TRUE(publisher_->Publish(v1_).ok());
-  publisher_->CorruptNextChunksForTesting(3);  // a.weight is one chunk: the fetch and both refetches
+  // Every chunk: each tensor fails in the first pass, and a.weight, refetched first, fails
+  // both refetches too.
+  publisher_->CorruptNextChunksForTesting(1000);
   auto o = RecvOptions("bad");
   o.max_retries = 2;
   auto r = Receiver::Connect(o);
@@ -513,6 +515,7 @@ TEST_F(SyncTest, PersistentCorruptionFailsWithoutActivating) {
   for (const auto& e : fs::directory_iterator(root_ / "recv-bad" / "versions")) left.push_back(e.path().filename());
   EXPECT_EQ(left, std::vector<std::string>{v1_.Hex() + ".partial"});
   // Sound chunks again: the next sync verifies what the partial holds, fetches the rest.
+  publisher_->CorruptNextChunksForTesting(0);
   auto again = (*r)->SyncLatest();
   ASSERT_TRUE(again.ok()) << again.status().message();
   EXPECT_EQ(again->version, v1_);

@@ -364,39 +364,55 @@ void EncodeRowF16(const float* src, int64_t n, unsigned char* dst) {
 
 void LoraMergeRows16(const uint16_t* W, Float16Kind kind, const float* A, const float* B, int64_t out, int64_t in,
                      int64_t r, float scaling, uint16_t* dst, int num_threads) {
-  if (out <= 0 || in <= 0) return;
+  LoraRowMerger16(kind, A, B, out, in, r, scaling).Merge(W, dst, 0, out, num_threads);
+}
+
+LoraRowMerger16::LoraRowMerger16(Float16Kind kind, const float* A, const float* B, int64_t out, int64_t in, int64_t r,
+                                 float scaling)
+    : kind_(kind), a_(A), b_(B), out_(out), in_(in), r_(std::max<int64_t>(r, 0)), scaling_(scaling) {
+  // BF16 is decoded, updated and rounded in registers, against A permuted once here.
+  if (kind == Float16Kind::kBF16 && out > 0 && in > 0) panel_ = PermuteBf16Panel(A, r_, in, VectorLanes());
+}
+
+void LoraRowMerger16::Merge(const uint16_t* W, uint16_t* dst, int64_t row_begin, int64_t row_end,
+                            int num_threads) const {
+  row_begin = std::max<int64_t>(row_begin, 0);
+  row_end = std::min(row_end, out_);
+  if (row_end <= row_begin || in_ <= 0) return;
   const auto* wbytes = reinterpret_cast<const unsigned char*>(W);
   auto* dbytes = reinterpret_cast<unsigned char*>(dst);
+  const int64_t in = in_;
   UpdateJob job;  // r <= 0: the empty sum, y = w + s * 0.0f
-  job.panel = A;
-  job.coef = B;
-  job.coef_row = std::max<int64_t>(r, 0);
+  job.panel = a_;
+  job.coef = b_;
+  job.coef_row = r_;
   job.coef_k = 1;
-  job.r = std::max<int64_t>(r, 0);
+  job.r = r_;
   job.ncols = in;
-  job.s = scaling;
-  const int64_t work_per_row = in * std::max<int64_t>(r, 1);
-  if (kind == Float16Kind::kBF16) {
-    // Decoded, updated and rounded in registers.
-    const std::vector<float> panel = PermuteBf16Panel(A, job.r, in, VectorLanes());
-    job.panel = panel.data();
+  job.s = scaling_;
+  const int64_t work_per_row = in * std::max<int64_t>(r_, 1);
+  const int64_t rows = row_end - row_begin;
+  if (kind_ == Float16Kind::kBF16) {
+    job.panel = panel_.data();
     job.src16 = wbytes;
     job.dst16 = dbytes;
-    ParallelRows(out, work_per_row, num_threads, [&job](int64_t begin, int64_t end) { UpdateRows(job, begin, end); });
+    ParallelRows(rows, work_per_row, num_threads, [&job, row_begin](int64_t begin, int64_t end) {
+      UpdateRows(job, row_begin + begin, row_begin + end);
+    });
     return;
   }
-  const int64_t blocks = (out + kFusedRows - 1) / kFusedRows;
+  const int64_t blocks = (rows + kFusedRows - 1) / kFusedRows;
   ParallelRows(blocks, kFusedRows * work_per_row, num_threads, [&](int64_t b0, int64_t b1) {
-    std::vector<float> rows(static_cast<size_t>(kFusedRows * in));
+    std::vector<float> scratch(static_cast<size_t>(kFusedRows * in));
     UpdateJob block = job;
-    block.w32 = rows.data();
+    block.w32 = scratch.data();
     for (int64_t b = b0; b < b1; ++b) {
-      const int64_t row0 = b * kFusedRows;
-      const int64_t nrows = std::min(kFusedRows, out - row0);
-      for (int64_t k = 0; k < nrows; ++k) DecodeRowF16(wbytes + (row0 + k) * in * 2, in, rows.data() + k * in);
-      block.coef = B + row0 * job.coef_row;
+      const int64_t row0 = row_begin + b * kFusedRows;
+      const int64_t nrows = std::min(kFusedRows, row_end - row0);
+      for (int64_t k = 0; k < nrows; ++k) DecodeRowF16(wbytes + (row0 + k) * in * 2, in, scratch.data() + k * in);
+      block.coef = b_ + row0 * job.coef_row;
       UpdateRows(block, 0, nrows);
-      for (int64_t k = 0; k < nrows; ++k) EncodeRowF16(rows.data() + k * in, in, dbytes + (row0 + k) * in * 2);
+      for (int64_t k = 0; k < nrows; ++k) EncodeRowF16(scratch.data() + k * in, in, dbytes + (row0 + k) * in * 2);
     }
   });
 }

@@ -22,6 +22,7 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 namespace ferry::kernels {
 
@@ -61,6 +62,25 @@ enum class Float16Kind { kF16, kBF16 };
 // REQUIRES: out, in, r >= 0; dst does not overlap W, A or B.
 void LoraMergeRows16(const uint16_t* W, Float16Kind kind, const float* A, const float* B, int64_t out, int64_t in,
                      int64_t r, float scaling, uint16_t* dst, int num_threads = 1);
+
+// LoraMergeRows16 a range of rows at a time, for a caller that uses each range while it is
+// still in cache (the receiver hashes it): the shared factor is prepared once, here, not per
+// range. Merging every row in any ranges gives LoraMergeRows16's bits. A and B must outlive
+// the merger; W and dst are the whole [out, in] matrices.
+class LoraRowMerger16 {
+ public:
+  LoraRowMerger16(Float16Kind kind, const float* A, const float* B, int64_t out, int64_t in, int64_t r, float scaling);
+  // Rows [row_begin, row_end) (clamped to [0, out)) of dst from the same rows of W.
+  void Merge(const uint16_t* W, uint16_t* dst, int64_t row_begin, int64_t row_end, int num_threads = 1) const;
+
+ private:
+  Float16Kind kind_;
+  const float* a_;
+  const float* b_;
+  int64_t out_, in_, r_;
+  float scaling_;
+  std::vector<float> panel_;  // BF16: A with the columns of each vector group permuted
+};
 
 // DoRA: W' = (m / ||W + delta||) * (W + delta), where W_merged already holds W + delta.
 // Without fan_in_fan_out W_merged is [out, in] and the norm is taken per output row over the

@@ -190,18 +190,19 @@ Result<std::optional<Job>> FastTensor(const MergePlan& plan, const Checkpoint& b
   FERRY_ASSIGN_OR_RETURN(std::vector<float> b, ReadTensorAsF32(adapter, m->b_key));
   const size_t n = static_cast<size_t>(m->out * m->in);
   job.recycle = pool.Acquire(n);
-  // Rows are merged independently, so merging a piece of rows at a time gives the same bits.
+  // Merged a piece of rows at a time (the same bits as in one call), each piece hashed at once.
   const kernels::Float16Kind kind =
       w.dtype() == DType::kBF16 ? kernels::Float16Kind::kBF16 : kernels::Float16Kind::kF16;
   const int64_t piece_rows = std::max<int64_t>(1, static_cast<int64_t>(kMergePieceBytes) * std::max(threads, 1) /
                                                       (m->in * static_cast<int64_t>(sizeof(uint16_t))));
+  const kernels::LoraRowMerger16 merger(kind, a.data(), b.data(), m->out, m->in, m->rank,
+                                        static_cast<float>(m->scaling));
   store::TensorDigester digester(out.dtype, out.shape);
   for (int64_t r0 = 0; r0 < m->out; r0 += piece_rows) {
-    const int64_t rows = std::min(piece_rows, m->out - r0);
-    uint16_t* dst = job.recycle->data() + r0 * m->in;
-    kernels::LoraMergeRows16(w.data_as<uint16_t>() + r0 * m->in, kind, a.data(), b.data() + r0 * m->rank, rows, m->in,
-                             m->rank, static_cast<float>(m->scaling), dst, threads);
-    digester.Update(std::as_bytes(std::span<const uint16_t>(dst, static_cast<size_t>(rows * m->in))));
+    const int64_t r1 = std::min(m->out, r0 + piece_rows);
+    merger.Merge(w.data_as<uint16_t>(), job.recycle->data(), r0, r1, threads);
+    digester.Update(std::as_bytes(
+        std::span<const uint16_t>(job.recycle->data() + r0 * m->in, static_cast<size_t>((r1 - r0) * m->in))));
   }
   job.digest = digester.Finish();
   adapter.Release(m->a_key);

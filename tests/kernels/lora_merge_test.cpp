@@ -391,5 +391,43 @@ TEST(LoraMergeRows16, MatchesScalarSequenceOnManyShapes) {
   }
 }
 
+// LoraRowMerger16 over ragged row ranges (single rows, ranges that split a register block or
+// a decoding block of the F16 path, out-of-range ends clamped) gives LoraMergeRows16's bits,
+// and leaves the rows outside a range untouched.
+TEST(LoraRowMerger16, RowRangesGiveTheWholeMergesBits) {
+  std::mt19937 rng(11);
+  std::normal_distribution<float> normal(0.0f, 0.3f);
+  for (Float16Kind kind : {Float16Kind::kBF16, Float16Kind::kF16}) {
+    const bool bf16 = kind == Float16Kind::kBF16;
+    for (int64_t in : {7, 64, 129}) {
+      const int64_t out = 37, r = 5;
+      const size_t n = static_cast<size_t>(out * in);
+      std::vector<float> a(static_cast<size_t>(r * in)), b(static_cast<size_t>(out * r));
+      for (auto& x : a) x = normal(rng);
+      for (auto& x : b) x = normal(rng);
+      std::vector<uint16_t> w16(n);
+      for (auto& h : w16) h = bf16 ? F32ToBF16(normal(rng)) : F32ToF16(normal(rng));
+      std::vector<uint16_t> whole(n);
+      LoraMergeRows16(w16.data(), kind, a.data(), b.data(), out, in, r, 0.7f, whole.data(), 1);
+      const LoraRowMerger16 merger(kind, a.data(), b.data(), out, in, r, 0.7f);
+      for (int threads : {1, 2}) {
+        std::vector<uint16_t> got(n, 0xdead);
+        const std::vector<std::pair<int64_t, int64_t>> ranges = {{0, 1}, {1, 6}, {6, 7}, {7, 19}, {19, 30}, {30, 99}};
+        for (const auto& [r0, r1] : ranges) {
+          merger.Merge(w16.data(), got.data(), r0, r1, threads);
+          const int64_t end = std::min(r1, out);
+          for (size_t e = static_cast<size_t>(end * in); e < n; ++e) {
+            ASSERT_EQ(got[e], 0xdead) << "row " << e / in << " written before its range " << r0 << ".." << r1;
+          }
+        }
+        for (size_t e = 0; e < n; ++e) {
+          ASSERT_EQ(got[e], whole[e]) << (bf16 ? "bf16 " : "f16 ") << "in=" << in << " threads=" << threads << " at ("
+                                      << e / in << "," << e % in << ")";
+        }
+      }
+    }
+  }
+}
+
 }  // namespace
 }  // namespace ferry::kernels

@@ -471,8 +471,19 @@ Result<AuditReport> AnalyzeAudit(const std::vector<VersionRecord>& all_versions,
     report.receivers.push_back(std::move(r));
   }
   if (any_receiver) {
+    // A receiver in adapter mode acknowledges the merged version it proved (sync records it
+    // so): its adapter counts as acknowledged too. Versions never published are not listed.
+    std::set<Digest> acknowledged_adapters;
+    for (const Digest& id : acknowledged) {
+      auto v = by_id.find(id);
+      if (v != by_id.end() && v->second->kind == VersionKind::kMerged && v->second->adapter_version) {
+        acknowledged_adapters.insert(*v->second->adapter_version);
+      }
+    }
     for (const auto* v : selected) {
-      if (acknowledged.count(v->id) == 0) report.never_acknowledged.push_back(v->id);
+      if (published.count(v->id) != 0 && acknowledged.count(v->id) == 0 && acknowledged_adapters.count(v->id) == 0) {
+        report.never_acknowledged.push_back(v->id);
+      }
     }
   }
   report.anomalies = std::move(version_anomalies);

@@ -6,7 +6,8 @@
 //   - receivers: every acknowledged/activated event, with whether the manifest digest the
 //     receiver computed matched the version it claimed to load;
 //   - gaps: sequence numbers missing between the first and last version of a run;
-//   - versions never acknowledged by any receiver (only when some receiver exists);
+//   - published versions never acknowledged by any receiver (only when some receiver exists;
+//     an adapter counts as acknowledged when a merged version made from it was);
 //   - anomalies, by these rules (each names the version, and the tensor where there is one):
 //       merged_equals_base   a merged version whose tensors present in its base_version all
 //                            have the base's digests, although its adapter_version is non-zero

@@ -144,8 +144,9 @@ TEST_F(AuditTest, CleanRunReportsNoAnomalies) {
   EXPECT_TRUE(r.receivers[0].digest_matched);
   EXPECT_EQ(r.timeline[4].activated_by, std::vector<std::string>{"gen-0"});
   EXPECT_TRUE(r.gaps.empty());
-  // A receiver exists, so unacknowledged versions are listed: all but the merged one.
-  EXPECT_EQ(r.never_acknowledged.size(), 4u);
+  // A receiver exists, so published versions nobody acknowledged are listed: all but the
+  // merged one and a3, the adapter it was made from.
+  EXPECT_EQ(r.never_acknowledged, (std::vector<Digest>{base.id, a1.id, a2.id}));
   EXPECT_EQ(r.metric_names, std::vector<std::string>{"reward_mean"});
 }
 
@@ -280,13 +281,15 @@ TEST(AnalyzeAudit, SequenceGapsAndNeverAcknowledged) {
   v[0].sequence = 1;
   v[1].sequence = 2;
   v[2].sequence = 5;
-  std::vector<Event> events(2);
-  events[0].type = Event::Type::kPublished;
-  events[0].version = v[1].id;
-  events[1].type = Event::Type::kActivated;
-  events[1].version = v[1].id;
-  events[1].receiver = "g";
-  events[1].computed = v[1].id;
+  std::vector<Event> events(4);
+  for (int i = 0; i < 3; ++i) {
+    events[i].type = Event::Type::kPublished;
+    events[i].version = v[i].id;
+  }
+  events[3].type = Event::Type::kActivated;
+  events[3].version = v[1].id;
+  events[3].receiver = "g";
+  events[3].computed = v[1].id;
   auto r = AnalyzeAudit(v, events, {}, {});
   ASSERT_TRUE(r.ok());
   ASSERT_EQ(r->gaps.size(), 1u);
@@ -299,6 +302,37 @@ TEST(AnalyzeAudit, SequenceGapsAndNeverAcknowledged) {
   AuditOptions bad;
   bad.jump_factor = 0;
   EXPECT_EQ(AnalyzeAudit(v, events, {}, bad).status().code(), StatusCode::kInvalidArgument);
+}
+
+// Merged mode, as ferryd records it: each step's adapter and its merged version, only the
+// merged one published. Nothing a receiver could have acknowledged is missing, so nothing is
+// listed; a published merged version nobody loaded is.
+TEST(AnalyzeAudit, NeverAcknowledgedListsOnlyPublishedVersions) {
+  std::vector<VersionRecord> v(4);
+  for (int i = 0; i < 4; ++i) {
+    v[i].id = Digest{2, static_cast<uint64_t>(i)};
+    v[i].run = "r";
+    v[i].sequence = static_cast<uint64_t>(i + 1);
+  }
+  v[0].kind = VersionKind::kAdapter;  // step 1
+  v[1].kind = VersionKind::kMerged;
+  v[1].adapter_version = v[0].id;
+  v[2].kind = VersionKind::kAdapter;  // step 2
+  v[3].kind = VersionKind::kMerged;
+  v[3].adapter_version = v[2].id;
+  std::vector<Event> events(3);
+  events[0].type = Event::Type::kPublished;
+  events[0].version = v[1].id;
+  events[1].type = Event::Type::kPublished;
+  events[1].version = v[3].id;
+  events[2].type = Event::Type::kAcknowledged;
+  events[2].version = v[1].id;
+  events[2].receiver = "g";
+  events[2].computed = v[1].id;
+  auto r = AnalyzeAudit(v, events, {}, {});
+  ASSERT_TRUE(r.ok());
+  EXPECT_EQ(r->never_acknowledged, std::vector<Digest>{v[3].id})
+      << "the unpublished adapters are not listed; step 2's merged version, published, is";
 }
 
 // The HTML page is the CLI's (tests/cli/audit_html_test.cpp).

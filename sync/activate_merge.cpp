@@ -32,12 +32,10 @@ namespace {
 
 namespace fs = std::filesystem;
 
-// Pieces a tensor is hashed in.
+// Pieces a tensor is hashed in; in the fast path also the bytes of merged rows per kernel
+// call and merge thread, each piece hashed right after it is merged, while it is still in L2
+// (reading a 10 MB tensor back once it is all merged cost as much again).
 constexpr size_t kPieceBytes = size_t{256} << 10;
-// Bytes of merged rows per kernel call and merge thread in the fast path, which hashes each
-// piece right after merging it, while it is still in L2 (reading a 10 MB tensor back once it
-// is all merged cost as much again).
-constexpr size_t kMergePieceBytes = size_t{1} << 20;
 // Merged tensors waiting for the writer (bounds memory to a few tensors).
 constexpr size_t kQueueDepth = 4;
 
@@ -193,8 +191,8 @@ Result<std::optional<Job>> FastTensor(const MergePlan& plan, const Checkpoint& b
   // Merged a piece of rows at a time (the same bits as in one call), each piece hashed at once.
   const kernels::Float16Kind kind =
       w.dtype() == DType::kBF16 ? kernels::Float16Kind::kBF16 : kernels::Float16Kind::kF16;
-  const int64_t piece_rows = std::max<int64_t>(1, static_cast<int64_t>(kMergePieceBytes) * std::max(threads, 1) /
-                                                      (m->in * static_cast<int64_t>(sizeof(uint16_t))));
+  const int64_t piece_rows = std::max<int64_t>(
+      1, static_cast<int64_t>(kPieceBytes) * std::max(threads, 1) / (m->in * static_cast<int64_t>(sizeof(uint16_t))));
   const kernels::LoraRowMerger16 merger(kind, a.data(), b.data(), m->out, m->in, m->rank,
                                         static_cast<float>(m->scaling));
   store::TensorDigester digester(out.dtype, out.shape);

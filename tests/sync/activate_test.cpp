@@ -240,11 +240,12 @@ void WriteSafetensors(const fs::path& dir, const std::map<std::string, Tensor>& 
   ASSERT_TRUE((*w)->Finish().ok());
 }
 
-// The receiver merges a 16-bit weight a piece of rows at a time (about 1 MiB per merge thread),
-// hashing each piece while it is in cache. A weight of 70,000 rows takes three pieces on one
-// thread (the last one partial) and two on two; the result must still be the publisher's.
+// The receiver merges a 16-bit weight a piece of rows at a time (256 KiB per merge thread),
+// hashing each piece while it is in cache. A weight of 20,000 rows of 32 bytes takes three
+// pieces on one thread (the last one partial) and two on two; the result must still be the
+// publisher's.
 TEST(ActivateTest, AWeightMergedInSeveralRowPiecesProvesThePublishersMergedId) {
-  constexpr int64_t kOut = 70000, kIn = 16, kRank = 4;
+  constexpr int64_t kOut = 20000, kIn = 16, kRank = 4;
   TempDir tmp;
   std::mt19937 rng(7);
   std::normal_distribution<float> normal(0.0f, 1.0f);

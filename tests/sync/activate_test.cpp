@@ -346,12 +346,7 @@ fs::path WrongBase(const fs::path& root) {
   std::map<std::string, Tensor> tensors = OwnedCopies(kCase / "base");
   Tensor& t = tensors.at("model.layers.0.mlp.down_proj.weight");
   t.mutable_data_as<float>()[0] += 0.25f;
-  std::vector<TensorSpec> specs;
-  for (const auto& [name, x] : tensors) specs.push_back({name, x.dtype(), x.shape()});
-  auto w = SafetensorsWriter::CreateFile(dir / "model.safetensors", specs);
-  EXPECT_TRUE(w.ok()) << w.status().ToString();
-  for (const auto& [name, x] : tensors) EXPECT_TRUE((*w)->Write(name, x).ok());
-  EXPECT_TRUE((*w)->Finish().ok());
+  WriteSafetensors(dir, tensors);
   return dir;
 }
 

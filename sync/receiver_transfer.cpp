@@ -96,20 +96,19 @@ Result<Outcome> ReceiveFiles(Session& s, const ReceiverOptions& o, const Manifes
     items.push_back({ItemKind::kTensor, i, w.start, row.nbytes});
   }
   std::vector<uint32_t> failed;
-  FERRY_ASSIGN_OR_RETURN(Outcome run, s.FetchRun(
-                                          man, items,
-                                          [&](size_t k, std::span<const std::byte> bytes, uint64_t offset) {
-                                            wanted[k].digester.Update(bytes);
-                                            return PwriteAll(fd.get(), bytes, wanted[k].at + offset, model);
-                                          },
-                                          [&](size_t k) {
-                                            if (wanted[k].digester.Finish() == man.tensors[wanted[k].tensor].digest) {
-                                              result->bytes_resumed += wanted[k].start;
-                                            } else {
-                                              failed.push_back(static_cast<uint32_t>(k));
-                                            }
-                                            return Status::OK();
-                                          }));
+  auto write = [&](size_t k, std::span<const std::byte> bytes, uint64_t offset) {
+    wanted[k].digester.Update(bytes);
+    return PwriteAll(fd.get(), bytes, wanted[k].at + offset, model);
+  };
+  auto check = [&](size_t k) {
+    if (wanted[k].digester.Finish() == man.tensors[wanted[k].tensor].digest) {
+      result->bytes_resumed += wanted[k].start;
+    } else {
+      failed.push_back(static_cast<uint32_t>(k));
+    }
+    return Status::OK();
+  };
+  FERRY_ASSIGN_OR_RETURN(Outcome run, s.FetchRun(man, items, write, check));
   if (run == Outcome::kNewer) return run;
   for (uint32_t k : failed) {
     const auto& row = man.tensors[wanted[k].tensor];

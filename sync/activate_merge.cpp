@@ -32,9 +32,9 @@ namespace {
 
 namespace fs = std::filesystem;
 
-// Pieces a tensor is hashed in; in the fast path also the bytes of merged rows per kernel
-// call and merge thread, each piece hashed right after it is merged, while it is still in L2
-// (reading a 10 MB tensor back once it is all merged cost as much again).
+// Bytes of merged rows per kernel call and merge thread in the fast path, each piece hashed
+// right after it is merged, while it is still in L2 (reading a 10 MB tensor back once it is
+// all merged cost as much again).
 constexpr size_t kPieceBytes = size_t{256} << 10;
 // Merged tensors waiting for the writer (bounds memory to a few tensors).
 constexpr size_t kQueueDepth = 4;
@@ -146,17 +146,6 @@ class Writer {
   Status error_;
   std::thread thread_;  // last: started once everything it uses exists
 };
-
-// The digest of a tensor the fast path did not hash as it merged: the base's unchanged
-// tensors (read from its mapping) and those the LazySnapshot merges.
-store::Digest HashTensor(const Tensor& t) {
-  store::TensorDigester digester(t.dtype(), t.shape());
-  const std::span<const std::byte> bytes = t.bytes();
-  for (size_t done = 0; done < bytes.size(); done += kPieceBytes) {
-    digester.Update(bytes.subspan(done, std::min(kPieceBytes, bytes.size() - done)));
-  }
-  return digester.Finish();
-}
 
 // Closes a descriptor when destroyed.
 struct FdCloser {
@@ -298,7 +287,9 @@ Result<store::Digest> WriteMergedAdapter(const fs::path& received, const fs::pat
         job.tensor = std::move(*t);
         job.release = name;
       }
-      digests[i] = job.digest ? *job.digest : HashTensor(job.tensor);
+      // The fast path hashed what it merged; the base's unchanged tensors (from its mapping)
+      // and what the LazySnapshot merged are hashed here.
+      digests[i] = job.digest ? *job.digest : store::TensorDigest(job.tensor);
       job.offset = offset;
       FERRY_RETURN_IF_ERROR(writer.Push(std::move(job)));
       offset += rows[i].nbytes;

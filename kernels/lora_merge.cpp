@@ -374,17 +374,18 @@ LoraRowMerger16::LoraRowMerger16(Float16Kind kind, const float* A, const float* 
   if (kind == Float16Kind::kBF16 && out > 0 && in > 0) panel_ = PermuteBf16Panel(A, r_, in, VectorLanes());
 }
 
-void LoraRowMerger16::Merge(const uint16_t* W, uint16_t* dst, int64_t row_begin, int64_t row_end,
+void LoraRowMerger16::Merge(const uint16_t* W, uint16_t* dst_rows, int64_t row_begin, int64_t row_end,
                             int num_threads) const {
   row_begin = std::max<int64_t>(row_begin, 0);
   row_end = std::min(row_end, out_);
   if (row_end <= row_begin || in_ <= 0) return;
-  const auto* wbytes = reinterpret_cast<const unsigned char*>(W);
-  auto* dbytes = reinterpret_cast<unsigned char*>(dst);
   const int64_t in = in_;
+  // Every pointer starts at row_begin: row i of the job is row row_begin + i of the matrix.
+  const auto* wbytes = reinterpret_cast<const unsigned char*>(W + row_begin * in);
+  auto* dbytes = reinterpret_cast<unsigned char*>(dst_rows);
   UpdateJob job;  // r <= 0: the empty sum, y = w + s * 0.0f
   job.panel = a_;
-  job.coef = b_;
+  job.coef = b_ + row_begin * r_;
   job.coef_row = r_;
   job.coef_k = 1;
   job.r = r_;
@@ -396,9 +397,7 @@ void LoraRowMerger16::Merge(const uint16_t* W, uint16_t* dst, int64_t row_begin,
     job.panel = panel_.data();
     job.src16 = wbytes;
     job.dst16 = dbytes;
-    ParallelRows(rows, work_per_row, num_threads, [&job, row_begin](int64_t begin, int64_t end) {
-      UpdateRows(job, row_begin + begin, row_begin + end);
-    });
+    ParallelRows(rows, work_per_row, num_threads, [&job](int64_t begin, int64_t end) { UpdateRows(job, begin, end); });
     return;
   }
   const int64_t blocks = (rows + kFusedRows - 1) / kFusedRows;
@@ -407,10 +406,10 @@ void LoraRowMerger16::Merge(const uint16_t* W, uint16_t* dst, int64_t row_begin,
     UpdateJob block = job;
     block.w32 = scratch.data();
     for (int64_t b = b0; b < b1; ++b) {
-      const int64_t row0 = row_begin + b * kFusedRows;
-      const int64_t nrows = std::min(kFusedRows, row_end - row0);
+      const int64_t row0 = b * kFusedRows;
+      const int64_t nrows = std::min(kFusedRows, rows - row0);
       for (int64_t k = 0; k < nrows; ++k) DecodeRowF16(wbytes + (row0 + k) * in * 2, in, scratch.data() + k * in);
-      block.coef = b_ + row0 * job.coef_row;
+      block.coef = job.coef + row0 * job.coef_row;
       UpdateRows(block, 0, nrows);
       for (int64_t k = 0; k < nrows; ++k) EncodeRowF16(scratch.data() + k * in, in, dbytes + (row0 + k) * in * 2);
     }

@@ -64,14 +64,16 @@ void LoraMergeRows16(const uint16_t* W, Float16Kind kind, const float* A, const 
                      int64_t r, float scaling, uint16_t* dst, int num_threads = 1);
 
 // LoraMergeRows16 a range of rows at a time, for a caller that uses each range while it is
-// still in cache (the receiver hashes it): the shared factor is prepared once, here, not per
-// range. Merging every row in any ranges gives LoraMergeRows16's bits. A and B must outlive
-// the merger; W and dst are the whole [out, in] matrices.
+// still in cache (the receiver hashes it and writes it out): the shared factor is prepared
+// once, here, not per range. Merging every row in any ranges gives LoraMergeRows16's bits. A
+// and B must outlive the merger; W is the whole [out, in] matrix.
 class LoraRowMerger16 {
  public:
   LoraRowMerger16(Float16Kind kind, const float* A, const float* B, int64_t out, int64_t in, int64_t r, float scaling);
-  // Rows [row_begin, row_end) (clamped to [0, out)) of dst from the same rows of W.
-  void Merge(const uint16_t* W, uint16_t* dst, int64_t row_begin, int64_t row_end, int num_threads = 1) const;
+  // Rows [row_begin, row_end) (clamped to [0, out)) of the merged matrix, made from the same
+  // rows of W, into dst_rows: row row_begin at dst_rows, the next `in` elements later, and so
+  // on (so a whole output matrix takes dst + row_begin * in). dst_rows must hold them all.
+  void Merge(const uint16_t* W, uint16_t* dst_rows, int64_t row_begin, int64_t row_end, int num_threads = 1) const;
 
  private:
   Float16Kind kind_;

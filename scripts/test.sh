@@ -5,7 +5,8 @@
 #   2. builds everything with warnings as errors and runs every test with ctest,
 #   3. rebuilds the core and parser tests under AddressSanitizer + UndefinedBehaviorSanitizer
 #      and runs them,
-#   4. builds the tests of a Store shared by threads under ThreadSanitizer and runs them,
+#   4. builds the tests of a Store shared by threads and of the receiver's multi-threaded
+#      activation under ThreadSanitizer and runs them,
 #   5. runs each libFuzzer target briefly (FERRY_FUZZ_SECONDS, default 20).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -47,8 +48,8 @@ cmake --build build-asan -j "$JOBS" --target ferry_matching_tests
 ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
   ctest --test-dir build-asan --output-on-failure -j "$JOBS" --timeout 900 -R "$ASAN_TESTS"
 
-phase "tests under ThreadSanitizer (one Store shared by threads; sync tests sharing one)"
-TSAN_TESTS=(store_concurrency_test sync_handoff_test sync_watch_test sync_limits_test)
+phase "tests under ThreadSanitizer (one Store shared by threads; sync tests sharing one; the activation's workers)"
+TSAN_TESTS=(store_concurrency_test sync_handoff_test sync_watch_test sync_limits_test sync_activate_test)
 cmake -S . -B build-tsan -G Ninja -DCMAKE_BUILD_TYPE=Debug -DFERRY_WERROR=ON -DFERRY_TSAN=ON \
   -DFERRY_BUILD_BENCH=OFF >/dev/null
 targets=()

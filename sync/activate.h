@@ -33,7 +33,7 @@ struct ActivationPlan {
   // Adapter mode: the base model directory the receiver keeps (safetensors + config.json,
   // the same base the publisher merged onto). Required in adapter mode.
   std::optional<std::filesystem::path> base_dir;
-  int threads = 0;  // merge threads. Default: 0 = all hardware threads but the one that writes
+  int threads = 0;  // threads that merge, hash and write. Default: 0 = one per hardware thread, at most 4
 };
 
 // Whether `plan` needs PrepareActivation at all (false: activate the received directory as is,

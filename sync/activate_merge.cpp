@@ -5,10 +5,9 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
-#include <condition_variable>
 #include <cstring>
-#include <deque>
 #include <mutex>
 #include <nlohmann/json.hpp>
 #include <optional>
@@ -32,119 +31,36 @@ namespace {
 
 namespace fs = std::filesystem;
 
-// Bytes of merged rows per kernel call and merge thread in the fast path, each piece hashed
-// right after it is merged, while it is still in L2 (reading a 10 MB tensor back once it is
-// all merged cost as much again).
+// Bytes merged, hashed and written at a time: a piece goes from the merge kernel through the
+// hash into the page cache while it is still in L2. (Merging a whole tensor into a buffer for
+// a writer thread read every merged byte back from memory once more; on two cores the copy of
+// a 0.5B model into tmpfs then took 0.4-1.3 s instead of 0.35 s.)
 constexpr size_t kPieceBytes = size_t{256} << 10;
-// Merged tensors waiting for the writer (bounds memory to a few tensors).
-constexpr size_t kQueueDepth = 4;
+// Default workers on a machine with more hardware threads (see WriteMergedAdapter).
+constexpr int kMaxWorkers = 4;
 
-// Output buffers of the fused merge, recycled: a fresh buffer per tensor would cost a page
-// fault and the zeroing of every page, as much as the merge itself.
-class BufferPool {
+// The file being written and the first error of any worker.
+class Output {
  public:
-  using Buffer = std::shared_ptr<std::vector<uint16_t>>;
-  Buffer Acquire(size_t elements) {
-    Buffer b;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (!free_.empty()) {
-        b = std::move(free_.back());
-        free_.pop_back();
-      }
-    }
-    if (!b) b = std::make_shared<std::vector<uint16_t>>();
-    if (b->size() < elements) b->resize(elements);  // grows only; never re-zeroed
-    return b;
-  }
-  void Return(Buffer b) {
+  Output(int fd, fs::path path) : fd_(fd), path_(std::move(path)) {}
+  Status Write(std::span<const std::byte> bytes, uint64_t offset) const { return PwriteAll(fd_, bytes, offset, path_); }
+  void Fail(Status s) {
     std::lock_guard<std::mutex> lock(mu_);
-    free_.push_back(std::move(b));
+    if (error_.ok()) error_ = std::move(s);
+    failed_.store(true, std::memory_order_relaxed);
   }
-
- private:
-  std::mutex mu_;
-  std::vector<Buffer> free_;
-};
-
-// One tensor for the writer: its bytes (kept alive by the Tensor) and where they go.
-struct Job {
-  Tensor tensor;
-  uint64_t offset = 0;
-  std::string release;                  // the base tensor whose pages to drop once written ("" for none)
-  std::optional<store::Digest> digest;  // the tensor's digest when the merge computed it
-  BufferPool::Buffer recycle;           // the pool buffer `tensor` views, returned once written
-};
-
-// Writes jobs on one thread while the caller merges and hashes the next tensor. One, not
-// more: buffered writes into one file take its inode lock (tmpfs and ext4 alike), so a second
-// writer only waits for the first, spinning on the lock on the cores the merge needs. On two
-// cores the page-cache write of the whole model (~0.35 s per GiB here) and the merge plus
-// hashing (~0.3 s) then overlap instead of queueing.
-class Writer {
- public:
-  Writer(int fd, fs::path path, const Checkpoint& base, BufferPool* pool)
-      : fd_(fd), path_(std::move(path)), base_(base), pool_(pool), thread_([this] { Loop(); }) {}
-  ~Writer() {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      closing_ = true;
-    }
-    cv_.notify_all();
-    thread_.join();
-  }
-  Writer(const Writer&) = delete;
-  Writer& operator=(const Writer&) = delete;
-
-  // Queues a job (waits while kQueueDepth are queued); the writer's first error, if any.
-  Status Push(Job job) {
-    std::unique_lock<std::mutex> lock(mu_);
-    cv_.wait(lock, [&] { return queue_.size() < kQueueDepth || !error_.ok(); });
-    if (!error_.ok()) return error_;
-    queue_.push_back(std::move(job));
-    cv_.notify_all();
-    return Status::OK();
-  }
-  // Waits until every queued job is written; the first error.
-  Status Drain() {
-    std::unique_lock<std::mutex> lock(mu_);
-    cv_.wait(lock, [&] { return (queue_.empty() && !busy_) || !error_.ok(); });
+  bool failed() const { return failed_.load(std::memory_order_relaxed); }
+  Status error() const {
+    std::lock_guard<std::mutex> lock(mu_);
     return error_;
   }
 
  private:
-  void Loop() {
-    std::unique_lock<std::mutex> lock(mu_);
-    for (;;) {
-      cv_.wait(lock, [&] { return closing_ || !queue_.empty(); });
-      if (queue_.empty()) return;
-      Job job = std::move(queue_.front());
-      queue_.pop_front();
-      busy_ = true;
-      const bool skip = !error_.ok();
-      lock.unlock();
-      Status s = skip ? Status::OK() : PwriteAll(fd_, job.tensor.bytes(), job.offset, path_);
-      if (s.ok() && !skip && !job.release.empty()) base_.Release(job.release);
-      job.tensor = Tensor();  // frees a merged buffer outside the lock
-      if (job.recycle) pool_->Return(std::move(job.recycle));
-      lock.lock();
-      busy_ = false;
-      if (!s.ok() && error_.ok()) error_ = s;
-      cv_.notify_all();
-    }
-  }
-
   const int fd_;
   const fs::path path_;
-  const Checkpoint& base_;
-  BufferPool* pool_;
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::deque<Job> queue_;
-  bool busy_ = false;  // a job is being written
-  bool closing_ = false;
+  mutable std::mutex mu_;
   Status error_;
-  std::thread thread_;  // last: started once everything it uses exists
+  std::atomic<bool> failed_{false};
 };
 
 // Closes a descriptor when destroyed.
@@ -155,49 +71,62 @@ struct FdCloser {
   }
 };
 
+// Hashes `t` and writes it at `offset`, a piece at a time (the piece just hashed is the one
+// copied, from cache); its digest.
+Result<store::Digest> HashAndWrite(const Tensor& t, uint64_t offset, const Output& output) {
+  store::TensorDigester digester(t.dtype(), t.shape());
+  const std::span<const std::byte> bytes = t.bytes();
+  for (size_t at = 0; at < bytes.size(); at += kPieceBytes) {
+    const auto piece = bytes.subspan(at, std::min(kPieceBytes, bytes.size() - at));
+    digester.Update(piece);
+    FERRY_RETURN_IF_ERROR(output.Write(piece, offset + at));
+  }
+  return digester.Finish();
+}
+
 // The common case, one plain LoRA delta on a 16-bit weight (MergePlan::FusableDelta), made
-// here with the fused kernel into a recycled buffer exactly as the snapshot builder makes it
-// (a divergence could only fail the proof, never pass it); unchanged tensors are the base's
-// own mapped bytes. Null for anything else (the caller asks the LazySnapshot).
-Result<std::optional<Job>> FastTensor(const MergePlan& plan, const Checkpoint& base, const Checkpoint& adapter,
-                                      const std::string& name, const TensorInfo& out, int threads, BufferPool& pool) {
+// here with the fused kernel exactly as the snapshot builder makes it (a divergence could only
+// fail the proof, never pass it), a piece of rows at a time into `piece`, each piece hashed and
+// written at once; unchanged tensors are hashed and written from the base's mapping. Its
+// digest, or nullopt for anything else (nothing written: the caller asks the LazySnapshot).
+Result<std::optional<store::Digest>> FastTensor(const MergePlan& plan, const Checkpoint& base,
+                                                const Checkpoint& adapter, const std::string& name,
+                                                const TensorInfo& out, uint64_t offset, const Output& output,
+                                                std::vector<uint16_t>& piece) {
+  using Digest = std::optional<store::Digest>;
   const std::string source = plan.SourceOf(name);
   const TensorInfo* in = base.Info(source);
-  if (in == nullptr || in->dtype != out.dtype || in->shape != out.shape) return std::optional<Job>();
-  Job job;
-  job.release = source;
+  if (in == nullptr || in->dtype != out.dtype || in->shape != out.shape) return Digest();
   if (!plan.Changes(name)) {
-    FERRY_ASSIGN_OR_RETURN(job.tensor, base.Get(source));
-    return std::optional<Job>(std::move(job));
+    FERRY_ASSIGN_OR_RETURN(const Tensor t, base.Get(source));
+    FERRY_ASSIGN_OR_RETURN(const store::Digest d, HashAndWrite(t, offset, output));
+    base.Release(source);
+    return Digest(d);
   }
   const LoraModule* m = plan.FusableDelta(name, in->dtype, in->shape);
-  if (m == nullptr) return std::optional<Job>();
-  FERRY_ASSIGN_OR_RETURN(Tensor w, base.Get(source));
+  if (m == nullptr) return Digest();
+  FERRY_ASSIGN_OR_RETURN(const Tensor w, base.Get(source));
   FERRY_ASSIGN_OR_RETURN(std::vector<float> a, ReadTensorAsF32(adapter, m->a_key));
   FERRY_ASSIGN_OR_RETURN(std::vector<float> b, ReadTensorAsF32(adapter, m->b_key));
-  const size_t n = static_cast<size_t>(m->out * m->in);
-  job.recycle = pool.Acquire(n);
-  // Merged a piece of rows at a time (the same bits as in one call), each piece hashed at once.
   const kernels::Float16Kind kind =
       w.dtype() == DType::kBF16 ? kernels::Float16Kind::kBF16 : kernels::Float16Kind::kF16;
-  const int64_t piece_rows = std::max<int64_t>(
-      1, static_cast<int64_t>(kPieceBytes) * std::max(threads, 1) / (m->in * static_cast<int64_t>(sizeof(uint16_t))));
   const kernels::LoraRowMerger16 merger(kind, a.data(), b.data(), m->out, m->in, m->rank,
                                         static_cast<float>(m->scaling));
+  const int64_t row_bytes = m->in * static_cast<int64_t>(sizeof(uint16_t));
+  const int64_t piece_rows = std::max<int64_t>(1, static_cast<int64_t>(kPieceBytes) / std::max<int64_t>(row_bytes, 1));
+  piece.resize(static_cast<size_t>(piece_rows * m->in));
   store::TensorDigester digester(out.dtype, out.shape);
   for (int64_t r0 = 0; r0 < m->out; r0 += piece_rows) {
     const int64_t r1 = std::min(m->out, r0 + piece_rows);
-    merger.Merge(w.data_as<uint16_t>(), job.recycle->data(), r0, r1, threads);
-    digester.Update(std::as_bytes(
-        std::span<const uint16_t>(job.recycle->data() + r0 * m->in, static_cast<size_t>((r1 - r0) * m->in))));
+    merger.Merge(w.data_as<uint16_t>(), piece.data(), r0, r1);
+    const auto bytes = std::as_bytes(std::span<const uint16_t>(piece.data(), static_cast<size_t>((r1 - r0) * m->in)));
+    digester.Update(bytes);
+    FERRY_RETURN_IF_ERROR(output.Write(bytes, offset + static_cast<uint64_t>(r0 * row_bytes)));
   }
-  job.digest = digester.Finish();
   adapter.Release(m->a_key);
   adapter.Release(m->b_key);
-  FERRY_ASSIGN_OR_RETURN(
-      job.tensor, Tensor::Wrap(out.dtype, out.shape, std::as_bytes(std::span<const uint16_t>(job.recycle->data(), n)),
-                               job.recycle));
-  return std::optional<Job>(std::move(job));
+  base.Release(source);
+  return Digest(digester.Finish());
 }
 
 }  // namespace
@@ -240,9 +169,13 @@ Result<store::Digest> WriteMergedAdapter(const fs::path& received, const fs::pat
   // The same plan the LazySnapshot made (it checked it), for the fast path.
   auto plan = PlanMerge(*source.adapter_config, adapter, base, options.tie_word_embeddings);
   if (!plan.ok()) return plan.status().WithContext(what);
-  // By default the merge leaves one hardware thread to the writer.
-  const int kernel_threads =
-      threads > 0 ? threads : std::max(1, static_cast<int>(std::thread::hardware_concurrency()) - 1);
+  // Workers, each merging, hashing and writing whole tensors (a tensor's digest is one
+  // sequential hash); while one copies into the file, another merges. By default one per
+  // hardware thread, at most kMaxWorkers: the file's writes are serialised by its inode lock
+  // and merging a piece costs about what copying it does, so two already keep the lock busy
+  // and more would only spin on it.
+  const int workers =
+      threads > 0 ? threads : std::clamp(static_cast<int>(std::thread::hardware_concurrency()), 1, kMaxWorkers);
 
   std::vector<TensorSpec> specs;
   std::vector<store::TensorRow> rows;
@@ -269,33 +202,49 @@ Result<store::Digest> WriteMergedAdapter(const fs::path& received, const fs::pat
                            " bytes: " + std::strerror(errno));
   }
 
-  std::vector<store::Digest> digests(rows.size());
-  BufferPool pool;
-  {
-    Writer writer(fd.fd, model, base, &pool);
-    offset = header.size();
-    for (size_t i = 0; i < rows.size(); ++i) {
-      const std::string& name = rows[i].name;
-      auto fast = FastTensor(*plan, base, adapter, name, *tensors.Info(name), kernel_threads, pool);
-      if (!fast.ok()) return fast.status().WithContext(what);
-      Job job;
-      if (fast->has_value()) {
-        job = std::move(**fast);
-      } else {
-        auto t = tensors.Get(name);
-        if (!t.ok()) return t.status().WithContext(what);
-        job.tensor = std::move(*t);
-        job.release = name;
-      }
-      // The fast path hashed what it merged; the base's unchanged tensors (from its mapping)
-      // and what the LazySnapshot merged are hashed here.
-      digests[i] = job.digest ? *job.digest : store::TensorDigest(job.tensor);
-      job.offset = offset;
-      FERRY_RETURN_IF_ERROR(writer.Push(std::move(job)));
-      offset += rows[i].nbytes;
-    }
-    FERRY_RETURN_IF_ERROR(writer.Drain());
+  std::vector<uint64_t> offsets(rows.size());
+  offset = header.size();
+  for (size_t i = 0; i < rows.size(); ++i) {
+    offsets[i] = offset;
+    offset += rows[i].nbytes;
   }
+  std::vector<store::Digest> digests(rows.size());
+  Output output(fd.fd, model);
+  // One tensor: the fast path, or else what the LazySnapshot makes (one tensor at a time).
+  std::mutex lazy_mu;
+  const auto make = [&](size_t i, std::vector<uint16_t>& piece) -> Result<store::Digest> {
+    const std::string& name = rows[i].name;
+    FERRY_ASSIGN_OR_RETURN(const std::optional<store::Digest> fast,
+                           FastTensor(*plan, base, adapter, name, *tensors.Info(name), offsets[i], output, piece));
+    if (fast) return *fast;
+    Result<Tensor> t = [&] {
+      std::lock_guard<std::mutex> lock(lazy_mu);
+      return tensors.Get(name);
+    }();
+    if (!t.ok()) return t.status();
+    FERRY_ASSIGN_OR_RETURN(const store::Digest d, HashAndWrite(*t, offsets[i], output));
+    base.Release(name);
+    return d;
+  };
+  std::atomic<size_t> next{0};
+  const auto work = [&] {
+    std::vector<uint16_t> piece;
+    for (size_t i; !output.failed() && (i = next.fetch_add(1)) < rows.size();) {
+      Result<store::Digest> d = make(i, piece);
+      if (!d.ok()) {
+        output.Fail(d.status().WithContext(what));
+        return;
+      }
+      digests[i] = *d;
+    }
+  };
+  {
+    std::vector<std::thread> pool;
+    for (int t = 1; t < workers; ++t) pool.emplace_back(work);
+    work();
+    for (auto& t : pool) t.join();
+  }
+  FERRY_RETURN_IF_ERROR(output.error());
   for (size_t i = 0; i < rows.size(); ++i) rows[i].digest = digests[i];
   std::vector<store::AuxFile> aux_rows;
   for (const auto& [name, contents] : merged.aux_files()) {

@@ -414,11 +414,19 @@ TEST(LoraRowMerger16, RowRangesGiveTheWholeMergesBits) {
         std::vector<uint16_t> got(n, 0xdead);
         const std::vector<std::pair<int64_t, int64_t>> ranges = {{0, 1}, {1, 6}, {6, 7}, {7, 19}, {19, 30}, {30, 99}};
         for (const auto& [r0, r1] : ranges) {
-          merger.Merge(w16.data(), got.data(), r0, r1, threads);
+          // The range's rows land packed from the pointer given.
+          merger.Merge(w16.data(), got.data() + r0 * in, r0, r1, threads);
           const int64_t end = std::min(r1, out);
           for (size_t e = static_cast<size_t>(end * in); e < n; ++e) {
             ASSERT_EQ(got[e], 0xdead) << "row " << e / in << " written before its range " << r0 << ".." << r1;
           }
+        }
+        // A range alone into a buffer of its own size.
+        std::vector<uint16_t> piece(static_cast<size_t>(12 * in) + 1, 0xdead);
+        merger.Merge(w16.data(), piece.data(), 7, 19, threads);
+        ASSERT_EQ(piece.back(), 0xdead) << "written past the 12 rows of range 7..19";
+        for (size_t e = 0; e + 1 < piece.size(); ++e) {
+          ASSERT_EQ(piece[e], whole[static_cast<size_t>(7 * in) + e]) << "range 7..19 alone, element " << e;
         }
         for (size_t e = 0; e < n; ++e) {
           ASSERT_EQ(got[e], whole[e]) << (bf16 ? "bf16 " : "f16 ") << "in=" << in << " threads=" << threads << " at ("

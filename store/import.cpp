@@ -213,13 +213,18 @@ Result<ImportResult> RocksStore::ImportCheckpoint(const Checkpoint& ckpt, const 
   std::map<Digest, std::string> object_rows;  // the "objects" rows this import writes; guarded by rows_mu
   uint64_t small_bytes = 0;                   // guarded by rows_mu
   int64_t small_objects = 0;                  // guarded by rows_mu
+  // Whether an object is stored: its row holds its bytes (a small object), or its row is
+  // there and so is its file.
+  auto stored = [&](const Digest& digest, uint64_t nbytes) -> Result<bool> {
+    FERRY_ASSIGN_OR_RETURN(auto known, Get(rocksdb::ReadOptions(), kObjects, DigestKey(digest)));
+    if (!known) return false;
+    auto held = SmallObjectBytes(*known, nbytes);
+    if (!held.ok()) return false;
+    return !held->empty() || objects_.Present(ObjectStore::Kind::kTensor, digest, nbytes);
+  };
   auto store_tensor = [&](const Tensor& t, const TensorRow& row) -> Status {
-    FERRY_ASSIGN_OR_RETURN(auto known, Get(rocksdb::ReadOptions(), kObjects, DigestKey(row.digest)));
-    if (known) {
-      auto held = SmallObjectBytes(*known, row.nbytes);
-      if (held.ok() && !held->empty()) return Status::OK();  // a small object, stored
-      if (held.ok() && objects_.Present(ObjectStore::Kind::kTensor, row.digest, row.nbytes)) return Status::OK();
-    }
+    FERRY_ASSIGN_OR_RETURN(const bool present, stored(row.digest, row.nbytes));
+    if (present) return Status::OK();
     if (row.nbytes > 0 && row.nbytes <= options_.small_object_bytes) {
       // The bytes as they are in the row: nothing else is recorded under the digest.
       std::string value = SmallObjectRow(t.bytes());
@@ -272,13 +277,30 @@ Result<ImportResult> RocksStore::ImportCheckpoint(const Checkpoint& ckpt, const 
     for (const auto& [digest, value] : object_rows) wb.Put(cfs_[kObjects], DigestKey(digest), value);
   };
   if (Status s = batch.SyncDirs(); !s.ok()) return Status(s.code(), Where(s.message()));
-  ImportResult result;
-  result.bytes_written = batch.bytes_written() + small_bytes;
-  result.objects_written = batch.objects_written() + small_objects;
 
   // 3. One synced batch makes the version visible. The existence check, the sequence and
   //    the write are one step for concurrent imports.
   std::lock_guard commit_lock(commit_mu_);
+  // A small object that another import committed since this one looked for it is neither
+  // written again nor counted as written here (its row holds the same bytes).
+  for (auto it = object_rows.begin(); it != object_rows.end();) {
+    const uint64_t n = it->second.size() - 8;  // a file's row is its size alone
+    if (n == 0) {
+      ++it;
+      continue;
+    }
+    FERRY_ASSIGN_OR_RETURN(const bool present, stored(it->first, n));
+    if (!present) {
+      ++it;
+      continue;
+    }
+    small_bytes -= n;
+    --small_objects;
+    it = object_rows.erase(it);
+  }
+  ImportResult result;
+  result.bytes_written = batch.bytes_written() + small_bytes;
+  result.objects_written = batch.objects_written() + small_objects;
   FERRY_ASSIGN_OR_RETURN(bool exists, HasVersion(rocksdb::ReadOptions(), rec.id));
   if (exists) {
     FERRY_ASSIGN_OR_RETURN(result.record, LoadVersion(MakeView().options(), rec.id));

@@ -128,8 +128,10 @@ class Session {
 
   // Fetches bytes [start, size) of one item of `size` bytes with at most `credit` FETCHes
   // in flight, handing each chunk, in order, to `sink(bytes, offset within the item)`.
-  // kNewer as soon as an announcement, a chunk or a restarted publisher shows a newer version;
-  // for the pinned version only a restarted publisher does.
+  // kNewer as soon as an announcement, a chunk or a restarted publisher shows a newer version,
+  // or the publisher answers that the version is no longer served (kNotFound: newer ones
+  // replaced it); for the pinned version only a restarted publisher does. The replies still
+  // due to requests abandoned this way are skipped as they arrive, whatever they hold.
   Result<Outcome> Fetch(const Manifest& man, ItemKind kind, uint32_t index, uint64_t start, uint64_t size,
                         const PieceSink& sink);
 
@@ -173,6 +175,10 @@ class Session {
   Link* link_;
   uint64_t bytes_received_ = 0;
   std::optional<store::Digest> pinned_;
+  // Replies still due to FETCHes a run abandoned (they come before any later reply: one
+  // connection, answered in order), skipped by Next so that none is taken for an answer to a
+  // later request (an ERROR for a version no longer served would fail the next HELLO).
+  size_t abandoned_ = 0;
 };
 
 // Reads one announcement from `sub` if one is queued (draining a malformed multipart

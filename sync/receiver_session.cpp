@@ -88,6 +88,10 @@ Status Session::Next(Clock::time_point deadline, Incoming* in) {
           return Status::Corruption("sync receiver " + o_.id + ": reply from " + o_.endpoints.requests +
                                     " has more than 2 frames");
         }
+        if (abandoned_ > 0) {
+          --abandoned_;
+          continue;
+        }
         in->announce = false;
         in->header = std::move(parts[0]);
         if (parts.size() == 2) in->payload = std::move(parts[1]);
@@ -153,7 +157,13 @@ Result<Outcome> Session::FetchRun(const Manifest& man, const std::vector<RunItem
     uint64_t length;
   };
   std::deque<Asked> in_flight;  // in the order asked, which is the order answered
-  size_t to_ask = 0;            // the item whose next chunk is asked next
+  // However the run ends, the replies still due are skipped when they come (Next).
+  struct Abandon {
+    size_t& abandoned;
+    const std::deque<Asked>& in_flight;
+    ~Abandon() { abandoned += in_flight.size(); }
+  } abandon{abandoned_, in_flight};
+  size_t to_ask = 0;  // the item whose next chunk is asked next
   uint64_t next = items.empty() ? 0 : items[0].start;
   size_t reported = 0;  // items before this one are complete and reported to `done`
   // Moves to_ask past items with nothing (left) to ask for.
@@ -191,7 +201,16 @@ Result<Outcome> Session::FetchRun(const Manifest& man, const std::vector<RunItem
       if (in.msg.epoch != man.epoch || (follow_newer && in.msg.sequence > man.sequence)) return Outcome::kNewer;
       continue;
     }
-    if (in.msg.type == MsgType::kError) return PublisherError(in.msg);
+    if (in.msg.type == MsgType::kError) {
+      Status error = PublisherError(in.msg);
+      // The version is no longer served (newer ones replaced it, and the announcements may
+      // not be in yet): take the latest.
+      if (follow_newer && error.code() == StatusCode::kNotFound && !in_flight.empty()) {
+        in_flight.pop_front();
+        return Outcome::kNewer;
+      }
+      return error;
+    }
     const Asked& want = in_flight.front();
     const RunItem& item = items[want.item];
     if (in.msg.type != MsgType::kChunk || !(in.msg.version == man.version) || in.msg.kind != item.kind ||

@@ -248,5 +248,100 @@ TEST_F(PublisherSnapshotTest, OfferedBytesThatDoNotMatchTheRecordedDigestAreRefu
   EXPECT_FALSE(active->has_value());
 }
 
+// Step `step`'s snapshot: the fixture's adapter with one lora_B element moved by `step`.
+std::shared_ptr<const Snapshot> StepSnapshot(int step) {
+  SnapshotSource src = FixtureSource();
+  for (auto& [name, t] : src.adapter_tensors) {
+    if (name.find("lora_B") != std::string::npos) t.mutable_data_as<float>()[0] += static_cast<float>(step);
+  }
+  return Build(src);
+}
+
+// Offered snapshots beyond the 2 newest are dropped before they are published: publishing
+// the oldest one's version is then refused naming it, the newer ones are served.
+TEST_F(PublisherSnapshotTest, AnOfferDroppedForNewerOnesIsRefusedWhenPublished) {
+  StartPublisher({});
+  std::vector<store::Digest> ids;
+  for (int step = 1; step <= 3; ++step) {
+    auto snap = StepSnapshot(step);
+    ASSERT_NE(snap, nullptr);
+    store::ImportOptions mo;
+    mo.run = "rl";
+    mo.step = step;
+    mo.base_version = base_;
+    mo.adapter_version = adapter_;
+    auto r = RecordSnapshotDigests(*store_, *snap, mo);
+    ASSERT_TRUE(r.ok()) << r.status().ToString();
+    ids.push_back(r->record.id);
+    publisher_->Offer(r->record.id, snap);
+  }
+  auto oldest = publisher_->Publish(ids[0]);
+  ASSERT_FALSE(oldest.ok());
+  EXPECT_EQ(oldest.status().code(), StatusCode::kFailedPrecondition) << oldest.status().ToString();
+  EXPECT_NE(oldest.status().message().find(ids[0].Hex()), std::string::npos) << oldest.status().ToString();
+  ASSERT_TRUE(publisher_->Publish(ids[1]).ok());
+  ASSERT_TRUE(publisher_->Publish(ids[2]).ok());
+  auto r = Receiver::Connect(RecvOptions("gen"));
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  auto got = (*r)->SyncLatest();
+  ASSERT_TRUE(got.ok()) << got.status().ToString();
+  EXPECT_EQ(got->version, ids[2]);
+  ExpectActiveVersion(RecvOptions("gen").dir, ids[2]);
+}
+
+// A receiver part-way through a derived version whose snapshot the publisher drops (two
+// newer versions published meanwhile: only the 2 newest keep theirs) moves on to the latest
+// version, verified, instead of failing on the tensors no longer served. The newer versions
+// are published after the first chunk, while the store's tensors are fetched (lm_head, in
+// 4 KiB chunks), and once the first merged tensor (layer 0's down_proj, chunk 18) is under way.
+// With credit 4 the FETCHes already asked when the run gives way are answered afterwards
+// (ERRORs among them), and must not be taken for the answer to the next HELLO.
+TEST_F(PublisherSnapshotTest, AVersionWhoseSnapshotIsDroppedMidTransferGivesWayToTheLatest) {
+  int round = 0;
+  for (const auto& [credit, trigger] : std::vector<std::pair<uint32_t, int>>{{1, 1}, {1, 18}, {1, 19}, {4, 18}}) {
+    SCOPED_TRACE("credit " + std::to_string(credit) + ", newer versions published after chunk " +
+                 std::to_string(trigger));
+    ++round;
+    std::vector<store::Digest> ids;
+    std::vector<std::shared_ptr<const Snapshot>> snaps;
+    for (int k = 1; k <= 3; ++k) {
+      const int step = round * 10 + k;
+      snaps.push_back(StepSnapshot(step));
+      ASSERT_NE(snaps.back(), nullptr);
+      store::ImportOptions mo;
+      mo.run = "rl";
+      mo.step = step;
+      mo.base_version = base_;
+      mo.adapter_version = adapter_;
+      auto r = RecordSnapshotDigests(*store_, *snaps.back(), mo);
+      ASSERT_TRUE(r.ok()) << r.status().ToString();
+      ids.push_back(r->record.id);
+    }
+    publisher_.reset();
+    StartPublisher({});
+    publisher_->Offer(ids[0], snaps[0]);
+    ASSERT_TRUE(publisher_->Publish(ids[0]).ok());
+    ReceiverOptions o = RecvOptions("gen" + std::to_string(round));
+    o.chunk_bytes = 4096;  // small pieces: most are asked after the hook
+    o.credit = credit;
+    int chunks = 0;
+    o.on_chunk_for_testing = [&](uint64_t) {
+      if (++chunks != trigger) return;
+      for (size_t k = 1; k <= 2; ++k) {
+        publisher_->Offer(ids[k], snaps[k]);
+        ASSERT_TRUE(publisher_->Publish(ids[k]).ok());
+      }
+    };
+    auto r = Receiver::Connect(o);
+    ASSERT_TRUE(r.ok()) << r.status().ToString();
+    auto got = (*r)->SyncLatest();
+    ASSERT_TRUE(got.ok()) << got.status().ToString();
+    EXPECT_GE(chunks, trigger);
+    EXPECT_EQ(got->version, ids[2]);
+    EXPECT_GE(got->skipped, 1);
+    ExpectActiveVersion(o.dir, ids[2]);
+  }
+}
+
 }  // namespace
 }  // namespace ferry::sync

@@ -271,6 +271,10 @@ Cost RawRun(const RawServer& srv, const Transport& t, int receivers, const fs::p
   });
   stop.store(true);
   server.join();
+  if (!tcp) {
+    std::error_code ec;
+    fs::remove(ep.substr(std::string_view("ipc://").size()), ec);  // the socket file, left by ZeroMQ
+  }
   return cost;
 }
 

@@ -18,7 +18,7 @@
 namespace ferry::sync {
 namespace {
 
-constexpr size_t kMaxPublishedKept = 8;        // versions still served after a newer one is published
+constexpr size_t kMaxPublishedKept = 8;        // versions served (in adapter mode the pinned base among them)
 constexpr size_t kMaxCachedItems = 4;          // tensors/aux files kept open for chunking
 constexpr size_t kMaxOfferedKept = 2;          // offered snapshots waiting to be published (Offer)
 constexpr size_t kMaxSnapshotsKept = 2;        // published versions whose offered snapshot is kept

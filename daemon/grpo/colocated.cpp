@@ -56,10 +56,22 @@ Result<store::Digest> ColocatedGenerator::Sync() {
   FERRY_ASSIGN_OR_RETURN(
       runtime::ModelConfig config,
       runtime::ParseModelConfig(*config_text, "snapshot " + h.snapshot->manifest_id().Hex() + " config.json"));
-  // Views of the snapshot's buffers; the model holds the snapshot alive.
+  // Views of the snapshot's buffers; the model holds the snapshot alive. Where the model
+  // converts (a compute dtype or a device other than the snapshot's), the tensors this step
+  // did not change (equal digests: the base's, most of the model) are taken from the model
+  // held, already converted, instead of being converted again at every step.
+  runtime::WeightReuse reuse;
+  if (model_ && current_.snapshot) {
+    reuse.model = model_.get();
+    reuse.unchanged = [&, previous = &current_.snapshot->digests(),
+                       now = &h.snapshot->digests()](const std::string& name) {
+      auto a = previous->find(name), b = now->find(name);
+      return a != previous->end() && b != now->end() && a->second == b->second;
+    };
+  }
   FERRY_ASSIGN_OR_RETURN(
       std::unique_ptr<runtime::CausalLM> model,
-      runtime::CausalLM::FromCheckpoint(config, h.snapshot->checkpoint(), options_.model, h.snapshot));
+      runtime::CausalLM::FromCheckpoint(config, h.snapshot->checkpoint(), options_.model, h.snapshot, &reuse));
   // The proof: the digest of the bytes this model runs, recomputed, acknowledged.
   FERRY_ASSIGN_OR_RETURN(store::Digest computed, sync::ComputeManifestId(*h.snapshot));
   FERRY_RETURN_IF_ERROR(channel_->Acknowledge(options_.receiver_id, h.sequence, computed));

@@ -263,14 +263,16 @@ Result<std::unique_ptr<CausalLM>> CausalLM::Load(const std::filesystem::path& di
 
 Result<std::unique_ptr<CausalLM>> CausalLM::FromCheckpoint(const ModelConfig& config, const Checkpoint& weights,
                                                            const ModelOptions& options,
-                                                           std::shared_ptr<const void> keep_alive) {
+                                                           std::shared_ptr<const void> keep_alive,
+                                                           const WeightReuse* reuse) {
   std::unique_ptr<CausalLM> m(new CausalLM());
   m->keep_alive_ = std::move(keep_alive);
-  FERRY_RETURN_IF_ERROR(m->Init(config, weights, options));
+  FERRY_RETURN_IF_ERROR(m->Init(config, weights, options, reuse));
   return m;
 }
 
-Status CausalLM::Init(const ModelConfig& config, const Checkpoint& weights, const ModelOptions& options) {
+Status CausalLM::Init(const ModelConfig& config, const Checkpoint& weights, const ModelOptions& options,
+                      const WeightReuse* reuse) {
   config_ = config;
   device_ = options.device;
   attention_chunk_ = std::max<int64_t>(1, options.attention_chunk);
@@ -317,12 +319,23 @@ Status CausalLM::Init(const ModelConfig& config, const Checkpoint& weights, cons
       return Status::InvalidArgument(where + ": tensor '" + name + "' is " + std::string(DTypeName(info->dtype)) +
                                      ", expected a floating-point dtype");
     }
+    consumed.insert(name);
+    if (reuse != nullptr && reuse->model != nullptr && reuse->unchanged && reuse->unchanged(name)) {
+      auto lent = reuse->model->copies_.find(name);
+      if (lent != reuse->model->copies_.end() && lent->second.scalar_type() == dtype_ &&
+          lent->second.device() == device_ && lent->second.sizes() == at::IntArrayRef(shape)) {
+        copies_[name] = lent->second;
+        return lent->second;
+      }
+    }
     FERRY_ASSIGN_OR_RETURN(Tensor t, weights.Get(name));
     FERRY_ASSIGN_OR_RETURN(at::Tensor v, ToTorch(t, device_));
-    consumed.insert(name);
+    bool own = !device_.is_cpu();  // ToTorch copied it to the device; on the CPU it is a view
     if (v.scalar_type() != dtype_) {
       FERRY_ASSIGN_OR_RETURN(v, GuardTorch("converting " + name, [&] { return v.to(dtype_); }));
+      own = true;
     }
+    if (own) copies_[name] = v;
     return v;
   };
   auto linear = [&](const std::string& module, int64_t out, int64_t in, bool bias) -> Result<Linear> {

@@ -31,6 +31,8 @@
 
 #include <array>
 #include <filesystem>
+#include <functional>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -139,6 +141,18 @@ struct ForwardArgs {
   bool checkpoint_layers = false;
 };
 
+class CausalLM;
+
+// What a model built from earlier weights lends the next one: every tensor `unchanged` names
+// (byte for byte the same in both checkpoints: equal digests) that `model` holds as a copy
+// of its own (converted to the compute dtype, or copied to the device) is shared with the new
+// model instead of being converted again. A tensor `model` holds as a view of its checkpoint
+// is never lent (the view would keep that checkpoint's owner alive).
+struct WeightReuse {
+  const CausalLM* model = nullptr;
+  std::function<bool(const std::string& name)> unchanged;
+};
+
 class CausalLM {
  public:
   // Loads `dir` (config.json + safetensors, single or sharded). Errors name the file and tensor:
@@ -147,9 +161,11 @@ class CausalLM {
   static Result<std::unique_ptr<CausalLM>> Load(const std::filesystem::path& dir, const ModelOptions& options);
   // The same over tensors already open: a Checkpoint (a model directory's, or a sync
   // Snapshot's). `keep_alive` is held for the model's life (e.g. the Snapshot owning the bytes).
+  // `reuse`: converted tensors taken from an earlier model (see WeightReuse); null: none.
   static Result<std::unique_ptr<CausalLM>> FromCheckpoint(const ModelConfig& config, const Checkpoint& weights,
                                                           const ModelOptions& options,
-                                                          std::shared_ptr<const void> keep_alive = nullptr);
+                                                          std::shared_ptr<const void> keep_alive = nullptr,
+                                                          const WeightReuse* reuse = nullptr);
   CausalLM(const CausalLM&) = delete;
   CausalLM& operator=(const CausalLM&) = delete;
   ~CausalLM();
@@ -188,7 +204,8 @@ class CausalLM {
 
  private:
   CausalLM() = default;
-  Status Init(const ModelConfig& config, const Checkpoint& weights, const ModelOptions& options);
+  Status Init(const ModelConfig& config, const Checkpoint& weights, const ModelOptions& options,
+              const WeightReuse* reuse);
   at::Tensor LayerForward(const Layer& layer, int index, const at::Tensor& x, const Context& ctx) const;
   at::Tensor Attention(const Layer& layer, int index, const at::Tensor& x, const Context& ctx) const;
   at::Tensor Mlp(const Layer& layer, int index, const at::Tensor& x, const Context& ctx) const;
@@ -208,6 +225,9 @@ class CausalLM {
   Linear lm_head_;      // weight shares embed_ when tied
   std::vector<std::unique_ptr<Layer>> layers_;
   at::Tensor inv_freq_;  // fp32 [head_dim / 2] on the device
+  // The dense tensors held as copies of their own (converted or moved to the device), by
+  // checkpoint name: what a WeightReuse may lend the next model.
+  std::map<std::string, at::Tensor> copies_;
 };
 
 // The RoPE inverse frequencies [head_dim / 2] in fp32, as transformers computes them for

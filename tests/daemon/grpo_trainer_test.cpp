@@ -10,6 +10,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -21,6 +22,7 @@
 #include "daemon/runtime/model.h"
 #include "store/materialize.h"
 #include "store/store.h"
+#include "sync/snapshot.h"
 #include "tests/daemon/runtime_test_util.h"
 #include "tests/temp_dir.h"
 
@@ -250,6 +252,67 @@ TEST(GrpoTrainerTest, Nf4BaseTrainsWithEveryTensorOnTheCudaDevice) {
     EXPECT_EQ(line.at("generator_version").get<std::string>(), ConvertedId(r, step, tmp.path())) << "step " << step;
     EXPECT_TRUE(std::isfinite(line.at("loss").get<double>())) << "step " << step;
   }
+}
+
+// generation_dtype bfloat16 over an F32 base: the generator converts the base once. At each
+// sync the tensors the step left unchanged (equal digests: k_proj, up_proj, embeddings, norms,
+// lm_head here) are the previous model's converted copies, the others are converted anew, and
+// the model computes exactly what one converted afresh from the same snapshot computes.
+TEST(GrpoTrainerTest, Bf16GeneratorOverAnF32BaseConvertsOnlyWhatAStepChanged) {
+  TempDir tmp;
+  RunFiles r = MakeRun(tmp.path(), at::kFloat, 2, 1);
+  std::string config = ReadText(r.config);
+  const size_t at_threads = config.find("threads = 2\n");
+  ASSERT_NE(at_threads, std::string::npos);
+  config.insert(at_threads, "generation_dtype = \"bfloat16\"\n");
+  WriteText(r.config, config);
+  auto trainer = Trainer::Create(Options(r.config));
+  ASSERT_TRUE(trainer.ok()) << trainer.status().ToString();
+  const Trainer::State& s = *(*trainer)->state_for_testing();
+  // The weights by checkpoint name (held, so a freed buffer's address cannot come back).
+  auto weights = [](const runtime::CausalLM& m) {
+    std::map<std::string, at::Tensor> w;
+    for (int i = 0; i < m.num_layers(); ++i) {
+      for (int p = 0; p < runtime::kNumProj; ++p) {
+        const auto proj = static_cast<runtime::Proj>(p);
+        w["model.layers." + std::to_string(i) + "." + std::string(runtime::ProjName(proj)) + ".weight"] =
+            m.layer_linear(i, proj).weight;
+      }
+    }
+    w["lm_head.weight"] = m.lm_head().weight;
+    return w;
+  };
+  ASSERT_NE(s.generator->model(), nullptr);
+  EXPECT_EQ(s.generator->model()->dtype(), at::kBFloat16);
+  const std::map<std::string, at::Tensor> before = weights(*s.generator->model());
+  const std::shared_ptr<const sync::Snapshot> base_snapshot = s.generator->current().snapshot;
+
+  ASSERT_TRUE((*trainer)->Step().ok());
+  const runtime::CausalLM& model = *s.generator->model();
+  const std::shared_ptr<const sync::Snapshot> snapshot = s.generator->current().snapshot;
+  ASSERT_NE(snapshot->manifest_id(), base_snapshot->manifest_id());
+  const std::map<std::string, at::Tensor> after = weights(model);
+  int shared = 0, converted = 0;
+  for (const auto& [name, t] : after) {
+    const bool unchanged = base_snapshot->digests().at(name) == snapshot->digests().at(name);
+    EXPECT_EQ(t.data_ptr() == before.at(name).data_ptr(), unchanged) << name << (unchanged ? " unchanged" : " changed");
+    EXPECT_EQ(t.scalar_type(), at::kBFloat16) << name;
+    ++(unchanged ? shared : converted);
+  }
+  EXPECT_EQ(shared, 2 * 2 + 1) << "k_proj and up_proj of both layers, and lm_head";
+  EXPECT_EQ(converted, 2 * 5);
+
+  runtime::ModelOptions mo;
+  mo.dtype = at::kBFloat16;
+  auto fresh = runtime::CausalLM::FromCheckpoint(model.config(), snapshot->checkpoint(), mo, snapshot);
+  ASSERT_TRUE(fresh.ok()) << fresh.status().ToString();
+  runtime::ForwardArgs args;
+  args.input_ids = at::tensor({1, 5, 3, 9, 2, 11}, at::kLong).reshape({2, 3});
+  args.positions = at::arange(3, at::kLong).repeat({2, 1});
+  auto got = model.Forward(args);
+  auto want = (*fresh)->Forward(args);
+  ASSERT_TRUE(got.ok() && want.ok());
+  EXPECT_TRUE(at::equal(*got, *want));
 }
 
 TEST(GrpoTrainerTest, NoWrappedNameReachesTheGeneratorAndTheReferenceIsTheBase) {

@@ -32,8 +32,11 @@
 //
 // Usage: ferry_bench_sync [--work DIR] [--size-gb GB] [--reps N] [--recv-dir DIR]
 //                         [--chunk-kib N] [--credit N] [--transport ipc|tcp+curve] [--receivers N]
-//                         [--links loopback,1,0.125] [--ferry-only] [--skip-throughput] [--skip-modes]
+//                         [--links loopback,1,0.125] [--recv-layout hf|fused] [--ferry-only]
+//                         [--skip-throughput] [--skip-modes]
 //   --links: link rates for (2) in GB/s (10^9 bytes/s), "loopback" or 0 for an unpaced link.
+//   --recv-layout: the layout (2)'s receiver keeps (fused: q/k/v and gate/up stacked; merged-full
+//     then restacks what it received, adapter-only writes its merge stacked). Default: hf.
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/resource.h>
@@ -76,6 +79,7 @@ std::vector<std::string> kTransports = {"ipc", "tcp+curve"};  // --transport
 std::vector<int> kReceiverCounts = {1, 4};                    // --receivers
 bool kFerryOnly = false;                                      // --ferry-only
 std::vector<double> kLinksGBps = {0, 1, 0.125};               // --links (GB/s; 0 = unpaced loopback)
+Layout kRecvLayout = Layout::kHf;                             // --recv-layout (part 2)
 
 [[noreturn]] void Die(const std::string& m) {
   std::fprintf(stderr, "ferry_bench_sync: %s\n", m.c_str());
@@ -453,10 +457,18 @@ void Modes(const fs::path& work, int reps, const fs::path& recv_dir) {
   mo.adapter_version = adapter_id;
   mo.base_version = base_id;
   const store::Digest merged_id = Take(sync::RecordSnapshot(*st, *snap, mo)).record.id;
+  // What the receiver activates: the merged version, or its fused layout.
+  store::Digest active_id = merged_id;
+  if (kRecvLayout == Layout::kFused) {
+    sync::SnapshotOptions fo;
+    fo.layout = Layout::kFused;
+    active_id = Take(sync::BuildSnapshot(src, fo))->manifest_id();
+  }
   std::printf(
       "\n(2) adapter-only vs merged-full: 0.5B Llama shape (%.0f M parameters, %.0f MiB BF16), r=16 on all "
-      "linear layers; 1 receiver over ipc, %d reps, medians\n",
-      static_cast<double>(snap->bytes()) / 2e6, static_cast<double>(snap->bytes()) / (1 << 20), reps);
+      "linear layers; 1 receiver over ipc keeping the %s layout, %d reps, medians\n",
+      static_cast<double>(snap->bytes()) / 2e6, static_cast<double>(snap->bytes()) / (1 << 20),
+      std::string(LayoutName(kRecvLayout)).c_str(), reps);
   std::printf(
       "publish->activated: from Publisher::Publish to DIR/current switched to the verified merged id (the\n"
       "receiver connected and waiting). link: loopback (unpaced ipc) or a slower link simulated by pacing the\n"
@@ -490,6 +502,7 @@ void Modes(const fs::path& work, int reps, const fs::path& recv_dir) {
       auto pub = StartPublisher(st.get(), t, row.mode, static_cast<int64_t>(row.gbps * 1e9));
       auto o = ReceiverFor(t, pub->bound_endpoints(), dir, 0);
       o.base_dir = base;
+      o.layout = kRecvLayout;
       auto rx = Take(sync::Receiver::Connect(o));
       sync::SyncResult res;
       std::thread waiter([&] { res = Take(rx->WaitForNewer(120000)); });
@@ -500,7 +513,7 @@ void Modes(const fs::path& work, int reps, const fs::path& recv_dir) {
         (void)Take(pub->Publish(row.publish));
         waiter.join();
       }));
-      if (res.active != merged_id) Die(std::string(row.name) + ": receiver activated " + res.active.Hex());
+      if (res.active != active_id) Die(std::string(row.name) + ": receiver activated " + res.active.Hex());
       row.bytes = res.bytes_received;
       fs::remove_all(dir);
     }
@@ -579,6 +592,10 @@ int main(int argc, char** argv) {
         if (kLinksGBps.back() < 0) Die("--links: rates must be >= 0");
         pos = comma + 1;
       }
+    } else if (a == "--recv-layout") {
+      const std::string l = next();
+      if (l != "hf" && l != "fused") Die("--recv-layout: hf or fused");
+      kRecvLayout = l == "hf" ? Layout::kHf : Layout::kFused;
     } else if (a == "--ferry-only") {
       kFerryOnly = true;
     } else if (a == "--skip-throughput") {
@@ -589,7 +606,8 @@ int main(int argc, char** argv) {
       std::printf(
           "Usage: ferry_bench_sync [--work DIR] [--size-gb GB] [--reps N] [--recv-dir DIR] "
           "[--chunk-kib N] [--credit N] [--transport ipc|tcp+curve] [--receivers N] "
-          "[--links loopback,1,0.125] [--ferry-only] [--skip-throughput] [--skip-modes]\n");
+          "[--links loopback,1,0.125] [--recv-layout hf|fused] [--ferry-only] [--skip-throughput] "
+          "[--skip-modes]\n");
       return 0;
     } else {
       Die("unknown argument " + a + " (see --help)");

@@ -8,6 +8,8 @@
 #include <atomic>
 #include <cerrno>
 #include <cstring>
+#include <functional>
+#include <map>
 #include <mutex>
 #include <nlohmann/json.hpp>
 #include <optional>
@@ -15,6 +17,7 @@
 #include <utility>
 #include <vector>
 
+#include "convert/fused_layout.h"
 #include "convert/merge_plan.h"
 #include "convert/peft_config.h"
 #include "core/aux_files.h"
@@ -36,7 +39,7 @@ namespace fs = std::filesystem;
 // a writer thread read every merged byte back from memory once more; on two cores the copy of
 // a 0.5B model into tmpfs then took 0.4-1.3 s instead of 0.35 s.)
 constexpr size_t kPieceBytes = size_t{256} << 10;
-// Default workers on a machine with more hardware threads (see WriteMergedAdapter).
+// Default workers on a machine with more hardware threads (see DefaultWorkers).
 constexpr int kMaxWorkers = 4;
 
 // The file being written and the first error of any worker.
@@ -71,27 +74,15 @@ struct FdCloser {
   }
 };
 
-// Hashes `t` and writes it at `offset`, a piece at a time (the piece just hashed is the one
-// copied, from cache); its digest.
-Result<store::Digest> HashAndWrite(const Tensor& t, uint64_t offset, const Output& output) {
-  store::TensorDigester digester(t.dtype(), t.shape());
-  const std::span<const std::byte> bytes = t.bytes();
-  for (size_t at = 0; at < bytes.size(); at += kPieceBytes) {
-    const auto piece = bytes.subspan(at, std::min(kPieceBytes, bytes.size() - at));
-    digester.Update(piece);
-    FERRY_RETURN_IF_ERROR(output.Write(piece, offset + at));
-  }
-  return digester.Finish();
-}
-
 // The common case, one plain LoRA delta on a 16-bit weight (MergePlan::FusableDelta), made
 // here with the fused kernel exactly as the snapshot builder makes it (a divergence could only
 // fail the proof, never pass it), a piece of rows at a time into `piece`, each piece hashed and
-// written at once; unchanged tensors are hashed and written from the base's mapping. Its
-// digest, or nullopt for anything else (nothing written: the caller asks the LazySnapshot).
+// handed to `sink` at once; unchanged tensors are hashed and handed over from the base's
+// mapping. Its digest, or nullopt for anything else (nothing handed over: the caller asks the
+// LazySnapshot).
 Result<std::optional<store::Digest>> FastTensor(const MergePlan& plan, const Checkpoint& base,
                                                 const Checkpoint& adapter, const std::string& name,
-                                                const TensorInfo& out, uint64_t offset, const Output& output,
+                                                const TensorInfo& out, const PieceSink& sink,
                                                 std::vector<uint16_t>& piece) {
   using Digest = std::optional<store::Digest>;
   const std::string source = plan.SourceOf(name);
@@ -99,7 +90,7 @@ Result<std::optional<store::Digest>> FastTensor(const MergePlan& plan, const Che
   if (in == nullptr || in->dtype != out.dtype || in->shape != out.shape) return Digest();
   if (!plan.Changes(name)) {
     FERRY_ASSIGN_OR_RETURN(const Tensor t, base.Get(source));
-    FERRY_ASSIGN_OR_RETURN(const store::Digest d, HashAndWrite(t, offset, output));
+    FERRY_ASSIGN_OR_RETURN(const store::Digest d, HashAndWrite(t, sink));
     base.Release(source);
     return Digest(d);
   }
@@ -121,7 +112,7 @@ Result<std::optional<store::Digest>> FastTensor(const MergePlan& plan, const Che
     merger.Merge(w.data_as<uint16_t>(), piece.data(), r0, r1);
     const auto bytes = std::as_bytes(std::span<const uint16_t>(piece.data(), static_cast<size_t>((r1 - r0) * m->in)));
     digester.Update(bytes);
-    FERRY_RETURN_IF_ERROR(output.Write(bytes, offset + static_cast<uint64_t>(r0 * row_bytes)));
+    FERRY_RETURN_IF_ERROR(sink(bytes, static_cast<uint64_t>(r0 * row_bytes)));
   }
   adapter.Release(m->a_key);
   adapter.Release(m->b_key);
@@ -131,8 +122,102 @@ Result<std::optional<store::Digest>> FastTensor(const MergePlan& plan, const Che
 
 }  // namespace
 
-Result<store::Digest> WriteMergedAdapter(const fs::path& received, const fs::path& base_dir,
-                                         const store::Digest& expected, int threads, const fs::path& out) {
+int DefaultWorkers() { return std::clamp(static_cast<int>(std::thread::hardware_concurrency()), 1, kMaxWorkers); }
+
+Result<store::Digest> HashAndWrite(const Tensor& t, const PieceSink& sink) {
+  store::TensorDigester digester(t.dtype(), t.shape());
+  const std::span<const std::byte> bytes = t.bytes();
+  for (size_t at = 0; at < bytes.size(); at += kPieceBytes) {
+    const auto piece = bytes.subspan(at, std::min(kPieceBytes, bytes.size() - at));
+    digester.Update(piece);
+    FERRY_RETURN_IF_ERROR(sink(piece, at));
+  }
+  return digester.Finish();
+}
+
+Result<LaidOutDigests> WriteLaidOut(const std::vector<LaidOutTensor>& outputs, int workers,
+                                    const PartWriter& write_part, const fs::path& file) {
+  LaidOutDigests result;
+  std::vector<TensorSpec> specs;
+  for (const LaidOutTensor& o : outputs) {
+    specs.push_back(o.spec);
+    store::TensorRow row;
+    row.name = o.spec.name;
+    row.dtype = o.spec.dtype;
+    row.shape = o.spec.shape;
+    FERRY_ASSIGN_OR_RETURN(row.nbytes, CheckedByteSize(o.spec.dtype, o.spec.shape));
+    result.rows.push_back(std::move(row));
+    result.parts.emplace_back(o.parts.size());
+  }
+  FERRY_ASSIGN_OR_RETURN(std::string header, SerializeSafetensorsHeader(specs, {{"format", "pt"}}));
+  FdCloser fd{::open(file.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0644)};
+  if (fd.fd < 0) return Status::IOError(file.string() + ": cannot create: " + std::strerror(errno));
+  std::vector<uint64_t> offsets(outputs.size());
+  uint64_t offset = header.size();
+  for (size_t i = 0; i < outputs.size(); ++i) {
+    offsets[i] = offset;
+    offset += result.rows[i].nbytes;
+  }
+  FERRY_RETURN_IF_ERROR(PwriteAll(fd.fd, {reinterpret_cast<const std::byte*>(header.data()), header.size()}, 0, file));
+  if (::ftruncate(fd.fd, static_cast<off_t>(offset)) != 0) {
+    return Status::IOError(file.string() + ": cannot size to " + std::to_string(offset) +
+                           " bytes: " + std::strerror(errno));
+  }
+  Output output(fd.fd, file);
+  // One output tensor: its parts one after the other, each hashed by the part writer and,
+  // when stacked with others, as a piece of the output tensor too, and written in place.
+  const auto make = [&](size_t i, std::vector<uint16_t>& piece) -> Status {
+    const LaidOutTensor& o = outputs[i];
+    std::optional<store::TensorDigester> stacked;
+    if (o.parts.size() > 1) stacked.emplace(o.spec.dtype, o.spec.shape);
+    uint64_t at = offsets[i];
+    uint64_t written = 0;
+    for (size_t k = 0; k < o.parts.size(); ++k) {
+      uint64_t part_bytes = 0;
+      const PieceSink sink = [&](std::span<const std::byte> bytes, uint64_t within) {
+        if (stacked) stacked->Update(bytes);
+        part_bytes = std::max<uint64_t>(part_bytes, within + bytes.size());
+        if (written + within + bytes.size() > result.rows[i].nbytes) {
+          return Status::Internal(file.string() + ": tensor '" + o.spec.name +
+                                  "': its parts hold more bytes than its " + std::to_string(result.rows[i].nbytes));
+        }
+        return output.Write(bytes, at + within);
+      };
+      FERRY_ASSIGN_OR_RETURN(result.parts[i][k], write_part(o.parts[k], sink, piece));
+      at += part_bytes;
+      written += part_bytes;
+    }
+    if (written != result.rows[i].nbytes) {
+      return Status::Internal(file.string() + ": tensor '" + o.spec.name + "': its parts hold " +
+                              std::to_string(written) + " bytes, not " + std::to_string(result.rows[i].nbytes));
+    }
+    result.rows[i].digest = stacked ? stacked->Finish() : result.parts[i][0];
+    return Status::OK();
+  };
+  std::atomic<size_t> next{0};
+  const auto work = [&] {
+    std::vector<uint16_t> piece;
+    for (size_t i; !output.failed() && (i = next.fetch_add(1)) < outputs.size();) {
+      if (Status s = make(i, piece); !s.ok()) {
+        output.Fail(std::move(s));
+        return;
+      }
+    }
+  };
+  {
+    std::vector<std::thread> pool;
+    for (int t = 1; t < workers; ++t) pool.emplace_back(work);
+    work();
+    for (auto& t : pool) t.join();
+  }
+  FERRY_RETURN_IF_ERROR(output.error());
+  if (::fsync(fd.fd) != 0) return Status::IOError(file.string() + ": fsync failed: " + std::strerror(errno));
+  return result;
+}
+
+Result<MergedAdapter> WriteMergedAdapter(const fs::path& received, const fs::path& base_dir,
+                                         const store::Digest& expected, int threads, Layout layout,
+                                         const fs::path& out) {
   const std::string what = "adapter activation of " + received.string() + " onto " + base_dir.string();
   auto opened = Checkpoint::Open(base_dir);
   if (!opened.ok()) {
@@ -170,15 +255,15 @@ Result<store::Digest> WriteMergedAdapter(const fs::path& received, const fs::pat
   auto plan = PlanMerge(*source.adapter_config, adapter, base, options.tie_word_embeddings);
   if (!plan.ok()) return plan.status().WithContext(what);
   // Workers, each merging, hashing and writing whole tensors (a tensor's digest is one
-  // sequential hash); while one copies into the file, another merges. By default one per
-  // hardware thread, at most kMaxWorkers: the file's writes are serialised by its inode lock
-  // and merging a piece costs about what copying it does, so two already keep the lock busy
-  // and more would only spin on it.
-  const int workers =
-      threads > 0 ? threads : std::clamp(static_cast<int>(std::thread::hardware_concurrency()), 1, kMaxWorkers);
+  // sequential hash): while one copies into the file, another merges.
+  const int workers = threads > 0 ? threads : DefaultWorkers();
 
+  // The merged tensors in the hf layout (the proof's rows) and what is written: the same, or
+  // in the fused layout q/k/v and gate/up stacked (convert/fused_layout.h, the converter's
+  // planner), each fused tensor its parts' bytes one after the other.
   std::vector<TensorSpec> specs;
   std::vector<store::TensorRow> rows;
+  std::map<std::string, size_t> row_of;
   for (const std::string& name : tensors.names()) {
     const TensorInfo* info = tensors.Info(name);
     specs.push_back({name, info->dtype, info->shape});
@@ -187,83 +272,61 @@ Result<store::Digest> WriteMergedAdapter(const fs::path& received, const fs::pat
     row.dtype = info->dtype;
     row.shape = info->shape;
     FERRY_ASSIGN_OR_RETURN(row.nbytes, CheckedByteSize(info->dtype, info->shape));
+    row_of[name] = rows.size();
     rows.push_back(std::move(row));
   }
-  FERRY_ASSIGN_OR_RETURN(std::string header, SerializeSafetensorsHeader(specs, {{"format", "pt"}}));
+  std::vector<LaidOutTensor> outputs;
+  if (layout == Layout::kFused) {
+    auto fused = FuseLayout(specs, what);
+    if (!fused.ok()) return fused.status();
+    outputs = std::move(*fused);
+    std::sort(outputs.begin(), outputs.end(),
+              [](const LaidOutTensor& x, const LaidOutTensor& y) { return x.spec.name < y.spec.name; });
+  } else {
+    for (const TensorSpec& spec : specs) outputs.push_back(LaidOutTensor{spec, {spec.name}});
+  }
   FERRY_ASSIGN_OR_RETURN(StagingDir staging, StagingDir::Create(out, /*replace_existing=*/false));
-  const fs::path model = staging.path() / "model.safetensors";
-  FdCloser fd{::open(model.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0644)};
-  if (fd.fd < 0) return Status::IOError(model.string() + ": cannot create: " + std::strerror(errno));
-  uint64_t offset = header.size();
-  for (const auto& row : rows) offset += row.nbytes;
-  FERRY_RETURN_IF_ERROR(PwriteAll(fd.fd, {reinterpret_cast<const std::byte*>(header.data()), header.size()}, 0, model));
-  if (::ftruncate(fd.fd, static_cast<off_t>(offset)) != 0) {
-    return Status::IOError(model.string() + ": cannot size to " + std::to_string(offset) +
-                           " bytes: " + std::strerror(errno));
-  }
-
-  std::vector<uint64_t> offsets(rows.size());
-  offset = header.size();
-  for (size_t i = 0; i < rows.size(); ++i) {
-    offsets[i] = offset;
-    offset += rows[i].nbytes;
-  }
-  std::vector<store::Digest> digests(rows.size());
-  Output output(fd.fd, model);
-  // One tensor: the fast path, or else what the LazySnapshot makes (one tensor at a time).
+  // Each part: the fast path, or else what the LazySnapshot makes (one tensor at a time).
   std::mutex lazy_mu;
-  const auto make = [&](size_t i, std::vector<uint16_t>& piece) -> Result<store::Digest> {
-    const std::string& name = rows[i].name;
-    FERRY_ASSIGN_OR_RETURN(const std::optional<store::Digest> fast,
-                           FastTensor(*plan, base, adapter, name, *tensors.Info(name), offsets[i], output, piece));
-    if (fast) return *fast;
+  const PartWriter write_part = [&](const std::string& part, const PieceSink& sink,
+                                    std::vector<uint16_t>& piece) -> Result<store::Digest> {
+    FERRY_ASSIGN_OR_RETURN(std::optional<store::Digest> digest,
+                           FastTensor(*plan, base, adapter, part, *tensors.Info(part), sink, piece));
+    if (digest) return *digest;
     Result<Tensor> t = [&] {
       std::lock_guard<std::mutex> lock(lazy_mu);
-      return tensors.Get(name);
+      return tensors.Get(part);
     }();
     if (!t.ok()) return t.status();
-    FERRY_ASSIGN_OR_RETURN(const store::Digest d, HashAndWrite(*t, offsets[i], output));
-    base.Release(name);
+    FERRY_ASSIGN_OR_RETURN(const store::Digest d, HashAndWrite(*t, sink));
+    base.Release(part);
     return d;
   };
-  std::atomic<size_t> next{0};
-  const auto work = [&] {
-    std::vector<uint16_t> piece;
-    for (size_t i; !output.failed() && (i = next.fetch_add(1)) < rows.size();) {
-      Result<store::Digest> d = make(i, piece);
-      if (!d.ok()) {
-        output.Fail(d.status().WithContext(what));
-        return;
-      }
-      digests[i] = *d;
-    }
-  };
-  {
-    std::vector<std::thread> pool;
-    for (int t = 1; t < workers; ++t) pool.emplace_back(work);
-    work();
-    for (auto& t : pool) t.join();
+  auto written = WriteLaidOut(outputs, workers, write_part, staging.path() / "model.safetensors");
+  if (!written.ok()) return written.status().WithContext(what);
+  for (size_t i = 0; i < outputs.size(); ++i) {
+    for (size_t k = 0; k < outputs[i].parts.size(); ++k)
+      rows[row_of.at(outputs[i].parts[k])].digest = written->parts[i][k];
   }
-  FERRY_RETURN_IF_ERROR(output.error());
-  for (size_t i = 0; i < rows.size(); ++i) rows[i].digest = digests[i];
   std::vector<store::AuxFile> aux_rows;
   for (const auto& [name, contents] : merged.aux_files()) {
     aux_rows.push_back(store::AuxFile{name, store::AuxDigest(contents), contents.size()});
   }
-  const store::Digest id = store::ManifestDigest(rows, aux_rows);
-  if (!(id == expected)) {
+  MergedAdapter result;
+  result.proven = store::ManifestDigest(rows, aux_rows);
+  if (!(result.proven == expected)) {
     return Status::Corruption("adapter activation: merging " + received.string() + " onto the base " +
-                              base_dir.string() + " gives manifest " + id.Hex() +
+                              base_dir.string() + " gives manifest " + result.proven.Hex() +
                               " but the publisher's merged version is " + expected.Hex() +
                               " (the local base or the adapter differs from the publisher's)");
   }
-  if (::fsync(fd.fd) != 0) return Status::IOError(model.string() + ": fsync failed: " + std::strerror(errno));
+  result.id = layout == Layout::kFused ? store::ManifestDigest(written->rows, aux_rows) : result.proven;
   for (const auto& [name, contents] : merged.aux_files()) {
     FERRY_RETURN_IF_ERROR(WriteFileAtomic(staging.path() / name, contents));
   }
   FERRY_RETURN_IF_ERROR(SyncDirectory(staging.path()));
   FERRY_RETURN_IF_ERROR(staging.Commit());
-  return id;
+  return result;
 }
 
 }  // namespace ferry::sync::activate_internal

@@ -207,9 +207,10 @@ TEST(ActivateTest, AdapterMergedOntoLocalBaseHashesToThePublishersMergedId) {
       << "no temporary directory is left beside the output";
 }
 
-// 16-bit bases take the fused kernel path (merged into recycled buffers while earlier
-// tensors are hashed and written); a sharded base is read across its shards. Each result is
-// bit-identical to the publisher's snapshot and the converter's output.
+// 16-bit bases take the fused kernel path (each piece merged, hashed and written by a
+// worker); a sharded base is read across its shards. Each result is bit-identical to the
+// publisher's snapshot and the converter's output, in the hf layout and, written directly
+// with q/k/v and gate/up stacked, in the fused one (proving the hf id all the same).
 TEST(ActivateTest, SixteenBitAndShardedBasesProveThePublishersMergedId) {
   for (const char* name : {"llama_rslora_bf16", "qwen2_patterns_f16", "llama_sharded_bf16"}) {
     SCOPED_TRACE(name);
@@ -227,6 +228,18 @@ TEST(ActivateTest, SixteenBitAndShardedBasesProveThePublishersMergedId) {
     EXPECT_EQ(prepared->proven, std::optional<store::Digest>(converted));
     EXPECT_EQ(IdOf(out), converted);
     EXPECT_EQ(Entries(tmp.path()), (std::set<std::string>{"active", "converted", "received"}));
+
+    const store::Digest fused = IdOf(Converted(tmp.path(), case_dir, Layout::kFused, "converted-fused"));
+    ASSERT_NE(fused, converted);
+    const fs::path out_fused = tmp.path() / "active-fused";
+    auto stacked = PrepareActivation(received, AdapterPlan(converted, case_dir / "base", Layout::kFused), out_fused);
+    ASSERT_TRUE(stacked.ok()) << stacked.status().ToString();
+    EXPECT_EQ(stacked->proven, std::optional<store::Digest>(converted));
+    EXPECT_EQ(stacked->id, fused);
+    EXPECT_EQ(IdOf(out_fused), fused);
+    EXPECT_TRUE(Checkpoint::Open(out_fused).value().Contains("model.layers.0.self_attn.qkv_proj.weight"));
+    EXPECT_EQ(Entries(tmp.path()),
+              (std::set<std::string>{"active", "active-fused", "converted", "converted-fused", "received"}));
   }
 }
 

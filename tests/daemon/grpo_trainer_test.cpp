@@ -112,6 +112,15 @@ field = "answer"
   return r;
 }
 
+// Adds a top-level `key = value` line to the run's TOML (before its tables).
+void AddTopLevelKey(const fs::path& config, const std::string& line) {
+  std::string text = ReadText(config);
+  const size_t at = text.find("threads = 2\n");
+  ASSERT_NE(at, std::string::npos) << config;
+  text.insert(at, line);
+  WriteText(config, text);
+}
+
 TrainOptions Options(const fs::path& config) {
   TrainOptions o;
   o.config = config;
@@ -211,11 +220,7 @@ TEST(GrpoTrainerTest, Nf4BaseTrainsWithEveryTensorOnTheCudaDevice) {
   if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device (this LibTorch or machine)";
   TempDir tmp;
   RunFiles r = MakeRun(tmp.path(), at::kFloat, 2, 1, fs::path(FERRY_FIXTURES_DIR) / "runtime/models/llama_nf4_dq_f32");
-  std::string config = ReadText(r.config);
-  const size_t at_threads = config.find("threads = 2\n");
-  ASSERT_NE(at_threads, std::string::npos);
-  config.insert(at_threads, "device = \"cuda\"\n");
-  WriteText(r.config, config);
+  AddTopLevelKey(r.config, "device = \"cuda\"\n");
   auto trainer = Trainer::Create(Options(r.config));
   ASSERT_TRUE(trainer.ok()) << trainer.status().ToString();
   const Status run = (*trainer)->Run();
@@ -261,11 +266,7 @@ TEST(GrpoTrainerTest, Nf4BaseTrainsWithEveryTensorOnTheCudaDevice) {
 TEST(GrpoTrainerTest, Bf16GeneratorOverAnF32BaseConvertsOnlyWhatAStepChanged) {
   TempDir tmp;
   RunFiles r = MakeRun(tmp.path(), at::kFloat, 2, 1);
-  std::string config = ReadText(r.config);
-  const size_t at_threads = config.find("threads = 2\n");
-  ASSERT_NE(at_threads, std::string::npos);
-  config.insert(at_threads, "generation_dtype = \"bfloat16\"\n");
-  WriteText(r.config, config);
+  AddTopLevelKey(r.config, "generation_dtype = \"bfloat16\"\n");
   auto trainer = Trainer::Create(Options(r.config));
   ASSERT_TRUE(trainer.ok()) << trainer.status().ToString();
   const Trainer::State& s = *(*trainer)->state_for_testing();

@@ -1,4 +1,5 @@
-// The receiver's adapter merge, streamed and hashed as it is written (sync/activate_merge.h).
+// The receiver's adapter merge and its laid-out writer, streamed and hashed as they write
+// (sync/activate_merge.h).
 #include "sync/activate_merge.h"
 
 #include <fcntl.h>

@@ -1,5 +1,6 @@
-// Internal to sync/activate.cpp: the receiver's adapter merge, streamed and hashed as it is
-// written. Not part of the public API.
+// Internal to sync/activate.cpp: the receiver's adapter merge and the writer of laid-out
+// tensors under it and the layout restack, streamed and hashed as they write. Not part of the
+// public API.
 #pragma once
 
 #include <cstdint>

@@ -33,7 +33,9 @@ struct ActivationPlan {
   // Adapter mode: the base model directory the receiver keeps (safetensors + config.json,
   // the same base the publisher merged onto). Required in adapter mode.
   std::optional<std::filesystem::path> base_dir;
-  int threads = 0;  // threads that merge, hash and write. Default: 0 = one per hardware thread, at most 4
+  // Threads that merge, hash and write an adapter version (a restack copies on one). Default:
+  // 0 = one per hardware thread, at most 4.
+  int threads = 0;
 };
 
 // Whether `plan` needs PrepareActivation at all (false: activate the received directory as is,

@@ -443,6 +443,13 @@ Digest TensorDigester::Finish() const { return FromHash(hash_.Digest()); }
 
 Digest AuxDigest(std::string_view contents) { return internal::HashString(contents); }
 
+std::vector<AuxFile> AuxFileRows(const AuxFiles& aux) {
+  std::vector<AuxFile> rows;
+  rows.reserve(aux.size());
+  for (const auto& [name, contents] : aux) rows.push_back(AuxFile{name, AuxDigest(contents), contents.size()});
+  return rows;
+}
+
 Digest ManifestDigest(const std::vector<TensorRow>& tensors, const std::vector<AuxFile>& aux) {
   kernels::Xxh3_128Stream h;
   std::string buf("ferry.manifest.v1", 18);  // including the terminating NUL

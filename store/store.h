@@ -399,6 +399,9 @@ class Store {
 // files, each list sorted by name. A receiver that verified every row's digest proves the
 // id of what it holds with this, without hashing the bytes again.
 Digest ManifestDigest(const std::vector<TensorRow>& tensors, const std::vector<AuxFile>& aux);
+// The rows ManifestDigest takes for auxiliary files held in memory (name, AuxDigest, size), in
+// their order.
+std::vector<AuxFile> AuxFileRows(const AuxFiles& aux);
 
 // Hashes the weights at `path` without storing them (what `ferry verify PATH` does): a
 // record with id, tensors and aux files filled in (run/sequence empty). The rows carry no

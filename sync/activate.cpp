@@ -1,13 +1,10 @@
 // Receiver-side activation (sync/activate.h): adapter merge onto a local base, hf -> fused.
 #include "sync/activate.h"
 
-#include <algorithm>
-#include <map>
 #include <memory>
 #include <utility>
 #include <vector>
 
-#include "convert/fused_layout.h"
 #include "convert/peft_config.h"
 #include "core/aux_files.h"
 #include "core/checkpoint.h"
@@ -23,27 +20,6 @@ namespace {
 namespace fs = std::filesystem;
 
 std::string Q(std::string_view s) { return "'" + std::string(s) + "'"; }
-
-// The output tensors of `ckpt` in the hf layout (every tensor as is) or the fused one
-// (convert/fused_layout.h: the converter's and the snapshot builder's own planner). Only
-// metadata is read. Sorted by name.
-Result<std::vector<LaidOutTensor>> PlanLayout(const Checkpoint& ckpt, bool fuse) {
-  std::vector<TensorSpec> specs;
-  for (const std::string& name : ckpt.names()) {
-    const TensorInfo* info = ckpt.Info(name);
-    if (info == nullptr) return Status::Internal(ckpt.path().string() + ": tensor " + Q(name) + " has no metadata");
-    specs.push_back({name, info->dtype, info->shape});
-  }
-  std::vector<LaidOutTensor> out;
-  if (fuse) {
-    FERRY_ASSIGN_OR_RETURN(out, FuseLayout(specs, ckpt.path().string()));
-  } else {
-    for (auto& spec : specs) out.push_back(LaidOutTensor{spec, {spec.name}});
-  }
-  std::sort(out.begin(), out.end(),
-            [](const LaidOutTensor& a, const LaidOutTensor& b) { return a.spec.name < b.spec.name; });
-  return out;
-}
 
 Status WriteAux(const AuxFiles& aux, const fs::path& dir) {
   for (const auto& [name, contents] : aux) {
@@ -137,7 +113,7 @@ Result<Prepared> PrepareActivation(const fs::path& received, const ActivationPla
   }
   FERRY_ASSIGN_OR_RETURN(Plan p, Relayout(received));
   FERRY_ASSIGN_OR_RETURN(std::vector<LaidOutTensor> outputs,
-                         PlanLayout(p.tensors(), plan.want_layout == Layout::kFused));
+                         activate_internal::PlanLayout(p.tensors(), plan.want_layout, p.tensors().path().string()));
   FERRY_ASSIGN_OR_RETURN(StagingDir staging, StagingDir::Create(out, /*replace_existing=*/false));
   // Each received tensor copied from its mapping a piece at a time, hashed on the way (a fused
   // tensor as its parts one after the other): nothing is read back.
@@ -156,11 +132,7 @@ Result<Prepared> PrepareActivation(const fs::path& received, const ActivationPla
       activate_internal::LaidOutDigests written,
       activate_internal::WriteLaidOut(outputs, workers, copy_part, staging.path() / "model.safetensors"));
   FERRY_RETURN_IF_ERROR(WriteAux(p.aux, staging.path()));
-  std::vector<store::AuxFile> aux_rows;
-  for (const auto& [name, contents] : p.aux) {
-    aux_rows.push_back(store::AuxFile{name, store::AuxDigest(contents), contents.size()});
-  }
-  prepared.id = store::ManifestDigest(written.rows, aux_rows);
+  prepared.id = store::ManifestDigest(written.rows, store::AuxFileRows(p.aux));
   FERRY_RETURN_IF_ERROR(SyncDirectory(staging.path()));
   FERRY_RETURN_IF_ERROR(staging.Commit());
   return prepared;

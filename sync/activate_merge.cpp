@@ -123,6 +123,24 @@ Result<std::optional<store::Digest>> FastTensor(const MergePlan& plan, const Che
 
 }  // namespace
 
+Result<std::vector<LaidOutTensor>> PlanLayout(const Checkpoint& ckpt, Layout layout, std::string_view where) {
+  std::vector<TensorSpec> specs;
+  for (const std::string& name : ckpt.names()) {
+    const TensorInfo* info = ckpt.Info(name);
+    if (info == nullptr) return Status::Internal(std::string(where) + ": tensor '" + name + "' has no metadata");
+    specs.push_back({name, info->dtype, info->shape});
+  }
+  std::vector<LaidOutTensor> out;
+  if (layout == Layout::kFused) {
+    FERRY_ASSIGN_OR_RETURN(out, FuseLayout(specs, where));
+  } else {
+    for (auto& spec : specs) out.push_back(LaidOutTensor{spec, {spec.name}});
+  }
+  std::sort(out.begin(), out.end(),
+            [](const LaidOutTensor& a, const LaidOutTensor& b) { return a.spec.name < b.spec.name; });
+  return out;
+}
+
 int DefaultWorkers() { return std::clamp(static_cast<int>(std::thread::hardware_concurrency()), 1, kMaxWorkers); }
 
 Result<store::Digest> HashAndWrite(const Tensor& t, const PieceSink& sink) {
@@ -259,33 +277,12 @@ Result<MergedAdapter> WriteMergedAdapter(const fs::path& received, const fs::pat
   // sequential hash): while one copies into the file, another merges.
   const int workers = threads > 0 ? threads : DefaultWorkers();
 
-  // The merged tensors in the hf layout (the proof's rows) and what is written: the same, or
-  // in the fused layout q/k/v and gate/up stacked (convert/fused_layout.h, the converter's
-  // planner), each fused tensor its parts' bytes one after the other.
-  std::vector<TensorSpec> specs;
-  std::vector<store::TensorRow> rows;
-  std::map<std::string, size_t> row_of;
-  for (const std::string& name : tensors.names()) {
-    const TensorInfo* info = tensors.Info(name);
-    specs.push_back({name, info->dtype, info->shape});
-    store::TensorRow row;
-    row.name = name;
-    row.dtype = info->dtype;
-    row.shape = info->shape;
-    FERRY_ASSIGN_OR_RETURN(row.nbytes, CheckedByteSize(info->dtype, info->shape));
-    row_of[name] = rows.size();
-    rows.push_back(std::move(row));
-  }
-  std::vector<LaidOutTensor> outputs;
-  if (layout == Layout::kFused) {
-    auto fused = FuseLayout(specs, what);
-    if (!fused.ok()) return fused.status();
-    outputs = std::move(*fused);
-    std::sort(outputs.begin(), outputs.end(),
-              [](const LaidOutTensor& x, const LaidOutTensor& y) { return x.spec.name < y.spec.name; });
-  } else {
-    for (const TensorSpec& spec : specs) outputs.push_back(LaidOutTensor{spec, {spec.name}});
-  }
+  // What is written: the merged tensors in the hf layout, or in the fused one with q/k/v and
+  // gate/up stacked (each stacked tensor its parts' bytes one after the other). The proof is
+  // over the hf rows, one per part.
+  auto laid_out = PlanLayout(tensors, layout, what);
+  if (!laid_out.ok()) return laid_out.status();
+  const std::vector<LaidOutTensor>& outputs = *laid_out;
   FERRY_ASSIGN_OR_RETURN(StagingDir staging, StagingDir::Create(out, /*replace_existing=*/false));
   // Each part: the fast path, or else what the LazySnapshot makes (one tensor at a time).
   std::mutex lazy_mu;
@@ -305,14 +302,22 @@ Result<MergedAdapter> WriteMergedAdapter(const fs::path& received, const fs::pat
   };
   auto written = WriteLaidOut(outputs, workers, write_part, staging.path() / "model.safetensors");
   if (!written.ok()) return written.status().WithContext(what);
+  std::vector<store::TensorRow> rows;  // the hf rows: every part of every output tensor
   for (size_t i = 0; i < outputs.size(); ++i) {
-    for (size_t k = 0; k < outputs[i].parts.size(); ++k)
-      rows[row_of.at(outputs[i].parts[k])].digest = written->parts[i][k];
+    for (size_t k = 0; k < outputs[i].parts.size(); ++k) {
+      const TensorInfo* info = tensors.Info(outputs[i].parts[k]);
+      store::TensorRow row;
+      row.name = outputs[i].parts[k];
+      row.dtype = info->dtype;
+      row.shape = info->shape;
+      FERRY_ASSIGN_OR_RETURN(row.nbytes, CheckedByteSize(info->dtype, info->shape));
+      row.digest = written->parts[i][k];
+      rows.push_back(std::move(row));
+    }
   }
-  std::vector<store::AuxFile> aux_rows;
-  for (const auto& [name, contents] : merged.aux_files()) {
-    aux_rows.push_back(store::AuxFile{name, store::AuxDigest(contents), contents.size()});
-  }
+  std::sort(rows.begin(), rows.end(),
+            [](const store::TensorRow& a, const store::TensorRow& b) { return a.name < b.name; });
+  const std::vector<store::AuxFile> aux_rows = store::AuxFileRows(merged.aux_files());
   MergedAdapter result;
   result.proven = store::ManifestDigest(rows, aux_rows);
   if (!(result.proven == expected)) {

@@ -8,15 +8,23 @@
 #include <functional>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "convert/fused_layout.h"
 #include "convert/layout.h"
+#include "core/checkpoint.h"
 #include "core/status.h"
 #include "core/tensor.h"
 #include "store/store.h"
 
 namespace ferry::sync::activate_internal {
+
+// The output tensors of `ckpt` in `layout`: kHf (every tensor as is) or kFused (q/k/v and
+// gate/up stacked: convert/fused_layout.h, the converter's and the snapshot builder's own
+// planner), sorted by name. Only metadata is read. Errors begin with `where`.
+[[nodiscard]] Result<std::vector<LaidOutTensor>> PlanLayout(const Checkpoint& ckpt, Layout layout,
+                                                            std::string_view where);
 
 // Workers by default: one per hardware thread, at most 4 (writes into one file are serialised
 // by its inode lock, and merging a piece costs about what copying it does: two keep the lock

@@ -23,12 +23,7 @@ Result<store::Digest> ComputeManifestId(const Snapshot& snapshot) {
     row.digest = store::TensorDigest(*t);
     rows.push_back(std::move(row));
   }
-  std::vector<store::AuxFile> aux;  // aux_files() is sorted by name
-  aux.reserve(snapshot.aux_files().size());
-  for (const auto& [name, contents] : snapshot.aux_files()) {
-    aux.push_back(store::AuxFile{name, store::AuxDigest(contents), contents.size()});
-  }
-  return store::ManifestDigest(rows, aux);
+  return store::ManifestDigest(rows, store::AuxFileRows(snapshot.aux_files()));  // aux_files() is sorted by name
 }
 
 SnapshotChannel::SnapshotChannel(store::Store* store, std::string run) : store_(store), run_(std::move(run)) {}

@@ -385,11 +385,7 @@ Result<std::shared_ptr<const Snapshot>> BuildSnapshot(const SnapshotSource& sour
     snap->bytes_ += t.nbytes();
     rows.push_back(std::move(row));
   }
-  std::vector<store::AuxFile> aux_rows;
-  for (const auto& [name, contents] : p->aux) {
-    aux_rows.push_back(store::AuxFile{name, store::AuxDigest(contents), contents.size()});
-  }
-  snap->manifest_id_ = store::ManifestDigest(rows, aux_rows);
+  snap->manifest_id_ = store::ManifestDigest(rows, store::AuxFileRows(p->aux));
   snap->checkpoint_ = Checkpoint::FromTensors("<snapshot " + snap->manifest_id_.Hex() + ">", std::move(out));
   snap->aux_files_ = std::move(p->aux);
   snap->layout_ = options.layout;

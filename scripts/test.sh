@@ -30,13 +30,12 @@ phase "format (scripts/format.sh --check)"
 bash scripts/format.sh --check
 
 phase "build (warnings are errors)"
-cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DFERRY_WERROR=ON >/dev/null
+# Each test's OpenMP threads (tests/CMakeLists.txt): OMP_NUM_THREADS when set, else 2.
+cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DFERRY_WERROR=ON \
+  -DFERRY_TEST_OMP_THREADS="${OMP_NUM_THREADS:-2}" >/dev/null
 cmake --build build -j "$JOBS"
 
 phase "tests"
-# ctest runs JOBS tests at once, and each LibTorch test would start an OpenMP thread per core:
-# on a 16-core machine (ctest -j16) two long tests then ran 30x slower and timed out.
-export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
 ctest --test-dir build --output-on-failure -j "$JOBS" --timeout 600
 
 phase "tests under ASan + UBSan (core, kernels, convert, the tokenizer and the run config parsers)"
@@ -48,8 +47,9 @@ cmake --build build-asan -j "$JOBS" --target ferry_matching_tests
 ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
   ctest --test-dir build-asan --output-on-failure -j "$JOBS" --timeout 900 -R "$ASAN_TESTS"
 
-phase "tests under ThreadSanitizer (one Store shared by threads; sync tests sharing one; the activation's workers)"
-TSAN_TESTS=(store_concurrency_test sync_handoff_test sync_watch_test sync_limits_test sync_activate_test)
+phase "tests under ThreadSanitizer (one Store shared by threads; sync tests sharing one; the activation's workers; the receiver's writer)"
+TSAN_TESTS=(store_concurrency_test sync_handoff_test sync_watch_test sync_limits_test sync_activate_test
+  sync_write_behind_test)
 cmake -S . -B build-tsan -G Ninja -DCMAKE_BUILD_TYPE=Debug -DFERRY_WERROR=ON -DFERRY_TSAN=ON \
   -DFERRY_BUILD_BENCH=OFF >/dev/null
 targets=()

@@ -64,7 +64,8 @@ struct ReceiverOptions {
   // copying; fetched when it differs) instead of fetching it. Default: none (an adapter
   // with no base received then fails naming the missing base).
   std::optional<std::filesystem::path> base_dir;
-  // Test hook: called after each CHUNK is accepted (before the next FETCH is sent).
+  // Test hook: called after each CHUNK is accepted, a tensor's chunk once it is written to
+  // the file (before the next FETCH is sent).
   std::function<void(uint64_t offset)> on_chunk_for_testing;
 };
 

@@ -5,7 +5,8 @@
 //   receiver_session.cpp   the transport session: DEALER requests and replies, SUB
 //                          announcements, credit-based FETCH, ACK
 //   receiver_transfer.cpp  one version into DIR/versions/<id>: the file laid out from the
-//                          manifest, chunks streamed and hashed, delta/base copies, verify
+//                          manifest, chunks hashed as they arrive and written by a writer thread
+//                          (WriteBehind), delta/base copies, verify
 //   receiver_resume.cpp    partial transfers: what a killed or failed transfer left
 //                          (versions/<id>.partial) and taking it over
 //   receiver_dir.cpp       the receiver directory: .lock, activation records in manifests/,
@@ -14,16 +15,19 @@
 #pragma once
 
 #include <chrono>
+#include <condition_variable>
 #include <cstdint>
 #include <deque>
 #include <filesystem>
 #include <functional>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <span>
 #include <string>
 #include <string_view>
+#include <thread>
 #include <vector>
 #include <zmq.hpp>
 
@@ -144,10 +148,11 @@ class Session {
   // Fetch over several items with one credit window: the requests for the next items go out
   // while the current one arrives, so a version of many small tensors (an adapter: hundreds
   // of a few hundred KB) does not wait a round trip per tensor. Chunks arrive in the order
-  // asked, item after item, each handed to `sink(position in items, bytes, offset within
-  // the item)`; `done(position)` is called, in order, once all of an item's bytes are in
-  // (at once for an item with nothing left to fetch). kNewer as Fetch.
-  using RunSink = std::function<Status(size_t, std::span<const std::byte>, uint64_t)>;
+  // asked, item after item, each handed to `sink(position in items, chunk, offset within
+  // the item)`, the chunk's bytes being the whole of the message (the sink may move it away
+  // to keep them past the call); `done(position)` is called, in order, once all of an item's
+  // bytes are in (at once for an item with nothing left to fetch). kNewer as Fetch.
+  using RunSink = std::function<Status(size_t, zmq::message_t&, uint64_t)>;
   Result<Outcome> FetchRun(const Manifest& man, const std::vector<RunItem>& items, const RunSink& sink,
                            const std::function<Status(size_t)>& done);
 
@@ -186,6 +191,46 @@ class Session {
 std::optional<Message> ReadAnnouncement(zmq::socket_t& sub, const Link& link);
 
 // ---- one version into DIR/versions/<id> (receiver_transfer.cpp) ---------------------------
+
+// Writes received chunks into one file on a thread of its own, in the order queued, so that
+// the receiving thread takes and hashes the next chunk while the page cache takes this one.
+// The copy into the page cache costs several times the hashing and, for one file, runs on
+// one core at a time (the file's inode lock), so one writer is as fast as several. At most
+// `depth` chunks wait; Submit blocks beyond that.
+class WriteBehind {
+ public:
+  // `fd` stays open for the writer's life; `path` names it in errors.
+  WriteBehind(int fd, std::filesystem::path path, size_t depth);
+  // Stops after the write under way; chunks still queued are not written.
+  ~WriteBehind();
+  WriteBehind(const WriteBehind&) = delete;
+  WriteBehind& operator=(const WriteBehind&) = delete;
+
+  // Queues the whole of `chunk` to be written at `offset`. The first write error once there
+  // was one (nothing more is written then).
+  [[nodiscard]] Status Submit(zmq::message_t&& chunk, uint64_t offset);
+  // Waits until every queued chunk is written; the first write error.
+  [[nodiscard]] Status Drain();
+
+ private:
+  struct Piece {
+    zmq::message_t chunk;
+    uint64_t offset;
+  };
+  void Run();
+
+  const int fd_;
+  const std::filesystem::path path_;
+  const size_t depth_;
+  std::mutex mu_;
+  std::condition_variable work_;  // a chunk queued, or stop
+  std::condition_variable room_;  // a chunk written, or an error
+  std::deque<Piece> queue_;       // guarded by mu_, as are the three below
+  bool writing_ = false;
+  bool stop_ = false;
+  Status error_;
+  std::thread thread_;  // last: started once everything above is set up
+};
 
 // Where tensors may be copied from instead of fetched. Every copy is hashed while it is
 // written and kept only when it has the manifest row's digest (else the tensor is fetched).

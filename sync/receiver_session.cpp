@@ -145,7 +145,7 @@ Result<Outcome> Session::Fetch(const Manifest& man, ItemKind kind, uint32_t inde
                                const PieceSink& sink) {
   return FetchRun(
       man, {RunItem{kind, index, start, size}},
-      [&](size_t, std::span<const std::byte> bytes, uint64_t offset) { return sink(bytes, offset); },
+      [&](size_t, zmq::message_t& chunk, uint64_t offset) { return sink(Bytes(chunk), offset); },
       [](size_t) { return Status::OK(); });
 }
 
@@ -218,14 +218,13 @@ Result<Outcome> Session::FetchRun(const Manifest& man, const std::vector<RunItem
       continue;  // stale
     }
     if (in.msg.epoch != man.epoch) return Outcome::kNewer;  // answered by a restarted publisher
-    const auto bytes = Bytes(in.payload);
-    if (bytes.size() != want.length) {
-      return Status::Corruption("sync CHUNK from " + o_.endpoints.requests + ": " + std::to_string(bytes.size()) +
+    if (in.payload.size() != want.length) {
+      return Status::Corruption("sync CHUNK from " + o_.endpoints.requests + ": " + std::to_string(in.payload.size()) +
                                 " bytes at offset " + std::to_string(want.offset) + ", expected " +
                                 std::to_string(want.length));
     }
-    FERRY_RETURN_IF_ERROR(sink(want.item, bytes, want.offset));
-    bytes_received_ += bytes.size();
+    FERRY_RETURN_IF_ERROR(sink(want.item, in.payload, want.offset));
+    bytes_received_ += want.length;
     in_flight.pop_front();
     deadline = Deadline();
     if (o_.on_chunk_for_testing) o_.on_chunk_for_testing(in.msg.offset);

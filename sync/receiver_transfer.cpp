@@ -4,11 +4,14 @@
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
 #include <deque>
 #include <limits>
+#include <optional>
+#include <utility>
 
 #include "core/file_util.h"
 #include "core/mapped_file.h"
@@ -96,9 +99,13 @@ Result<Outcome> ReceiveFiles(Session& s, const ReceiverOptions& o, const Manifes
     items.push_back({ItemKind::kTensor, i, w.start, row.nbytes});
   }
   std::vector<uint32_t> failed;
-  auto write = [&](size_t k, std::span<const std::byte> bytes, uint64_t offset) {
-    wanted[k].digester.Update(bytes);
-    return PwriteAll(fd.get(), bytes, wanted[k].at + offset, model);
+  std::optional<WriteBehind> writer;  // destroyed before `fd` is closed
+  if (!items.empty()) writer.emplace(fd.get(), model, o.credit);
+  auto write = [&](size_t k, zmq::message_t& chunk, uint64_t offset) {
+    wanted[k].digester.Update({static_cast<const std::byte*>(chunk.data()), chunk.size()});
+    FERRY_RETURN_IF_ERROR(writer->Submit(std::move(chunk), wanted[k].at + offset));
+    // The test hook sees every chunk it is told of on disk (kill tests count on it).
+    return o.on_chunk_for_testing ? writer->Drain() : Status::OK();
   };
   auto check = [&](size_t k) {
     if (wanted[k].digester.Finish() == man.tensors[wanted[k].tensor].digest) {
@@ -110,6 +117,7 @@ Result<Outcome> ReceiveFiles(Session& s, const ReceiverOptions& o, const Manifes
   };
   FERRY_ASSIGN_OR_RETURN(Outcome run, s.FetchRun(man, items, write, check));
   if (run == Outcome::kNewer) return run;
+  if (writer) FERRY_RETURN_IF_ERROR(writer->Drain());  // a refetch below overwrites what it wrote
   for (uint32_t k : failed) {
     const auto& row = man.tensors[wanted[k].tensor];
     for (int attempt = 1;; ++attempt) {
@@ -191,6 +199,55 @@ Result<Outcome> ReceiveInto(Session& s, const ReceiverOptions& o, const Manifest
 }
 
 }  // namespace
+
+WriteBehind::WriteBehind(int fd, std::filesystem::path path, size_t depth)
+    : fd_(fd), path_(std::move(path)), depth_(std::max<size_t>(depth, 1)), thread_([this] { Run(); }) {}
+
+WriteBehind::~WriteBehind() {
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    stop_ = true;
+  }
+  work_.notify_one();
+  thread_.join();
+}
+
+Status WriteBehind::Submit(zmq::message_t&& chunk, uint64_t offset) {
+  std::unique_lock<std::mutex> l(mu_);
+  room_.wait(l, [&] { return queue_.size() < depth_ || !error_.ok(); });
+  if (!error_.ok()) return error_;
+  queue_.push_back({std::move(chunk), offset});
+  l.unlock();
+  work_.notify_one();
+  return Status::OK();
+}
+
+Status WriteBehind::Drain() {
+  std::unique_lock<std::mutex> l(mu_);
+  room_.wait(l, [&] { return (queue_.empty() && !writing_) || !error_.ok(); });
+  return error_;
+}
+
+void WriteBehind::Run() {
+  std::unique_lock<std::mutex> l(mu_);
+  for (;;) {
+    work_.wait(l, [&] { return stop_ || !queue_.empty(); });
+    if (stop_) return;
+    Piece p = std::move(queue_.front());
+    queue_.pop_front();
+    writing_ = true;
+    l.unlock();
+    Status st = PwriteAll(fd_, {static_cast<const std::byte*>(p.chunk.data()), p.chunk.size()}, p.offset, path_);
+    p.chunk.rebuild();  // freed outside the lock
+    l.lock();
+    writing_ = false;
+    if (!st.ok() && error_.ok()) {
+      error_ = std::move(st);
+      queue_.clear();
+    }
+    room_.notify_all();
+  }
+}
 
 std::optional<std::string> ReuseSource::Find(const store::TensorRow& row) const {
   if (by_name) {

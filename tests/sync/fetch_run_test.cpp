@@ -95,11 +95,28 @@ TEST(FetchRunTest, AsksAcrossItemsWithinOneCreditWindowAndReportsEachItemInOrder
   std::vector<std::vector<std::byte>> got(items.size());
   for (size_t k = 0; k < items.size(); ++k) got[k].resize(items[k].size);
   std::vector<size_t> done;
+  // Every other chunk is moved away by the sink and copied out after the run: the session
+  // must not use a chunk once the sink has it.
+  struct Kept {
+    size_t k;
+    uint64_t offset;
+    zmq::message_t chunk;
+  };
+  std::vector<Kept> kept;
+  auto copy = [&](size_t k, const zmq::message_t& chunk, uint64_t offset) {
+    EXPECT_LE(offset + chunk.size(), items[k].size);
+    const auto* bytes = static_cast<const std::byte*>(chunk.data());
+    std::copy(bytes, bytes + chunk.size(), got[k].begin() + static_cast<std::ptrdiff_t>(offset));
+  };
+  size_t chunks = 0;
   auto run = session.FetchRun(
       man, items,
-      [&](size_t k, std::span<const std::byte> bytes, uint64_t offset) {
-        EXPECT_LE(offset + bytes.size(), items[k].size);
-        std::copy(bytes.begin(), bytes.end(), got[k].begin() + static_cast<std::ptrdiff_t>(offset));
+      [&](size_t k, zmq::message_t& chunk, uint64_t offset) {
+        if (chunks++ % 2 == 0) {
+          kept.push_back({k, offset, std::move(chunk)});
+        } else {
+          copy(k, chunk, offset);
+        }
         return Status::OK();
       },
       [&](size_t k) {
@@ -109,6 +126,8 @@ TEST(FetchRunTest, AsksAcrossItemsWithinOneCreditWindowAndReportsEachItemInOrder
   publisher.join();
   ASSERT_TRUE(run.ok()) << run.status().ToString();
   EXPECT_EQ(*run, Outcome::kDone);
+  EXPECT_EQ(chunks, kChunks);
+  for (const Kept& c : kept) copy(c.k, c.chunk, c.offset);
 
   // The first four requests, sent before any answer, span items 0 and 1.
   ASSERT_EQ(requests.size(), kChunks);

@@ -30,9 +30,10 @@ phase "format (scripts/format.sh --check)"
 bash scripts/format.sh --check
 
 phase "build (warnings are errors)"
-# Each test's OpenMP threads (tests/CMakeLists.txt): OMP_NUM_THREADS when set, else 2.
+# Each test's OpenMP threads (tests/CMakeLists.txt): OMP_NUM_THREADS when set, else 1 (ctest
+# runs a test per core).
 cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DFERRY_WERROR=ON \
-  -DFERRY_TEST_OMP_THREADS="${OMP_NUM_THREADS:-2}" >/dev/null
+  -DFERRY_TEST_OMP_THREADS="${OMP_NUM_THREADS:-1}" >/dev/null
 cmake --build build -j "$JOBS"
 
 phase "tests"

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Builds the libFuzzer targets with clang (ASan + UBSan) and runs each one for SECONDS
 # (default 30), FERRY_FUZZ_JOBS of them at once, over a scratch copy of its seed corpus in
-# fuzz/corpus/<name>/. New inputs
-# the fuzzer finds stay in the scratch copy; the repository is never written to.
+# fuzz/corpus/<name>/. New inputs the fuzzer finds stay in the scratch copy; the repository
+# is never written to.
 # Exits non-zero when a build fails or any fuzzer finds a crash, leak, timeout or
 # sanitizer report; the reproducer is kept under $FERRY_FUZZ_OUT (default build-fuzz/findings).
 #

@@ -5,9 +5,9 @@
 #   2. builds everything with warnings as errors and runs every test with ctest,
 #   3. rebuilds the core and parser tests under AddressSanitizer + UndefinedBehaviorSanitizer
 #      and runs them,
-#   4. builds the tests of a Store shared by threads and of the receiver's multi-threaded
-#      activation under ThreadSanitizer and runs them,
-#   5. runs each libFuzzer target briefly (FERRY_FUZZ_SECONDS, default 20).
+#   4. builds the tests of a Store shared by threads, of the receiver's multi-threaded
+#      activation and of its writer thread under ThreadSanitizer and runs them,
+#   5. runs each libFuzzer target briefly (FERRY_FUZZ_SECONDS, default 20), two at a time.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 JOBS=${FERRY_JOBS:-$(nproc)}

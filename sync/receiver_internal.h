@@ -98,6 +98,11 @@ using PieceSink = std::function<Status(std::span<const std::byte> bytes, uint64_
 
 // ---- transport session (receiver_session.cpp) --------------------------------------------
 
+// The bytes a ZeroMQ message holds.
+inline std::span<const std::byte> Bytes(const zmq::message_t& m) {
+  return {static_cast<const std::byte*>(m.data()), m.size()};
+}
+
 // What the receiver knows about its publisher link.
 struct Link {
   Clock::time_point last_heard;         // last message of any kind from the publisher

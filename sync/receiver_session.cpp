@@ -7,9 +7,6 @@
 namespace ferry::sync::receiver_internal {
 namespace {
 
-std::span<const std::byte> Bytes(const zmq::message_t& m) {
-  return {static_cast<const std::byte*>(m.data()), m.size()};
-}
 zmq::message_t Frame(std::string_view s) { return zmq::message_t(s.data(), s.size()); }
 
 }  // namespace

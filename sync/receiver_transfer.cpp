@@ -102,7 +102,7 @@ Result<Outcome> ReceiveFiles(Session& s, const ReceiverOptions& o, const Manifes
   std::optional<WriteBehind> writer;  // destroyed before `fd` is closed
   if (!items.empty()) writer.emplace(fd.get(), model, o.credit);
   auto write = [&](size_t k, zmq::message_t& chunk, uint64_t offset) {
-    wanted[k].digester.Update({static_cast<const std::byte*>(chunk.data()), chunk.size()});
+    wanted[k].digester.Update(Bytes(chunk));
     FERRY_RETURN_IF_ERROR(writer->Submit(std::move(chunk), wanted[k].at + offset));
     // The test hook sees every chunk it is told of on disk (kill tests count on it).
     return o.on_chunk_for_testing ? writer->Drain() : Status::OK();
@@ -237,7 +237,7 @@ void WriteBehind::Run() {
     queue_.pop_front();
     writing_ = true;
     l.unlock();
-    Status st = PwriteAll(fd_, {static_cast<const std::byte*>(p.chunk.data()), p.chunk.size()}, p.offset, path_);
+    Status st = PwriteAll(fd_, Bytes(p.chunk), p.offset, path_);
     p.chunk.rebuild();  // freed outside the lock
     l.lock();
     writing_ = false;

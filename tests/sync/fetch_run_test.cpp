@@ -63,7 +63,7 @@ TEST(FetchRunTest, AsksAcrossItemsWithinOneCreditWindowAndReportsEachItemInOrder
     while (answered < kChunks) {
       zmq::message_t id, header;
       if (!router.recv(id) || !router.recv(header)) return;
-      auto m = Decode({static_cast<const std::byte*>(header.data()), header.size()}, nullptr);
+      auto m = Decode(Bytes(header), nullptr);
       ASSERT_TRUE(m.ok()) << m.status().ToString();
       ASSERT_EQ(m->type, MsgType::kFetch);
       requests.push_back({m->index, m->offset, m->length});
@@ -105,8 +105,8 @@ TEST(FetchRunTest, AsksAcrossItemsWithinOneCreditWindowAndReportsEachItemInOrder
   std::vector<Kept> kept;
   auto copy = [&](size_t k, const zmq::message_t& chunk, uint64_t offset) {
     EXPECT_LE(offset + chunk.size(), items[k].size);
-    const auto* bytes = static_cast<const std::byte*>(chunk.data());
-    std::copy(bytes, bytes + chunk.size(), got[k].begin() + static_cast<std::ptrdiff_t>(offset));
+    const auto bytes = Bytes(chunk);
+    std::copy(bytes.begin(), bytes.end(), got[k].begin() + static_cast<std::ptrdiff_t>(offset));
   };
   size_t chunks = 0;
   auto run = session.FetchRun(

@@ -9,6 +9,7 @@
 #include <map>
 #include <set>
 #include <tuple>
+#include <utility>
 
 #include <nlohmann/json.hpp>
 
@@ -111,6 +112,7 @@ void CollectSteps(const std::vector<const VersionRecord*>& selected, const std::
                   AuditReport& report) {
   std::map<int64_t, StepEntry> steps;
   std::map<Digest, int64_t> step_of;
+  std::map<std::pair<int64_t, VersionKind>, int> recorded;  // (step, kind) -> versions recorded
   std::optional<Digest> base;
   for (const VersionRecord* v : selected) {  // by sequence: a repeated step keeps its newest record
     if (!v->step) {
@@ -119,7 +121,8 @@ void CollectSteps(const std::vector<const VersionRecord*>& selected, const std::
     }
     StepEntry& e = steps[*v->step];
     e.step = *v->step;
-    ++e.records;
+    // A step's adapter and the merged version made from it are one recording of the step.
+    e.records = std::max(e.records, ++recorded[{*v->step, v->kind}]);
     e.time_ns = v->time_ns;
     if (v->kind == VersionKind::kAdapter) e.adapter_version = v->id;
     if (v->kind == VersionKind::kMerged || v->kind == VersionKind::kFull) e.merged_version = v->id;

@@ -36,7 +36,9 @@
 // remote receivers alike: the event's receiver names the generator). The run's base version
 // is step 0 when a receiver acknowledged it (the generator's weights before the first step).
 // A step recorded more than once (a resumed run repeating steps after its last checkpoint)
-// shows its newest record (highest sequence); `records` counts them.
+// shows its newest record (highest sequence); `records` counts the step's recordings: the
+// most versions of one kind recorded with step N (a step's adapter and the merged version
+// derived from it are one recording: 1; a step recorded again by a resumed run: 2).
 //   lag of an acknowledgement = max(0, S - N): N the acknowledged version's step, S the
 //   trainer's step at the event's time: the step of the latest commit of a step's version or
 //   published event of one at or before it (a resumed run publishes its checkpoint's step
@@ -144,7 +146,7 @@ struct StepEntry {
   int64_t time_ns = 0;                    // commit time of the step's newest record
   std::map<std::string, double> metrics;  // the step's metrics (NaN where recorded as null)
   std::vector<StepAck> acks;              // by time
-  int records = 0;                        // versions recorded for this step
+  int records = 0;                        // recordings of this step (1; more after a resume)
 };
 
 // One receiver's acknowledgements over the audited run's steps.

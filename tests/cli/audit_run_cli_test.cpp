@@ -65,8 +65,56 @@ class AuditRunCli : public ::testing::Test {
     ASSERT_TRUE(store_->AddEvent(e).ok());
   }
 
-  // Records run "grpo" as ferryd does; step 4's loss is NaN.
-  void RecordRun() {
+  // Records step `n` of run "grpo" as ferryd does: the adapter's bytes (scaled by `scale`),
+  // then the merged version by its digests, both with the step's metrics (step 4's loss is
+  // NaN). Returns (adapter, merged) and their commit times.
+  struct RecordedStep {
+    Digest adapter, merged;
+    int64_t adapter_time = 0, merged_time = 0;
+  };
+  RecordedStep RecordStep(int n, float scale = 1.0f) {
+    const float x = 0.01f * static_cast<float>(n) * scale;
+    std::map<std::string, double> metrics = {{"reward", 0.5 + 0.01 * n},
+                                             {"reward_std", 0.3},
+                                             {"frac_reward_zero_std", 0.25},
+                                             {"kl", 0.001 * n},
+                                             {"entropy", 1.5 - 0.01 * n},
+                                             {"completions/mean_length", 4 + n},
+                                             {"sampling/sampling_logp_difference/mean", 1e-6 * n},
+                                             {"learning_rate", 1e-3},
+                                             {"loss", n == 4 ? std::numeric_limits<double>::quiet_NaN() : 0.01},
+                                             {"grad_norm", 0.5}};
+    store::ImportOptions ao;
+    ao.run = "grpo";
+    ao.kind = store::VersionKind::kAdapter;
+    ao.source = store::VersionSource::kDaemon;
+    ao.step = n;
+    ao.base_version = base_;
+    ao.metrics = metrics;
+    auto adapter = store_->ImportCheckpoint(
+        Checkpoint::FromTensors("adapter", {{"base_model.model.w.lora_A.weight", F32({1, 2}, {x, 0})},
+                                            {"base_model.model.w.lora_B.weight", F32({2, 1}, {x, 0})}}),
+        {{"adapter_config.json", R"({"peft_type":"LORA","r":1,"lora_alpha":1,"target_modules":["w"]})"}}, ao);
+    EXPECT_TRUE(adapter.ok()) << adapter.status().ToString();
+    if (!adapter.ok()) return {};
+    Tensor merged = F32({2, 2}, {1 + x * x, 2, 3, 4});
+    store::TensorRow row;
+    row.name = "w";
+    row.dtype = DType::kF32;
+    row.shape = {2, 2};
+    row.digest = store::TensorDigest(merged);
+    row.nbytes = 16;
+    store::ImportOptions mo = ao;
+    mo.kind = store::VersionKind::kMerged;
+    mo.adapter_version = adapter->record.id;
+    auto m = store_->RecordDerived({row}, {{"config.json", "{}"}}, mo);
+    EXPECT_TRUE(m.ok()) << m.status().ToString();
+    if (!m.ok()) return {};
+    return {adapter->record.id, m->record.id, adapter->record.time_ns, m->record.time_ns};
+  }
+
+  // Records run "grpo" as ferryd does (the store stays open when `keep_open`).
+  void RecordRun(bool keep_open = false) {
     store::ImportOptions bo;
     bo.run = "grpo";
     bo.kind = store::VersionKind::kBase;
@@ -77,45 +125,12 @@ class AuditRunCli : public ::testing::Test {
     std::vector<int64_t> committed;     // commit time of each step's merged version
     std::vector<int64_t> adapter_time;  // and of its adapter (recorded first)
     for (int n = 1; n <= kSteps; ++n) {
-      const float x = 0.01f * static_cast<float>(n);
-      std::map<std::string, double> metrics = {{"reward", 0.5 + 0.01 * n},
-                                               {"reward_std", 0.3},
-                                               {"frac_reward_zero_std", 0.25},
-                                               {"kl", 0.001 * n},
-                                               {"entropy", 1.5 - 0.01 * n},
-                                               {"completions/mean_length", 4 + n},
-                                               {"sampling/sampling_logp_difference/mean", 1e-6 * n},
-                                               {"learning_rate", 1e-3},
-                                               {"loss", n == 4 ? std::numeric_limits<double>::quiet_NaN() : 0.01},
-                                               {"grad_norm", 0.5}};
-      store::ImportOptions ao;
-      ao.run = "grpo";
-      ao.kind = store::VersionKind::kAdapter;
-      ao.source = store::VersionSource::kDaemon;
-      ao.step = n;
-      ao.base_version = base_;
-      ao.metrics = metrics;
-      auto adapter = store_->ImportCheckpoint(
-          Checkpoint::FromTensors("adapter", {{"base_model.model.w.lora_A.weight", F32({1, 2}, {x, 0})},
-                                              {"base_model.model.w.lora_B.weight", F32({2, 1}, {x, 0})}}),
-          {{"adapter_config.json", R"({"peft_type":"LORA","r":1,"lora_alpha":1,"target_modules":["w"]})"}}, ao);
-      ASSERT_TRUE(adapter.ok()) << adapter.status().ToString();
-      Tensor merged = F32({2, 2}, {1 + x * x, 2, 3, 4});
-      store::TensorRow row;
-      row.name = "w";
-      row.dtype = DType::kF32;
-      row.shape = {2, 2};
-      row.digest = store::TensorDigest(merged);
-      row.nbytes = 16;
-      store::ImportOptions mo = ao;
-      mo.kind = store::VersionKind::kMerged;
-      mo.adapter_version = adapter->record.id;
-      auto m = store_->RecordDerived({row}, {{"config.json", "{}"}}, mo);
-      ASSERT_TRUE(m.ok()) << m.status().ToString();
-      adapters_.push_back(adapter->record.id);
-      merged_.push_back(m->record.id);
-      committed.push_back(m->record.time_ns);
-      adapter_time.push_back(adapter->record.time_ns);
+      const RecordedStep step = RecordStep(n);
+      ASSERT_FALSE(::testing::Test::HasFailure());
+      adapters_.push_back(step.adapter);
+      merged_.push_back(step.merged);
+      committed.push_back(step.merged_time);
+      adapter_time.push_back(step.adapter_time);
     }
     // The in-process generator: the base, then each step just before it was committed (ferryd
     // records a step after its generator acknowledged it).
@@ -128,7 +143,7 @@ class AuditRunCli : public ::testing::Test {
     // A remote generator acknowledges step N once step N + 1 is committed (lag 1), up to step 5.
     for (int n = 1; n < kSteps; ++n)
       AddEvent(Event::Type::kAcknowledged, merged_[n - 1], "remote-gen", committed[n] + 1);
-    store_.reset();
+    if (!keep_open) store_.reset();
   }
 
   fs::path dir_;
@@ -188,6 +203,24 @@ TEST_F(AuditRunCli, JsonCarriesStepsAcknowledgementsLagAndAnomalies) {
   auto bad = RunFerry({"audit", "--db", db_, "--run", "grpo", "--lag-threshold", "-1"});
   EXPECT_EQ(bad.exit_code, 1) << bad.out;
   EXPECT_NE(bad.err.find("--lag-threshold"), std::string::npos) << bad.err;
+}
+
+// `records` counts the recordings of a step: 1 for every step of a run (its adapter and the
+// merged version made from it are one recording), 2 for a step a resumed run recorded again.
+TEST_F(AuditRunCli, RecordsCountsAStepOnceUnlessAResumeRecordedItAgain) {
+  RecordRun(/*keep_open=*/true);
+  // Resumed from checkpoint 5: step 6 recorded again, with other bytes.
+  const RecordedStep again = RecordStep(kSteps, 2.0f);
+  ASSERT_FALSE(HasFailure());
+  store_.reset();
+  auto r = RunFerry({"audit", "--db", db_, "--run", "grpo", "--json"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  auto j = nlohmann::json::parse(r.out);
+  ASSERT_EQ(j["steps"].size(), static_cast<size_t>(kSteps + 1));
+  for (int n = 0; n < kSteps; ++n) EXPECT_EQ(j["steps"][n]["records"], 1) << "step " << n;
+  EXPECT_EQ(j["steps"][kSteps]["records"], 2);
+  EXPECT_EQ(j["steps"][kSteps]["adapter_version"], again.adapter.Hex());
+  EXPECT_EQ(j["steps"][kSteps]["merged_version"], again.merged.Hex());
 }
 
 TEST_F(AuditRunCli, HtmlHoldsTheSixStepPlotsAndTheStepTable) {

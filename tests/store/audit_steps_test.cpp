@@ -135,7 +135,7 @@ TEST(AuditSteps, HealthyRunListsEveryStepAndNoAnomaly) {
   EXPECT_EQ(s5.step, 5);
   EXPECT_EQ(s5.adapter_version, TrainingRun::Adapter(5));
   EXPECT_EQ(s5.merged_version, TrainingRun::Merged(5));
-  EXPECT_EQ(s5.records, 2);
+  EXPECT_EQ(s5.records, 1);  // the adapter and its merged version are one recording of the step
   EXPECT_EQ(s5.time_ns, 5 * kStepNs + 1);
   EXPECT_DOUBLE_EQ(s5.metrics.at("reward"), HealthyMetrics(5).at("reward"));
   ASSERT_EQ(s5.acks.size(), 1u);
@@ -300,21 +300,48 @@ TEST(AuditSteps, DigestMismatchNamesItsStep) {
 TEST(AuditSteps, AResumedRunShowsAStepsNewestRecord) {
   TrainingRun run;
   run.Build(6);
-  // Resumed from step 4: steps 5 and 6 recorded again (other bytes, other metrics).
+  // Resumed from step 4: steps 5 and 6 recorded again (other bytes, other metrics), each as
+  // an adapter and its merged version.
   for (int64_t n = 5; n <= 6; ++n) {
     VersionRecord a = run.versions[static_cast<size_t>(2 * n - 1)];
     a.id = Digest{0xeeee000000000000 + static_cast<uint64_t>(n), 3};
     a.sequence += 100;
     a.time_ns += 100 * kStepNs;
     a.metrics["reward"] = 0.9;
+    VersionRecord m = run.versions[static_cast<size_t>(2 * n)];
+    m.id = Digest{0xffff000000000000 + static_cast<uint64_t>(n), 4};
+    m.sequence = a.sequence + 1;
+    m.time_ns = a.time_ns + 1;
+    m.adapter_version = a.id;
+    m.metrics = a.metrics;
     run.versions.push_back(a);
+    run.versions.push_back(m);
   }
   AuditReport r = run.Audit();
   ASSERT_EQ(r.steps.size(), 7u);
-  EXPECT_EQ(r.steps[5].records, 3);
+  EXPECT_EQ(r.steps[4].records, 1);
+  EXPECT_EQ(r.steps[5].records, 2);
+  EXPECT_EQ(r.steps[6].records, 2);
   EXPECT_EQ(r.steps[5].adapter_version, (Digest{0xeeee000000000005, 3}));
-  EXPECT_EQ(r.steps[5].merged_version, TrainingRun::Merged(5));
+  EXPECT_EQ(r.steps[5].merged_version, (Digest{0xffff000000000005, 4}));
   EXPECT_DOUBLE_EQ(r.steps[5].metrics.at("reward"), 0.9);
+}
+
+// A resume that recorded a step's adapter again but not yet its merged version (killed in
+// between) still counts the step twice.
+TEST(AuditSteps, AStepWhoseAdapterAloneWasRecordedAgainCountsTwice) {
+  TrainingRun run;
+  run.Build(6);
+  VersionRecord a = run.versions[static_cast<size_t>(2 * 6 - 1)];
+  a.id = Digest{0xeeee000000000006, 3};
+  a.sequence += 100;
+  a.time_ns += 100 * kStepNs;
+  run.versions.push_back(a);
+  AuditReport r = run.Audit();
+  ASSERT_EQ(r.steps.size(), 7u);
+  EXPECT_EQ(r.steps[6].records, 2);
+  EXPECT_EQ(r.steps[6].adapter_version, (Digest{0xeeee000000000006, 3}));
+  EXPECT_EQ(r.steps[6].merged_version, TrainingRun::Merged(6));
 }
 
 TEST(AuditSteps, JsonCarriesStepsGeneratorsAndAnomalySteps) {

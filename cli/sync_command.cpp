@@ -206,6 +206,13 @@ void RunPublish(const PublishFlags& f) {
   o.curve = CurveOrFail(f.keys, true);
   CheckEndpointsOrFail("--bind", f.bind, o.endpoints, o.curve.has_value(), "give --key and --allow");
   o.mode = *mode;
+  if (o.curve) {
+    // A refused receiver only sees silence: say here which key was turned away (once per key).
+    o.on_rejected_key = [allow = f.keys.allow](const std::string& key) {
+      std::fprintf(stderr, "ferry: warning: refused a receiver with CURVE public key %s: not in --allow %s\n",
+                   key.c_str(), allow.c_str());
+    };
+  }
 
   auto owned = OpenStoreOrFail(f.db, /*writable=*/true, /*create=*/watching);
   store::Store& store = *owned;  // the watcher imports while the publisher serves: Store is thread-safe
@@ -275,6 +282,14 @@ struct ReceiveFlags {
 // write, fsync or rename failing, a version that stays corrupt, a precondition) ends it.
 bool IsTransient(const Status& s) { return s.code() == StatusCode::kUnavailable || s.code() == StatusCode::kNotFound; }
 
+// With CURVE, a publisher silent since Connect may be refusing this receiver's key (the
+// library's message then names the key): add which file holds it.
+Status WithKeyFileHint(const Status& s, const ReceiveFlags& f, const sync::Receiver& receiver) {
+  if (s.code() != StatusCode::kUnavailable || f.keys.key.empty() || receiver.heard_from_publisher()) return s;
+  return Status(s.code(), s.message() + "; this receiver's public key is " + f.keys.key +
+                              ".pub: the publisher's --allow file must list it");
+}
+
 [[noreturn]] void FailReceive(const Status& s, const ReceiveFlags& f, const sync::Receiver& receiver) {
   // Adapter mode without a local base, and the publisher does not serve the base the adapters
   // apply to (kFailedPrecondition).
@@ -282,7 +297,7 @@ bool IsTransient(const Status& s) { return s.code() == StatusCode::kUnavailable 
       receiver.served_mode() == sync::PublishMode::kAdapter) {
     Fail(s.WithContext("the publisher serves adapters: give --base DIR (the local base model)"));
   }
-  Fail(s);
+  Fail(WithKeyFileHint(s, f, receiver));
 }
 
 void RunReceive(const ReceiveFlags& f) {
@@ -305,7 +320,7 @@ void RunReceive(const ReceiveFlags& f) {
   auto on_error = [&](const Status& st) {
     if (!IsTransient(st)) FailReceive(st, f, **r);
     if (st.code() == StatusCode::kUnavailable) {
-      if (!publisher_lost) std::fprintf(stderr, "ferry: warning: %s\n", st.message().c_str());
+      if (!publisher_lost) std::fprintf(stderr, "ferry: warning: %s\n", WithKeyFileHint(st, f, **r).message().c_str());
       publisher_lost = true;
       return;
     }

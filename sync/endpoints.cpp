@@ -19,6 +19,9 @@ namespace fs = std::filesystem;
 // sockaddr_un.sun_path holds 108 bytes including the terminating NUL.
 constexpr size_t kMaxUnixPathBytes = 107;
 
+// Refused client keys a ZapAllowList remembers having reported.
+constexpr size_t kMaxReportedKeys = 4096;
+
 zmq::message_t Frame(std::string_view s) { return zmq::message_t(s.data(), s.size()); }
 
 Status CheckKey(std::string_view key, std::string_view field) {
@@ -141,6 +144,8 @@ Status SecureClientSocket(void* socket, const CurveOptions& curve) {
 struct ZapAllowList::Impl {
   void* handle = nullptr;         // a libzmq REP socket (zmq_socket), closed with the Impl
   std::set<std::string> allowed;  // binary 32-byte public keys
+  RejectedKeyFn on_rejected;
+  std::set<std::string> reported;  // binary keys already passed to on_rejected
   ~Impl() {
     if (handle != nullptr) zmq_close(handle);
   }
@@ -149,8 +154,10 @@ struct ZapAllowList::Impl {
 ZapAllowList::ZapAllowList(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 ZapAllowList::~ZapAllowList() = default;
 
-Result<std::unique_ptr<ZapAllowList>> ZapAllowList::Bind(void* context, const std::vector<std::string>& allowed_keys) {
+Result<std::unique_ptr<ZapAllowList>> ZapAllowList::Bind(void* context, const std::vector<std::string>& allowed_keys,
+                                                         RejectedKeyFn on_rejected) {
   auto impl = std::make_unique<Impl>();
+  impl->on_rejected = std::move(on_rejected);
   for (const auto& k : allowed_keys) {
     std::array<uint8_t, 32> bin{};
     if (k.size() != 40 || zmq_z85_decode(bin.data(), k.c_str()) == nullptr) {
@@ -188,11 +195,17 @@ void ZapAllowList::HandlePending() {
     if (parts.empty()) return;
     // Frames: version, request id, domain, address, identity, mechanism, credentials...
     if (parts.size() < 6) continue;  // not a ZAP request; REP requires a reply only to well-formed ones
-    bool ok = parts[5].to_string() == "CURVE" && parts.size() >= 7 && parts[6].size() == 32 &&
-              impl_->allowed.count(parts[6].to_string()) > 0;
+    const bool curve = parts[5].to_string() == "CURVE" && parts.size() >= 7 && parts[6].size() == 32;
+    bool ok = curve && impl_->allowed.count(parts[6].to_string()) > 0;
     // User-Id: the client's key in Z85, readable from every message of the connection.
     char z85[41] = {};
-    if (ok && zmq_z85_encode(z85, static_cast<const uint8_t*>(parts[6].data()), 32) == nullptr) ok = false;
+    const bool encoded = curve && zmq_z85_encode(z85, static_cast<const uint8_t*>(parts[6].data()), 32) != nullptr;
+    if (!encoded) ok = false;
+    if (!ok && encoded && impl_->on_rejected) {
+      // Bounded: a flood of distinct keys is forgotten (and may be reported again) past this.
+      if (impl_->reported.size() >= kMaxReportedKeys) impl_->reported.clear();
+      if (impl_->reported.insert(parts[6].to_string()).second) impl_->on_rejected(z85);
+    }
     const std::array<std::string, 6> reply = {
         "1.0", parts[1].to_string(), ok ? "200" : "400", ok ? "OK" : "public key not in the allow-list", ok ? z85 : "",
         ""};

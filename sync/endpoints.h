@@ -19,6 +19,7 @@
 #pragma once
 
 #include <filesystem>
+#include <functional>
 #include <memory>
 #include <string>
 #include <string_view>
@@ -90,6 +91,11 @@ enum class CurveRole { kServer, kClient };
 // option.
 [[nodiscard]] Status SecureClientSocket(void* socket, const CurveOptions& curve);
 
+// Called with the public key (Z85) of a CURVE client the allow-list refused, once per key:
+// a refused client retries its handshake every reconnect interval, and only the first
+// refusal of each key is reported. Runs on the thread that calls HandlePending().
+using RejectedKeyFn = std::function<void(const std::string& public_key_z85)>;
+
 // The ZAP handler (RFC 27) of one ZeroMQ context, admitting only listed CURVE client keys.
 // It answers on the owner's thread: the owner polls socket() for input with its other
 // sockets and calls HandlePending() when it is readable (a handshake waits until then).
@@ -98,10 +104,13 @@ class ZapAllowList {
  public:
   // Binds inproc://zeromq.zap.01 on the libzmq context `context`: from then on every CURVE
   // (and ZAP-enabled) handshake on a server socket of that context is decided here.
+  // `on_rejected` (may be empty) hears of each refused client key once (RejectedKeyFn), so a
+  // server can say which key it turned away while that client only sees no reply.
   // kInvalidArgument naming a key that is not Z85; kIOError when the address cannot be
   // bound (one handler per context).
   [[nodiscard]] static Result<std::unique_ptr<ZapAllowList>> Bind(void* context,
-                                                                  const std::vector<std::string>& allowed_keys);
+                                                                  const std::vector<std::string>& allowed_keys,
+                                                                  RejectedKeyFn on_rejected = nullptr);
   ~ZapAllowList();
   ZapAllowList(const ZapAllowList&) = delete;
   ZapAllowList& operator=(const ZapAllowList&) = delete;
@@ -110,7 +119,8 @@ class ZapAllowList {
   void* socket() const;
   // Answers every pending ZAP request without blocking: status 200 with User-Id = the
   // client's public key in Z85 when the mechanism is CURVE and the key is listed, 400
-  // otherwise. Malformed requests are dropped.
+  // otherwise (a CURVE key refused for the first time is passed to `on_rejected`).
+  // Malformed requests are dropped.
   void HandlePending();
 
  private:

@@ -88,7 +88,8 @@ class Publisher::Impl {
   Status Bind() {
     try {
       if (options_.curve) {
-        FERRY_ASSIGN_OR_RETURN(zap_, ZapAllowList::Bind(ctx_.handle(), options_.curve->allowed_keys));
+        FERRY_ASSIGN_OR_RETURN(
+            zap_, ZapAllowList::Bind(ctx_.handle(), options_.curve->allowed_keys, options_.on_rejected_key));
       }
       control_ = zmq::socket_t(ctx_, zmq::socket_type::pair);
       control_.bind("inproc://ferry-publisher-control");

@@ -57,6 +57,11 @@ struct PublisherOptions {
   // a shared link to the trainer, or to measure sync over a slower link
   // (bench/sync_bench.cpp). 0: no cap; negative: kInvalidArgument. Default: 0
   int64_t max_send_bytes_per_sec = 0;
+  // With CURVE: called with the public key (Z85) of each receiver the allow-list refused,
+  // once per key (RejectedKeyFn, sync/endpoints.h), on the serving thread; must not block.
+  // Such a receiver only sees no reply, so this is where the refusal can be told. Default:
+  // none
+  RejectedKeyFn on_rejected_key;
 };
 
 // What the publisher knows about one receiver (from its messages and connections).

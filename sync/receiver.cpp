@@ -176,6 +176,8 @@ Result<std::unique_ptr<Receiver>> Receiver::Connect(ReceiverOptions o) {
   return r;
 }
 
+bool Receiver::heard_from_publisher() const { return state_->link.heard; }
+
 Result<SyncResult> Receiver::SyncLatest() {
   if (reset_dealer_) FERRY_RETURN_IF_ERROR(ResetDealer());
   auto r = SyncLatestOnce();
@@ -284,7 +286,7 @@ Result<SyncResult> Receiver::WaitForNewer(int timeout_ms) {
       if (item.revents & ZMQ_POLLIN) {
         auto a = ReadAnnouncement(sockets_->sub, link);
         if (!a) continue;
-        link.last_heard = Clock::now();
+        link.Heard();
         if (a->sequence == 0) continue;  // a beacon: alive, nothing published yet
         if (a->epoch != epoch_) {
           reset_dealer_ = true;  // a restarted publisher: drop anything queued for the old one
@@ -300,7 +302,8 @@ Result<SyncResult> Receiver::WaitForNewer(int timeout_ms) {
     if (after >= link.last_heard + silence && (!silent_before || after >= deadline)) {
       return Status::Unavailable("sync receiver " + options_.id + ": nothing heard from the publisher at " +
                                  options_.endpoints.requests + " (announcements on " + options_.endpoints.updates +
-                                 ") for " + std::to_string(options_.timeout_ms) + " ms: publisher gone");
+                                 ") for " + std::to_string(options_.timeout_ms) + " ms: publisher gone" +
+                                 SilenceHint(options_, link));
     }
     if (after >= deadline) {
       return Status::NotFound("sync receiver " + options_.id + ": no newer version announced within " +

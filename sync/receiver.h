@@ -134,6 +134,10 @@ class Receiver {
   // The publication mode of the last MANIFEST received (unset before one arrived): lets a
   // caller tell what the publisher serves when a sync fails, without reading the error text.
   std::optional<PublishMode> served_mode() const { return served_mode_; }
+  // Whether anything (a reply, an announcement or a beacon) has come from the publisher since
+  // Connect. With CURVE, a publisher whose allow-list lacks this receiver's key stays silent,
+  // so kUnavailable while this is false may mean that (the message then names the key).
+  bool heard_from_publisher() const;
 
  private:
   struct Sockets;

@@ -106,10 +106,13 @@ inline std::span<const std::byte> Bytes(const zmq::message_t& m) {
 // What the receiver knows about its publisher link.
 struct Link {
   Clock::time_point last_heard;         // last message of any kind from the publisher
+  bool heard = false;                   // anything at all came from the publisher since Connect
   std::deque<uint64_t> retired_epochs;  // at most kRetiredEpochsKept
 
   bool Retired(uint64_t epoch) const;
   void Retire(uint64_t epoch);
+  // Records that a message came from the publisher now.
+  void Heard();
 };
 
 // One thing that arrived: an announcement or a reply. `msg.bytes` views `payload`.
@@ -194,6 +197,11 @@ class Session {
 // Reads one announcement from `sub` if one is queued (draining a malformed multipart
 // message); nullopt when nothing usable was read (not an ANNOUNCE, or of a retired epoch).
 std::optional<Message> ReadAnnouncement(zmq::socket_t& sub, const Link& link);
+
+// What ends a "no reply from the publisher" message: with CURVE, while nothing at all has
+// come from the publisher, that it may not allow this receiver's public key (a refused
+// CURVE handshake looks like silence to the client); otherwise nothing.
+std::string SilenceHint(const ReceiverOptions& o, const Link& link);
 
 // ---- one version into DIR/versions/<id> (receiver_transfer.cpp) ---------------------------
 

@@ -21,6 +21,18 @@ void Link::Retire(uint64_t epoch) {
   if (retired_epochs.size() > kRetiredEpochsKept) retired_epochs.pop_front();
 }
 
+void Link::Heard() {
+  last_heard = Clock::now();
+  heard = true;
+}
+
+std::string SilenceHint(const ReceiverOptions& o, const Link& link) {
+  if (!o.curve || link.heard) return "";
+  return "; nothing has come from the publisher yet: it is not running, or it does not allow this receiver's CURVE "
+         "public key " +
+         o.curve->public_key + " (not in its allow-list)";
+}
+
 std::optional<Message> ReadAnnouncement(zmq::socket_t& sub, const Link& link) {
   zmq::message_t m;
   if (!sub.recv(m, zmq::recv_flags::dontwait)) return std::nullopt;
@@ -57,14 +69,14 @@ Status Session::Next(Clock::time_point deadline, Incoming* in) {
     const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
     if (left <= 0) {
       return Status::Unavailable("sync receiver " + o_.id + ": no reply from " + o_.endpoints.requests + " within " +
-                                 std::to_string(o_.timeout_ms) + " ms");
+                                 std::to_string(o_.timeout_ms) + " ms" + SilenceHint(o_, *link_));
     }
     zmq::pollitem_t items[] = {{dealer_.handle(), 0, ZMQ_POLLIN, 0}, {sub_.handle(), 0, ZMQ_POLLIN, 0}};
     try {
       zmq::poll(items, 2, std::chrono::milliseconds(left));
       if (items[1].revents & ZMQ_POLLIN) {
         if (auto a = ReadAnnouncement(sub_, *link_)) {
-          link_->last_heard = Clock::now();
+          link_->Heard();
           in->announce = true;
           in->msg = std::move(*a);
           return Status::OK();
@@ -80,7 +92,7 @@ Status Session::Next(Clock::time_point deadline, Incoming* in) {
           if (!more) break;
         }
         if (parts.empty()) continue;
-        link_->last_heard = Clock::now();
+        link_->Heard();
         if (parts.size() > 2) {
           return Status::Corruption("sync receiver " + o_.id + ": reply from " + o_.endpoints.requests +
                                     " has more than 2 frames");

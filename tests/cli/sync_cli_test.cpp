@@ -2,11 +2,15 @@
 // including `publish --watch` over the committed PEFT fixture, a following receiver started
 // before the publisher or before the first checkpoint (it holds the base first, in merged and
 // adapter mode), the hint to give --base DIR to a receiver of adapters without one, a local
-// write failure ending `receive`, and `status` reporting a receiver the publisher declared lost.
+// write failure ending `receive`, `status` reporting a receiver the publisher declared lost, and
+// a receiver key missing from the publisher's allow-list named on both sides (tcp:// with CURVE).
+#include <arpa/inet.h>
 #include <fcntl.h>
 #include <gtest/gtest.h>
+#include <netinet/in.h>
 #include <signal.h>
 #include <spawn.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -271,6 +275,86 @@ TEST_F(SyncCliTest, TcpWithoutKeysIsRefused) {
   EXPECT_NE(rc.err.find("tcp:// needs CURVE keys"), std::string::npos) << rc.err;
   EXPECT_NE(rc.err.find("; give --key and --server-key"), std::string::npos) << rc.err;
   EXPECT_FALSE(fs::exists(root_ / "gen"));
+}
+
+// Whether 127.0.0.1:`port` can be bound now (TCP).
+bool PortFree(uint16_t port) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  if (fd < 0) return false;
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  a.sin_port = htons(port);
+  const bool ok = ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0;
+  ::close(fd);
+  return ok;
+}
+
+// A port P of 127.0.0.1 with P and P + 1 free (a tcp:// publisher binds both); 0 if none found.
+uint16_t FreePortPair() {
+  for (int tries = 0; tries < 100; ++tries) {
+    const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t len = sizeof(a);
+    uint16_t port = 0;
+    if (::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0 &&
+        ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) == 0) {
+      port = ntohs(a.sin_port);
+    }
+    ::close(fd);
+    if (port != 0 && port < 65534 && PortFree(port) && PortFree(static_cast<uint16_t>(port + 1))) return port;
+  }
+  return 0;
+}
+
+// A receiver whose key the publisher's allow-list lacks only sees silence: its error names
+// its key and key file; the publisher prints the refused key, once however often it retries.
+TEST_F(SyncCliTest, ARefusedReceiverKeyIsNamedByReceiverAndPublisher) {
+  MakeStore();
+  for (const char* name : {"server", "trusted", "stranger"}) {
+    auto k = RunFerry({"keys", "generate", "--out", (root_ / name).string()});
+    ASSERT_EQ(k.exit_code, 0) << k.err;
+  }
+  fs::copy_file(root_ / "trusted.pub", root_ / "allow");
+  std::string stranger;
+  std::ifstream(root_ / "stranger.pub") >> stranger;
+  ASSERT_EQ(stranger.size(), 40u);
+  const uint16_t port = FreePortPair();
+  ASSERT_NE(port, 0);
+  const std::string ep = "tcp://127.0.0.1:" + std::to_string(port);
+  SpawnPublisher({"sync", "publish", "--db", (root_ / "db").string(), "--bind", ep, "--key",
+                  (root_ / "server").string(), "--allow", (root_ / "allow").string()});
+  WaitForOutput("pub.err", "serving ");
+  ASSERT_FALSE(HasFailure());
+  for (int attempt = 0; attempt < 2; ++attempt) {
+    auto r = RunFerry({"sync", "receive", "--once", "--connect", ep, "--key", (root_ / "stranger").string(),
+                       "--server-key", (root_ / "server.pub").string(), "--out", (root_ / "gen").string(), "--id",
+                       "gen-x", "--timeout-ms", "500"});
+    EXPECT_EQ(r.exit_code, 1);
+    EXPECT_NE(r.err.find("ferry: error: sync receiver gen-x: no reply from " + ep +
+                         " within 500 ms; nothing has come "
+                         "from the publisher yet: it is not running, or it does not allow this receiver's CURVE public "
+                         "key " +
+                         stranger + " (not in its allow-list); this receiver's public key is " +
+                         (root_ / "stranger").string() + ".pub: the publisher's --allow file must list it"),
+              std::string::npos)
+        << r.err;
+  }
+  const std::string refused = "ferry: warning: refused a receiver with CURVE public key " + stranger +
+                              ": not in --allow " + (root_ / "allow").string() + "\n";
+  const std::string err = WaitForOutput("pub.err", refused);
+  EXPECT_EQ(err.find(refused, err.find(refused) + 1), std::string::npos) << "reported more than once:\n" << err;
+  // The listed key is served, and not reported.
+  auto ok = RunFerry({"sync", "receive", "--once", "--connect", ep, "--key", (root_ / "trusted").string(),
+                      "--server-key", (root_ / "server.pub").string(), "--out", (root_ / "gen").string(), "--id",
+                      "gen-t", "--timeout-ms", "20000"});
+  EXPECT_EQ(ok.exit_code, 0) << ok.err;
+  EXPECT_EQ(StopPublisher(), 0);
+  const std::string final_err = Slurp(root_ / "pub.err");
+  EXPECT_EQ(final_err.find("refused a receiver", final_err.find(refused) + refused.size()), std::string::npos)
+      << final_err;
 }
 
 TEST_F(SyncCliTest, BadEndpointsAreRefusedNamingThem) {

@@ -10,6 +10,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <mutex>
 #include <set>
 #include <string>
 #include <thread>
@@ -595,6 +596,66 @@ TEST_F(SyncTest, CurveAllowListAdmitsListedReceiverOnly) {
   no.endpoints = bound;
   no.timeout_ms = 300;
   EXPECT_EQ(Receiver::Connect(no).status().code(), StatusCode::kFailedPrecondition);
+}
+
+// A receiver whose key the allow-list lacks gets silence, so its message names its key as a
+// possible cause; the publisher reports that key once, however often the receiver retries.
+// A receiver the publisher has answered before gets no such hint when it later falls silent.
+TEST_F(SyncTest, ARefusedCurveKeyIsNamedOnBothSidesOnce) {
+  auto server = GenerateKeyPair();
+  auto good = GenerateKeyPair();
+  auto stranger = GenerateKeyPair();
+  ASSERT_TRUE(server.ok() && good.ok() && stranger.ok());
+  std::mutex mu;
+  std::vector<std::string> rejected;
+  PublisherOptions po;
+  po.endpoints = {"tcp://127.0.0.1:*", "tcp://127.0.0.1:*"};
+  po.curve = CurveOptions{server->public_key, server->secret_key, "", {good->public_key}};
+  po.on_rejected_key = [&](const std::string& key) {
+    std::lock_guard lock(mu);
+    rejected.push_back(key);
+  };
+  StartPublisher(po);
+  ASSERT_TRUE(publisher_->Publish(v1_).ok());
+  const Endpoints bound = publisher_->bound_endpoints();
+
+  auto so = RecvOptions("stranger");
+  so.endpoints = bound;
+  so.timeout_ms = 500;
+  so.curve = CurveOptions{stranger->public_key, stranger->secret_key, server->public_key, {}};
+  auto sr = Receiver::Connect(so);
+  ASSERT_TRUE(sr.ok());
+  for (int attempt = 0; attempt < 2; ++attempt) {  // the second one reconnects (a new socket)
+    auto ss = (*sr)->SyncLatest();
+    ASSERT_FALSE(ss.ok());
+    EXPECT_EQ(ss.status().code(), StatusCode::kUnavailable) << ss.status().message();
+    EXPECT_EQ(ss.status().message(),
+              "sync receiver stranger: no reply from " + bound.requests +
+                  " within 500 ms; nothing has come from the publisher yet: it is not running, or it does not allow "
+                  "this receiver's CURVE public key " +
+                  stranger->public_key + " (not in its allow-list)");
+  }
+  EXPECT_FALSE((*sr)->heard_from_publisher());
+  {
+    std::lock_guard lock(mu);
+    EXPECT_EQ(rejected, std::vector<std::string>{stranger->public_key});
+  }
+
+  auto o = RecvOptions("trusted");
+  o.endpoints = bound;
+  o.timeout_ms = 500;
+  o.curve = CurveOptions{good->public_key, good->secret_key, server->public_key, {}};
+  auto r = Receiver::Connect(o);
+  ASSERT_TRUE(r.ok()) << r.status().message();
+  ASSERT_TRUE((*r)->SyncLatest().ok());
+  EXPECT_TRUE((*r)->heard_from_publisher());
+  publisher_.reset();
+  auto gone = (*r)->SyncLatest();
+  ASSERT_FALSE(gone.ok());
+  EXPECT_EQ(gone.status().code(), StatusCode::kUnavailable) << gone.status().message();
+  EXPECT_EQ(gone.status().message(), "sync receiver trusted: no reply from " + bound.requests + " within 500 ms");
+  std::lock_guard lock(mu);
+  EXPECT_EQ(rejected.size(), 1u);
 }
 
 // Sends `frames` from a raw DEALER and returns the decoded reply (bounded wait).

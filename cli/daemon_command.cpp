@@ -4,7 +4,9 @@
 //            runs `ferryd train --config FILE --dir DIR [--max-steps N] [--publish EP]` (ferryd next to this
 //            executable, or $FERRY_FERRYD): in the foreground (its exit code is ferry's), or
 //            detached (new session, output appended to DIR/ferryd.log; prints the pid once the
-//            control socket answers, fails when ferryd exits first)
+//            control socket answers, fails when ferryd exits first, except that a run already
+//            complete is reported as such, exit 0). --publish tcp://... without the config's
+//            [publish] key and allow is refused before ferryd starts (nothing is created).
 //   status   [--json]                  the daemon's status; without one: state "stopped" from
 //                                      DIR/metrics.jsonl and the newest checkpoint, exit 3
 //   pause | resume | snapshot | stop   (snapshot prints the version id; stop waits for the
@@ -41,6 +43,9 @@
 #include "daemon/control/metrics.h"
 #include "daemon/control/run_dir.h"
 #include "daemon/control/run_lock.h"
+#include "daemon/run/config.h"
+#include "daemon/run/dataset.h"
+#include "sync/endpoints.h"
 #include "sync/keys.h"
 
 namespace ferry::cli {
@@ -294,11 +299,83 @@ std::string LogTail(const fs::path& log, size_t lines) {
   return out;
 }
 
+// --publish EP against the endpoint policy ferryd applies (sync::CheckEndpoint): tcp:// needs
+// the config's [publish] key and allow. Checked before ferryd starts, since ferryd creates the
+// run directory and its store (holding the base) before it starts publishing.
+void CheckPublishOrFail(const Flags& f) {
+  if (f.publish.empty()) return;
+  bool curve = false;
+  if (f.publish.starts_with("tcp://")) {
+    auto config = run::LoadRunConfig(f.config);
+    if (!config.ok()) Fail(config.status());
+    curve = !config->publish.key.empty();  // the config refuses a key without allow, and allow without key
+  }
+  const Status s = sync::CheckEndpoint(f.publish, curve);
+  if (s.ok()) return;
+  if (s.code() == StatusCode::kFailedPrecondition) {
+    Fail("--publish " + f.publish + ": tcp:// needs CURVE keys, and " + f.config +
+         " has no [publish] key and allow: set key (a keypair prefix, `ferry keys generate --out PREFIX`) and allow "
+         "(a file of the receivers' public keys) there, or publish on ipc://DIR");
+  }
+  Fail(s.WithContext("--publish"));
+}
+
+// The steps ferryd runs for `f` (the config's max_steps, else TRL's count over the dataset;
+// capped by --max-steps); nullopt when the config or dataset cannot be read here.
+std::optional<int64_t> TotalSteps(const Flags& f) {
+  auto config = run::LoadRunConfig(f.config);
+  if (!config.ok()) return std::nullopt;
+  uint64_t dataset_size = 0;
+  if (config->max_steps <= 0) {
+    auto dataset = run::Dataset::Load(config->dataset, run::DatasetOptionsFor(*config));
+    if (!dataset.ok()) return std::nullopt;
+    dataset_size = (*dataset)->size();
+  }
+  auto total = run::TotalSteps(*config, dataset_size);
+  if (!total.ok()) return std::nullopt;
+  return f.max_steps > 0 ? std::min(*total, f.max_steps) : *total;
+}
+
+// Prints that the run in `dir` is complete at `checkpoint`: what a detached start reports
+// when ferryd had nothing to do.
+void PrintComplete(const Flags& f, const fs::path& dir, const fs::path& log, const control::CheckpointDir& checkpoint) {
+  if (f.json) {
+    return PrintJson(Json{{"pid", nullptr},
+                          {"dir", dir.string()},
+                          {"log", log.string()},
+                          {"state", "complete"},
+                          {"step", checkpoint.step},
+                          {"last_checkpoint", checkpoint.name}});
+  }
+  std::printf("the run in %s is complete at step %llu (%s); nothing to do\n", dir.c_str(),
+              static_cast<unsigned long long>(checkpoint.step), checkpoint.name.c_str());
+  std::fflush(stdout);
+}
+
+// The integer `key` of a status reply; -1 when absent or not an integer.
+int64_t IntField(const Json& j, const char* key) {
+  const auto it = j.find(key);
+  return it != j.end() && it->is_number_integer() ? it->get<int64_t>() : -1;
+}
+
+// ferryd exited 0 before its control socket answered: when DIR's newest checkpoint is at the
+// run's last step (`total`, or worked out from the config), the run was complete and ferryd
+// had nothing to do. Prints so and returns true; false otherwise.
+bool ReportedComplete(const Flags& f, const fs::path& dir, const fs::path& log, std::optional<int64_t> total) {
+  auto checkpoint = control::NewestCheckpoint(dir);
+  if (!checkpoint.ok() || !checkpoint->has_value()) return false;
+  if (!total) total = TotalSteps(f);
+  if (!total || static_cast<int64_t>((*checkpoint)->step) < *total) return false;
+  PrintComplete(f, dir, log, **checkpoint);
+  return true;
+}
+
 void RunStart(const Flags& f) {
   std::error_code ec;
   if (!fs::is_regular_file(f.config, ec)) Fail("--config " + f.config + ": no such file");
   if (f.max_steps < 0) Fail("--max-steps must be positive");
   if (f.wait_s <= 0) Fail("--wait-s must be positive");
+  CheckPublishOrFail(f);
   if (auto holder = HolderOrFail(f)) {
     Fail(DirText(f) + " is in use by ferryd pid " + std::to_string(*holder));
   }
@@ -358,24 +435,35 @@ void RunStart(const Flags& f) {
     Fail("cannot run " + ferryd + ": " + std::strerror(exec_errno));
   }
 
-  Flags probe = f;
-  probe.dir = dir.string();
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(f.wait_s);
+  // The run's total steps when a status reply shows ferryd already at its last step: a run
+  // that was complete, whose ferryd is about to exit.
+  std::optional<int64_t> finished_at;
   for (;;) {
     int status = 0;
     if (::waitpid(pid, &status, WNOHANG) == pid) {
+      if (WIFEXITED(status) && WEXITSTATUS(status) == 0 && ReportedComplete(f, dir, log, finished_at)) return;
       const std::string how = WIFEXITED(status) ? "with code " + std::to_string(WEXITSTATUS(status))
                                                 : "on signal " + std::to_string(WTERMSIG(status));
       Fail("ferryd pid " + std::to_string(pid) + " exited " + how + " before its control socket answered; " +
            log.string() + " ends with:\n" + LogTail(log, 10));
     }
-    control::ControlClientOptions o;
-    o.run_dir = dir;
-    if (auto client = control::ControlClient::Connect(o); client.ok()) {
-      if (auto reply = (*client)->Call(ControlCommand::kStatus, std::chrono::milliseconds(500)); reply.ok()) break;
+    if (!finished_at) {
+      control::ControlClientOptions o;
+      o.run_dir = dir;
+      auto client = control::ControlClient::Connect(o);
+      auto reply = client.ok() ? (*client)->Call(ControlCommand::kStatus, std::chrono::milliseconds(500))
+                               : Result<Json>(client.status());
+      if (reply.ok()) {
+        const int64_t step = IntField(*reply, "step"), total = IntField(*reply, "total_steps");
+        if (total <= 0 || step < total) break;
+        finished_at = total;  // nothing to do: wait for it to exit, then say so
+      }
     }
     if (std::chrono::steady_clock::now() >= deadline) {
-      Fail("ferryd pid " + std::to_string(pid) + " is running but its control socket did not answer within " +
+      Fail("ferryd pid " + std::to_string(pid) +
+           (finished_at ? " is at the run's last step but did not exit within "
+                        : " is running but its control socket did not answer within ") +
            std::to_string(f.wait_s) + " s (see " + log.string() + ")");
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(100));

@@ -1,6 +1,7 @@
 // `ferry daemon ...` end to end, against fake_ferryd (tests/daemon/fake_ferryd.cpp), a
 // scripted stand-in for ferryd built from ferry_control: it serves a status, counts pause,
-// resume and stop, and exits on stop.
+// resume and stop, and exits on stop. Restarting a complete run runs the real ferryd on the
+// bundled demo (FERRYD_PATH, defined when LibTorch is built).
 #include <signal.h>
 #include <stdlib.h>
 
@@ -230,6 +231,106 @@ TEST_F(DaemonCliTest, AHungDaemonIsNamedAfterStatusOwnTimeout) {
             std::string::npos)
       << r.err;
   EXPECT_NE(r.err.find("within 5000 ms"), std::string::npos) << r.err;
+}
+
+// The bundled demo (fixtures/demo) as a run config of `steps` steps, checkpointed at the end,
+// at `path`; `extra` is appended (e.g. a [publish] table).
+void WriteDemoConfig(const fs::path& path, int steps, const std::string& extra = "") {
+  const fs::path demo = fs::path(FERRY_FIXTURES_DIR) / "demo";
+  std::string text = Slurp(demo / "grpo.toml");
+  auto set = [&text](const std::string& key, const std::string& value) {
+    const size_t at = text.find("\n" + key + " = ");
+    ASSERT_NE(at, std::string::npos) << key;
+    const size_t end = text.find('\n', at + 1);
+    text.replace(at + 1, end - at - 1, key + " = " + value);
+  };
+  set("model_name_or_path", "\"" + (demo / "model").string() + "\"");
+  set("dataset", "\"" + (demo / "train.jsonl").string() + "\"");
+  set("max_steps", std::to_string(steps));
+  set("save_steps", std::to_string(steps));
+  set("logging_steps", "1");
+  set("per_device_train_batch_size", "16");
+  std::ofstream(path) << text << extra;
+}
+
+// `--publish tcp://...` without the config's [publish] key and allow is refused before ferryd
+// runs, leaving nothing behind (ferryd would create the run directory and its store first).
+TEST_F(DaemonCliTest, StartRefusesTcpPublishWithoutKeysBeforeCreatingAnything) {
+  const fs::path toml = tmp_.path() / "grpo.toml";
+  WriteDemoConfig(toml, 2);
+  ASSERT_FALSE(HasFailure());
+  const std::string expected = "ferry: error: --publish tcp://127.0.0.1:5555: tcp:// needs CURVE keys, and " +
+                               toml.string() +
+                               " has no [publish] key and allow: set key (a keypair prefix, `ferry keys generate "
+                               "--out PREFIX`) and allow (a file of the receivers' public keys) there, or publish on "
+                               "ipc://DIR\n";
+  for (const bool detach : {true, false}) {
+    std::vector<std::string> args = {"daemon", "start", "--config", toml.string(), "--publish", "tcp://127.0.0.1:5555"};
+    if (detach) args.push_back("--detach");
+    auto r = RunFerry(Args(args));
+    EXPECT_EQ(r.exit_code, 1) << r.out;
+    EXPECT_EQ(r.err, expected);
+    EXPECT_FALSE(fs::exists(run_)) << "detach " << detach;
+  }
+  // An endpoint of another scheme is refused naming the flag too.
+  auto bad = RunFerry(Args({"daemon", "start", "--config", toml.string(), "--publish", "udp://127.0.0.1:5555"}));
+  EXPECT_EQ(bad.exit_code, 1);
+  EXPECT_NE(bad.err.find("--publish: endpoint udp://127.0.0.1:5555: only ipc://"), std::string::npos) << bad.err;
+  EXPECT_FALSE(fs::exists(run_));
+
+  // With [publish] key and allow the CLI lets it through to ferryd (here the fake, which
+  // knows no --publish and exits 2 with its usage).
+  ASSERT_EQ(RunFerry({"keys", "generate", "--out", (tmp_.path() / "server").string()}).exit_code, 0);
+  ASSERT_EQ(RunFerry({"keys", "generate", "--out", (tmp_.path() / "client").string()}).exit_code, 0);
+  fs::copy_file(tmp_.path() / "client.pub", tmp_.path() / "allow");
+  WriteDemoConfig(toml, 2,
+                  "\n[publish]\nkey = \"" + (tmp_.path() / "server").string() + "\"\nallow = \"" +
+                      (tmp_.path() / "allow").string() + "\"\n");
+  auto keyed = RunFerry(Args({"daemon", "start", "--config", toml.string(), "--publish", "tcp://127.0.0.1:5555"}));
+  EXPECT_EQ(keyed.exit_code, 2) << keyed.err;
+  EXPECT_NE(keyed.err.find("usage: fake_ferryd"), std::string::npos) << keyed.err;
+}
+
+// A detached ferryd that exits 0 before answering is said to have completed the run only
+// when DIR's newest checkpoint is at the run's last step; otherwise the exit is reported.
+TEST_F(DaemonCliTest, AnEarlyCleanExitIsCalledCompleteOnlyAtTheLastStep) {
+  std::ofstream(config_) << R"({"exit_code": 0})";
+  auto r = RunFerry(Args({"daemon", "start", "--config", config_.string(), "--detach"}));
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.err.find("exited with code 0 before its control socket answered"), std::string::npos) << r.err;
+  // A checkpoint, but the steps of the run cannot be told (the fake's config is no run config).
+  fs::create_directories(run_ / "checkpoint-2");
+  r = RunFerry(Args({"daemon", "start", "--config", config_.string(), "--detach"}));
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.err.find("exited with code 0 before its control socket answered"), std::string::npos) << r.err;
+}
+
+// Restarting a run that is complete: ferryd resumes at the last step and exits 0 at once, and
+// `ferry daemon start --detach` says the run is complete instead of reporting an early exit.
+TEST_F(DaemonCliTest, RestartingACompleteRunSaysItIsComplete) {
+#ifndef FERRYD_PATH
+  GTEST_SKIP() << "ferryd is not built (no LibTorch)";
+#else
+  ::setenv("FERRY_FERRYD", FERRYD_PATH, 1);
+  const fs::path toml = tmp_.path() / "grpo.toml";
+  WriteDemoConfig(toml, 2);
+  ASSERT_FALSE(HasFailure());
+  auto first = RunFerry(Args({"daemon", "start", "--config", toml.string()}));
+  ASSERT_EQ(first.exit_code, 0) << first.err;
+  ASSERT_TRUE(fs::is_directory(run_ / "checkpoint-2")) << first.err;
+
+  auto again = RunFerry(Args({"daemon", "start", "--config", toml.string(), "--detach"}));
+  EXPECT_EQ(again.exit_code, 0) << again.err;
+  EXPECT_EQ(again.out, "the run in " + run_.string() + " is complete at step 2 (checkpoint-2); nothing to do\n")
+      << again.err;
+  auto json = RunFerry(Args({"daemon", "start", "--config", toml.string(), "--detach", "--json"}));
+  EXPECT_EQ(json.exit_code, 0) << json.err;
+  const Json j = Json::parse(json.out, nullptr, false);
+  EXPECT_EQ(j.value("state", ""), "complete") << json.out;
+  EXPECT_EQ(j.value("step", 0), 2) << json.out;
+  EXPECT_EQ(j.value("last_checkpoint", ""), "checkpoint-2") << json.out;
+  EXPECT_FALSE(fs::exists(run_ / "checkpoint-3"));
+#endif
 }
 
 TEST_F(DaemonCliTest, ForegroundStartPassesFerrydsExitCodeThrough) {

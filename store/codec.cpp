@@ -238,7 +238,7 @@ Result<Event> DecodeEvent(std::string_view text) {
   FERRY_RETURN_IF_ERROR(rd.Get("type", type));
   FERRY_ASSIGN_OR_RETURN(e.type, ParseEnum(type,
                                            {Event::Type::kPublished, Event::Type::kAcknowledged,
-                                            Event::Type::kActivated, Event::Type::kAnomaly},
+                                            Event::Type::kActivated, Event::Type::kAnomaly, Event::Type::kCheckpoint},
                                            &EventTypeName, "event: field 'type'"));
   FERRY_RETURN_IF_ERROR(rd.Get("time_ns", e.time_ns));
   FERRY_RETURN_IF_ERROR(rd.Get("receiver", e.receiver));

@@ -282,6 +282,7 @@ std::string_view EventTypeName(Event::Type t) {
     case Event::Type::kAcknowledged: return "acknowledged";
     case Event::Type::kActivated: return "activated";
     case Event::Type::kAnomaly: return "anomaly";
+    case Event::Type::kCheckpoint: return "checkpoint";
   }
   return "unknown";
 }

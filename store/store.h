@@ -241,8 +241,12 @@ struct VersionRecord {
 };
 
 // One thing that happened to a version, recorded by sync and the daemon.
+//   kCheckpoint: ferryd wrote a training checkpoint of the step whose version this is;
+//   `detail` is a JSON object {"run", "step", "checkpoint" (its directory name),
+//   "trainer_state" (AuxDigest of its trainer_state.json)}: what a resume proves the
+//   checkpoint against (daemon/run/checkpoint_state.h).
 struct Event {
-  enum class Type { kPublished, kAcknowledged, kActivated, kAnomaly };
+  enum class Type { kPublished, kAcknowledged, kActivated, kAnomaly, kCheckpoint };
   // What an anomaly is, where it is one a program acts on (kUnspecified otherwise).
   enum class Anomaly {
     kUnspecified,

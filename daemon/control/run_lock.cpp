@@ -3,6 +3,7 @@
 
 #include <fcntl.h>
 #include <sys/file.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -44,33 +45,50 @@ Result<RunLock> RunLock::Acquire(const fs::path& dir) {
   fs::create_directories(dir, ec);
   if (ec) return Status::IOError(dir.string() + ": cannot create the run directory: " + ec.message());
   const fs::path path = LockPath(dir);
-  const int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0644);
-  if (fd < 0) return Status::IOError(path.string() + ": cannot open: " + std::strerror(errno));
   const auto give_up = std::chrono::steady_clock::now() + kProbeGrace;
-  while (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
-    const int err = errno;
-    if (err == EINTR) continue;
-    if (err != EWOULDBLOCK) {
-      ::close(fd);
-      return Status::IOError(path.string() + ": cannot lock: " + std::strerror(err));
+  for (;;) {
+    const int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0644);
+    if (fd < 0) return Status::IOError(path.string() + ": cannot open: " + std::strerror(errno));
+    while (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
+      const int err = errno;
+      if (err == EINTR) continue;
+      if (err != EWOULDBLOCK) {
+        ::close(fd);
+        return Status::IOError(path.string() + ": cannot lock: " + std::strerror(err));
+      }
+      const std::optional<pid_t> pid = ReadPid(fd);
+      // No pid: either the holder has not written it yet or a Holder() probe holds a shared lock.
+      if (std::chrono::steady_clock::now() >= give_up) {
+        ::close(fd);
+        return Status::FailedPrecondition(dir.string() + " is in use by ferryd " +
+                                          (pid ? "pid " + std::to_string(*pid) : std::string("(pid not yet written)")) +
+                                          " (" + path.string() + ")");
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
     }
-    const std::optional<pid_t> pid = ReadPid(fd);
-    // No pid: either the holder has not written it yet or a Holder() probe holds a shared lock.
-    if (std::chrono::steady_clock::now() >= give_up) {
-      ::close(fd);
-      return Status::FailedPrecondition(dir.string() + " is in use by ferryd " +
-                                        (pid ? "pid " + std::to_string(*pid) : std::string("(pid not yet written)")) +
-                                        " (" + path.string() + ")");
+    // The file locked must still be the one at `path`: a holder that removed it (Remove)
+    // released a lock nobody else can see; take the new file's instead.
+    struct stat held {
+    }, named{};
+    if (::fstat(fd, &held) == 0 && ::stat(path.c_str(), &named) == 0 && held.st_dev == named.st_dev &&
+        held.st_ino == named.st_ino) {
+      const std::string text = std::to_string(::getpid()) + "\n";
+      if (::ftruncate(fd, 0) != 0 || ::pwrite(fd, text.data(), text.size(), 0) != static_cast<ssize_t>(text.size())) {
+        const int err = errno;
+        ::close(fd);
+        return Status::IOError(path.string() + ": cannot write the pid: " + std::strerror(err));
+      }
+      return RunLock(fd, path);
     }
-    std::this_thread::sleep_for(std::chrono::milliseconds(5));
-  }
-  const std::string text = std::to_string(::getpid()) + "\n";
-  if (::ftruncate(fd, 0) != 0 || ::pwrite(fd, text.data(), text.size(), 0) != static_cast<ssize_t>(text.size())) {
-    const int err = errno;
     ::close(fd);
-    return Status::IOError(path.string() + ": cannot write the pid: " + std::strerror(err));
   }
-  return RunLock(fd, path);
+}
+
+void RunLock::Remove() {
+  if (fd_ < 0) return;
+  std::error_code ec;
+  fs::remove(path_, ec);  // while held: an Acquire that opened it meanwhile sees it is gone
+  Release();
 }
 
 Result<pid_t> RunLock::Holder(const fs::path& dir) {

@@ -3,7 +3,8 @@
 // DIR/ferryd.lock is held with an exclusive flock(2) for as long as ferryd runs and holds
 // its pid as decimal text and a newline. The kernel releases the lock when the holder
 // exits, however it exits (SIGKILL included), so a stale file never blocks a restart. The
-// file itself stays; only the lock says whether a ferryd runs.
+// file itself stays (unless Remove()); only the lock says whether a ferryd runs. Acquire
+// checks, once locked, that the file it locked is still the one named DIR/ferryd.lock.
 #pragma once
 
 #include <sys/types.h>
@@ -39,6 +40,10 @@ class RunLock {
   RunLock& operator=(const RunLock&) = delete;
   // Releases the lock (the pid is erased from the file first).
   ~RunLock();
+  // Removes DIR/ferryd.lock while still holding it, then releases it: for a start that
+  // created the file and then failed, so the directory is left as it was. An Acquire that
+  // opened the file meanwhile notices it is gone and locks the new one. Idempotent.
+  void Remove();
 
   [[nodiscard]] const std::filesystem::path& path() const { return path_; }
 

@@ -43,7 +43,7 @@ struct ControlServer::Impl {
   Status Bind(const ControlServerOptions& o) {
     try {
       if (o.curve) {
-        FERRY_ASSIGN_OR_RETURN(zap, sync::ZapAllowList::Bind(ctx.handle(), o.curve->allowed_keys));
+        FERRY_ASSIGN_OR_RETURN(zap, sync::ZapAllowList::Bind(ctx.handle(), o.curve->allowed_keys, o.on_rejected_key));
       }
       const std::string stop_ep = "inproc://ferry-control-stop-" + std::to_string(next_instance++);
       stop_in = zmq::socket_t(ctx, zmq::socket_type::pair);

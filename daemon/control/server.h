@@ -28,6 +28,9 @@ struct ControlServerOptions {
   // CURVE server keypair and the allow-list of client public keys (sync/endpoints.h); needed
   // for tcp://, also usable with ipc://. Default: none.
   std::optional<sync::CurveOptions> curve;
+  // With `curve`: hears of each client key the allow-list refuses, once per key, on the ZAP
+  // handler's thread; must not block (ferryd prints it). Default: none.
+  sync::RejectedKeyFn on_rejected_key;
 };
 
 // The default control endpoint of a run directory: ipc://DIR/.ferryd/control, after making

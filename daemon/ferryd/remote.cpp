@@ -44,6 +44,7 @@ Result<std::unique_ptr<RemotePublisher>> RemotePublisher::Start(store::Store* st
   po.mode = options.mode;
   po.follow_run = options.run;
   po.follow_interval_ms = options.follow_interval_ms;
+  po.on_rejected_key = options.on_rejected_key;
   // The base first, once (the follower then skips it): a receiver started before step 1
   // holds it, and every adapter applies to it. A resumed run in merged or delta mode starts
   // with the version it resumed from (derived: its snapshot offered first), never the base.

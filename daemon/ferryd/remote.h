@@ -54,6 +54,8 @@ struct RemotePublisherOptions {
   std::shared_ptr<const sync::Snapshot> resumed;
   int follow_interval_ms = 200;                          // how often the store is looked at. Default: 200
   sync::PublishMode mode = sync::PublishMode::kAdapter;  // Default: adapter
+  // Hears of each receiver key [publish] allow refuses, once per key (sync::PublisherOptions).
+  sync::RejectedKeyFn on_rejected_key;
 };
 
 // A sync publisher following one run. Thread-safe.

@@ -1,7 +1,10 @@
 // ferryd train: a GRPO run (daemon/grpo/trainer.h), operated through its control socket
 // (daemon/control: `ferry daemon status|pause|resume|snapshot|stop`) and signals:
-//   - the run directory is locked first (DIR/ferryd.lock names this pid: a second ferryd on
-//     the same directory is refused), then the control socket is bound
+//   - everything that can be checked is checked before anything is created (the config, the
+//     endpoints and keys here, the rest in Trainer::Create); then the run directory is locked
+//     (DIR/ferryd.lock names this pid: a second ferryd on the same directory is refused) and
+//     created; a start that fails before its first step removes what it created (the
+//     directory, or its store and lock file); then the control socket is bound
 //     (ipc://DIR/.ferryd/control, a private directory);
 //   - between steps the loop honours pause (hold until resume or stop), snapshot (write a
 //     checkpoint now, reply with the generator's version id) and stop (checkpoint, exit 0);
@@ -27,6 +30,7 @@
 #include <functional>
 #include <future>
 #include <mutex>
+#include <optional>
 
 #include "daemon/control/protocol.h"
 #include "daemon/control/run_lock.h"
@@ -261,17 +265,52 @@ class RunControl {
   std::function<nlohmann::json(int64_t)> remote_;
 };
 
+// Everything of [publish] / --publish and [control] ferryd can check before the trainer
+// creates anything: the endpoints against the policy, the CURVE keys, the mode.
+struct Serving {
+  std::string publish;
+  std::optional<sync::CurveOptions> publish_curve;
+  sync::PublishMode publish_mode = sync::PublishMode::kAdapter;
+  std::optional<sync::CurveOptions> control_curve;
+};
+
+Result<Serving> CheckServing(const TrainFlags& f, const run::RunConfig& rc) {
+  Serving e;
+  e.publish = f.publish.empty() ? rc.publish.endpoint : f.publish;
+  const std::string where = f.publish.empty() ? rc.source.string() + ": [publish] endpoint" : "--publish";
+  if (!e.publish.empty()) {
+    FERRY_ASSIGN_OR_RETURN(e.publish_curve, ServerCurve("publish", rc.publish.key, rc.publish.allow));
+    FERRY_ASSIGN_OR_RETURN(sync::Endpoints parsed, sync::ParseSyncEndpoint(e.publish));
+    FERRY_RETURN_IF_ERROR(sync::CheckEndpoints(parsed, e.publish_curve.has_value()).WithContext(where));
+    FERRY_ASSIGN_OR_RETURN(e.publish_mode, sync::ParsePublishMode(rc.publish.mode));
+  }
+  if (!rc.control.endpoint.empty()) {
+    FERRY_ASSIGN_OR_RETURN(e.control_curve, ServerCurve("control", rc.control.key, rc.control.allow));
+  }
+  return e;
+}
+
 Status RunTrain(const TrainFlags& f) {
   InstallSignalHandlers();
-  // The run directory, locked before anything is written into it.
+  // Checked before anything is created: the config and the endpoints here, the rest by
+  // Trainer::Create, which takes the run lock (claim_dir) only once its own checks passed.
   FERRY_ASSIGN_OR_RETURN(run::RunConfig config, run::LoadRunConfig(f.config));
+  FERRY_ASSIGN_OR_RETURN(Serving serving, CheckServing(f, config));
   const fs::path dir = fs::absolute(f.dir.empty() ? config.output_dir : f.dir);
-  FERRY_ASSIGN_OR_RETURN(control::RunLock lock, control::RunLock::Acquire(dir));
+  std::optional<control::RunLock> lock;
+  bool lock_file_created = false;
 
   grpo::TrainOptions o;
   o.config = f.config;
   o.dir = dir;
   if (f.max_steps > 0) o.max_steps = f.max_steps;
+  o.claim_dir = [&](const fs::path& d) -> Status {
+    std::error_code ec;
+    lock_file_created = !fs::exists(control::RunLock::LockPath(d), ec);
+    FERRY_ASSIGN_OR_RETURN(control::RunLock l, control::RunLock::Acquire(d));
+    lock.emplace(std::move(l));
+    return Status::OK();
+  };
   const auto start = std::chrono::steady_clock::now();
   int64_t total = 0;
   int64_t first_step = 0;
@@ -293,21 +332,48 @@ Status RunTrain(const TrainFlags& f) {
   o.on_snapshot = [&remote](const store::Digest& v, std::shared_ptr<const sync::Snapshot> snapshot) {
     if (remote) remote->Offer(v, std::move(snapshot));
   };
-  FERRY_ASSIGN_OR_RETURN(std::unique_ptr<grpo::Trainer> trainer, grpo::Trainer::Create(o));
+  Result<std::unique_ptr<grpo::Trainer>> created = grpo::Trainer::Create(o);
+  if (!created.ok()) {
+    // Create removed what it made; the lock file too, when this start made it.
+    if (lock && lock_file_created) lock->Remove();
+    return created.status();
+  }
+  std::unique_ptr<grpo::Trainer> trainer = std::move(*created);
+  // Until the first step: a failure of this start removes what it created (a new run's
+  // directory, store and lock file), as Create does for its own.
+  bool started = false;
+  struct Undo {
+    std::function<void()> fn;
+    ~Undo() { fn(); }
+  } undo{[&] {
+    if (started || !trainer) return;
+    const std::vector<fs::path> made = trainer->created_by_start();
+    if (made.empty()) return;
+    remote.reset();
+    trainer.reset();
+    for (auto it = made.rbegin(); it != made.rend(); ++it) {
+      std::error_code ec;
+      fs::remove_all(*it, ec);
+    }
+    if (lock && lock_file_created) lock->Remove();
+  }};
   total = trainer->total_steps();
   first_step = trainer->step();
   RunControl control(total);
   control.Started(*trainer, first_step > 0 ? "checkpoint-" + std::to_string(first_step) : "");
   const run::RunConfig& rc = trainer->config();
-  const std::string publish_endpoint = f.publish.empty() ? rc.publish.endpoint : f.publish;
-  if (!publish_endpoint.empty()) {
+  if (!serving.publish.empty()) {
     RemotePublisherOptions ro;
-    ro.endpoint = publish_endpoint;
-    FERRY_ASSIGN_OR_RETURN(ro.curve, ServerCurve("publish", rc.publish.key, rc.publish.allow));
+    ro.endpoint = serving.publish;
+    ro.curve = serving.publish_curve;
     ro.run = rc.store.run;
     ro.base_version = trainer->base_version();
     if (first_step > 0) ro.resumed = trainer->generator_snapshot();
-    FERRY_ASSIGN_OR_RETURN(ro.mode, sync::ParsePublishMode(rc.publish.mode));
+    ro.mode = serving.publish_mode;
+    ro.on_rejected_key = [](const std::string& key) {
+      std::fprintf(stderr, "ferryd: warning: refused a receiver with CURVE public key %s: not in [publish] allow\n",
+                   key.c_str());
+    };
     FERRY_ASSIGN_OR_RETURN(remote, RemotePublisher::Start(trainer->store(), std::move(ro)));
     control.SetRemote([&remote](int64_t step) { return remote->Generators(step); });
     std::fprintf(stderr, "ferryd: publishing (mode %s) on %s and %s\n", rc.publish.mode.c_str(),
@@ -323,7 +389,12 @@ Status RunTrain(const TrainFlags& f) {
     control::ControlServerOptions xo;
     xo.run_dir = dir;
     xo.endpoint = rc.control.endpoint;
-    FERRY_ASSIGN_OR_RETURN(xo.curve, ServerCurve("control", rc.control.key, rc.control.allow));
+    xo.curve = serving.control_curve;
+    xo.on_rejected_key = [](const std::string& key) {
+      std::fprintf(stderr,
+                   "ferryd: warning: refused a control client with CURVE public key %s: not in [control] allow\n",
+                   key.c_str());
+    };
     auto started = control::ControlServer::Start(xo, handler);
     if (!started.ok()) return started.status().WithContext("control.endpoint");
     extra = std::move(*started);
@@ -332,6 +403,7 @@ Status RunTrain(const TrainFlags& f) {
   std::fprintf(stderr, "ferryd: training %s for %lld steps (from step %lld) in %s\n",
                trainer->config().model_name_or_path.string().c_str(), static_cast<long long>(total),
                static_cast<long long>(first_step), trainer->dir().string().c_str());
+  started = true;
   grpo::RunHooks hooks;
   hooks.before_step = [&] { return control.BeforeStep(*trainer); };
   hooks.after_step = [&](const grpo::StepResult& r) { control.AfterStep(*trainer, r); };
@@ -348,7 +420,6 @@ Status RunTrain(const TrainFlags& f) {
                static_cast<long long>(trainer->step() - first_step), elapsed,
                (trainer->dir() / "metrics.jsonl").string().c_str(), trainer->dir().string().c_str(),
                trainer->store_dir().string().c_str());
-  (void)lock;
   return Status::OK();
 }
 

@@ -25,20 +25,29 @@ Result<sync::SnapshotSource> WeightPublisher::Source(const runtime::LoraAdapter*
   return src;
 }
 
-Result<sync::Handoff> WeightPublisher::Build(const runtime::LoraAdapter* adapter) {
+Result<std::shared_ptr<const sync::Snapshot>> WeightPublisher::Build(const runtime::LoraAdapter* adapter) const {
   FERRY_ASSIGN_OR_RETURN(sync::SnapshotSource src, Source(adapter));
   sync::SnapshotOptions opts;
   opts.threads = threads_;
   opts.tie_word_embeddings = tie_word_embeddings_;
   opts.share_unchanged = true;  // base_ is read-only: untouched tensors stay views of it
-  FERRY_ASSIGN_OR_RETURN(std::shared_ptr<const sync::Snapshot> snapshot, sync::BuildSnapshot(src, opts));
+  return sync::BuildSnapshot(src, opts);
+}
+
+Result<sync::Handoff> WeightPublisher::Publish(std::shared_ptr<const sync::Snapshot> snapshot) {
   FERRY_ASSIGN_OR_RETURN(uint64_t sequence, channel_->Publish(snapshot));
   return sync::Handoff{sequence, std::move(snapshot)};
 }
 
-Result<sync::Handoff> WeightPublisher::Publish(const runtime::LoraAdapter& adapter) { return Build(&adapter); }
+Result<sync::Handoff> WeightPublisher::Publish(const runtime::LoraAdapter& adapter) {
+  FERRY_ASSIGN_OR_RETURN(std::shared_ptr<const sync::Snapshot> snapshot, Build(&adapter));
+  return Publish(std::move(snapshot));
+}
 
-Result<sync::Handoff> WeightPublisher::PublishBase() { return Build(nullptr); }
+Result<sync::Handoff> WeightPublisher::PublishBase() {
+  FERRY_ASSIGN_OR_RETURN(std::shared_ptr<const sync::Snapshot> snapshot, Build(nullptr));
+  return Publish(std::move(snapshot));
+}
 
 ColocatedGenerator::ColocatedGenerator(sync::SnapshotChannel* channel, ColocatedGeneratorOptions options)
     : channel_(channel), options_(std::move(options)) {}

@@ -50,7 +50,13 @@ class WeightPublisher {
   WeightPublisher(Checkpoint base, AuxFiles aux_files, bool tie_word_embeddings, sync::SnapshotChannel* channel,
                   int threads);
 
-  // Builds the merged snapshot of the base and `adapter` as it is now and publishes it.
+  // Builds the merged snapshot of the base and `adapter` as it is now (of the base alone when
+  // `adapter` is null) without publishing it (a resume compares its id with the checkpoint's
+  // record first).
+  Result<std::shared_ptr<const sync::Snapshot>> Build(const runtime::LoraAdapter* adapter) const;
+  // Publishes a snapshot Build made.
+  Result<sync::Handoff> Publish(std::shared_ptr<const sync::Snapshot> snapshot);
+  // Build(&adapter), then Publish.
   Result<sync::Handoff> Publish(const runtime::LoraAdapter& adapter);
   // Publishes the base alone (before the first step).
   Result<sync::Handoff> PublishBase();
@@ -62,8 +68,6 @@ class WeightPublisher {
   const Checkpoint& base() const { return base_; }
 
  private:
-  Result<sync::Handoff> Build(const runtime::LoraAdapter* adapter);
-
   Checkpoint base_;
   AuxFiles aux_files_;
   bool tie_word_embeddings_ = false;

@@ -9,8 +9,12 @@
 #include <cerrno>
 #include <chrono>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
+#include <fstream>
+#include <future>
 #include <mutex>
+#include <optional>
 
 #include "core/aux_files.h"
 #include "core/checkpoint.h"
@@ -139,19 +143,121 @@ const fs::path& Trainer::dir() const { return s_->dir; }
 const fs::path& Trainer::store_dir() const { return s_->store_dir; }
 store::Store* Trainer::store() const { return s_->store.get(); }
 const store::Digest& Trainer::base_version() const { return s_->base_version; }
+const std::vector<fs::path>& Trainer::created_by_start() const { return s_->created_by_start; }
+
+namespace {
+
+// MemAvailable of /proc/meminfo in bytes; nullopt when it cannot be read.
+std::optional<uint64_t> AvailableMemory() {
+  std::ifstream in("/proc/meminfo");
+  for (std::string line; std::getline(in, line);) {
+    unsigned long long kib = 0;
+    if (std::sscanf(line.c_str(), "MemAvailable: %llu kB", &kib) == 1) return uint64_t{kib} << 10;
+  }
+  return std::nullopt;
+}
+
+std::string GiB(double bytes) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%.1f GiB", bytes / double(uint64_t{1} << 30));
+  return buf;
+}
+
+// What a step needs of the model's limits and of the machine, checked before a run creates
+// anything: a completion must fit the context, and the generation's KV cache and logits
+// (a lower bound of a step's memory: every prompt at least one token, every completion at
+// max_completion_length) must fit the memory available.
+Status CheckSizes(const run::RunConfig& c, const runtime::ModelConfig& m, at::Device device) {
+  const std::string src = c.source.string();
+  if (c.max_completion_length + 1 > m.max_position_embeddings) {
+    return Status::InvalidArgument(src + ": key 'max_completion_length': " + std::to_string(c.max_completion_length) +
+                                   " tokens after a prompt of at least 1 exceed max_position_embeddings " +
+                                   std::to_string(m.max_position_embeddings) + " of " + m.source);
+  }
+  if (!device.is_cpu()) return Status::OK();  // the device's memory is its own; not estimated here
+  const double elem = (c.generation_dtype == run::GenerationDtype::kBFloat16 ||
+                       (c.generation_dtype == run::GenerationDtype::kAuto && c.bf16))
+                          ? 2.0
+                          : 4.0;
+  const double rows = static_cast<double>(std::max(c.generation_batch_size, c.num_generations));
+  const double kv = rows * static_cast<double>(m.num_hidden_layers) * 2.0 * static_cast<double>(m.num_key_value_heads) *
+                    static_cast<double>(m.head_dim) * static_cast<double>(c.max_completion_length + 1) * elem;
+  const double logits = rows * static_cast<double>(m.vocab_size) * 4.0;
+  const std::optional<uint64_t> available = AvailableMemory();
+  if (available && kv + logits > static_cast<double>(*available)) {
+    return Status::InvalidArgument(
+        src + ": key 'num_generations': generating " + std::to_string(c.generation_batch_size) +
+        " completions at once (generation_batch_size, " + std::to_string(c.num_generations) + " per prompt) of up to " +
+        std::to_string(c.max_completion_length) + " tokens needs at least " + GiB(kv + logits) +
+        " for their KV cache and logits; this machine has " + GiB(static_cast<double>(*available)) +
+        " available: lower num_generations, generation_batch_size or max_completion_length");
+  }
+  return Status::OK();
+}
+
+// The paths a start creates, removed again when it fails (Trainer::created_by_start).
+struct StartPaths {
+  std::vector<fs::path> created;
+  void Remove() const {
+    for (auto it = created.rbegin(); it != created.rend(); ++it) {
+      std::error_code ec;
+      fs::remove_all(*it, ec);
+    }
+  }
+};
+
+// The store's objects of the run's base re-hashed: a corrupt one stops the start, naming the
+// tensor and its object.
+Status CheckBaseObjects(store::Store& st, const store::VersionRecord& base, const fs::path& store_dir) {
+  FERRY_ASSIGN_OR_RETURN(std::vector<store::VerifyReport> reports, st.Verify(base.id));
+  for (const store::VerifyReport& r : reports) {
+    if (r.ok()) continue;
+    const bool missing = r.corrupted.empty();
+    const std::string& name = missing ? r.missing.front() : r.corrupted.front();
+    std::string object;
+    for (const store::TensorRow& row : base.tensors) {
+      if (row.name == name) object = " (object " + row.digest.Hex() + ")";
+    }
+    return Status::Corruption("store " + store_dir.string() + ": base version " + base.id.Hex() + ": tensor '" + name +
+                              "'" + object + (missing ? " is missing" : " no longer hashes to its digest") +
+                              (r.corrupted.size() + r.missing.size() > 1
+                                   ? " (and " + std::to_string(r.corrupted.size() + r.missing.size() - 1) + " more)"
+                                   : "") +
+                              "; the run's derived versions depend on it (`ferry versions verify --db " +
+                              store_dir.string() + "` lists every damaged object)");
+  }
+  return Status::OK();
+}
+
+Result<std::unique_ptr<Trainer::State>> CreateState(const TrainOptions& options, StartPaths& paths);
+
+}  // namespace
 
 Result<std::unique_ptr<Trainer>> Trainer::Create(const TrainOptions& options) {
-  auto s = std::make_unique<State>();
+  StartPaths paths;
+  Result<std::unique_ptr<State>> s = CreateState(options, paths);
+  if (!s.ok()) {
+    paths.Remove();  // the state (its store, its files) is gone by now
+    return s.status();
+  }
+  (*s)->created_by_start = std::move(paths.created);
+  return std::unique_ptr<Trainer>(new Trainer(std::move(*s)));
+}
+
+namespace {
+
+Result<std::unique_ptr<Trainer::State>> CreateState(const TrainOptions& options, StartPaths& paths) {
+  auto s = std::make_unique<Trainer::State>();
   s->options = options;
   auto say = [&](const std::string& m) {
     if (options.on_message) options.on_message(m);
   };
+  // 1. Everything that can be checked without writing anything.
   FERRY_ASSIGN_OR_RETURN(s->config, run::LoadRunConfig(options.config));
   const run::RunConfig& c = s->config;
   for (const auto& w : c.warnings) say("warning: " + w);
   std::error_code ec;
   s->dir = fs::absolute(options.dir.empty() ? c.output_dir : options.dir, ec);
-  fs::create_directories(s->dir, ec);
   if (ec) return Status::IOError(s->dir.string() + ": " + ec.message());
   FERRY_RETURN_IF_ERROR(Configure(*s));
 
@@ -184,22 +290,72 @@ Result<std::unique_ptr<Trainer>> Trainer::Create(const TrainOptions& options) {
   }
   s->sampler = std::make_unique<run::DatasetSampler>(s->dataset, c);
   FERRY_ASSIGN_OR_RETURN(s->rewards, run::RewardScorer::Create(c));
+  FERRY_RETURN_IF_ERROR(s->rewards->Probe(s->dataset->examples().front()));
+
+  // The model's config and weight files (headers checked; the bytes are mapped, not read).
+  FERRY_ASSIGN_OR_RETURN(fs::path weights, FindWeights(c.model_name_or_path));
+  FERRY_ASSIGN_OR_RETURN(Checkpoint base_ckpt, Checkpoint::Open(weights));
+  FERRY_ASSIGN_OR_RETURN(runtime::ModelConfig model_config, runtime::LoadModelConfig(c.model_name_or_path));
+  FERRY_RETURN_IF_ERROR(CheckSizes(c, model_config, device));
+  FERRY_ASSIGN_OR_RETURN(PeftConfig peft, run::LoraPeftConfig(c));
+  FERRY_ASSIGN_OR_RETURN(s->total_steps, run::TotalSteps(c, s->dataset->size()));
+  if (options.max_steps) s->total_steps = std::min(s->total_steps, *options.max_steps);
+  s->warmup_steps = run::WarmupSteps(c, s->total_steps);
+  // The run's store unless [store] path names another (the config's default,
+  // <output_dir>/store, follows --dir).
+  const bool default_store = c.store.path.empty() || c.store.path == (c.output_dir / "store").lexically_normal();
+  s->store_dir = default_store ? s->dir / "store" : c.store.path;
+
+  // 2. The run directory and its store; from here a failure removes what this start created.
+  const bool dir_existed = fs::exists(s->dir, ec);
+  const bool store_existed = fs::exists(s->store_dir, ec);
+  if (options.claim_dir) FERRY_RETURN_IF_ERROR(options.claim_dir(s->dir));
+  if (!dir_existed) paths.created.push_back(s->dir);
+  fs::create_directories(s->dir, ec);
+  if (ec) return Status::IOError(s->dir.string() + ": " + ec.message());
+  if (!store_existed && (dir_existed || !default_store)) paths.created.push_back(s->store_dir);
+  const bool had_run_config = fs::exists(s->dir / "run_config.json", ec);
+
+  // The store (the base recorded, its objects re-hashed) on another thread while this one
+  // loads the model from the same files.
+  struct Opened {
+    std::unique_ptr<store::Store> store;
+    store::Digest base_version;
+  };
+  std::future<Result<Opened>> opened = std::async(std::launch::async, [&]() -> Result<Opened> {
+    store::StoreOptions so;
+    so.create_if_missing = true;
+    Opened o;
+    FERRY_ASSIGN_OR_RETURN(o.store, store::Store::Open(s->store_dir, so));
+    store::ImportOptions bo;
+    bo.run = c.store.run;
+    bo.kind = store::VersionKind::kBase;
+    FERRY_ASSIGN_OR_RETURN(store::ImportResult base, o.store->Import(c.model_name_or_path, bo));
+    // A base this import wrote was hashed back as it was written; one already stored is
+    // checked once per start.
+    if (base.already_present) FERRY_RETURN_IF_ERROR(CheckBaseObjects(*o.store, base.record, s->store_dir));
+    o.base_version = base.record.id;
+    return o;
+  });
 
   // The trainer's model: the frozen base (mapped) with the LoRA adapter. The publisher's
   // snapshots share the same read-only mapping: one copy of the base in the process.
   runtime::ModelOptions mopts;
   mopts.device = device;
   if (c.bf16) mopts.dtype = at::kBFloat16;
-  FERRY_ASSIGN_OR_RETURN(fs::path weights, FindWeights(c.model_name_or_path));
-  FERRY_ASSIGN_OR_RETURN(Checkpoint base_ckpt, Checkpoint::Open(weights));
-  FERRY_ASSIGN_OR_RETURN(runtime::ModelConfig model_config, runtime::LoadModelConfig(c.model_name_or_path));
-  FERRY_ASSIGN_OR_RETURN(s->model, runtime::CausalLM::FromCheckpoint(model_config, base_ckpt, mopts));
+  Result<std::unique_ptr<runtime::CausalLM>> model = runtime::CausalLM::FromCheckpoint(model_config, base_ckpt, mopts);
+  Result<Opened> store = opened.get();  // joined before any return below
+  FERRY_RETURN_IF_ERROR(model.status());
+  FERRY_RETURN_IF_ERROR(store.status());
+  s->model = std::move(*model);
+  s->store = std::move(store->store);
+  s->base_version = store->base_version;
+
   s->eos_ids = s->model->config().eos_token_ids;
   if (auto e = s->tokenizer->eos_id(); e && std::find(s->eos_ids.begin(), s->eos_ids.end(), *e) == s->eos_ids.end()) {
     s->eos_ids.push_back(*e);
   }
   s->pad_id = s->tokenizer->pad_id().value_or(s->eos_ids.empty() ? 0 : static_cast<int32_t>(s->eos_ids.front()));
-  FERRY_ASSIGN_OR_RETURN(PeftConfig peft, run::LoraPeftConfig(c));
   FERRY_ASSIGN_OR_RETURN(s->adapter, runtime::LoraAdapter::Create(*s->model, peft, static_cast<uint64_t>(c.seed)));
   auto adamw = torch::optim::AdamWOptions(c.learning_rate)
                    .betas({c.adam_beta1, c.adam_beta2})
@@ -207,25 +363,6 @@ Result<std::unique_ptr<Trainer>> Trainer::Create(const TrainOptions& options) {
                    .weight_decay(c.weight_decay);
   s->optimizer = std::make_unique<torch::optim::AdamW>(s->adapter->parameters(), adamw);
   at::manual_seed(static_cast<uint64_t>(c.seed));  // LoRA dropout draws from the default generator
-
-  FERRY_ASSIGN_OR_RETURN(s->total_steps, run::TotalSteps(c, s->dataset->size()));
-  if (options.max_steps) s->total_steps = std::min(s->total_steps, *options.max_steps);
-  s->warmup_steps = run::WarmupSteps(c, s->total_steps);
-
-  // The store: the base once, then each step.
-  store::StoreOptions so;
-  so.create_if_missing = true;
-  // The run directory's store unless [store] path names another (the config's default,
-  // <output_dir>/store, follows --dir).
-  const bool default_store = c.store.path.empty() || c.store.path == (c.output_dir / "store").lexically_normal();
-  s->store_dir = default_store ? s->dir / "store" : c.store.path;
-  const fs::path& store_dir = s->store_dir;
-  FERRY_ASSIGN_OR_RETURN(s->store, store::Store::Open(store_dir, so));
-  store::ImportOptions bo;
-  bo.run = c.store.run;
-  bo.kind = store::VersionKind::kBase;
-  FERRY_ASSIGN_OR_RETURN(store::ImportResult base, s->store->Import(c.model_name_or_path, bo));
-  s->base_version = base.record.id;
 
   // The hand-off: trainer -> channel -> co-located generator.
   s->channel = std::make_unique<sync::SnapshotChannel>(s->store.get(), c.store.run);
@@ -245,10 +382,14 @@ Result<std::unique_ptr<Trainer>> Trainer::Create(const TrainOptions& options) {
   go.generator.max_batch = std::max<int64_t>(c.generation_batch_size, 1);
   s->generator = std::make_unique<ColocatedGenerator>(s->channel.get(), go);
 
-  FERRY_ASSIGN_OR_RETURN(int64_t resumed, RestoreNewestCheckpoint(*s));
-  if (resumed > 0) say("resumed from " + (s->dir / ("checkpoint-" + std::to_string(resumed))).string());
+  FERRY_ASSIGN_OR_RETURN(Restored restored, RestoreNewestCheckpoint(*s));
+  if (restored.snapshot) {
+    // A run with earlier steps: nothing of it is removed if the start fails from here.
+    paths.created.clear();
+    say("resumed from " + (s->dir / ("checkpoint-" + std::to_string(restored.step))).string());
+  }
   FERRY_ASSIGN_OR_RETURN(sync::Handoff first,
-                         resumed > 0 ? s->publisher->Publish(*s->adapter) : s->publisher->PublishBase());
+                         restored.snapshot ? s->publisher->Publish(restored.snapshot) : s->publisher->PublishBase());
   FERRY_ASSIGN_OR_RETURN(store::Digest acked, s->generator->Sync());
   if (acked != first.snapshot->manifest_id()) {
     return Status::Corruption("the generator acknowledged " + acked.Hex() + " for snapshot " +
@@ -256,9 +397,12 @@ Result<std::unique_ptr<Trainer>> Trainer::Create(const TrainOptions& options) {
   }
   s->generator_version = acked.Hex();
   s->generator_snapshot = first.snapshot;
+  if (!had_run_config && dir_existed && !restored.snapshot) paths.created.push_back(s->dir / "run_config.json");
   FERRY_RETURN_IF_ERROR(WriteFileAtomic(s->dir / "run_config.json", c.ToJson()));
-  return std::unique_ptr<Trainer>(new Trainer(std::move(s)));
+  return s;
 }
+
+}  // namespace
 
 namespace {
 

@@ -40,6 +40,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "core/status.h"
 #include "daemon/run/config.h"
@@ -67,6 +68,10 @@ struct TrainOptions {
   // merged version has that id and records only its digests). Must not block: ferryd hands
   // it to its remote publisher. Default: none.
   std::function<void(const store::Digest& version, std::shared_ptr<const sync::Snapshot> snapshot)> on_snapshot;
+  // Called by Create with the run directory once everything that can be checked without
+  // writing has been (ferryd takes the run lock here); an error ends Create with nothing
+  // created. Default: none.
+  std::function<Status(const std::filesystem::path& dir)> claim_dir;
 };
 
 struct StepResult;
@@ -95,6 +100,17 @@ class Trainer {
   // Loads the config, model, tokenizer, dataset, rewards and store; records the base; hands
   // the base (or the resumed adapter's weights) to the generator. Errors name the file, key,
   // line or tensor at fault.
+  //
+  // Everything that can be checked is checked before anything is created: the config, the
+  // tokenizer, the dataset, the rewards (each command answers a probe line), the model's
+  // config and weight files, max_completion_length against max_position_embeddings, and a
+  // lower bound of a step's memory against what the machine has available. Then
+  // options.claim_dir, then the run directory and its store; the store's objects of the base
+  // are re-hashed once per start (in parallel with the model load) and a corrupt one stops
+  // it, naming the tensor. A start that fails after creating something removes what it
+  // created (the run directory when it did not exist before, else the store when that did
+  // not): a refused start leaves the directory as it found it. Resuming takes the newest
+  // checkpoint that verifies (training_state.cpp says how).
   static Result<std::unique_ptr<Trainer>> Create(const TrainOptions& options);
   ~Trainer();
   Trainer(const Trainer&) = delete;
@@ -130,6 +146,10 @@ class Trainer {
   store::Store* store() const;
   // The run's base version (recorded by Create).
   const store::Digest& base_version() const;
+  // What Create made that did not exist before (the run directory, or its store, and
+  // run_config.json), for a caller whose own start fails before the first step: it destroys
+  // the trainer, then removes these. Empty for a run that had earlier steps.
+  const std::vector<std::filesystem::path>& created_by_start() const;
 
   struct State;
   // The trainer's state, for tests that check its models and generator directly.

@@ -90,6 +90,7 @@ struct Trainer::State {
   std::map<std::string, std::vector<double>> pending;  // metrics since the last log line
   int64_t last_logged = 0;
   int64_t last_saved = 0;
+  std::vector<std::filesystem::path> created_by_start;  // Trainer::created_by_start
 };
 
 // The seed of step `step`'s sampling (SplitMix64 of the run seed and the step): a resumed run
@@ -120,9 +121,20 @@ struct MicroBatchLogps {
 Result<MicroBatchLogps> MicroBatchLogProbs(const Trainer::State& s, const Rollout& r, const std::vector<int64_t>& rows,
                                            bool lora, bool training);
 
-// checkpoint-N/: save and restore (training_state.cpp).
+// checkpoint-N/: save and restore (training_state.cpp; its top says what is proven how).
 Result<std::filesystem::path> WriteCheckpoint(Trainer::State& s);
-// Restores the newest complete checkpoint of s.dir, if any; returns its step (0 when none).
-Result<int64_t> RestoreNewestCheckpoint(Trainer::State& s);
+// What RestoreNewestCheckpoint resumed.
+struct Restored {
+  int64_t step = 0;  // the checkpoint's step (0 with no checkpoint, or from checkpoint-0)
+  // The merged snapshot of the restored adapter, its id the checkpoint's generator_version
+  // (to be published); null when there was no checkpoint.
+  std::shared_ptr<const sync::Snapshot> snapshot;
+};
+// Restores the newest checkpoint of s.dir that verifies, skipping (and, once one verifies,
+// moving aside) those that do not; metrics.jsonl is cut back to its step. REQUIRES: s.store,
+// s.base_version, s.publisher, the model, adapter and optimizer set. Errors: kFailedPrecondition
+// for a checkpoint of another configuration or dataset; kCorruption listing every checkpoint
+// and why when none verifies (nothing is changed then).
+Result<Restored> RestoreNewestCheckpoint(Trainer::State& s);
 
 }  // namespace ferry::grpo

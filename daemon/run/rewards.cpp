@@ -277,6 +277,17 @@ Result<RewardMatrix> RewardScorer::ScoreAll(const std::vector<RewardInput>& inpu
   return m;
 }
 
+Status RewardScorer::Probe(const Example& example) {
+  RewardInput in;
+  in.prompt = example.conversational() ? example.messages.back().content : example.prompt;
+  in.example = &example;
+  auto m = ScoreAll({in});
+  if (!m.ok())
+    return m.status().WithContext("probing the rewards with an empty completion of dataset line " +
+                                  std::to_string(example.line));
+  return Status::OK();
+}
+
 Status RewardScorer::Restart(bool all) {
   for (auto& fn : functions_) {
     if (!fn->command) continue;

@@ -115,6 +115,14 @@ class RewardScorer {
   // reward reads.
   [[nodiscard]] Result<RewardMatrix> ScoreAll(const std::vector<RewardInput>& inputs);
 
+  // Checks, before a run creates anything, that every function can score: one input made of
+  // `example` (its prompt, or its last message's content) and an empty completion is scored
+  // by all of them, so a command that hangs past its timeout, exits, or answers with
+  // anything but a finite number, null or NaN is refused now, with the error ScoreAll
+  // would give at the first step (see the top of this file). The command sees the probe as
+  // an ordinary one-line call (index 0, last_in_batch true).
+  [[nodiscard]] Status Probe(const Example& example);
+
   // Starts again every command that failed (or all of them with `all`). The caller chooses
   // whether a failed step is retried.
   [[nodiscard]] Status Restart(bool all = false);

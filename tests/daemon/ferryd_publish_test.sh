@@ -7,9 +7,10 @@
 #      `ferry daemon status --json` shows its ack in remote_generators (lag 0); the store
 #      records the acknowledgements (kAcknowledged events, `ferry sync status`).
 #   2. Config errors named: [publish] mode "full" (publish.mode), tcp:// without keys
-#      (publish.endpoint), --publish tcp:// without keys (the endpoint).
+#      (publish.endpoint), --publish tcp:// without keys (the endpoint); none leaves a run
+#      directory behind.
 #   3. [control] endpoint tcp:// with CURVE: a client with an allowed key is served, a stranger
-#      is not, and `ferry daemon status --dir` still finds the ipc socket.
+#      is not (ferryd logs its key as refused), and `ferry daemon status --dir` still finds the ipc socket.
 #   4. [publish] mode "merged" and "delta": a `ferry sync receive` (no --base) following ferryd
 #      activates the base first (sequence 1: published once), then the paused step's merged
 #      version, whose id is the run's generator_version (served from the trainer's in-memory
@@ -124,6 +125,9 @@ if OUT=$("$FERRYD" train --config "$WORK/grpo.toml" --dir "$WORK/bad3" --publish
   fail "--publish tcp:// without keys was accepted"
 fi
 grep -q "tcp://127.0.0.1:5999" <<<"$OUT" || fail "the --publish tcp refusal does not name the endpoint: $OUT"
+for d in bad1 bad2 bad3; do
+  [ ! -e "$WORK/$d" ] || fail "a refused start left $WORK/$d behind: $(ls -A "$WORK/$d")"
+done
 
 echo "== 3. control socket over tcp:// with CURVE"
 "$FERRY" keys generate --out "$WORK/server" >/dev/null
@@ -145,6 +149,9 @@ if OUT=$("$FERRY" daemon status --connect "tcp://127.0.0.1:$PORT" --key "$WORK/s
   fail "a client whose key is not allowed was served: $OUT"
 fi
 grep -q "no ferryd answered" <<<"$OUT" || fail "the stranger's error is not the unanswered request: $OUT"
+# ferryd names the refused key in its log, once.
+grep -q "refused a control client with CURVE public key .*: not in \[control\] allow" "$RUN/ferryd.log" \
+  || fail "ferryd did not log the refused key: $(tail -5 "$RUN/ferryd.log")"
 "$FERRY" daemon stop --dir "$RUN" >/dev/null || fail "daemon stop"
 unset RUN
 

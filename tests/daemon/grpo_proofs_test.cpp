@@ -20,10 +20,13 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <memory>
 #include <set>
 #include <sstream>
 #include <string>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #include "core/checkpoint.h"
@@ -507,7 +510,8 @@ constexpr int kRowsPerStep = 8;  // per_device_train_batch_size: 2 prompts x 4 g
 RunFiles MakeRewardRun(const fs::path& root, const std::string& how) {
   testing::TinyModelSpec spec;
   spec.std = 0.1;
-  // Step 1 is scored; step 2's third request line fails.
+  // The probe line ferryd sends before creating anything, then step 1 is scored; step 2's
+  // third request line fails.
   return MakeRun(root, spec, AdditionPrompts(40), R"(bf16 = false
 max_steps = 3
 save_steps = 1
@@ -515,7 +519,7 @@ per_device_train_batch_size = 8
 num_generations = 4
 max_completion_length = 4
 )",
-                 RewardScript(kRowsPerStep + 2, how));
+                 RewardScript(1 + kRowsPerStep + 2, how));
 }
 
 // Everything a step could apply: the trainer's state and every file of the run directory
@@ -648,6 +652,194 @@ TEST(GrpoProofsTest, FerrydExitsNonZeroNamingTheRewardCommandAndTheLine) {
       EXPECT_EQ(*v.step, 1) << "a version of step " << *v.step << " was recorded";
     }
   }
+}
+
+// --- A refused start leaves the run directory as it was ---------------------------------------
+
+// Every file under `dir` with its contents ("" for directories); empty when `dir` is absent.
+std::map<std::string, std::string> Tree(const fs::path& dir) {
+  std::map<std::string, std::string> out;
+  if (!fs::exists(dir)) return out;
+  for (const auto& e : fs::recursive_directory_iterator(dir)) {
+    const std::string rel = fs::relative(e.path(), dir).string();
+    out[rel] = e.is_regular_file() ? ReadText(e.path()) : "";
+  }
+  return out;
+}
+
+// Runs `ferryd ARGS` to its end; returns (exit status, output).
+std::pair<int, std::string> RunFerryd(const std::string& args) {
+  const std::string cmd = std::string(FERRYD_PATH) + " " + args + " 2>&1";
+  FILE* p = ::popen(cmd.c_str(), "r");
+  EXPECT_NE(p, nullptr);
+  std::string out;
+  char buf[4096];
+  for (size_t n; (n = std::fread(buf, 1, sizeof(buf), p)) > 0;) out.append(buf, n);
+  const int status = ::pclose(p);
+  return {WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status), out};
+}
+
+struct Refusal {
+  std::string name;
+  std::string script;  // judge.sh
+  std::string extra;   // top-level config keys
+  StatusCode code;     // what Trainer::Create returns
+  std::string what;    // in its message
+};
+
+std::vector<Refusal> Refusals() {
+  const std::string base = "bf16 = false\nmax_steps = 2\nsave_steps = 1\nper_device_train_batch_size = 8\n";
+  return {
+      {"reward command hangs", "sleep 600\n", base + "num_generations = 4\nmax_completion_length = 4\n",
+       StatusCode::kUnavailable, "reward 'judge' (sh judge.sh)"},
+      {"reward command prints garbage", "read -r line; echo 'reward: high'; sleep 5\n",
+       base + "num_generations = 4\nmax_completion_length = 4\n", StatusCode::kCorruption, "reward: high"},
+      {"reward command exits 1", "exit 1\n", base + "num_generations = 4\nmax_completion_length = 4\n",
+       StatusCode::kUnavailable, "exited with status 1"},
+      {"reward command returns Infinity", "while read -r line; do echo '{\"reward\": Infinity}'; done\n",
+       base + "num_generations = 4\nmax_completion_length = 4\n", StatusCode::kCorruption, "Infinity"},
+      {"max_completion_length above max_position_embeddings", RewardScript(0, ""),
+       base + "num_generations = 4\nmax_completion_length = 5000\n", StatusCode::kInvalidArgument,
+       "key 'max_completion_length': 5000 tokens after a prompt of at least 1 exceed max_position_embeddings 4096"},
+      {"num_generations too large for memory", RewardScript(0, ""),
+       "bf16 = false\nmax_steps = 2\nper_device_train_batch_size = 65536\nnum_generations = 65536\n"
+       "max_completion_length = 4000\nsteps_per_generation = 64\n",
+       StatusCode::kInvalidArgument, "key 'num_generations': generating 4194304 completions at once"},
+  };
+}
+
+RunFiles MakeRefusalRun(const fs::path& root, const Refusal& c, int64_t intermediate = 64) {
+  testing::TinyModelSpec spec;
+  spec.std = 0.1;
+  spec.intermediate = intermediate;
+  RunFiles r = MakeRun(root, spec, AdditionPrompts(40), c.extra, c.script);
+  // The hanging command's batch times out at once.
+  WriteText(r.config, ReadText(r.config) + "timeout_seconds = 2\n");
+  return r;
+}
+
+TEST(GrpoProofsTest, RefusedInputCreatesNothing) {
+  for (const Refusal& c : Refusals()) {
+    SCOPED_TRACE(c.name);
+    TempDir tmp;
+    RunFiles r = MakeRefusalRun(tmp.path(), c);
+    auto t = Trainer::Create(Options(r.config, 2));
+    ASSERT_FALSE(t.ok());
+    EXPECT_EQ(t.status().code(), c.code) << t.status().ToString();
+    EXPECT_NE(t.status().message().find(c.what), std::string::npos) << t.status().ToString();
+    EXPECT_FALSE(fs::exists(r.dir)) << "the run directory was created";
+  }
+}
+
+// With earlier steps in the directory, a refused restart changes none of its files.
+TEST(GrpoProofsTest, RefusedRestartLeavesTheRunAsItWas) {
+  TempDir tmp;
+  const Refusal garbage = Refusals()[1];
+  Refusal ok = garbage;
+  ok.script = RewardScript(0, "");
+  RunFiles r = MakeRefusalRun(tmp.path(), ok);
+  {
+    auto t = Trainer::Create(Options(r.config, 1));
+    ASSERT_TRUE(t.ok()) << t.status().ToString();
+    ASSERT_TRUE((*t)->Run().ok());
+  }
+  const auto before = Tree(r.dir);
+  ASSERT_TRUE(before.count("checkpoint-1/trainer_state.json"));
+  WriteText(tmp.path() / "judge.sh", garbage.script);
+  auto t = Trainer::Create(Options(r.config, 2));
+  ASSERT_FALSE(t.ok());
+  EXPECT_NE(t.status().message().find("reward: high"), std::string::npos) << t.status().ToString();
+  EXPECT_EQ(Tree(r.dir), before);
+}
+
+// ferryd: a refused dataset, model or tokenizer leaves no run directory and no ferryd.lock;
+// in an existing directory, nothing new. A corrupt object of the base in an existing store
+// stops the start naming the tensor and its object.
+TEST(GrpoProofsTest, FerrydRefusalsLeaveNoLockFileOrDirectory) {
+  TempDir tmp;
+  RunFiles r = MakeRefusalRun(tmp.path(),
+                              Refusal{"", RewardScript(0, ""),
+                                      "bf16 = false\nmax_steps = 1\n"
+                                      "save_steps = 1\nper_device_train_batch_size = 8\n"
+                                      "num_generations = 4\nmax_completion_length = 4\n",
+                                      StatusCode::kOk, ""},
+                              /*intermediate=*/1024);  // MLP weights of 128 KiB: object files in the store
+  const std::string train = "train --config '" + r.config.string() + "'";
+  const fs::path data = tmp.path() / "train.jsonl";
+  const std::string good_data = ReadText(data);
+  // A dataset line that is not JSON.
+  WriteText(data, good_data + "{\"prompt\": \n");
+  auto [rc, out] = RunFerryd(train);
+  EXPECT_NE(rc, 0) << out;
+  EXPECT_NE(out.find(data.string()), std::string::npos) << out;
+  EXPECT_FALSE(fs::exists(r.dir)) << out;
+  WriteText(data, good_data);
+  // A tokenizer that is not JSON, in an existing (empty) run directory.
+  fs::create_directories(r.dir);
+  const std::string tokenizer = ReadText(r.model / "tokenizer.json");
+  WriteText(r.model / "tokenizer.json", "{");
+  std::tie(rc, out) = RunFerryd(train);
+  EXPECT_NE(rc, 0) << out;
+  EXPECT_NE(out.find("tokenizer.json"), std::string::npos) << out;
+  EXPECT_TRUE(Tree(r.dir).empty()) << out;
+  WriteText(r.model / "tokenizer.json", tokenizer);
+  // A model whose weights do not match its config: found while the model loads, after the
+  // run directory, lock and store were made; all three are removed again.
+  json cfg = json::parse(ReadText(r.model / "config.json"));
+  const json good_cfg = cfg;
+  cfg["intermediate_size"] = 96;
+  WriteText(r.model / "config.json", cfg.dump(2));
+  std::tie(rc, out) = RunFerryd(train);
+  EXPECT_NE(rc, 0) << out;
+  EXPECT_NE(out.find("mlp"), std::string::npos) << out;
+  EXPECT_TRUE(Tree(r.dir).empty()) << out;
+  WriteText(r.model / "config.json", good_cfg.dump(2));
+  // --publish tcp:// without [publish] key and allow.
+  std::tie(rc, out) = RunFerryd(train + " --publish tcp://127.0.0.1:5999");
+  EXPECT_NE(rc, 0) << out;
+  EXPECT_NE(out.find("publish"), std::string::npos) << out;
+  EXPECT_TRUE(Tree(r.dir).empty()) << out;
+  // A run that trains; then one object of its base corrupted in the store.
+  std::tie(rc, out) = RunFerryd(train);
+  ASSERT_EQ(rc, 0) << out;
+  auto before = Tree(r.dir);
+  fs::path object;
+  std::string tensor;
+  {
+    auto st = store::Store::Open(r.dir / "store", store::StoreOptions{.read_only = true});
+    ASSERT_TRUE(st.ok()) << st.status().ToString();
+    auto versions = (*st)->ListVersions(std::nullopt);
+    ASSERT_TRUE(versions.ok());
+    for (const auto& v : *versions) {
+      if (v.kind != store::VersionKind::kBase) continue;
+      for (const auto& row : v.tensors) {
+        const std::string hex = row.digest.Hex();
+        const fs::path p = r.dir / "store" / "objects" / hex.substr(0, 2) / hex.substr(2);
+        if (fs::exists(p)) {
+          object = p;
+          tensor = row.name;
+        }
+      }
+    }
+  }
+  ASSERT_FALSE(object.empty()) << "no base tensor is stored as an object file";
+  fs::permissions(object, fs::perms::owner_write, fs::perm_options::add);
+  {
+    std::fstream f(object, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(7);
+    f.put('\x55');
+  }
+  std::tie(rc, out) = RunFerryd(train + " --max-steps 2");
+  EXPECT_NE(rc, 0) << out;
+  EXPECT_NE(out.find("base version"), std::string::npos) << out;
+  EXPECT_NE(out.find("tensor '" + tensor + "'"), std::string::npos) << out;
+  EXPECT_NE(out.find("no longer hashes to its digest"), std::string::npos) << out;
+  // Nothing outside the store changed (RocksDB rewrites its own log files when opened).
+  auto after = Tree(r.dir);
+  for (auto* tree : {&before, &after}) {
+    std::erase_if(*tree, [](const auto& kv) { return kv.first.rfind("store", 0) == 0; });
+  }
+  EXPECT_EQ(after, before) << out;
 }
 
 }  // namespace

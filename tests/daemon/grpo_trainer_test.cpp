@@ -7,6 +7,7 @@
 #include <torch/optim/adamw.h>
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -19,6 +20,7 @@
 #include "core/checkpoint.h"
 #include "daemon/grpo/trainer.h"
 #include "daemon/grpo/trainer_internal.h"
+#include "daemon/run/checkpoint_state.h"
 #include "daemon/runtime/model.h"
 #include "store/materialize.h"
 #include "store/store.h"
@@ -417,6 +419,169 @@ TEST(GrpoTrainerTest, BadConfigNamesTheKeyAndTheFile) {
   EXPECT_NE(t.status().message().find("num_generatoins"), std::string::npos) << t.status().ToString();
   EXPECT_NE(t.status().message().find(r.config.string()), std::string::npos) << t.status().ToString();
   EXPECT_FALSE(fs::exists(r.dir / "metrics.jsonl"));
+}
+
+// --- Resume verifies a checkpoint before using it (training_state.cpp) -----------------------
+
+// The file offset of element `index` of tensor `name` in a safetensors file.
+uint64_t ElementOffset(const fs::path& file, const std::string& name, int64_t index, int64_t elem_bytes) {
+  auto ckpt = Checkpoint::Open(file);
+  EXPECT_TRUE(ckpt.ok()) << ckpt.status().ToString();
+  return ckpt->RangeOf(name).offset + static_cast<uint64_t>(index * elem_bytes);
+}
+
+void FlipByte(const fs::path& file, uint64_t offset, uint8_t mask) {
+  std::fstream f(file, std::ios::in | std::ios::out | std::ios::binary);
+  ASSERT_TRUE(f.good()) << file;
+  f.seekg(static_cast<std::streamoff>(offset));
+  char c = 0;
+  f.read(&c, 1);
+  c = static_cast<char>(static_cast<uint8_t>(c) ^ mask);
+  f.seekp(static_cast<std::streamoff>(offset));
+  f.write(&c, 1);
+}
+
+std::vector<std::string> DirNames(const fs::path& dir) {
+  std::vector<std::string> out;
+  for (const auto& e : fs::directory_iterator(dir)) out.push_back(e.path().filename().string());
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+// Each test: an uninterrupted run of 4 steps with checkpoints at 2 and 4 (its metrics kept as
+// the reference), then damage to it.
+class ResumeVerifyTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    run_ = MakeRun(tmp_.path(), at::kFloat, 4, 2);
+    auto t = Trainer::Create(Options(run_.config));
+    ASSERT_TRUE(t.ok()) << t.status().ToString();
+    ASSERT_TRUE((*t)->Run().ok());
+    reference_ = WithoutTimes(MetricsLines(run_.dir));
+    ASSERT_EQ(reference_.size(), 4u);
+  }
+
+  // A restart of the damaged run: what it said, and the trainer.
+  Result<std::unique_ptr<Trainer>> Restart(std::vector<std::string>& said) {
+    TrainOptions o = Options(run_.config);
+    o.on_message = [&said](const std::string& m) { said.push_back(m); };
+    return Trainer::Create(o);
+  }
+
+  // Restarts after `damage` to checkpoint-4: the run resumes from checkpoint-2, says which
+  // checkpoint it skipped and why (`why`, naming the file and tensor), keeps it aside, and
+  // ends with the metrics of the uninterrupted run.
+  void ExpectResumeSkipsCheckpoint4(const std::string& why) {
+    std::vector<std::string> said;
+    auto t = Restart(said);
+    ASSERT_TRUE(t.ok()) << t.status().ToString();
+    EXPECT_EQ((*t)->step(), 2);
+    std::string all;
+    for (const auto& m : said) all += m + "\n";
+    EXPECT_NE(all.find("skipped checkpoint-4: "), std::string::npos) << all;
+    EXPECT_NE(all.find(why), std::string::npos) << all;
+    EXPECT_NE(all.find("moved checkpoint-4 aside to checkpoint-4.refused"), std::string::npos) << all;
+    EXPECT_NE(all.find("resumed from " + (run_.dir / "checkpoint-2").string()), std::string::npos) << all;
+    EXPECT_TRUE(fs::exists(run_.dir / "checkpoint-4.refused" / "adapter_model.safetensors"));
+    EXPECT_EQ(MetricsLines(run_.dir).size(), 2u);
+    ASSERT_TRUE((*t)->Run().ok());
+    const auto got = WithoutTimes(MetricsLines(run_.dir));
+    ASSERT_EQ(got.size(), 4u);
+    for (size_t i = 0; i < got.size(); ++i) EXPECT_EQ(got[i], reference_[i]) << "line " << i;
+  }
+
+  TempDir tmp_;
+  RunFiles run_;
+  std::vector<json> reference_;
+};
+
+const char* const kLoraB = "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight";
+
+TEST_F(ResumeVerifyTest, AdapterWithAFlippedHighByteIsSkipped) {
+  const fs::path file = run_.dir / "checkpoint-4" / "adapter_model.safetensors";
+  FlipByte(file, ElementOffset(file, kLoraB, 3, 4) + 3, 0x40);  // the exponent's top bit
+  ExpectResumeSkipsCheckpoint4(file.string() + ": tensor '" + kLoraB + "' differs from what was written");
+}
+
+TEST_F(ResumeVerifyTest, AdapterWithALowMantissaBitFlippedIsSkipped) {
+  const fs::path file = run_.dir / "checkpoint-4" / "adapter_model.safetensors";
+  FlipByte(file, ElementOffset(file, kLoraB, 5, 4), 0x01);  // the value changes in its last bit
+  ExpectResumeSkipsCheckpoint4(file.string() + ": tensor '" + kLoraB + "' differs from what was written");
+}
+
+TEST_F(ResumeVerifyTest, OptimizerStateWithAFlippedByteIsSkipped) {
+  const fs::path file = run_.dir / "checkpoint-4" / "optimizer.safetensors";
+  const std::string moment = std::string("exp_avg_sq.") + kLoraB;
+  FlipByte(file, ElementOffset(file, moment, 0, 4) + 1, 0x10);
+  ExpectResumeSkipsCheckpoint4(file.string() + ": tensor '" + moment + "' differs from what was written");
+}
+
+TEST_F(ResumeVerifyTest, TruncatedOptimizerStateIsSkipped) {
+  const fs::path file = run_.dir / "checkpoint-4" / "optimizer.safetensors";
+  fs::resize_file(file, fs::file_size(file) - 100);
+  ExpectResumeSkipsCheckpoint4(file.string() + ": ");
+}
+
+TEST_F(ResumeVerifyTest, EditedTrainerStateIsSkipped) {
+  const fs::path file = run_.dir / "checkpoint-4" / "trainer_state.json";
+  std::string text = ReadText(file);
+  const size_t at = text.find("\"num_tokens\": ");
+  ASSERT_NE(at, std::string::npos) << text;
+  text.insert(at + 14, "1");
+  WriteText(file, text);
+  ExpectResumeSkipsCheckpoint4(file.string() + ": differs from what the store recorded for checkpoint-4");
+}
+
+TEST_F(ResumeVerifyTest, NoCheckpointVerifiesRefusesToStartAndChangesNothing) {
+  for (const char* c : {"checkpoint-2", "checkpoint-4"}) {
+    const fs::path file = run_.dir / c / "adapter_model.safetensors";
+    FlipByte(file, ElementOffset(file, kLoraB, 0, 4) + 3, 0x40);
+  }
+  const std::string metrics_before = ReadText(run_.dir / "metrics.jsonl");
+  const std::vector<std::string> names_before = DirNames(run_.dir);
+  std::vector<std::string> said;
+  auto t = Restart(said);
+  ASSERT_FALSE(t.ok());
+  EXPECT_EQ(t.status().code(), StatusCode::kCorruption);
+  const std::string msg = t.status().message();
+  EXPECT_NE(msg.find("no checkpoint of " + run_.dir.string() + " verifies"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("checkpoint-4: " + (run_.dir / "checkpoint-4" / "adapter_model.safetensors").string()),
+            std::string::npos)
+      << msg;
+  EXPECT_NE(msg.find("checkpoint-2: " + (run_.dir / "checkpoint-2" / "adapter_model.safetensors").string()),
+            std::string::npos)
+      << msg;
+  EXPECT_EQ(ReadText(run_.dir / "metrics.jsonl"), metrics_before);
+  EXPECT_EQ(DirNames(run_.dir), names_before);
+}
+
+TEST_F(ResumeVerifyTest, CheckpointsRecordTheirFilesAndTheStoreRecordsTheCheckpoint) {
+  const fs::path c4 = run_.dir / "checkpoint-4";
+  const std::string text = ReadText(c4 / "trainer_state.json");
+  auto st = run::ParseTrainerState(text, "trainer_state.json");
+  ASSERT_TRUE(st.ok()) << st.status().ToString();
+  EXPECT_EQ(st->global_step, 4);
+  for (const char* f : {"adapter_model.safetensors", "adapter_config.json", "optimizer.safetensors"}) {
+    ASSERT_TRUE(st->files.count(f)) << f;
+    EXPECT_EQ(st->files.at(f).size, fs::file_size(c4 / f)) << f;
+  }
+  EXPECT_EQ(st->files.at("adapter_model.safetensors").tensors.size(), 20u);  // 5 modules x 2 layers x A, B
+  auto store = store::Store::Open(run_.dir / "store", store::StoreOptions{.read_only = true});
+  ASSERT_TRUE(store.ok());
+  auto events = (*store)->ListEvents(std::nullopt);
+  ASSERT_TRUE(events.ok());
+  int found = 0;
+  for (const auto& e : *events) {
+    if (e.type != store::Event::Type::kCheckpoint) continue;
+    const json d = json::parse(e.detail);
+    if (d.at("step") == 4) {
+      ++found;
+      EXPECT_EQ(d.at("checkpoint"), "checkpoint-4");
+      EXPECT_EQ(d.at("trainer_state"), store::AuxDigest(text).Hex());
+      EXPECT_EQ(e.version.Hex(), st->generator_version);
+    }
+  }
+  EXPECT_EQ(found, 1);
 }
 
 }  // namespace

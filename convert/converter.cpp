@@ -27,7 +27,6 @@
 #include "core/mapped_file.h"
 #include "core/safetensors.h"
 #include "core/staging_dir.h"
-#include "kernels/lora_merge.h"
 
 namespace ferry {
 namespace {
@@ -289,7 +288,7 @@ class MergeWriter {
     }
     ++summary_.tensors_changed;
     if (const LoraModule* m = FusableDelta(name, out_dtype)) {
-      FERRY_ASSIGN_OR_RETURN(auto buf, FusedMerge(name, *m, out_dtype));
+      FERRY_ASSIGN_OR_RETURN(auto buf, FusedMerge(name, *m));
       const size_t n = static_cast<size_t>(m->out * m->in);
       BufferPool* pool = &pool_;
       return pipe.Submit([&w, buf, n, pool, release_all] {
@@ -299,7 +298,7 @@ class MergeWriter {
         return s;
       });
     }
-    FERRY_ASSIGN_OR_RETURN(std::vector<float> v, Compute(name));
+    FERRY_ASSIGN_OR_RETURN(std::vector<float> v, MergedF32(plan_, base_, adapter_, name, NaturalShape(name), threads_));
     auto values = std::make_shared<std::vector<float>>(std::move(v));
     return pipe.Submit([&w, values, out_dtype, release_all] {
       Status s = AppendF32As(w, *values, out_dtype);
@@ -309,41 +308,22 @@ class MergeWriter {
   }
 
   // The common case — one plain LoRA delta on an unquantized 16-bit weight written in its own
-  // dtype — runs through the fused kernel (decode, rank-r update, round in one pass per row
-  // block). Bit-identical to Compute() + AppendF32As(); returns null when it does not apply.
-  // The common case (one plain LoRA delta on a 16-bit weight kept in its dtype) runs through
-  // the fused kernel, bit-identical to Compute() + AppendF32As().
+  // dtype — runs through the fused kernel (MergeFusable16: decode, rank-r update, round in one
+  // pass per row block), bit-identical to MergedF32() + AppendF32As(); null when it does not
+  // apply.
   const LoraModule* FusableDelta(const std::string& name, DType out_dtype) const {
     const DType base = NaturalDType(name);
     return base == out_dtype ? plan_.FusableDelta(name, base, NaturalShape(name)) : nullptr;
   }
 
-  Result<std::shared_ptr<std::vector<uint16_t>>> FusedMerge(const std::string& name, const LoraModule& m, DType dtype) {
+  Result<std::shared_ptr<std::vector<uint16_t>>> FusedMerge(const std::string& name, const LoraModule& m) {
     FERRY_ASSIGN_OR_RETURN(Tensor base, base_.Get(plan_.SourceOf(name)));
-    FERRY_ASSIGN_OR_RETURN(std::vector<float> a, ReadTensorAsF32(adapter_, m.a_key));
-    FERRY_ASSIGN_OR_RETURN(std::vector<float> b, ReadTensorAsF32(adapter_, m.b_key));
-    auto out = pool_.Acquire(static_cast<size_t>(m.out * m.in));
-    kernels::LoraMergeRows16(reinterpret_cast<const uint16_t*>(base.data()),
-                             dtype == DType::kBF16 ? kernels::Float16Kind::kBF16 : kernels::Float16Kind::kF16, a.data(),
-                             b.data(), m.out, m.in, m.rank, static_cast<float>(m.scaling), out->data(), threads_);
+    const size_t n = static_cast<size_t>(m.out * m.in);
+    auto out = pool_.Acquire(n);
+    FERRY_RETURN_IF_ERROR(MergeFusable16(base, adapter_, m, std::span<uint16_t>(out->data(), n), threads_));
     adapter_.Release(m.a_key);
     adapter_.Release(m.b_key);
     return out;
-  }
-
-  // The merged fp32 values of a base-space tensor.
-  Result<std::vector<float>> Compute(const std::string& name) {
-    const Shape shape = NaturalShape(name);
-    std::vector<float> w;
-    if (auto r = plan_.replacements.find(name); r != plan_.replacements.end()) {
-      FERRY_ASSIGN_OR_RETURN(w, ReadTensorAsF32(adapter_, r->second));
-    } else if (auto q = plan_.quantized.find(name); q != plan_.quantized.end()) {
-      FERRY_ASSIGN_OR_RETURN(w, Dequantize4bitAsLoaded(base_, q->second));
-    } else {
-      FERRY_ASSIGN_OR_RETURN(w, ReadTensorAsF32(base_, plan_.SourceOf(name)));
-    }
-    FERRY_RETURN_IF_ERROR(ApplyPlanEdits(plan_, adapter_, name, shape, w, threads_));
-    return w;
   }
 
   const ConvertOptions& opt_;

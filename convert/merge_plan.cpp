@@ -416,6 +416,35 @@ Status ApplyPlanEdits(const MergePlan& plan, const Checkpoint& adapter, const st
   return Status::OK();
 }
 
+Result<std::vector<float>> MergedF32(const MergePlan& plan, const Checkpoint& base, const Checkpoint& adapter,
+                                     const std::string& name, const Shape& shape, int threads) {
+  std::vector<float> w;
+  if (auto r = plan.replacements.find(name); r != plan.replacements.end()) {
+    FERRY_ASSIGN_OR_RETURN(w, ReadTensorAsF32(adapter, r->second));
+  } else if (auto q = plan.quantized.find(name); q != plan.quantized.end()) {
+    FERRY_ASSIGN_OR_RETURN(w, Dequantize4bitAsLoaded(base, q->second));
+  } else {
+    FERRY_ASSIGN_OR_RETURN(w, ReadTensorAsF32(base, plan.SourceOf(name)));
+  }
+  FERRY_RETURN_IF_ERROR(ApplyPlanEdits(plan, adapter, name, shape, w, threads));
+  return w;
+}
+
+Status MergeFusable16(const Tensor& base, const Checkpoint& adapter, const LoraModule& m, std::span<uint16_t> out,
+                      int threads) {
+  const bool bf16 = base.dtype() == DType::kBF16;
+  if ((!bf16 && base.dtype() != DType::kF16) || base.shape() != Shape{m.out, m.in} ||
+      out.size() != static_cast<size_t>(m.out * m.in)) {
+    return Status::InvalidArgument("MergeFusable16: " + m.target + " is not a 16-bit [" + std::to_string(m.out) + ", " +
+                                   std::to_string(m.in) + "] weight with an output of its size");
+  }
+  FERRY_ASSIGN_OR_RETURN(std::vector<float> a, ReadTensorAsF32(adapter, m.a_key));
+  FERRY_ASSIGN_OR_RETURN(std::vector<float> b, ReadTensorAsF32(adapter, m.b_key));
+  kernels::LoraMergeRows16(base.data_as<uint16_t>(), bf16 ? kernels::Float16Kind::kBF16 : kernels::Float16Kind::kF16,
+                           a.data(), b.data(), m.out, m.in, m.rank, static_cast<float>(m.scaling), out.data(), threads);
+  return Status::OK();
+}
+
 bool MergePlan::Changes(const std::string& name) const {
   return deltas.count(name) || bias_deltas.count(name) || replacements.count(name) || token_rows.count(name);
 }

@@ -1,6 +1,7 @@
 // Resolution of a PEFT adapter onto a base checkpoint: which base tensor each adapter
-// tensor changes, and how. Shared by `ferry convert` (which executes the plan) and
-// `ferry inspect ADAPTER --base DIR` (which reports it).
+// tensor changes, and how, and the merge that executes it (MergedF32, MergeFusable16). Shared
+// by `ferry convert` and sync snapshots (which execute the plan) and `ferry inspect ADAPTER
+// --base DIR` (which reports it).
 //
 // Rules (PEFT's peft/tuners/lora/layer.py and model.py, as the fixtures in fixtures/ record them):
 //   - lora_A/lora_B of module M change "M.weight": W += scaling(M) * B @ A (transposed for
@@ -21,6 +22,7 @@
 #include <cstdint>
 #include <map>
 #include <set>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -98,5 +100,21 @@ Result<std::vector<float>> ReadTensorAsF32(const Checkpoint& c, const std::strin
 // The one implementation of Ferry's merge arithmetic (converter, snapshots, materialize).
 Status ApplyPlanEdits(const MergePlan& plan, const Checkpoint& adapter, const std::string& name, const Shape& shape,
                       std::vector<float>& w, int threads);
+
+// The merged fp32 values of output tensor `name` (base space, shape `shape`): its starting
+// values (the adapter tensor replacing it, a 4-bit base weight dequantized as loaded
+// (convert/bnb4.h: rounded to the quant state's dtype), or the base tensor SourceOf(name)
+// as fp32) with ApplyPlanEdits applied. The caller rounds once (WriteFromF32, core/tensor.h).
+// The one merge of a changed tensor: the converter (and so materialize) and in-memory
+// snapshots (sync/snapshot.h) both call it.
+Result<std::vector<float>> MergedF32(const MergePlan& plan, const Checkpoint& base, const Checkpoint& adapter,
+                                     const std::string& name, const Shape& shape, int threads);
+
+// The FusableDelta case in one pass (kernels::LoraMergeRows16): the 16-bit base weight
+// `base` of module `m` merged with its LoRA delta and rounded once to base's dtype, into
+// `out`. Bit-identical to MergedF32 followed by WriteFromF32 in that dtype. kInvalidArgument
+// when `base` is not the [m.out, m.in] BF16 or F16 tensor, or `out` does not hold it.
+Status MergeFusable16(const Tensor& base, const Checkpoint& adapter, const LoraModule& m, std::span<uint16_t> out,
+                      int threads);
 
 }  // namespace ferry

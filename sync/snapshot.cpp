@@ -13,7 +13,6 @@
 #include "convert/merge_plan.h"
 #include "convert/model_config.h"
 #include "core/aux_files.h"
-#include "kernels/lora_merge.h"
 
 namespace ferry::sync {
 namespace {
@@ -104,7 +103,8 @@ Result<Normalised> Normalise(const SnapshotSource& source) {
   return n;
 }
 
-// Executes a merge plan into new buffers (the converter's MergeWriter::Compute, in memory).
+// Executes a merge plan into new buffers: the converter's merge (MergedF32, MergeFusable16:
+// convert/merge_plan.h), in memory.
 class Merger {
  public:
   Merger(const Checkpoint& base, const Checkpoint& adapter, const MergePlan& plan, int threads)
@@ -117,7 +117,7 @@ class Merger {
     if (auto q = plan_.quantized.find(name); q != plan_.quantized.end()) {
       // A 4-bit weight: dequantised as the converter does (convert/bnb4.h), merged, rounded
       // once to the quant state's dtype.
-      FERRY_ASSIGN_OR_RETURN(std::vector<float> w, Compute(name, q->second.shape));
+      FERRY_ASSIGN_OR_RETURN(std::vector<float> w, MergedF32(plan_, base_, adapter_, name, q->second.shape, threads_));
       FERRY_ASSIGN_OR_RETURN(Tensor out, Tensor::Empty(q->second.dtype, q->second.shape));
       Status s = WriteFromF32(w, q->second.dtype, std::span<std::byte>(out.mutable_data(), out.nbytes()));
       if (!s.ok()) return s.WithContext("snapshot: tensor " + Q(name));
@@ -127,12 +127,9 @@ class Merger {
     if (!plan_.Changes(name)) return copy_unchanged ? CopyTensor(base) : Result<Tensor>(std::move(base));
     if (const LoraModule* m = plan_.FusableDelta(name, base.dtype(), base.shape())) {
       FERRY_ASSIGN_OR_RETURN(Tensor out, Tensor::Empty(base.dtype(), base.shape()));
-      FERRY_ASSIGN_OR_RETURN(std::vector<float> a, ReadTensorAsF32(adapter_, m->a_key));
-      FERRY_ASSIGN_OR_RETURN(std::vector<float> b, ReadTensorAsF32(adapter_, m->b_key));
-      kernels::LoraMergeRows16(base.data_as<uint16_t>(),
-                               base.dtype() == DType::kBF16 ? kernels::Float16Kind::kBF16 : kernels::Float16Kind::kF16,
-                               a.data(), b.data(), m->out, m->in, m->rank, static_cast<float>(m->scaling),
-                               out.mutable_data_as<uint16_t>(), threads_);
+      FERRY_RETURN_IF_ERROR(MergeFusable16(
+          base, adapter_, *m, std::span<uint16_t>(out.mutable_data_as<uint16_t>(), out.nbytes() / sizeof(uint16_t)),
+          threads_));
       return out;
     }
     if (!CanWriteFromF32(base.dtype())) {
@@ -140,7 +137,7 @@ class Merger {
                                  std::string(DTypeName(base.dtype())) +
                                  " and cannot be merged (only F32, F16, BF16 and F64 weights can)");
     }
-    FERRY_ASSIGN_OR_RETURN(std::vector<float> w, Compute(name, base.shape()));
+    FERRY_ASSIGN_OR_RETURN(std::vector<float> w, MergedF32(plan_, base_, adapter_, name, base.shape(), threads_));
     FERRY_ASSIGN_OR_RETURN(Tensor out, Tensor::Empty(base.dtype(), base.shape()));
     Status s = WriteFromF32(w, base.dtype(), std::span<std::byte>(out.mutable_data(), out.nbytes()));
     if (!s.ok()) return s.WithContext("snapshot: tensor " + Q(name));
@@ -148,20 +145,6 @@ class Merger {
   }
 
  private:
-  // The merged fp32 values of output tensor `name` (the converter's MergeWriter::Compute).
-  Result<std::vector<float>> Compute(const std::string& name, const Shape& shape) {
-    std::vector<float> w;
-    if (auto r = plan_.replacements.find(name); r != plan_.replacements.end()) {
-      FERRY_ASSIGN_OR_RETURN(w, ReadTensorAsF32(adapter_, r->second));
-    } else if (auto q = plan_.quantized.find(name); q != plan_.quantized.end()) {
-      FERRY_ASSIGN_OR_RETURN(w, Dequantize4bitAsLoaded(base_, q->second));
-    } else {
-      FERRY_ASSIGN_OR_RETURN(w, ReadTensorAsF32(base_, plan_.SourceOf(name)));
-    }
-    FERRY_RETURN_IF_ERROR(ApplyPlanEdits(plan_, adapter_, name, shape, w, threads_));
-    return w;
-  }
-
   const Checkpoint& base_;
   const Checkpoint& adapter_;
   const MergePlan& plan_;

@@ -37,21 +37,26 @@ StagingDir::~StagingDir() {
   fs::remove_all(tmp_, ec);
 }
 
-Status StagingDir::Commit() {
+Status StagingDir::Commit() { return CommitFrom(tmp_); }
+
+Status StagingDir::CommitPart(const fs::path& part) { return CommitFrom(tmp_ / part); }
+
+Status StagingDir::CommitFrom(const fs::path& dir) {
   if (!active_) return Status::FailedPrecondition(tmp_.string() + ": staging directory already committed");
-  FERRY_RETURN_IF_ERROR(SyncDirectory(tmp_));
+  FERRY_RETURN_IF_ERROR(SyncDirectory(dir));
   std::error_code ec;
   fs::path old;
   if (fs::exists(fs::symlink_status(final_, ec))) {
     old = TempNameFor(final_).string() + ".old";
     if (::rename(final_.c_str(), old.c_str()) != 0) return ErrnoStatus(final_.string(), errno);
   }
-  if (::rename(tmp_.c_str(), final_.c_str()) != 0) {
+  if (::rename(dir.c_str(), final_.c_str()) != 0) {
     Status s = ErrnoStatus(final_.string(), errno);
     if (!old.empty()) (void)::rename(old.c_str(), final_.c_str());
     return s;
   }
   active_ = false;
+  if (dir != tmp_) fs::remove_all(tmp_, ec);  // the scratch beside the part
   if (!old.empty()) fs::remove_all(old, ec);
   return SyncDirectory(final_.parent_path().empty() ? fs::path(".") : final_.parent_path());
 }

@@ -28,8 +28,15 @@ class StagingDir {
   // it is put back. Syncs the parent directory.
   Status Commit();
 
+  // As Commit(), for a staging directory that also holds scratch files beside the output:
+  // what becomes the final path is its subdirectory `part` (a relative path), and the rest
+  // of the staging directory is removed once `part` is in place.
+  Status CommitPart(const std::filesystem::path& part);
+
  private:
   StagingDir() = default;
+  // Commit() and CommitPart(): renames `dir`, the staging directory or a part of it.
+  Status CommitFrom(const std::filesystem::path& dir);
   std::filesystem::path final_;
   std::filesystem::path tmp_;
   bool active_ = false;

@@ -6,51 +6,48 @@
 
 #include "core/checkpoint.h"
 #include "core/diff.h"
-#include "core/mapped_file.h"
+#include "core/staging_dir.h"
 
 namespace ferry::store {
 namespace {
 
 namespace fs = std::filesystem;
 
+// The merge's result inside its staging directory, beside the exported base and adapter.
+constexpr std::string_view kResult = "result";
+
 std::string Short(const Digest& d) { return d.Hex().substr(0, 12); }
 
-// Removes a directory tree when it goes out of scope.
-class TreeGuard {
- public:
-  explicit TreeGuard(fs::path p) : path_(std::move(p)) {}
-  ~TreeGuard() {
-    std::error_code ec;
-    fs::remove_all(path_, ec);
-  }
-  TreeGuard(const TreeGuard&) = delete;
-  TreeGuard& operator=(const TreeGuard&) = delete;
-
- private:
-  fs::path path_;
-};
-
-// Moves the finished directory `from` to `out` (replacing it when `force`).
-Status MoveIntoPlace(const fs::path& from, const fs::path& out, bool force) {
+// The staging directory (core/staging_dir.h) `out` is built in: the merge's scratch (the
+// exported base and adapter) and its result, which alone is committed. kNotFound when the
+// directory `out` goes into does not exist.
+Result<StagingDir> StageBeside(const fs::path& out, bool force, const std::string& what) {
   std::error_code ec;
-  const bool exists = fs::exists(fs::symlink_status(out, ec));
-  if (exists && !force)
-    return Status::AlreadyExists(out.string() + " exists (replacing it needs MaterializeOptions.force)");
-  fs::path old;
-  if (exists) {
-    old = TempNameFor(out);
-    fs::rename(out, old, ec);
-    if (ec) return Status::IOError("cannot move " + out.string() + " aside: " + ec.message());
-  }
-  fs::rename(from, out, ec);
-  if (ec) {
-    std::error_code ignored;
-    if (!old.empty()) fs::rename(old, out, ignored);
-    return Status::IOError("cannot rename " + from.string() + " to " + out.string() + ": " + ec.message());
-  }
-  if (!old.empty()) fs::remove_all(old, ec);
   fs::path parent = out.parent_path();
-  return SyncDirectory(parent.empty() ? fs::path(".") : parent);
+  if (parent.empty()) parent = ".";
+  if (!fs::is_directory(parent, ec)) {
+    return Status::NotFound(what + ": directory " + parent.string() + " does not exist");
+  }
+  auto staging = StagingDir::Create(out, force);
+  if (!staging.ok()) return staging.status().WithContext(what);
+  return staging;
+}
+
+// Exports versions `base` and `adapter` into `work` and merges them there with the converter
+// in `layout`, into work/kResult.
+Status ExportAndMerge(Store& store, const Digest& base, const Digest& adapter, Layout layout, int threads,
+                      const fs::path& work, const std::string& what) {
+  FERRY_RETURN_IF_ERROR(store.Export(base, work / "base", false).WithContext(what));
+  FERRY_RETURN_IF_ERROR(store.Export(adapter, work / "adapter", false).WithContext(what));
+  ConvertOptions c;
+  c.base = work / "base";
+  c.adapter = work / "adapter";
+  c.out = work / kResult;
+  c.layout = layout;
+  c.threads = threads;
+  auto summary = Convert(c);
+  if (!summary.ok()) return summary.status().WithContext(what);
+  return Status::OK();
 }
 
 // The newest merged version recorded for (base, adapter), if any.
@@ -152,28 +149,10 @@ Result<MaterializeResult> MaterializeDerived(Store& store, const VersionRecord& 
   if (!rec.base_version || !rec.adapter_version) {
     return Status::Corruption(what + ": the record names no base or adapter version");
   }
-  std::error_code ec;
-  fs::path parent = out.parent_path();
-  if (parent.empty()) parent = ".";
-  if (!fs::is_directory(parent, ec)) {
-    return Status::NotFound(what + ": directory " + parent.string() + " does not exist");
-  }
-  const fs::path work = TempNameFor(out);
-  if (!fs::create_directory(work, ec) || ec) {
-    return Status::IOError(what + ": cannot create " + work.string() + ": " + ec.message());
-  }
-  TreeGuard guard(work);
-  FERRY_RETURN_IF_ERROR(store.Export(*rec.base_version, work / "base", false).WithContext(what));
-  FERRY_RETURN_IF_ERROR(store.Export(*rec.adapter_version, work / "adapter", false).WithContext(what));
-  ConvertOptions c;
-  c.base = work / "base";
-  c.adapter = work / "adapter";
-  c.out = work / "result";
-  c.layout = layout;
-  c.threads = options.threads;
-  auto summary = Convert(c);
-  if (!summary.ok()) return summary.status().WithContext(what);
-  auto hashed = HashPath(work / "result");
+  FERRY_ASSIGN_OR_RETURN(StagingDir work, StageBeside(out, options.force, what));
+  FERRY_RETURN_IF_ERROR(
+      ExportAndMerge(store, *rec.base_version, *rec.adapter_version, layout, options.threads, work.path(), what));
+  auto hashed = HashPath(work.path() / kResult);
   if (!hashed.ok()) return hashed.status().WithContext(what);
   const VersionRecord& rebuilt = *hashed;
   if (rebuilt.id != rec.id) {
@@ -194,7 +173,7 @@ Result<MaterializeResult> MaterializeDerived(Store& store, const VersionRecord& 
   result.merged = true;
   result.checked_against = rec.id;
   result.tensors_identical = static_cast<int64_t>(rec.tensors.size());
-  FERRY_RETURN_IF_ERROR(MoveIntoPlace(work / "result", out, options.force).WithContext(what));
+  FERRY_RETURN_IF_ERROR(work.CommitPart(kResult).WithContext(what));
   return result;
 }
 
@@ -231,33 +210,15 @@ Result<MaterializeResult> Materialize(Store& store, const Digest& version, const
     return Status(base.status().code(), what + ": base version " + Short(*rec.base_version) +
                                             " is not in the store: " + base.status().message());
   }
-  fs::path parent = out.parent_path();
-  if (parent.empty()) parent = ".";
-  if (!fs::is_directory(parent, ec)) {
-    return Status::NotFound(what + ": directory " + parent.string() + " does not exist");
-  }
-  const fs::path work = TempNameFor(out);
-  if (!fs::create_directory(work, ec) || ec) {
-    return Status::IOError(what + ": cannot create " + work.string() + ": " + ec.message());
-  }
-  TreeGuard guard(work);
-  FERRY_RETURN_IF_ERROR(store.Export(base->id, work / "base", false).WithContext(what));
-  FERRY_RETURN_IF_ERROR(store.Export(rec.id, work / "adapter", false).WithContext(what));
-  ConvertOptions c;
-  c.base = work / "base";
-  c.adapter = work / "adapter";
-  c.out = work / "result";
-  c.layout = options.layout;
-  c.threads = options.threads;
-  auto summary = Convert(c);
-  if (!summary.ok()) return summary.status().WithContext(what);
+  FERRY_ASSIGN_OR_RETURN(StagingDir work, StageBeside(out, options.force, what));
+  FERRY_RETURN_IF_ERROR(ExportAndMerge(store, base->id, rec.id, options.layout, options.threads, work.path(), what));
   result.merged = true;
   if (options.layout == Layout::kHf) {
     FERRY_ASSIGN_OR_RETURN(auto recorded, FindRecordedMerge(store, base->id, rec.id));
     if (recorded)
-      FERRY_RETURN_IF_ERROR(CheckAgainst(store, work / "result", *recorded, options, result).WithContext(what));
+      FERRY_RETURN_IF_ERROR(CheckAgainst(store, work.path() / kResult, *recorded, options, result).WithContext(what));
   }
-  FERRY_RETURN_IF_ERROR(MoveIntoPlace(work / "result", out, options.force).WithContext(what));
+  FERRY_RETURN_IF_ERROR(work.CommitPart(kResult).WithContext(what));
   return result;
 }
 

@@ -31,6 +31,17 @@ Result<std::string> ReadFile(const std::filesystem::path& path, size_t max_bytes
   return text;
 }
 
+// A configuration file of at most kMaxTokenizerConfigBytes; nullopt when it does not exist.
+Result<std::optional<std::string>> ReadOptionalFile(const std::filesystem::path& path) {
+  std::error_code ec;
+  if (!std::filesystem::exists(path, ec)) {
+    if (ec) return Status::IOError(path.string() + ": " + ec.message());
+    return std::optional<std::string>();
+  }
+  FERRY_ASSIGN_OR_RETURN(std::string text, ReadFile(path, kMaxTokenizerConfigBytes));
+  return std::optional<std::string>(std::move(text));
+}
+
 Status OutOfRange(int32_t id, int32_t vocab_size) {
   return Status::InvalidArgument("token id " + std::to_string(id) + " is not in the vocabulary (ids 0.." +
                                  std::to_string(vocab_size - 1) + ")");
@@ -85,15 +96,16 @@ Result<Tokenizer> Tokenizer::FromFile(const std::filesystem::path& path) {
 Result<Tokenizer> Tokenizer::FromDirectory(const std::filesystem::path& dir) {
   const auto json_path = dir / "tokenizer.json";
   FERRY_ASSIGN_OR_RETURN(const std::string text, ReadFile(json_path, kMaxTokenizerJsonBytes));
-  FERRY_ASSIGN_OR_RETURN(auto impl, ParseTokenizerJson(text, json_path.string()));
+  const std::string json_source = json_path.string();
   const auto config_path = dir / "tokenizer_config.json";
-  std::error_code ec;
-  if (std::filesystem::exists(config_path, ec)) {
-    FERRY_ASSIGN_OR_RETURN(const std::string config, ReadFile(config_path, kMaxTokenizerConfigBytes));
-    FERRY_RETURN_IF_ERROR(ApplyTokenizerConfig(config, config_path.string(), impl.get()));
-  } else if (ec) {
-    return Status::IOError(config_path.string() + ": " + ec.message());
-  }
+  const auto model_config_path = dir / "config.json";
+  const std::string config_source = config_path.string(), model_config_source = model_config_path.string();
+  FERRY_ASSIGN_OR_RETURN(const std::optional<std::string> config, ReadOptionalFile(config_path));
+  FERRY_ASSIGN_OR_RETURN(const std::optional<std::string> model_config, ReadOptionalFile(model_config_path));
+  std::optional<SourceText> config_text, model_config_text;
+  if (config) config_text = SourceText{*config, config_source};
+  if (model_config) model_config_text = SourceText{*model_config, model_config_source};
+  FERRY_ASSIGN_OR_RETURN(auto impl, ParseDirectory({text, json_source}, config_text, model_config_text));
   return Tokenizer(std::move(impl));
 }
 

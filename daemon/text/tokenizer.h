@@ -13,8 +13,9 @@
 //   truncation, padding: null only (they change what encode returns)
 // That covers GPT-2, Qwen2 and Llama-3 (byte-level BPE) and Llama-2 / Mistral
 // (SentencePiece-style BPE with byte fallback, either the Prepend+Replace normalizer or the
-// Metaspace pre-tokenizer). How each component behaves: daemon/text/components.h, bpe.h,
-// added_vocab.h, onig_regex.h; the evidence of equality: docs/tokenizer.md.
+// Metaspace pre-tokenizer). FromDirectory reads a model directory as transformers does, which
+// for LlamaTokenizer directories is not what the file says (see FromDirectory). How each component behaves:
+// daemon/text/components.h, bpe.h, added_vocab.h, onig_regex.h; the evidence of equality: docs/tokenizer.md.
 //
 // Encode(text) runs, as upstream: added tokens split out of the raw text (normalized=false
 // ones), each remaining piece normalized, added tokens split out of it (normalized=true
@@ -78,12 +79,22 @@ class Tokenizer {
   // Parses tokenizer.json text; `source_name` starts every error message.
   static Result<Tokenizer> FromJson(std::string_view json, std::string_view source_name);
 
-  // Reads DIR/tokenizer.json and, when present, DIR/tokenizer_config.json as transformers 5
-  // applies it: bos_token / eos_token / pad_token (a string or {"content": ...}; each must be
-  // a token), chat_template (kept for DetectChatFormat only; a list form keeps the entry
-  // named "default"). add_bos_token / add_eos_token change nothing: transformers 5 drops them
-  // when tokenizer.json exists, so its post-processor alone decides what
-  // add_special_tokens adds.
+  // Reads a model directory as transformers 5's AutoTokenizer.from_pretrained(DIR) does (what
+  // TRL tokenizes prompts with): DIR/tokenizer.json, and DIR/tokenizer_config.json and
+  // DIR/config.json when present.
+  //   - The tokenizer class AutoTokenizer picks decides how tokenizer.json runs: most get
+  //     TokenizersBackend, which runs it as written (as FromFile); LlamaTokenizer (a
+  //     tokenizer_config.json naming LlamaTokenizer, as Llama-2 directories do) keeps the
+  //     vocabulary, merges, added tokens and post-processor but replaces the normalizer,
+  //     pre-tokenizer and decoder (the legacy Prepend + Replace normalizer becomes Metaspace),
+  //     so its ids differ from the tokenizers package on leading spaces, space runs and text
+  //     after an added token. The rules: daemon/text/auto_tokenizer.h.
+  //   - tokenizer_config.json: bos_token / eos_token / pad_token (a string or {"content": ...};
+  //     each must be a token), chat_template (kept for DetectChatFormat only; a list form keeps
+  //     the entry named "default"). add_bos_token / add_eos_token change nothing: transformers
+  //     5 drops them when tokenizer.json exists, so its post-processor alone decides what
+  //     add_special_tokens adds.
+  // kCorruption naming the file for a malformed tokenizer_config.json or config.json.
   static Result<Tokenizer> FromDirectory(const std::filesystem::path& dir);
 
   Tokenizer(Tokenizer&&) noexcept;

@@ -44,10 +44,21 @@ struct TokenizerImpl {
   void Index();
 };
 
-// Parses tokenizer.json (tokenizer_json.cpp).
+// Parses tokenizer.json (tokenizer_json.cpp) as the `tokenizers` package reads it.
 Result<std::unique_ptr<TokenizerImpl>> ParseTokenizerJson(std::string_view json, std::string_view source);
 
-// Applies tokenizer_config.json text to a parsed tokenizer (tokenizer_json.cpp).
-Status ApplyTokenizerConfig(std::string_view json, std::string_view source, TokenizerImpl* impl);
+// A file's text and the name its messages start with.
+struct SourceText {
+  std::string_view text;
+  std::string_view source;
+};
+
+// A model directory's tokenizer.json with its tokenizer_config.json and config.json when
+// present (tokenizer_json.cpp), as transformers' AutoTokenizer.from_pretrained builds it:
+// tokenizer.json as the package reads it, or as LlamaTokenizer rebuilds it
+// (auto_tokenizer.h), then tokenizer_config.json's special tokens and chat template.
+Result<std::unique_ptr<TokenizerImpl>> ParseDirectory(SourceText tokenizer_json,
+                                                      std::optional<SourceText> tokenizer_config,
+                                                      std::optional<SourceText> model_config);
 
 }  // namespace ferry::text

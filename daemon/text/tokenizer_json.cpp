@@ -8,6 +8,7 @@
 #include <utility>
 
 #include "core/json_limits.h"
+#include "daemon/text/auto_tokenizer.h"
 #include "daemon/text/tokenizer_impl.h"
 #include "daemon/text/unicode.h"
 
@@ -543,11 +544,9 @@ class Parser {
     return Unsupported(Join(path, "type"), Quote(type) + " is not supported");
   }
 
-  Result<std::unique_ptr<BpeModel>> ParseModel(const json& j, StreamedModel& streamed) const {
-    const std::string path = "model";
-    FERRY_RETURN_IF_ERROR(RequireObject(j, path));
-    FERRY_ASSIGN_OR_RETURN(auto type, OptString(j, path, "type"));
-    if (type && *type != "BPE") return Unsupported("model.type", Quote(*type) + " is not supported (only BPE)");
+  // The model options of the file: fuse_unk, byte_fallback, ignore_merges; dropout and the
+  // affixes are checked (only "no dropout" and empty affixes are supported).
+  Result<BpeOptions> ParseModelOptions(const json& j, const std::string& path) const {
     if (const json* d = Find(j, "dropout"); d != nullptr && !d->is_null()) {
       if (!d->is_number()) return Corrupt("model.dropout", "must be a number or null");
       const double p = d->get<double>();
@@ -563,7 +562,26 @@ class Parser {
     FERRY_ASSIGN_OR_RETURN(options.fuse_unk, Bool(j, path, "fuse_unk", false));
     FERRY_ASSIGN_OR_RETURN(options.byte_fallback, Bool(j, path, "byte_fallback", false));
     FERRY_ASSIGN_OR_RETURN(options.ignore_merges, Bool(j, path, "ignore_merges", false));
-    FERRY_ASSIGN_OR_RETURN(auto unk_token, OptString(j, path, "unk_token"));
+    return options;
+  }
+
+  // `llama`: the model as LlamaTokenizer builds it, BPE(vocab, merges, fuse_unk=True,
+  // byte_fallback=True), whatever the file's other model fields say (they are not read).
+  Result<std::unique_ptr<BpeModel>> ParseModel(const json& j, StreamedModel& streamed,
+                                               const LlamaTokenizerPipeline* llama) const {
+    const std::string path = "model";
+    FERRY_RETURN_IF_ERROR(RequireObject(j, path));
+    FERRY_ASSIGN_OR_RETURN(auto type, OptString(j, path, "type"));
+    if (type && *type != "BPE") return Unsupported("model.type", Quote(*type) + " is not supported (only BPE)");
+    BpeOptions options;
+    std::optional<std::string> unk_token;
+    if (llama != nullptr) {
+      options.fuse_unk = true;
+      options.byte_fallback = true;
+    } else {
+      FERRY_ASSIGN_OR_RETURN(options, ParseModelOptions(j, path));
+      FERRY_ASSIGN_OR_RETURN(unk_token, OptString(j, path, "unk_token"));
+    }
 
     // Objects and arrays here were streamed (StreamedModel), leaving a null behind in the DOM;
     // anything else stayed in the DOM.
@@ -686,9 +704,24 @@ Result<json> ParseJsonText(std::string_view text, std::string_view source, size_
   }
 }
 
-}  // namespace
+// The pipeline LlamaTokenizer builds (auto_tokenizer.h): Metaspace and its decoder.
+std::unique_ptr<PreTokenizer> LlamaPreTokenizer(const LlamaTokenizerPipeline& llama) {
+  return MakeMetaspace(U'\u2581', llama.prepend_scheme, /*split=*/false);
+}
 
-Result<std::unique_ptr<TokenizerImpl>> ParseTokenizerJson(std::string_view text, std::string_view source) {
+std::unique_ptr<Decoder> LlamaDecoder(const LlamaTokenizerPipeline& llama) {
+  std::vector<std::unique_ptr<Decoder>> steps;
+  steps.push_back(MakeReplaceDecoder(Pattern::Literal("\u2581"), " "));
+  steps.push_back(MakeByteFallbackDecoder());
+  steps.push_back(MakeFuseDecoder());
+  if (llama.add_prefix_space) steps.push_back(MakeStripDecoder(U' ', 1, 0));
+  return MakeDecoderSequence(std::move(steps));
+}
+
+// tokenizer.json as the package reads it, or with `llama` as LlamaTokenizer rebuilds it: the
+// file's normalizer, pre-tokenizer and decoder are then not read.
+Result<std::unique_ptr<TokenizerImpl>> Parse(std::string_view text, std::string_view source,
+                                             const LlamaTokenizerPipeline* llama) {
   if (text.size() > kMaxTokenizerJsonBytes) {
     return Status::Unsupported(std::string(source) + ": " + std::to_string(text.size()) + " bytes is more than the " +
                                std::to_string(kMaxTokenizerJsonBytes) + " bytes allowed");
@@ -722,28 +755,35 @@ Result<std::unique_ptr<TokenizerImpl>> ParseTokenizerJson(std::string_view text,
   }
   const json* model = Parser::Find(j, "model");
   if (model == nullptr) return p.Corrupt("model", "is missing");
-  FERRY_ASSIGN_OR_RETURN(impl->model, p.ParseModel(*model, streamed));
+  FERRY_ASSIGN_OR_RETURN(impl->model, p.ParseModel(*model, streamed, llama));
 
-  if (const json* n = Parser::Find(j, "normalizer"); n != nullptr && !n->is_null()) {
-    FERRY_ASSIGN_OR_RETURN(impl->normalizer, p.ParseNormalizer(*n, "normalizer"));
-  }
-  if (const json* n = Parser::Find(j, "pre_tokenizer"); n != nullptr && !n->is_null()) {
-    FERRY_ASSIGN_OR_RETURN(impl->pre_tokenizer, p.ParsePreTokenizer(*n, "pre_tokenizer", impl->normalizer != nullptr));
+  if (llama != nullptr) {
+    impl->pre_tokenizer = LlamaPreTokenizer(*llama);
+  } else {
+    if (const json* n = Parser::Find(j, "normalizer"); n != nullptr && !n->is_null()) {
+      FERRY_ASSIGN_OR_RETURN(impl->normalizer, p.ParseNormalizer(*n, "normalizer"));
+    }
+    if (const json* n = Parser::Find(j, "pre_tokenizer"); n != nullptr && !n->is_null()) {
+      FERRY_ASSIGN_OR_RETURN(impl->pre_tokenizer,
+                             p.ParsePreTokenizer(*n, "pre_tokenizer", impl->normalizer != nullptr));
+    }
   }
   FERRY_ASSIGN_OR_RETURN(impl->added, p.ParseAddedTokens(Parser::Find(j, "added_tokens"), *impl->model,
                                                          impl->normalizer.get(), &impl->vocab_size));
   if (const json* n = Parser::Find(j, "post_processor"); n != nullptr && !n->is_null()) {
     FERRY_ASSIGN_OR_RETURN(impl->post_processor, p.ParsePostProcessor(*n, "post_processor", impl->vocab_size));
   }
-  if (const json* n = Parser::Find(j, "decoder"); n != nullptr && !n->is_null()) {
+  if (llama != nullptr) {
+    impl->decoder = LlamaDecoder(*llama);
+  } else if (const json* n = Parser::Find(j, "decoder"); n != nullptr && !n->is_null()) {
     FERRY_ASSIGN_OR_RETURN(impl->decoder, p.ParseDecoder(*n, "decoder"));
   }
   impl->Index();
   return impl;
 }
 
-Status ApplyTokenizerConfig(std::string_view text, std::string_view source, TokenizerImpl* impl) {
-  FERRY_ASSIGN_OR_RETURN(const json j, ParseJsonText(text, source, kMaxTokenizerConfigBytes));
+// tokenizer_config.json's special tokens and chat template.
+Status ApplyTokenizerConfig(const json& j, std::string_view source, TokenizerImpl* impl) {
   Parser p(source);
   const auto token_of = [&](const char* key) -> Result<std::optional<int32_t>> {
     const json* v = Parser::Find(j, key);
@@ -787,6 +827,32 @@ Status ApplyTokenizerConfig(std::string_view text, std::string_view source, Toke
     }
   }
   return Status::OK();
+}
+
+}  // namespace
+
+Result<std::unique_ptr<TokenizerImpl>> ParseTokenizerJson(std::string_view text, std::string_view source) {
+  return Parse(text, source, /*llama=*/nullptr);
+}
+
+Result<std::unique_ptr<TokenizerImpl>> ParseDirectory(SourceText tokenizer_json,
+                                                      std::optional<SourceText> tokenizer_config,
+                                                      std::optional<SourceText> model_config) {
+  std::optional<json> config, model;
+  if (tokenizer_config) {
+    FERRY_ASSIGN_OR_RETURN(config,
+                           ParseJsonText(tokenizer_config->text, tokenizer_config->source, kMaxTokenizerConfigBytes));
+  }
+  if (model_config) {
+    FERRY_ASSIGN_OR_RETURN(model, ParseJsonText(model_config->text, model_config->source, kMaxTokenizerConfigBytes));
+  }
+  FERRY_ASSIGN_OR_RETURN(const std::optional<LlamaTokenizerPipeline> llama,
+                         AutoTokenizerLlamaPipeline(
+                             config ? &*config : nullptr, tokenizer_config ? tokenizer_config->source : "",
+                             model ? &*model : nullptr, model_config ? model_config->source : "", tokenizer_json.text));
+  FERRY_ASSIGN_OR_RETURN(auto impl, Parse(tokenizer_json.text, tokenizer_json.source, llama ? &*llama : nullptr));
+  if (config) FERRY_RETURN_IF_ERROR(ApplyTokenizerConfig(*config, tokenizer_config->source, impl.get()));
+  return impl;
 }
 
 }  // namespace ferry::text

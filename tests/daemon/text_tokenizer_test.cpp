@@ -2,8 +2,10 @@
 // fixtures/tokenizers/generate.py made with them; plus the API's errors and properties.
 #include "daemon/text/tokenizer.h"
 
+#include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <ostream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -29,6 +31,16 @@ const char* const kFixtureTokenizers[] = {
     "mistral-style", "edge-bytelevel", "edge-metaspace", "edge-regex"};
 
 std::vector<int32_t> Ids(const nlohmann::json& j) { return j.get<std::vector<int32_t>>(); }
+
+void WriteFile(const std::filesystem::path& path, const std::string& text) {
+  std::ofstream out(path, std::ios::binary);
+  out << text;
+}
+
+std::string ReadFile(const std::filesystem::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), {});
+}
 
 class FixtureTest : public ::testing::TestWithParam<const char*> {};
 
@@ -237,19 +249,187 @@ TEST(TokenizerTest, TokenBytesConcatenateToDecode) {
   EXPECT_EQ(*gpt2.TokenBytes(*gpt2.TokenId("Ċ")), "\n");
 }
 
-TEST(TokenizerTest, DirectoryAppliesTokenizerConfigAsTransformers) {
-  for (const char* name : {"llama3-style", "qwen2-style", "llama2-legacy"}) {
-    auto tok = Tokenizer::FromDirectory(TokenizerFixtures() / name);
-    ASSERT_TRUE(tok.ok()) << tok.status().ToString();
-    const auto corpus = Corpus();
-    const auto rows = ReadJsonLines(TokenizerFixtures() / "expected" / (std::string(name) + ".dir.jsonl"));
-    ASSERT_EQ(rows.size(), corpus.size());
-    for (size_t i = 0; i < corpus.size(); ++i) {
-      auto ids = tok->Encode(corpus[i], {.add_special_tokens = true});
-      ASSERT_TRUE(ids.ok());
-      EXPECT_EQ(*ids, Ids(rows[i]["ids"])) << name << " " << Printable(corpus[i]);
+// A fixture directory as transformers' AutoTokenizer.from_pretrained loaded it: <name>/ itself,
+// or <name>/tokenizer.json beside the files of <name>/variants/<variant>/ (generate.py's
+// DIR_VARIANTS).
+struct DirectoryFixture {
+  const char* name;
+  const char* variant;  // nullptr: <name>/ itself
+};
+
+const DirectoryFixture kDirectoryFixtures[] = {
+    {"llama3-style", nullptr},                // TokenizersBackend
+    {"qwen2-style", nullptr},                 // TokenizersBackend
+    {"llama2-legacy", nullptr},               // LlamaTokenizer, legacy false: Metaspace "first"
+    {"llama2-legacy", "legacy"},              // LlamaTokenizerFast, legacy true: Metaspace "always"
+    {"llama2-legacy", "no-prefix-space"},     // add_prefix_space false: "never", no Strip decoder
+    {"llama2-legacy", "model-config-class"},  // LlamaTokenizer named by config.json only
+    {"llama2-legacy", "mistral"},             // model_type mistral: TokenizersBackend, the file's normalizer
+    {"llama2-legacy", "tokenizers-backend"},  // TokenizersBackend named: the file's normalizer
+    {"llama3-style", "llama-class"},          // LlamaTokenizerFast on a byte-level file: TokenizersBackend
+};
+
+std::string DirectoryFixtureName(const DirectoryFixture& f) {
+  return f.variant == nullptr ? f.name : std::string(f.name) + "." + f.variant;
+}
+
+void PrintTo(const DirectoryFixture& f, std::ostream* os) { *os << DirectoryFixtureName(f); }
+
+// The directory of `f`, assembled under `tmp` for a variant.
+std::filesystem::path DirectoryFixturePath(const DirectoryFixture& f, const std::filesystem::path& tmp) {
+  if (f.variant == nullptr) return TokenizerFixtures() / f.name;
+  std::filesystem::copy(TokenizerFixtures() / f.name / "variants" / f.variant, tmp);
+  std::filesystem::copy_file(TokenizerFixtures() / f.name / "tokenizer.json", tmp / "tokenizer.json");
+  return tmp;
+}
+
+class DirectoryTest : public ::testing::TestWithParam<DirectoryFixture> {};
+
+// FromDirectory against AutoTokenizer.from_pretrained(dir) of transformers 5.23.0 on every corpus
+// string: encode with and without special tokens, decode with and without skipping them. On
+// the Llama-2 directories transformers builds LlamaTokenizer, which replaces the file's legacy
+// normalizer by Metaspace: leading spaces, space runs and text after <s> / </s> tokenize
+// differently from the tokenizers package, and ferry follows transformers.
+TEST_P(DirectoryTest, CorpusMatchesTransformersAutoTokenizer) {
+  const DirectoryFixture& f = GetParam();
+  const std::string name = DirectoryFixtureName(f);
+  ferry::testing::ScopedTempDir tmp("ferry_text_");
+  auto tok = Tokenizer::FromDirectory(DirectoryFixturePath(f, tmp.path()));
+  ASSERT_TRUE(tok.ok()) << tok.status().ToString();
+  const auto corpus = Corpus();
+  const auto rows = ReadJsonLines(TokenizerFixtures() / "expected" / (name + ".dir.jsonl"));
+  ASSERT_EQ(rows.size(), corpus.size());
+  int mismatches = 0;
+  for (size_t i = 0; i < corpus.size(); ++i) {
+    const auto& want = rows[i];
+    auto ids = tok->Encode(corpus[i]);
+    auto ids_special = tok->Encode(corpus[i], {.add_special_tokens = true});
+    ASSERT_TRUE(ids.ok()) << ids.status().ToString();
+    ASSERT_TRUE(ids_special.ok()) << ids_special.status().ToString();
+    auto decoded = tok->Decode(*ids_special);
+    auto decoded_skip = tok->Decode(*ids_special, {.skip_special_tokens = true});
+    ASSERT_TRUE(decoded.ok()) << decoded.status().ToString();
+    ASSERT_TRUE(decoded_skip.ok()) << decoded_skip.status().ToString();
+    const bool same = *ids == Ids(want["ids"]) && *ids_special == Ids(want["ids_special"]) &&
+                      *decoded == want["decoded"].get<std::string>() &&
+                      *decoded_skip == want["decoded_skip"].get<std::string>();
+    if (!same && ++mismatches <= 5) {
+      ADD_FAILURE() << name << " corpus[" << i << "] " << Printable(corpus[i]) << "\n want " << want.dump()
+                    << "\n got ids " << nlohmann::json(*ids).dump() << " special "
+                    << nlohmann::json(*ids_special).dump() << " decoded " << Printable(*decoded);
     }
   }
+  EXPECT_EQ(mismatches, 0) << name;
+}
+
+INSTANTIATE_TEST_SUITE_P(Directories, DirectoryTest, ::testing::ValuesIn(kDirectoryFixtures),
+                         [](const auto& param_info) {
+                           std::string n = DirectoryFixtureName(param_info.param);
+                           for (char& c : n) c = (c == '-' || c == '.') ? '_' : c;
+                           return n;
+                         });
+
+// The Llama-2 fixture directory exercises what LlamaTokenizer changes: corpus strings where
+// transformers' ids differ from the tokenizers package's on the same tokenizer.json, among them
+// a leading space, a run of spaces and text right after <s> or </s>. FromFile keeps the package's.
+TEST(TokenizerTest, LlamaTokenizerDirectoryDiffersFromTheFileWhereTransformersDoes) {
+  const auto corpus = Corpus();
+  const auto package = ReadJsonLines(TokenizerFixtures() / "expected" / "llama2-legacy.jsonl");
+  const auto transformers = ReadJsonLines(TokenizerFixtures() / "expected" / "llama2-legacy.dir.jsonl");
+  const Tokenizer file = LoadFixture("llama2-legacy");
+  auto dir = Tokenizer::FromDirectory(TokenizerFixtures() / "llama2-legacy");
+  ASSERT_TRUE(dir.ok()) << dir.status().ToString();
+  ASSERT_EQ(package.size(), corpus.size());
+  ASSERT_EQ(transformers.size(), corpus.size());
+  int differ = 0, leading_space = 0, space_run = 0, after_special = 0;
+  for (size_t i = 0; i < corpus.size(); ++i) {
+    const std::string& text = corpus[i];
+    const auto want_package = Ids(package[i]["ids_special"]);
+    const auto want_transformers = Ids(transformers[i]["ids_special"]);
+    EXPECT_EQ(*file.Encode(text, {.add_special_tokens = true}), want_package) << Printable(text);
+    EXPECT_EQ(*dir->Encode(text, {.add_special_tokens = true}), want_transformers) << Printable(text);
+    if (want_package == want_transformers) continue;
+    ++differ;
+    if (text.front() == ' ') ++leading_space;
+    if (text.find("  ") != std::string::npos) ++space_run;
+    for (const char* special : {"<s>", "</s>"}) {
+      const size_t at = text.find(special);
+      if (at != std::string::npos && at + std::strlen(special) < text.size()) ++after_special;
+    }
+  }
+  EXPECT_GT(differ, 40);
+  EXPECT_GT(leading_space, 5);
+  EXPECT_GT(space_run, 5);
+  EXPECT_GT(after_special, 3);
+}
+
+// AutoTokenizer's choice of class, beyond the fixture directories (each expectation checked
+// against transformers 5.23.0): tokenizer_config.json values are Python truth values, an
+// auto_map for AutoTokenizer skips the model-type and byte-level overrides, and a model type
+// registered to LlamaTokenizer gets it with no class named. Each case encodes as the fixture
+// directory whose class and settings it shares.
+TEST(TokenizerTest, AutoTokenizerClassRules) {
+  const auto corpus = Corpus();
+  const struct {
+    const char* tokenizer_config;
+    const char* model_config;  // nullptr: no config.json
+    const char* same_as;       // the .dir.jsonl it must reproduce
+  } cases[] = {
+      {R"({"tokenizer_class": "LlamaTokenizer", "legacy": "false"})", nullptr, "llama2-legacy.legacy"},
+      {R"({"tokenizer_class": "LlamaTokenizer", "legacy": [0]})", nullptr, "llama2-legacy.legacy"},
+      {R"({"tokenizer_class": "LlamaTokenizer", "legacy": 0})", nullptr, "llama2-legacy"},
+      {R"({"tokenizer_class": "LlamaTokenizer", "legacy": null})", nullptr, "llama2-legacy"},
+      {R"({"tokenizer_class": "LlamaTokenizer", "add_prefix_space": ""})", nullptr, "llama2-legacy.no-prefix-space"},
+      {R"({"tokenizer_class": "LlamaTokenizer", "add_prefix_space": null})", nullptr, "llama2-legacy"},
+      {R"({"tokenizer_class": "LlamaTokenizer", "legacy": true, "add_prefix_space": false})", nullptr,
+       "llama2-legacy.no-prefix-space"},
+      {R"({"tokenizer_class": "LlamaTokenizer", "auto_map": {"AutoTokenizer": [null, "x.Y"]}})",
+       R"({"model_type": "mistral"})", "llama2-legacy"},
+      {R"({"tokenizer_class": "LlamaTokenizer", "auto_map": ["x.Y", null]})", R"({"model_type": "mistral"})",
+       "llama2-legacy"},
+      {R"({"tokenizer_class": "LlamaTokenizer", "auto_map": {"AutoTokenizer": null}})", R"({"model_type": "mistral"})",
+       "llama2-legacy.mistral"},
+      {R"({"tokenizer_class": "LlamaTokenizer"})", R"({"model_type": "phi3"})", "llama2-legacy.mistral"},
+      {R"({"tokenizer_class": "LlamaTokenizer"})", R"({"model_type": "no_such_model"})", "llama2-legacy"},
+      {R"({"tokenizer_class": null})", R"({"model_type": "llama", "tokenizer_class": "LlamaTokenizerFast"})",
+       "llama2-legacy"},
+      {R"({})", R"({"model_type": "idefics"})", "llama2-legacy"},
+      {R"({})", R"({"model_type": "llama"})", "llama2-legacy.mistral"},
+  };
+  for (const auto& c : cases) {
+    ferry::testing::ScopedTempDir tmp("ferry_text_");
+    std::filesystem::copy_file(TokenizerFixtures() / "llama2-legacy" / "tokenizer.json", tmp.path() / "tokenizer.json");
+    WriteFile(tmp.path() / "tokenizer_config.json", c.tokenizer_config);
+    if (c.model_config != nullptr) WriteFile(tmp.path() / "config.json", c.model_config);
+    auto tok = Tokenizer::FromDirectory(tmp.path());
+    ASSERT_TRUE(tok.ok()) << c.tokenizer_config << ": " << tok.status().ToString();
+    const auto rows = ReadJsonLines(TokenizerFixtures() / "expected" / (std::string(c.same_as) + ".dir.jsonl"));
+    ASSERT_EQ(rows.size(), corpus.size());
+    int mismatches = 0;
+    for (size_t i = 0; i < corpus.size(); ++i) {
+      auto ids = tok->Encode(corpus[i], {.add_special_tokens = true});
+      ASSERT_TRUE(ids.ok()) << ids.status().ToString();
+      auto decoded = tok->Decode(*ids);
+      ASSERT_TRUE(decoded.ok()) << decoded.status().ToString();
+      if (*ids != Ids(rows[i]["ids_special"]) || *decoded != rows[i]["decoded"].get<std::string>()) ++mismatches;
+    }
+    EXPECT_EQ(mismatches, 0) << c.tokenizer_config << " " << (c.model_config ? c.model_config : "") << " should be "
+                             << c.same_as;
+  }
+}
+
+// A tokenizer.json alone keeps following the tokenizers package, whatever lies beside it.
+TEST(TokenizerTest, FromFileIgnoresTheDirectory) {
+  const auto corpus = Corpus();
+  const auto package = ReadJsonLines(TokenizerFixtures() / "expected" / "llama2-legacy.jsonl");
+  auto tok = Tokenizer::FromFile(TokenizerFixtures() / "llama2-legacy" / "tokenizer.json");
+  ASSERT_TRUE(tok.ok()) << tok.status().ToString();
+  for (size_t i = 0; i < corpus.size(); ++i) {
+    EXPECT_EQ(*tok->Encode(corpus[i]), Ids(package[i]["ids"])) << Printable(corpus[i]);
+  }
+}
+
+TEST(TokenizerTest, DirectoryAppliesTokenizerConfigSpecialTokens) {
   auto llama3 = Tokenizer::FromDirectory(TokenizerFixtures() / "llama3-style");
   ASSERT_TRUE(llama3.ok());
   EXPECT_EQ(llama3->bos_id(), llama3->TokenId("<|begin_of_text|>"));
@@ -278,16 +458,6 @@ TEST(TokenizerTest, MissingFilesAreNotFoundNamingThePath) {
   EXPECT_EQ(d.status().code(), StatusCode::kNotFound);
 }
 
-void WriteFile(const std::filesystem::path& path, const std::string& text) {
-  std::ofstream out(path, std::ios::binary);
-  out << text;
-}
-
-std::string ReadFile(const std::filesystem::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  return std::string(std::istreambuf_iterator<char>(in), {});
-}
-
 TEST(TokenizerTest, BadTokenizerConfigNamesFileAndField) {
   ferry::testing::ScopedTempDir dir("ferry_text_");
   WriteFile(dir.path() / "tokenizer.json", ReadFile(TokenizerFixtures() / "qwen2-style" / "tokenizer.json"));
@@ -302,6 +472,8 @@ TEST(TokenizerTest, BadTokenizerConfigNamesFileAndField) {
       {R"({"pad_token": 7})", StatusCode::kCorruption, ": pad_token must be a string, {\"content\": ...} or null"},
       {R"({"add_bos_token": "yes"})", StatusCode::kCorruption, ": add_bos_token must be true or false"},
       {R"({"chat_template": 3})", StatusCode::kCorruption, ": chat_template must be a string or a list"},
+      {R"({"tokenizer_class": 3})", StatusCode::kCorruption, ": tokenizer_class must be a string, not number"},
+      {R"({"auto_map": "x.Y"})", StatusCode::kCorruption, ": auto_map must be an object or a list, not string"},
       {R"([1, 2])", StatusCode::kCorruption, ": must be a JSON object"},
       {R"({"bos_token": )", StatusCode::kCorruption, ": not valid JSON"},
   };
@@ -319,6 +491,15 @@ TEST(TokenizerTest, BadTokenizerConfigNamesFileAndField) {
   ASSERT_TRUE(tok.ok()) << tok.status().ToString();
   EXPECT_EQ(tok->chat_template(), "D");
   EXPECT_EQ(tok->eos_id(), tok->TokenId("<|im_end|>"));
+  // config.json is read for model_type and tokenizer_class.
+  const auto model_config = dir.path() / "config.json";
+  for (const char* bad : {R"({"model_type": 5})", R"({"tokenizer_class": ["LlamaTokenizer"]})", "{", "[]"}) {
+    WriteFile(model_config, bad);
+    auto t = Tokenizer::FromDirectory(dir.path());
+    ASSERT_FALSE(t.ok()) << bad;
+    EXPECT_EQ(t.status().code(), StatusCode::kCorruption) << t.status().ToString();
+    EXPECT_EQ(t.status().message().rfind(model_config.string() + ": ", 0), 0u) << t.status().message();
+  }
 }
 
 TEST(TokenizerTest, OversizedFileIsRefusedBeforeReading) {

@@ -10,6 +10,7 @@
 #include "cli/output.h"
 #include "core/checkpoint.h"
 #include "core/diff.h"
+#include "core/text.h"
 
 namespace ferry::cli {
 namespace {
@@ -34,13 +35,6 @@ nlohmann::ordered_json JsonNumber(double v) {
   if (std::isnan(v)) return "nan";
   if (std::isinf(v)) return v > 0 ? "inf" : "-inf";
   return v;
-}
-
-// `digits` significant digits: 3 for summary columns, 8 for the values themselves.
-std::string Num(double v, int digits = 3) {
-  char buf[40];
-  std::snprintf(buf, sizeof buf, "%.*g", digits, v);
-  return buf;
 }
 
 std::string Join(const std::vector<int64_t>& v) {
@@ -119,8 +113,8 @@ std::string Detail(const TensorDiff& d) {
   if (d.max_diff_index < 0) return "";
   std::string s = std::to_string(d.mismatched) + "/" + std::to_string(d.numel) + " differ";
   if (d.compared == CompareMode::kBytes) return s;
-  s += "; at " + Join(UnravelIndex(d.max_diff_index, d.shape_a)) + ": " + Num(d.a_at_max, 8) + " vs " +
-       Num(d.b_at_max, 8);
+  s += "; at " + Join(UnravelIndex(d.max_diff_index, d.shape_a)) + ": " + FormatNumber(d.a_at_max, 8) + " vs " +
+       FormatNumber(d.b_at_max, 8);
   if (d.nan_mismatches > 0) s += "; " + std::to_string(d.nan_mismatches) + " NaN mismatches";
   if (d.inf_mismatches > 0) s += "; " + std::to_string(d.inf_mismatches) + " inf mismatches";
   return s;
@@ -145,9 +139,9 @@ void PrintTable(const DiffArgs& args, const Checkpoint& a, const Checkpoint& b, 
       if (!all && d.status == DiffStatus::kEqual) continue;
       const bool values = d.compared == CompareMode::kFloat || d.compared == CompareMode::kExact;
       std::printf("%-*s  %-16s  %10s  %10s  %10s  %s\n", static_cast<int>(width), d.name.c_str(),
-                  std::string(DiffStatusName(d.status)).c_str(), values ? Num(d.max_abs_diff).c_str() : "-",
+                  std::string(DiffStatusName(d.status)).c_str(), values ? FormatNumber(d.max_abs_diff, 3).c_str() : "-",
                   d.max_ulp_diff >= 0 ? std::to_string(d.max_ulp_diff).c_str() : "-",
-                  values ? Num(d.rel_norm).c_str() : "-", Detail(d).c_str());
+                  values ? FormatNumber(d.rel_norm, 3).c_str() : "-", Detail(d).c_str());
     }
   }
   const DiffCounts& c = r.counts;

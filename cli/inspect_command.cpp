@@ -2,13 +2,13 @@
 #include <cctype>
 #include <cstdio>
 #include <memory>
-#include <sstream>
 #include <string>
 #include <vector>
 
 #include "cli/commands.h"
 #include "cli/output.h"
 #include "convert/inspect.h"
+#include "core/text.h"
 
 namespace ferry::cli {
 namespace {
@@ -41,12 +41,6 @@ void PrintTable(const Table& rows, const char* indent) {
     line.erase(line.find_last_not_of(' ') + 1);
     std::printf("%s\n", line.c_str());
   }
-}
-
-std::string Num(double v) {
-  std::ostringstream s;
-  s << v;
-  return s.str();
 }
 
 std::string Join(const std::vector<std::string>& items, const char* sep) {
@@ -91,7 +85,7 @@ void PrintModelConfig(const ModelConfigSummary& c) {
 void PrintAdapter(const AdapterSummary& a, size_t limit) {
   const PeftConfig& c = a.config;
   std::printf("\nadapter:  %s r=%d lora_alpha=%s use_rslora=%s use_dora=%s bias=%s\n",
-              c.peft_type.empty() ? "-" : c.peft_type.c_str(), c.r, Num(c.lora_alpha).c_str(),
+              c.peft_type.empty() ? "-" : c.peft_type.c_str(), c.r, FormatNumber(c.lora_alpha, 6).c_str(),
               c.use_rslora ? "true" : "false", c.use_dora ? "true" : "false",
               std::string(PeftBiasName(c.bias)).c_str());
   std::printf("  target_modules:  %s\n", SelectorText(c.target_modules).c_str());
@@ -104,7 +98,7 @@ void PrintAdapter(const AdapterSummary& a, size_t limit) {
     const AdapterModuleRow& m = a.modules[i];
     t.push_back({m.module, m.embedding ? "embedding" : "linear",
                  m.tensor_rank.has_value() ? std::to_string(*m.tensor_rank) : "-", std::to_string(m.config_rank),
-                 Num(m.alpha), Num(m.scaling), m.rank_mismatch ? "RANK MISMATCH" : ""});
+                 FormatNumber(m.alpha, 6), FormatNumber(m.scaling, 6), m.rank_mismatch ? "RANK MISMATCH" : ""});
   }
   std::printf("\n");
   PrintTable(t, "  ");
@@ -149,8 +143,8 @@ void PrintPlan(const AdapterPlanReport& p, size_t limit) {
     if (limit != 0 && shown++ >= limit) break;
     for (size_t i = 0; i < m.targets.size(); ++i) {
       t.push_back({i == 0 ? m.module : "", i == 0 ? (m.embedding ? "embedding" : "linear") : "",
-                   i == 0 ? std::to_string(m.rank) : "", i == 0 ? Num(m.scaling) : "", TargetText(m.targets[i]),
-                   i == 0 ? FlagsText(m) : ""});
+                   i == 0 ? std::to_string(m.rank) : "", i == 0 ? FormatNumber(m.scaling, 6) : "",
+                   TargetText(m.targets[i]), i == 0 ? FlagsText(m) : ""});
     }
   }
   PrintTable(t, "  ");

@@ -11,6 +11,7 @@
 #include "cli/output.h"
 #include "cli/store_common.h"
 #include "convert/converter.h"
+#include "core/text.h"
 #include "store/materialize.h"
 
 namespace ferry::cli {
@@ -18,15 +19,9 @@ namespace {
 
 using Json = nlohmann::ordered_json;
 
-std::string Num(double v, int digits = 4) {
-  char buf[48];
-  std::snprintf(buf, sizeof buf, "%.*g", digits, v);
-  return buf;
-}
-
 std::string Metrics(const store::VersionRecord& v) {
   std::string s;
-  for (const auto& [k, value] : v.metrics) s += (s.empty() ? "" : " ") + k + "=" + Num(value, 6);
+  for (const auto& [k, value] : v.metrics) s += (s.empty() ? "" : " ") + k + "=" + FormatNumber(value, 6);
   return s;
 }
 
@@ -130,7 +125,7 @@ void RunShow(const ShowFlags& f) {
     if (t.all_zero) flags += "  all zero";
     std::printf("%-*s  %-6s  %-16s  %10s  %12s  %s%s\n", static_cast<int>(width), t.name.c_str(),
                 std::string(DTypeName(t.dtype)).c_str(), ShapeToString(t.shape).c_str(), HumanBytes(t.nbytes).c_str(),
-                Num(t.l2_norm, 6).c_str(), t.digest.Hex().c_str(), flags.c_str());
+                FormatNumber(t.l2_norm, 6).c_str(), t.digest.Hex().c_str(), flags.c_str());
   }
   if (!v.aux.empty()) {
     std::printf("\nauxiliary files\n");
@@ -252,7 +247,8 @@ void RunDiff(const DiffFlags& f) {
                std::string(DTypeName(r.b->dtype)) + " " + ShapeToString(r.b->shape);
     }
     std::printf("%-*s  %-9s  %12s  %12s  %s\n", static_cast<int>(width), r.name.c_str(), r.status.c_str(),
-                r.a ? Num(r.a->l2_norm, 6).c_str() : "-", r.b ? Num(r.b->l2_norm, 6).c_str() : "-", detail.c_str());
+                r.a ? FormatNumber(r.a->l2_norm, 6).c_str() : "-", r.b ? FormatNumber(r.b->l2_norm, 6).c_str() : "-",
+                detail.c_str());
   }
   for (const auto& n : aux_changed) std::printf("auxiliary file %s differs\n", n.c_str());
   std::printf("\n%lld changed, %lld added, %lld removed, %lld unchanged%s\n", static_cast<long long>(changed),

@@ -5,6 +5,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "core/text.h"
 #include "kernels/dequant_4bit.h"
 
 namespace ferry {
@@ -12,24 +13,22 @@ namespace {
 
 constexpr std::string_view kStateInfix = ".quant_state.bitsandbytes__";
 
-std::string Q(std::string_view s) { return "'" + std::string(s) + "'"; }
-
 Result<DType> TorchDTypeName(const std::string& s) {
   if (s == "bfloat16") return DType::kBF16;
   if (s == "float16") return DType::kF16;
   if (s == "float32") return DType::kF32;
-  return Status::Unsupported("quant_state dtype " + Q(s) + " is not one of bfloat16, float16, float32");
+  return Status::Unsupported("quant_state dtype " + Quote(s) + " is not one of bfloat16, float16, float32");
 }
 
 Result<Tensor> Need(const Checkpoint& c, const std::string& key, DType dtype, int64_t numel, const std::string& where) {
-  if (!c.Contains(key)) return Status::Corruption(where + ": missing companion tensor " + Q(key));
+  if (!c.Contains(key)) return Status::Corruption(where + ": missing companion tensor " + Quote(key));
   FERRY_ASSIGN_OR_RETURN(Tensor t, c.Get(key));
   if (t.dtype() != dtype) {
-    return Status::Corruption(where + ": " + Q(key) + " is " + std::string(DTypeName(t.dtype())) + ", expected " +
+    return Status::Corruption(where + ": " + Quote(key) + " is " + std::string(DTypeName(t.dtype())) + ", expected " +
                               std::string(DTypeName(dtype)));
   }
   if (numel >= 0 && t.numel() != numel) {
-    return Status::Corruption(where + ": " + Q(key) + " has " + std::to_string(t.numel()) + " elements, expected " +
+    return Status::Corruption(where + ": " + Quote(key) + " has " + std::to_string(t.numel()) + " elements, expected " +
                               std::to_string(numel));
   }
   return t;
@@ -43,44 +42,45 @@ Result<QuantState4bit> ParseState(const Checkpoint& c, const std::string& state_
   const std::string type_suffix = state_key.substr(pos + kStateInfix.size());
   FERRY_ASSIGN_OR_RETURN(Tensor st, c.Get(state_key));
   if (st.dtype() != DType::kU8 || st.nbytes() > (1u << 20)) {
-    return Status::Corruption(where + ": " + Q(state_key) + " must be a small U8 tensor of JSON");
+    return Status::Corruption(where + ": " + Quote(state_key) + " must be a small U8 tensor of JSON");
   }
   auto j = nlohmann::json::parse(reinterpret_cast<const char*>(st.data()),
                                  reinterpret_cast<const char*>(st.data()) + st.nbytes(), nullptr, false);
   if (j.is_discarded() || !j.is_object())
-    return Status::Corruption(where + ": " + Q(state_key) + " is not a JSON object");
+    return Status::Corruption(where + ": " + Quote(state_key) + " is not a JSON object");
   auto str = [&](const char* k) -> Result<std::string> {
     auto it = j.find(k);
     if (it == j.end() || !it->is_string())
-      return Status::Corruption(where + ": " + Q(state_key) + ": field " + Q(k) + " missing or not a string");
+      return Status::Corruption(where + ": " + Quote(state_key) + ": field " + Quote(k) + " missing or not a string");
     return it->get<std::string>();
   };
   FERRY_ASSIGN_OR_RETURN(qs.quant_type, str("quant_type"));
   if (qs.quant_type != "nf4" && qs.quant_type != "fp4") {
-    return Status::Unsupported(where + ": " + Q(state_key) + ": quant_type " + Q(qs.quant_type) + " is not nf4 or fp4");
+    return Status::Unsupported(where + ": " + Quote(state_key) + ": quant_type " + Quote(qs.quant_type) +
+                               " is not nf4 or fp4");
   }
   if (qs.quant_type != type_suffix) {
-    return Status::Corruption(where + ": " + Q(state_key) + " says quant_type " + Q(qs.quant_type));
+    return Status::Corruption(where + ": " + Quote(state_key) + " says quant_type " + Quote(qs.quant_type));
   }
   FERRY_ASSIGN_OR_RETURN(std::string dtype_name, str("dtype"));
   auto dt = TorchDTypeName(dtype_name);
-  if (!dt.ok()) return dt.status().WithContext(where + ": " + Q(state_key));
+  if (!dt.ok()) return dt.status().WithContext(where + ": " + Quote(state_key));
   qs.dtype = *dt;
   auto bs = j.find("blocksize");
   if (bs == j.end() || !bs->is_number_unsigned())
-    return Status::Corruption(where + ": " + Q(state_key) + ": 'blocksize' missing");
+    return Status::Corruption(where + ": " + Quote(state_key) + ": 'blocksize' missing");
   qs.blocksize = bs->get<int64_t>();
   if (qs.blocksize < 32 || qs.blocksize > 4096 || (qs.blocksize & (qs.blocksize - 1)) != 0) {
-    return Status::Corruption(where + ": " + Q(state_key) + ": blocksize " + std::to_string(qs.blocksize) +
+    return Status::Corruption(where + ": " + Quote(state_key) + ": blocksize " + std::to_string(qs.blocksize) +
                               " is not a power of two in [32, 4096]");
   }
   auto shape = j.find("shape");
   if (shape == j.end() || !shape->is_array() || shape->empty() || shape->size() > 8) {
-    return Status::Corruption(where + ": " + Q(state_key) + ": 'shape' missing or invalid");
+    return Status::Corruption(where + ": " + Quote(state_key) + ": 'shape' missing or invalid");
   }
   for (const auto& d : *shape) {
     if (!d.is_number_unsigned() || d.get<uint64_t>() > (uint64_t{1} << 40)) {
-      return Status::Corruption(where + ": " + Q(state_key) + ": 'shape' entries must be non-negative integers");
+      return Status::Corruption(where + ": " + Quote(state_key) + ": 'shape' entries must be non-negative integers");
     }
     qs.shape.push_back(d.get<int64_t>());
   }
@@ -90,22 +90,22 @@ Result<QuantState4bit> ParseState(const Checkpoint& c, const std::string& state_
     auto nb = j.find("nested_blocksize");
     auto off = j.find("nested_offset");
     if (nb == j.end() || !nb->is_number_unsigned() || off == j.end() || !off->is_number()) {
-      return Status::Corruption(where + ": " + Q(state_key) +
+      return Status::Corruption(where + ": " + Quote(state_key) +
                                 ": double quantization needs 'nested_blocksize' and 'nested_offset'");
     }
     qs.nested_blocksize = nb->get<int64_t>();
     if (qs.nested_blocksize < 1 || qs.nested_blocksize > 65536) {
-      return Status::Corruption(where + ": " + Q(state_key) + ": nested_blocksize out of range");
+      return Status::Corruption(where + ": " + Quote(state_key) + ": nested_blocksize out of range");
     }
     qs.nested_offset = off->get<float>();
     if (!std::isfinite(qs.nested_offset))
-      return Status::Corruption(where + ": " + Q(state_key) + ": nested_offset is not finite");
+      return Status::Corruption(where + ": " + Quote(state_key) + ": nested_offset is not finite");
   }
   // Validate companions.
   const int64_t nblocks = (n + qs.blocksize - 1) / qs.blocksize;
   FERRY_ASSIGN_OR_RETURN(Tensor packed, c.Get(qs.weight));
   if (static_cast<int64_t>(packed.nbytes()) != (n + 1) / 2) {
-    return Status::Corruption(where + ": " + Q(qs.weight) + " holds " + std::to_string(packed.nbytes()) +
+    return Status::Corruption(where + ": " + Quote(qs.weight) + " holds " + std::to_string(packed.nbytes()) +
                               " bytes but shape " + ShapeToString(qs.shape) + " packs into " +
                               std::to_string((n + 1) / 2));
   }
@@ -130,7 +130,7 @@ Result<std::map<std::string, QuantState4bit>> FindQuantized4bit(const Checkpoint
     if (name.find(kStateInfix) == std::string::npos) continue;
     FERRY_ASSIGN_OR_RETURN(QuantState4bit qs, ParseState(ckpt, name));
     if (out.count(qs.weight)) {
-      return Status::Corruption(ckpt.FileOf(name).string() + ": weight " + Q(qs.weight) +
+      return Status::Corruption(ckpt.FileOf(name).string() + ": weight " + Quote(qs.weight) +
                                 " has more than one quant_state");
     }
     out.emplace(qs.weight, std::move(qs));
@@ -147,7 +147,7 @@ std::set<std::string> QuantAuxKeys(const std::map<std::string, QuantState4bit>& 
 Status Dequantize4bitWeight(const Checkpoint& c, const QuantState4bit& qs, std::span<float> out) {
   FERRY_ASSIGN_OR_RETURN(int64_t n, CheckedNumel(qs.shape));
   if (static_cast<int64_t>(out.size()) != n) {
-    return Status::InvalidArgument("Dequantize4bitWeight: output for " + Q(qs.weight) + " has " +
+    return Status::InvalidArgument("Dequantize4bitWeight: output for " + Quote(qs.weight) + " has " +
                                    std::to_string(out.size()) + " elements, expected " + std::to_string(n));
   }
   const int64_t nblocks = (n + qs.blocksize - 1) / qs.blocksize;
@@ -167,8 +167,8 @@ Status Dequantize4bitWeight(const Checkpoint& c, const QuantState4bit& qs, std::
     auto rc = kernels::DequantizeAbsmaxNested(absmax_t.data_as<uint8_t>(), nblocks, ncode.data(), nabs.data(),
                                               qs.nested_blocksize, qs.nested_offset, absmax.data());
     if (rc != kernels::Dequant4bitStatus::kOk) {
-      return Status::Corruption(c.FileOf(qs.weight).string() + ": cannot dequantize absmax of " + Q(qs.weight) + ": " +
-                                kernels::Dequant4bitStatusMessage(rc));
+      return Status::Corruption(c.FileOf(qs.weight).string() + ": cannot dequantize absmax of " + Quote(qs.weight) +
+                                ": " + kernels::Dequant4bitStatusMessage(rc));
     }
   } else {
     std::memcpy(absmax.data(), absmax_t.data(), absmax.size() * 4);
@@ -178,7 +178,7 @@ Status Dequantize4bitWeight(const Checkpoint& c, const QuantState4bit& qs, std::
   const float* table = kernels::Select4bitCode(qs.quant_type, code_f.data());
   auto rc = kernels::Dequantize4bit(packed.data_as<uint8_t>(), n, absmax.data(), qs.blocksize, table, out.data());
   if (rc != kernels::Dequant4bitStatus::kOk) {
-    return Status::Corruption(c.FileOf(qs.weight).string() + ": cannot dequantize " + Q(qs.weight) + ": " +
+    return Status::Corruption(c.FileOf(qs.weight).string() + ": cannot dequantize " + Quote(qs.weight) + ": " +
                               kernels::Dequant4bitStatusMessage(rc));
   }
   return Status::OK();

@@ -6,7 +6,8 @@
 #include <map>
 #include <optional>
 #include <set>
-#include <sstream>
+
+#include "core/text.h"
 
 namespace ferry {
 namespace {
@@ -16,14 +17,6 @@ using Subject = EngineFinding::Subject;
 
 constexpr const char* kMergeHf = "merge it instead (the hf layout)";
 constexpr int64_t kEngineMaxLoraRanks[] = {1, 8, 16, 32, 64, 128, 256, 320, 512};
-
-std::string Q(std::string_view s) { return "'" + std::string(s) + "'"; }
-
-std::string Num(double v) {
-  std::ostringstream s;
-  s << v;
-  return s.str();
-}
 
 std::string LeafOf(const std::string& name) {
   const auto dot = name.rfind('.');
@@ -70,7 +63,7 @@ class Checker {
   std::vector<EngineFinding> Run() {
     if (config_.peft_type != "LORA") {
       Add(Severity::kReject, Subject::kField, "peft_type",
-          "peft_type is " + Q(config_.peft_type) +
+          "peft_type is " + Quote(config_.peft_type) +
               ": engines hot-load LoRA adapters only; merge it with PEFT and "
               "convert the merged model");
       return std::move(findings_);
@@ -126,7 +119,8 @@ class Checker {
     for (const std::string& key : keys) {
       const std::string target = ReplacedTarget(key);
       if (target.empty() || !ReplacementEqualsBase(*base_, adapter_, *plan_, target)) {
-        return Q(key) + (target.empty() ? " replaces no base tensor" : " differs from base tensor " + Q(target));
+        return Quote(key) +
+               (target.empty() ? " replaces no base tensor" : " differs from base tensor " + Quote(target));
       }
     }
     return "";
@@ -175,8 +169,9 @@ class Checker {
 
   void CheckKeys() {
     for (const auto& [category, group] : groups_) {
-      const std::string what = Count(group.keys.size(), "tensor") + " " +
-                               (group.keys.size() > 1 ? "like " + Q(group.keys.front()) : Q(group.keys.front()));
+      const std::string what =
+          Count(group.keys.size(), "tensor") + " " +
+          (group.keys.size() > 1 ? "like " + Quote(group.keys.front()) : Quote(group.keys.front()));
       std::string message;
       std::optional<Layout> fix = Layout::kHf;
       switch (category) {
@@ -245,7 +240,8 @@ class Checker {
         ++own;
         const double s = config_.ScalingFor(module);
         if (!Differs(s, global)) continue;
-        if (wrong++ == 0) example = Q(module) + " is scaled " + Num(s) + ", vLLM would use " + Num(global);
+        if (wrong++ == 0)
+          example = Quote(module) + " is scaled " + FormatNumber(s, 6) + ", vLLM would use " + FormatNumber(global, 6);
       }
       if (wrong > 0) {
         Add(Severity::kWrong, Subject::kField, f.name,
@@ -269,8 +265,9 @@ class Checker {
     if (!config_.use_rslora) return;
     const double r = static_cast<double>(config_.r);
     Add(Severity::kNote, Subject::kField, "use_rslora",
-        "use_rslora is true (scaling lora_alpha / sqrt(r) = " + Num(config_.lora_alpha / std::sqrt(r)) +
-            "): older vLLM versions ignore use_rslora and apply lora_alpha / r = " + Num(config_.lora_alpha / r) +
+        "use_rslora is true (scaling lora_alpha / sqrt(r) = " + FormatNumber(config_.lora_alpha / std::sqrt(r), 6) +
+            "): older vLLM versions ignore use_rslora and apply lora_alpha / r = " +
+            FormatNumber(config_.lora_alpha / r, 6) +
             "; the lora layout bakes the scaling into lora_A so every version agrees",
         Layout::kLora);
   }
@@ -287,7 +284,7 @@ class Checker {
     if (max_rank == 0) return;
     const int64_t after = plan_ != nullptr ? LoraLayoutRank(*plan_) : max_rank;
     const int64_t needed = std::max(max_rank, after);
-    std::string message = "largest rank " + std::to_string(max_rank) + " (" + Q(where) +
+    std::string message = "largest rank " + std::to_string(max_rank) + " (" + Quote(where) +
                           "): vLLM's max_lora_rank must be at least " + std::to_string(max_rank);
     if (after != max_rank) {
       message += "; in the lora layout the rank is " + std::to_string(after) +
@@ -318,7 +315,7 @@ class Checker {
   // Names as a list: "'q_proj', 'k_proj'".
   static std::string QuoteAll(const std::vector<std::string>& names) {
     std::string out;
-    for (size_t i = 0; i < names.size(); ++i) out += (i ? ", " : "") + Q(names[i]);
+    for (size_t i = 0; i < names.size(); ++i) out += (i ? ", " : "") + Quote(names[i]);
     return out;
   }
 
@@ -349,14 +346,14 @@ class Checker {
       const LoraModule& m = *g.mods.front();
       Add(Severity::kNote, Subject::kModule, m.module,
           Count(g.mods.size(), "adapter module") + " named " + QuoteAll(g.leaves) + " land on the base's fused " +
-              Q(leaf) + " tensors (e.g. " + Q(m.module) + " -> rows [" + std::to_string(m.row_offset) + ", " +
-              std::to_string(m.row_offset + m.out) + ") of " + Q(m.target) +
+              Quote(leaf) + " tensors (e.g. " + Quote(m.module) + " -> rows [" + std::to_string(m.row_offset) + ", " +
+              std::to_string(m.row_offset + m.out) + ") of " + Quote(m.target) +
               "): an engine serving this base matches adapter modules against the base's module names and refuses "
               "or ignores " +
               QuoteAll(g.leaves) +
               "; the lora layout matches names to the base "
               "(fuses them into " +
-              Q(leaf) + ")",
+              Quote(leaf) + ")",
           Layout::kLora);
     }
     for (const auto& [leaf, g] : split) {
@@ -364,9 +361,9 @@ class Checker {
       std::set<std::string> adapters;
       for (const LoraModule* p : g.mods) adapters.insert(p->fused_module);
       Add(Severity::kNote, Subject::kModule, m.fused_module,
-          Count(adapters.size(), "fused adapter module") + " named " + Q(leaf) + " onto a base that stores " +
-              QuoteAll(g.leaves) + " separately (e.g. " + Q(m.fused_module) + " lora_B rows [" +
-              std::to_string(m.b_row_begin) + ", " + std::to_string(m.b_row_begin + m.out) + ") -> " + Q(m.target) +
+          Count(adapters.size(), "fused adapter module") + " named " + Quote(leaf) + " onto a base that stores " +
+              QuoteAll(g.leaves) + " separately (e.g. " + Quote(m.fused_module) + " lora_B rows [" +
+              std::to_string(m.b_row_begin) + ", " + std::to_string(m.b_row_begin + m.out) + ") -> " + Quote(m.target) +
               "): an engine serving this base matches adapter modules against the base's module names; "
               "the lora layout matches names to the base (splits it: lora_A copied, lora_B split by "
               "rows)",
@@ -434,19 +431,19 @@ std::vector<LoraLayoutRefusal> FindLoraLayoutRefusals(const PeftConfig& cfg, con
   for (const auto& [target, key] : plan.replacements) {
     if (ReplacementEqualsBase(base, adapter, plan, target)) continue;  // an untouched saved copy is harmless
     out.push_back({Subject::kKey, key,
-                   adapter.FileOf(key).string() + ": tensor " + Q(key) + " replaces base tensor " + Q(target) +
+                   adapter.FileOf(key).string() + ": tensor " + Quote(key) + " replaces base tensor " + Quote(target) +
                        " (modules_to_save or a saved full tensor): engines load only lora_A/lora_B (vLLM: "
                        "\"only supports modules_to_save being None\")."});
   }
   for (const auto& [target, rows] : plan.token_rows) {
     out.push_back({Subject::kKey, rows.first,
-                   adapter.FileOf(rows.first).string() + ": tensor " + Q(rows.first) +
+                   adapter.FileOf(rows.first).string() + ": tensor " + Quote(rows.first) +
                        " holds trainable token rows, which engines cannot hot-load."});
   }
   for (const LoraModule& m : plan.modules) {
     if (m.bias_key.empty()) continue;
     out.push_back({Subject::kKey, m.bias_key,
-                   adapter.FileOf(m.bias_key).string() + ": tensor " + Q(m.bias_key) +
+                   adapter.FileOf(m.bias_key).string() + ": tensor " + Quote(m.bias_key) +
                        " is a lora_B bias (lora_bias), which engines do not load."});
   }
   return out;

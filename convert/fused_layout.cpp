@@ -4,6 +4,8 @@
 #include <map>
 #include <set>
 
+#include "core/text.h"
+
 namespace ferry {
 namespace {
 
@@ -18,10 +20,8 @@ const std::vector<Group>& Groups() {
   return kGroups;
 }
 
-std::string Q(std::string_view s) { return "'" + std::string(s) + "'"; }
-
 std::string Describe(const TensorSpec& t) {
-  return Q(t.name) + " " + ShapeToString(t.shape) + " " + std::string(DTypeName(t.dtype));
+  return Quote(t.name) + " " + ShapeToString(t.shape) + " " + std::string(DTypeName(t.dtype));
 }
 
 }  // namespace
@@ -59,7 +59,8 @@ Result<std::vector<LaidOutTensor>> FuseLayout(const std::vector<TensorSpec>& ten
         if (!complete) continue;
         out.spec.name = prefix + g.fused + param;
         if (index.count(out.spec.name)) {
-          return Status::InvalidArgument(std::string(where) + ": has both " + Q(out.spec.name) + " and " + Q(t0.name));
+          return Status::InvalidArgument(std::string(where) + ": has both " + Quote(out.spec.name) + " and " +
+                                         Quote(t0.name));
         }
         out.spec.dtype = t0.dtype;
         out.spec.shape = t0.shape;

@@ -7,6 +7,7 @@
 #include "convert/merge_plan.h"
 #include "core/checkpoint.h"
 #include "core/mapped_file.h"
+#include "core/text.h"
 
 namespace ferry {
 namespace {
@@ -24,8 +25,6 @@ std::string FormatName(CheckpointFormat f) {
   }
   return "unknown";
 }
-
-std::string Quote(std::string_view s) { return "'" + std::string(s) + "'"; }
 
 void AddTotals(TensorTotals* totals, const InspectTensor& t) {
   const uint64_t params = static_cast<uint64_t>(CheckedNumel(t.shape).ok() ? *CheckedNumel(t.shape) : 0);

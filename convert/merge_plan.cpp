@@ -3,12 +3,11 @@
 #include <cmath>
 #include <cstring>
 
+#include "core/text.h"
 #include "kernels/lora_merge.h"
 
 namespace ferry {
 namespace {
-
-std::string Q(std::string_view s) { return "'" + std::string(s) + "'"; }
 
 struct Group {
   std::string a, b, bias, emb_a, emb_b, magnitude;
@@ -43,7 +42,7 @@ class Planner {
     // In-memory adapters (the snapshot builder, the daemon) have no file: name the origin.
     std::string where = adapter_.FileOf(adapter_key).string();
     if (where.empty()) where = adapter_.path().empty() ? std::string("adapter") : adapter_.path().string();
-    return where + ": adapter tensor " + Q(adapter_key);
+    return where + ": adapter tensor " + Quote(adapter_key);
   }
 
   void FindTiedSource(bool tie) {
@@ -89,23 +88,23 @@ class Planner {
 
   Status AddReplacement(const std::string& key, const std::string& target) {
     if (!HasBase(target)) {
-      return Status::NotFound(Where(key) + " replaces base tensor " + Q(target) + ", which " + base_.path().string() +
-                              " does not have");
+      return Status::NotFound(Where(key) + " replaces base tensor " + Quote(target) + ", which " +
+                              base_.path().string() + " does not have");
     }
     FERRY_ASSIGN_OR_RETURN(Tensor t, adapter_.Get(key));
     const Shape want = BaseShape(target);
     if (t.shape() != want) {
       return Status::InvalidArgument(Where(key) + " has shape " + ShapeToString(t.shape()) + " but base tensor " +
-                                     Q(target) + " has shape " + ShapeToString(want));
+                                     Quote(target) + " has shape " + ShapeToString(want));
     }
     if (!CanReadAsF32(t.dtype()) && plan_.quantized.count(target) == 0 && base_.Info(plan_.SourceOf(target)) &&
         base_.Info(plan_.SourceOf(target))->dtype != t.dtype()) {
       return Status::InvalidArgument(Where(key) + " is " + std::string(DTypeName(t.dtype())) +
-                                     " and cannot replace base tensor " + Q(target));
+                                     " and cannot replace base tensor " + Quote(target));
     }
     if (!plan_.replacements.emplace(target, key).second) {
-      return Status::InvalidArgument(Where(key) + " and " + Q(plan_.replacements[target]) + " both replace " +
-                                     Q(target));
+      return Status::InvalidArgument(Where(key) + " and " + Quote(plan_.replacements[target]) + " both replace " +
+                                     Quote(target));
     }
     return Status::OK();
   }
@@ -113,7 +112,7 @@ class Planner {
   Status AddTokenRows(const std::string& key, const AdapterKey& k) {
     const std::string target = k.module + ".weight";
     if (!HasBase(target)) {
-      return Status::NotFound(Where(key) + " changes rows of base tensor " + Q(target) + ", which " +
+      return Status::NotFound(Where(key) + " changes rows of base tensor " + Quote(target) + ", which " +
                               base_.path().string() + " does not have");
     }
     std::vector<int64_t> rows;
@@ -127,20 +126,20 @@ class Planner {
     }
     if (rows.empty()) {
       return Status::InvalidArgument(
-          Where(key) + ": adapter_config.json field 'trainable_token_indices' names no rows for " + Q(k.module));
+          Where(key) + ": adapter_config.json field 'trainable_token_indices' names no rows for " + Quote(k.module));
     }
     FERRY_ASSIGN_OR_RETURN(Tensor t, adapter_.Get(key));
     const Shape w = BaseShape(target);
     if (t.shape().size() != 2 || w.size() != 2 || t.shape()[0] != static_cast<int64_t>(rows.size()) ||
         t.shape()[1] != w[1]) {
       return Status::InvalidArgument(Where(key) + " has shape " + ShapeToString(t.shape()) + " but " +
-                                     std::to_string(rows.size()) + " token rows of " + Q(target) + " " +
+                                     std::to_string(rows.size()) + " token rows of " + Quote(target) + " " +
                                      ShapeToString(w) + " were expected");
     }
     for (int64_t r : rows) {
       if (r < 0 || r >= w[0]) {
-        return Status::InvalidArgument(Where(key) + ": token index " + std::to_string(r) + " is outside " + Q(target) +
-                                       " (" + std::to_string(w[0]) + " rows)");
+        return Status::InvalidArgument(Where(key) + ": token index " + std::to_string(r) + " is outside " +
+                                       Quote(target) + " (" + std::to_string(w[0]) + " rows)");
       }
     }
     plan_.token_rows[target] = {key, rows};
@@ -198,7 +197,7 @@ class Planner {
     if (linear && embedding)
       return Status::InvalidArgument(Where(any) + ": module has both linear and embedding LoRA tensors");
     if (!linear && !embedding) {
-      return Status::InvalidArgument(Where(any) + ": LoRA tensor without lora_A / lora_B for module " + Q(module));
+      return Status::InvalidArgument(Where(any) + ": LoRA tensor without lora_A / lora_B for module " + Quote(module));
     }
     m.kind = linear ? LoraModule::Kind::kLinear : LoraModule::Kind::kEmbedding;
     m.a_key = linear ? g.a : g.emb_a;
@@ -206,12 +205,12 @@ class Planner {
     if (m.a_key.empty() || m.b_key.empty()) {
       const std::string have = m.a_key.empty() ? m.b_key : m.a_key;
       return Status::InvalidArgument(Where(have) + " has no matching " + (m.a_key.empty() ? "lora_A" : "lora_B") +
-                                     " tensor for module " + Q(module));
+                                     " tensor for module " + Quote(module));
     }
     const TensorInfo* a = adapter_.Info(m.a_key);
     const TensorInfo* b = adapter_.Info(m.b_key);
     if (a->shape.size() != 2 || b->shape.size() != 2) {
-      return Status::InvalidArgument(Where(m.a_key) + " " + ShapeToString(a->shape) + " and " + Q(m.b_key) + " " +
+      return Status::InvalidArgument(Where(m.a_key) + " " + ShapeToString(a->shape) + " and " + Quote(m.b_key) + " " +
                                      ShapeToString(b->shape) + " must both be 2-D");
     }
     if (!CanReadAsF32(a->dtype) || !CanReadAsF32(b->dtype)) {
@@ -219,20 +218,20 @@ class Planner {
     }
     m.rank = a->shape[0];
     if (b->shape[1] != m.rank) {
-      return Status::InvalidArgument(Where(m.a_key) + " has rank " + std::to_string(m.rank) + " but " + Q(m.b_key) +
+      return Status::InvalidArgument(Where(m.a_key) + " has rank " + std::to_string(m.rank) + " but " + Quote(m.b_key) +
                                      " has rank " + std::to_string(b->shape[1]) + " (shapes " +
                                      ShapeToString(a->shape) + " and " + ShapeToString(b->shape) + ")");
     }
     const int cfg_rank = config_.RankFor(module);
     if (cfg_rank != m.rank) {
       return Status::InvalidArgument(Where(m.a_key) + " has rank " + std::to_string(m.rank) + " but " + config_.source +
-                                     " gives module " + Q(module) + " rank " + std::to_string(cfg_rank));
+                                     " gives module " + Quote(module) + " rank " + std::to_string(cfg_rank));
     }
     m.in = a->shape[1];
     m.out = b->shape[0];
     m.scaling = config_.ScalingFor(module);
     if (!std::isfinite(m.scaling))
-      return Status::InvalidArgument(config_.source + ": scaling of " + Q(module) + " is not finite");
+      return Status::InvalidArgument(config_.source + ": scaling of " + Quote(module) + " is not finite");
 
     if (!HasBase(module + ".weight") && m.kind == LoraModule::Kind::kLinear && g.magnitude.empty() && g.bias.empty()) {
       // A fused adapter module onto separate base tensors: split B by rows.
@@ -255,8 +254,8 @@ class Planner {
           part.b_row_begin = row;
           part.out = w.size() == 2 ? w[0] : -1;
           if (w.size() != 2 || w[1] != m.in) {
-            return Status::InvalidArgument(Where(m.a_key) + ": base tensor " + Q(part.target) + " " + ShapeToString(w) +
-                                           " does not take input dimension " + std::to_string(m.in));
+            return Status::InvalidArgument(Where(m.a_key) + ": base tensor " + Quote(part.target) + " " +
+                                           ShapeToString(w) + " does not take input dimension " + std::to_string(m.in));
           }
           row += part.out;
           plan_.modules.push_back(std::move(part));
@@ -271,18 +270,18 @@ class Planner {
     }
     if (!ResolveTarget(module, m.out, m)) {
       return Status::NotFound(Where(m.a_key) + ": base " + base_.path().string() + " has no tensor " +
-                              Q(module + ".weight") + " (nor a fused tensor with a matching row range)");
+                              Quote(module + ".weight") + " (nor a fused tensor with a matching row range)");
     }
     const Shape w = BaseShape(m.target);
     if (w.size() != 2) {
-      return Status::InvalidArgument(Where(m.a_key) + ": base tensor " + Q(m.target) + " has shape " +
+      return Status::InvalidArgument(Where(m.a_key) + ": base tensor " + Quote(m.target) + " has shape " +
                                      ShapeToString(w) + ", not a 2-D weight");
     }
     if (m.kind == LoraModule::Kind::kEmbedding) {
       // lora_embedding_A [r, vocab], lora_embedding_B [dim, r], weight [vocab, dim].
       if (w[0] != m.in || w[1] != m.out) {
         return Status::InvalidArgument(Where(m.a_key) + ": delta (B @ A)^T is [" + std::to_string(m.in) + ", " +
-                                       std::to_string(m.out) + "] but base tensor " + Q(m.target) + " is " +
+                                       std::to_string(m.out) + "] but base tensor " + Quote(m.target) + " is " +
                                        ShapeToString(w));
       }
     } else if (m.row_offset > 0 || w[0] != m.out || w[1] != m.in) {
@@ -296,7 +295,7 @@ class Planner {
         }
       } else if (!fits) {
         return Status::InvalidArgument(Where(m.a_key) + ": delta B @ A is [" + std::to_string(m.out) + ", " +
-                                       std::to_string(m.in) + "] but base tensor " + Q(m.target) + " is " +
+                                       std::to_string(m.in) + "] but base tensor " + Quote(m.target) + " is " +
                                        ShapeToString(w));
       }
     } else if (config_.fan_in_fan_out && w[0] == w[1]) {
@@ -304,7 +303,7 @@ class Planner {
     }
     if (!g.magnitude.empty() || config_.use_dora) {
       if (g.magnitude.empty())
-        return Status::InvalidArgument(Where(m.a_key) + ": use_dora is set but module " + Q(module) +
+        return Status::InvalidArgument(Where(m.a_key) + ": use_dora is set but module " + Quote(module) +
                                        " has no lora_magnitude_vector");
       if (!config_.use_dora)
         return Status::InvalidArgument(Where(g.magnitude) + ": DoRA magnitude present but use_dora is false in " +
@@ -323,13 +322,14 @@ class Planner {
       m.bias_key = g.bias;
       m.bias_target = module + ".bias";
       if (!base_.Contains(m.bias_target)) {
-        return Status::Unsupported(Where(g.bias) + ": lora_bias needs base tensor " + Q(m.bias_target) +
+        return Status::Unsupported(Where(g.bias) + ": lora_bias needs base tensor " + Quote(m.bias_target) +
                                    ", which the base does not have (PEFT cannot merge it either)");
       }
       const TensorInfo* bi = adapter_.Info(g.bias);
       if (bi->shape != Shape{m.out} || base_.Info(m.bias_target)->shape != Shape{m.out}) {
         return Status::InvalidArgument(Where(g.bias) + " has shape " + ShapeToString(bi->shape) + "; base " +
-                                       Q(m.bias_target) + " has " + ShapeToString(base_.Info(m.bias_target)->shape));
+                                       Quote(m.bias_target) + " has " +
+                                       ShapeToString(base_.Info(m.bias_target)->shape));
       }
     }
     plan_.modules.push_back(std::move(m));
@@ -365,7 +365,7 @@ Result<std::vector<float>> ReadTensorAsF32(const Checkpoint& c, const std::strin
   Status s = ReadAsF32(t, v);
   if (!s.ok()) {
     const std::string where = c.FileOf(key).empty() ? c.path().string() : c.FileOf(key).string();
-    return s.WithContext(where + ": tensor " + Q(key));
+    return s.WithContext(where + ": tensor " + Quote(key));
   }
   return v;
 }

@@ -9,6 +9,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/json_limits.h"
+#include "core/text.h"
 
 namespace ferry {
 namespace {
@@ -66,8 +67,6 @@ Result<LegacyLoader> Loader() {
   if (s.explicitly_set) return Status::Unsupported("reading torch pickles is disabled in this program");
   return s.plugin_error;
 }
-
-std::string Quote(std::string_view s) { return "'" + std::string(s) + "'"; }
 
 }  // namespace
 

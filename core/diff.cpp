@@ -6,14 +6,13 @@
 #include <limits>
 #include <set>
 
+#include "core/text.h"
 #include "kernels/cast.h"
 
 namespace ferry {
 namespace {
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
-
-std::string Quote(std::string_view s) { return "'" + std::string(s) + "'"; }
 
 bool IsIntegerLike(DType d) {
   switch (d) {

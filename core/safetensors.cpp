@@ -27,8 +27,6 @@ uint64_t ReadLE64(const std::byte* p) {
   return v;
 }
 
-std::string Quote(std::string_view s) { return "'" + std::string(s) + "'"; }
-
 Result<TensorInfo> ParseEntry(const std::string& name, const json& v) {
   const std::string where = "tensor " + Quote(name);
   if (!v.is_object()) return Status::Corruption(where + ": entry is not a JSON object");

@@ -1,5 +1,7 @@
 #include "core/text.h"
 
+#include <cstdio>
+
 namespace ferry {
 namespace {
 
@@ -72,6 +74,14 @@ std::string EscapeForMessage(std::string_view s) {
     ++i;
   }
   return out;
+}
+
+std::string Quote(std::string_view s) { return "'" + std::string(s) + "'"; }
+
+std::string FormatNumber(double v, int significant_digits) {
+  char buf[48];
+  std::snprintf(buf, sizeof buf, "%.*g", significant_digits, v);
+  return buf;
 }
 
 Status CheckPrintableUtf8(std::string_view what, std::string_view name) {

@@ -1,6 +1,7 @@
 // Text that Ferry records or writes as JSON (tensor names, file names, run names): checks
 // and printable forms for error messages. nlohmann::json::dump throws on text that is not
-// UTF-8, so every name that reaches a JSON document is checked first with these.
+// UTF-8, so every name that reaches a JSON document is checked first with these. Also the
+// two small forms every message and report uses: a quoted name and a number.
 #pragma once
 
 #include <cstddef>
@@ -23,6 +24,15 @@ constexpr bool IsControlByte(unsigned char c) { return c < 0x20 || c == 0x7F; }
 // well-formed multi-byte UTF-8 as they are, '\\' doubled, every other byte (< 0x20, 0x7F,
 // bytes outside a well-formed sequence) as \xHH. "vocab.\xff" for the bytes 'vocab.' 0xFF.
 std::string EscapeForMessage(std::string_view s);
+
+// `s` between single quotes, as it is: "'q_proj'" (nothing escaped: where `s` may hold bytes
+// that are not printable, quote EscapeForMessage(s)).
+std::string Quote(std::string_view s);
+
+// `v` with at most `significant_digits` significant digits, as printf's "%.*g" writes it
+// ("0.25", "1e-06", "inf", "nan"; the C locale's decimal point). Reports and messages use
+// 3 to 8 digits; 6 is what `std::ostream << v` writes.
+std::string FormatNumber(double v, int significant_digits);
 
 // OK when `name` is well-formed UTF-8 without control characters; otherwise
 // kInvalidArgument "<what> '<escaped name>' is not valid UTF-8" or "... contains a control

@@ -11,6 +11,7 @@
 #include "core/file_util.h"
 #include "core/safetensors.h"
 #include "core/staging_dir.h"
+#include "core/text.h"
 #include "store/store.h"
 #include "sync/activate_merge.h"
 
@@ -18,8 +19,6 @@ namespace ferry::sync {
 namespace {
 
 namespace fs = std::filesystem;
-
-std::string Q(std::string_view s) { return "'" + std::string(s) + "'"; }
 
 Status WriteAux(const AuxFiles& aux, const fs::path& dir) {
   for (const auto& [name, contents] : aux) {
@@ -62,7 +61,7 @@ Result<Plan> Relayout(const fs::path& received) {
   return p;
 }
 
-std::string LayoutQ(Layout layout) { return Q(LayoutName(layout)); }
+std::string LayoutQ(Layout layout) { return Quote(LayoutName(layout)); }
 
 Status CheckPlan(const fs::path& received, const ActivationPlan& plan) {
   if (!IsTensorLayout(plan.want_layout)) {

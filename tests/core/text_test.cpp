@@ -1,9 +1,12 @@
 // core/text.h: the UTF-8 check, message escaping and the printable-name check every name
-// that reaches a JSON document goes through.
+// that reaches a JSON document goes through; the quoted and number forms of messages.
 #include "core/text.h"
 
 #include <gtest/gtest.h>
 
+#include <cmath>
+#include <limits>
+#include <sstream>
 #include <string>
 
 namespace ferry {
@@ -66,6 +69,34 @@ TEST(Utf8Test, CheckPrintableUtf8NamesWhatAndTheEscapedText) {
   EXPECT_EQ(control.code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(control.message(), "run name 'a\\x1fb' contains a control character");
   EXPECT_EQ(CheckPrintableUtf8("x", std::string("\0", 1)).message(), "x '\\x00' contains a control character");
+}
+
+TEST(TextFormTest, QuoteAddsSingleQuotesAndNothingElse) {
+  EXPECT_EQ(Quote("q_proj"), "'q_proj'");
+  EXPECT_EQ(Quote(""), "''");
+  EXPECT_EQ(Quote("it's \\x"), "'it's \\x'");
+}
+
+TEST(TextFormTest, FormatNumberIsPrintfG) {
+  EXPECT_EQ(FormatNumber(0.25, 4), "0.25");
+  EXPECT_EQ(FormatNumber(1.0 / 3.0, 3), "0.333");
+  EXPECT_EQ(FormatNumber(1.0 / 3.0, 8), "0.33333333");
+  EXPECT_EQ(FormatNumber(123456789.0, 4), "1.235e+08");
+  EXPECT_EQ(FormatNumber(1e-6, 6), "1e-06");
+  EXPECT_EQ(FormatNumber(-2.0, 6), "-2");
+  EXPECT_EQ(FormatNumber(std::numeric_limits<double>::infinity(), 4), "inf");
+  EXPECT_EQ(FormatNumber(-std::numeric_limits<double>::infinity(), 4), "-inf");
+  EXPECT_EQ(FormatNumber(std::nan(""), 4), "nan");
+}
+
+// 6 digits is what `std::ostream << double` writes (the inspect and engine reports used it).
+TEST(TextFormTest, FormatNumberWithSixDigitsEqualsOstream) {
+  for (double v : {0.0, 1.0, 0.5, 16.0, 2.0 / 3.0, 1.0 / std::sqrt(8.0), 1234567.0, 1e-7, -3.25e12,
+                   std::numeric_limits<double>::infinity(), -std::numeric_limits<double>::infinity()}) {
+    std::ostringstream s;
+    s << v;
+    EXPECT_EQ(FormatNumber(v, 6), s.str()) << v;
+  }
 }
 
 }  // namespace

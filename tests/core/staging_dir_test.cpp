@@ -32,6 +32,14 @@ std::vector<std::string> Names(const fs::path& dir) {
   return out;
 }
 
+// DIR/out, an earlier output holding old.txt.
+fs::path EarlierOutput(const fs::path& dir) {
+  const fs::path out = dir / "out";
+  fs::create_directory(out);
+  WriteText(out / "old.txt", "old");
+  return out;
+}
+
 TEST(StagingDir, CommitRenamesTheWholeDirectoryIntoPlace) {
   testing::ScopedTempDir tmp;
   const fs::path out = tmp.path() / "out";
@@ -48,9 +56,7 @@ TEST(StagingDir, CommitRenamesTheWholeDirectoryIntoPlace) {
 
 TEST(StagingDir, RefusesAnExistingOutputUnlessReplacing) {
   testing::ScopedTempDir tmp;
-  const fs::path out = tmp.path() / "out";
-  fs::create_directory(out);
-  WriteText(out / "old.txt", "old");
+  const fs::path out = EarlierOutput(tmp.path());
   EXPECT_EQ(StagingDir::Create(out, /*replace_existing=*/false).status().code(), StatusCode::kAlreadyExists);
   auto staging = StagingDir::Create(out, /*replace_existing=*/true);
   ASSERT_TRUE(staging.ok()) << staging.status().ToString();
@@ -62,9 +68,7 @@ TEST(StagingDir, RefusesAnExistingOutputUnlessReplacing) {
 
 TEST(StagingDir, CommitPartKeepsOnlyThePartAndRemovesTheScratch) {
   testing::ScopedTempDir tmp;
-  const fs::path out = tmp.path() / "out";
-  fs::create_directory(out);
-  WriteText(out / "old.txt", "old");
+  const fs::path out = EarlierOutput(tmp.path());
   auto staging = StagingDir::Create(out, /*replace_existing=*/true);
   ASSERT_TRUE(staging.ok()) << staging.status().ToString();
   fs::create_directories(staging->path() / "scratch");
@@ -79,13 +83,11 @@ TEST(StagingDir, CommitPartKeepsOnlyThePartAndRemovesTheScratch) {
 
 TEST(StagingDir, CommitPartOfAMissingPartLeavesTheOutputAsItWas) {
   testing::ScopedTempDir tmp;
-  const fs::path out = tmp.path() / "out";
-  fs::create_directory(out);
-  WriteText(out / "old.txt", "old");
+  const fs::path out = EarlierOutput(tmp.path());
   {
     auto staging = StagingDir::Create(out, /*replace_existing=*/true);
     ASSERT_TRUE(staging.ok()) << staging.status().ToString();
-    EXPECT_FALSE(staging->CommitPart("result").ok());
+    EXPECT_EQ(staging->CommitPart("result").code(), StatusCode::kNotFound);
     EXPECT_EQ(Names(out), std::vector<std::string>{"old.txt"});
   }
   EXPECT_EQ(Names(tmp.path()), std::vector<std::string>{"out"});  // the staging directory went with it

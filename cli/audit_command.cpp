@@ -1,9 +1,11 @@
-// `ferry audit --db DB [--run NAME]`: the post-run report (store/audit.h) as text, JSON or HTML.
+// `ferry audit --db DB [--run NAME]`: the post-run report (store/audit.h) as text, JSON
+// (cli/audit_text.h) or HTML (cli/audit_html.h).
 #include <cstdio>
 #include <optional>
 #include <string>
 
 #include "cli/audit_html.h"
+#include "cli/audit_text.h"
 #include "cli/commands.h"
 #include "cli/output.h"
 #include "cli/store_common.h"
@@ -37,9 +39,9 @@ void RunAuditCommand(const AuditFlags& f) {
     if (!w.ok()) Fail(w.WithContext("--html " + f.html));
   }
   if (f.json) {
-    std::printf("%s\n", store::AuditToJson(*report).c_str());
+    std::printf("%s\n", AuditToJson(*report).c_str());
   } else {
-    std::fputs(store::AuditToText(*report).c_str(), stdout);
+    std::fputs(AuditToText(*report).c_str(), stdout);
     if (!f.html.empty()) std::printf("\nwrote %s\n", f.html.c_str());
   }
   std::fflush(stdout);

@@ -4,12 +4,14 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstdio>
 #include <map>
 #include <set>
 #include <string>
 #include <tuple>
 #include <vector>
+
+#include "cli/store_common.h"
+#include "core/text.h"
 
 namespace ferry::cli {
 namespace {
@@ -17,17 +19,10 @@ namespace {
 using store::AuditReport;
 using store::Digest;
 using store::Event;
-using store::IsoTime;
 using store::ShortId;
 using store::TimelineEntry;
 using store::VersionKind;
 using store::VersionRecord;
-
-std::string Num(double v, int digits = 4) {
-  char buf[48];
-  std::snprintf(buf, sizeof buf, "%.*g", digits, v);
-  return buf;
-}
 
 std::string EscapeHtml(std::string_view s) {
   std::string out;
@@ -81,15 +76,16 @@ std::string TimelineSvg(const AuditReport& r) {
   const double height = kTop + kRow * static_cast<double>(rows) + 40;
   Scale x{static_cast<double>(tmin), static_cast<double>(tmax), kLeft, kWidth - kRight};
   auto row_y = [&](size_t i) { return kTop + kRow * (static_cast<double>(i) + 0.5); };
-  std::string s = "<svg class=\"timeline\" xmlns=\"http://www.w3.org/2000/svg\" width=\"" + Num(kWidth) +
-                  "\" height=\"" + Num(height) + "\" viewBox=\"0 0 " + Num(kWidth) + " " + Num(height) + "\">\n";
+  std::string s = "<svg class=\"timeline\" xmlns=\"http://www.w3.org/2000/svg\" width=\"" + FormatNumber(kWidth, 4) +
+                  "\" height=\"" + FormatNumber(height, 4) + "\" viewBox=\"0 0 " + FormatNumber(kWidth, 4) + " " +
+                  FormatNumber(height, 4) + "\">\n";
   for (size_t i = 0; i < rows; ++i) {
     const bool is_run = i < runs.size();
     const std::string label = is_run ? "run " + runs[i] : "receiver " + receivers[i - runs.size()];
-    s += "<line x1=\"" + Num(kLeft) + "\" x2=\"" + Num(kWidth - kRight) + "\" y1=\"" + Num(row_y(i)) + "\" y2=\"" +
-         Num(row_y(i)) + "\" stroke=\"#d1d5db\"/>\n";
-    s += "<text x=\"8\" y=\"" + Num(row_y(i) + 4) + "\" font-size=\"12\" fill=\"#111827\">" + EscapeHtml(label) +
-         "</text>\n";
+    s += "<line x1=\"" + FormatNumber(kLeft, 4) + "\" x2=\"" + FormatNumber(kWidth - kRight, 4) + "\" y1=\"" +
+         FormatNumber(row_y(i), 4) + "\" y2=\"" + FormatNumber(row_y(i), 4) + "\" stroke=\"#d1d5db\"/>\n";
+    s += "<text x=\"8\" y=\"" + FormatNumber(row_y(i) + 4, 4) + "\" font-size=\"12\" fill=\"#111827\">" +
+         EscapeHtml(label) + "</text>\n";
   }
   std::map<Digest, std::pair<double, double>> position;
   for (const auto& e : r.timeline) {
@@ -103,22 +99,23 @@ std::string TimelineSvg(const AuditReport& r) {
     const double ex = x(static_cast<double>(e.time_ns)), ey = row_y(i);
     auto p = position.find(e.version);
     if (p != position.end()) {
-      s += "<line x1=\"" + Num(p->second.first) + "\" y1=\"" + Num(p->second.second) + "\" x2=\"" + Num(ex) +
-           "\" y2=\"" + Num(ey) + "\" stroke=\"#9ca3af\" stroke-dasharray=\"3 3\"/>\n";
+      s += "<line x1=\"" + FormatNumber(p->second.first, 4) + "\" y1=\"" + FormatNumber(p->second.second, 4) +
+           "\" x2=\"" + FormatNumber(ex, 4) + "\" y2=\"" + FormatNumber(ey, 4) +
+           "\" stroke=\"#9ca3af\" stroke-dasharray=\"3 3\"/>\n";
     }
     const bool bad = !e.known_version || (e.computed && !e.digest_matched);
     const std::string color = bad ? "#dc2626" : "#16a34a";
     const std::string title =
         "<title>" +
         EscapeHtml(e.receiver + " " + std::string(EventTypeName(e.type)) + " " + ShortId(e.version) + " at " +
-                   IsoTime(e.time_ns) +
+                   FormatTimeMillis(e.time_ns) +
                    (e.computed ? (e.digest_matched ? ", digest matched" : ", digest MISMATCH") : "")) +
         "</title>";
     if (e.type == Event::Type::kActivated) {
-      s += "<rect x=\"" + Num(ex - 6) + "\" y=\"" + Num(ey - 6) + "\" width=\"12\" height=\"12\" fill=\"" + color +
-           "\">" + title + "</rect>\n";
+      s += "<rect x=\"" + FormatNumber(ex - 6, 4) + "\" y=\"" + FormatNumber(ey - 6, 4) +
+           "\" width=\"12\" height=\"12\" fill=\"" + color + "\">" + title + "</rect>\n";
     } else {
-      s += "<rect x=\"" + Num(ex - 5) + "\" y=\"" + Num(ey - 5) +
+      s += "<rect x=\"" + FormatNumber(ex - 5, 4) + "\" y=\"" + FormatNumber(ey - 5, 4) +
            "\" width=\"10\" height=\"10\" fill=\"white\" stroke=\"" + color + "\" stroke-width=\"2\">" + title +
            "</rect>\n";
     }
@@ -128,21 +125,21 @@ std::string TimelineSvg(const AuditReport& r) {
   for (const auto& e : r.timeline) {
     const auto [px, py] = position[e.version.id];
     const bool bad = anomalous.count(e.version.id) != 0;
-    s += "<circle cx=\"" + Num(px) + "\" cy=\"" + Num(py) + "\" r=\"7\" fill=\"" + KindColor(e.version.kind) + "\"" +
-         (bad ? " stroke=\"#dc2626\" stroke-width=\"3\"" : "") + "><title>" +
+    s += "<circle cx=\"" + FormatNumber(px, 4) + "\" cy=\"" + FormatNumber(py, 4) + "\" r=\"7\" fill=\"" +
+         KindColor(e.version.kind) + "\"" + (bad ? " stroke=\"#dc2626\" stroke-width=\"3\"" : "") + "><title>" +
          EscapeHtml("seq " + std::to_string(e.version.sequence) + " " + std::string(KindName(e.version.kind)) + " " +
                     ShortId(e.version.id) + (e.version.step ? " step " + std::to_string(*e.version.step) : "") +
-                    " at " + IsoTime(e.version.time_ns)) +
+                    " at " + FormatTimeMillis(e.version.time_ns)) +
          "</title></circle>\n";
-    s += "<text x=\"" + Num(px) + "\" y=\"" + Num(py - 11) +
+    s += "<text x=\"" + FormatNumber(px, 4) + "\" y=\"" + FormatNumber(py - 11, 4) +
          "\" font-size=\"10\" text-anchor=\"middle\" fill=\"#374151\">" + std::to_string(e.version.sequence) +
          "</text>\n";
   }
   const double axis_y = kTop + kRow * static_cast<double>(rows) + 14;
-  s += "<text x=\"" + Num(kLeft) + "\" y=\"" + Num(axis_y) + "\" font-size=\"11\" fill=\"#6b7280\">" + IsoTime(tmin) +
-       "</text>\n";
-  s += "<text x=\"" + Num(kWidth - kRight) + "\" y=\"" + Num(axis_y) +
-       "\" font-size=\"11\" text-anchor=\"end\" fill=\"#6b7280\">" + IsoTime(tmax) + "</text>\n";
+  s += "<text x=\"" + FormatNumber(kLeft, 4) + "\" y=\"" + FormatNumber(axis_y, 4) +
+       "\" font-size=\"11\" fill=\"#6b7280\">" + FormatTimeMillis(tmin) + "</text>\n";
+  s += "<text x=\"" + FormatNumber(kWidth - kRight, 4) + "\" y=\"" + FormatNumber(axis_y, 4) +
+       "\" font-size=\"11\" text-anchor=\"end\" fill=\"#6b7280\">" + FormatTimeMillis(tmax) + "</text>\n";
   s += "</svg>\n";
   return s;
 }
@@ -172,40 +169,43 @@ std::string MetricSvg(const AuditReport& r, const std::string& metric) {
   }
   Scale sx{xlo, xhi, kL, kW - kR};
   Scale sy{ylo, yhi, kH - kB, kT};
-  std::string s = "<svg class=\"metric\" xmlns=\"http://www.w3.org/2000/svg\" width=\"" + Num(kW) + "\" height=\"" +
-                  Num(kH) + "\" viewBox=\"0 0 " + Num(kW) + " " + Num(kH) + "\">\n";
-  s += "<text x=\"" + Num(kW / 2) + "\" y=\"16\" font-size=\"13\" text-anchor=\"middle\" font-weight=\"bold\">" +
-       EscapeHtml(metric) + "</text>\n";
-  s += "<rect x=\"" + Num(kL) + "\" y=\"" + Num(kT) + "\" width=\"" + Num(kW - kL - kR) + "\" height=\"" +
-       Num(kH - kT - kB) + "\" fill=\"none\" stroke=\"#d1d5db\"/>\n";
+  std::string s = "<svg class=\"metric\" xmlns=\"http://www.w3.org/2000/svg\" width=\"" + FormatNumber(kW, 4) +
+                  "\" height=\"" + FormatNumber(kH, 4) + "\" viewBox=\"0 0 " + FormatNumber(kW, 4) + " " +
+                  FormatNumber(kH, 4) + "\">\n";
+  s += "<text x=\"" + FormatNumber(kW / 2, 4) +
+       "\" y=\"16\" font-size=\"13\" text-anchor=\"middle\" font-weight=\"bold\">" + EscapeHtml(metric) + "</text>\n";
+  s += "<rect x=\"" + FormatNumber(kL, 4) + "\" y=\"" + FormatNumber(kT, 4) + "\" width=\"" +
+       FormatNumber(kW - kL - kR, 4) + "\" height=\"" + FormatNumber(kH - kT - kB, 4) +
+       "\" fill=\"none\" stroke=\"#d1d5db\"/>\n";
   for (int i = 0; i <= 4; ++i) {
     const double yv = ylo + (yhi - ylo) * i / 4.0;
     const double py = yhi > ylo ? sy(yv) : (i == 2 ? sy(yv) : -1);
     if (py < 0) continue;
-    s += "<line x1=\"" + Num(kL - 4) + "\" x2=\"" + Num(kW - kR) + "\" y1=\"" + Num(py) + "\" y2=\"" + Num(py) +
-         "\" stroke=\"#f3f4f6\"/>\n";
-    s += "<text x=\"" + Num(kL - 6) + "\" y=\"" + Num(py + 4) +
-         "\" font-size=\"10\" text-anchor=\"end\" fill=\"#6b7280\">" + Num(yv) + "</text>\n";
+    s += "<line x1=\"" + FormatNumber(kL - 4, 4) + "\" x2=\"" + FormatNumber(kW - kR, 4) + "\" y1=\"" +
+         FormatNumber(py, 4) + "\" y2=\"" + FormatNumber(py, 4) + "\" stroke=\"#f3f4f6\"/>\n";
+    s += "<text x=\"" + FormatNumber(kL - 6, 4) + "\" y=\"" + FormatNumber(py + 4, 4) +
+         "\" font-size=\"10\" text-anchor=\"end\" fill=\"#6b7280\">" + FormatNumber(yv, 4) + "</text>\n";
   }
-  s += "<text x=\"" + Num(kL) + "\" y=\"" + Num(kH - kB + 16) + "\" font-size=\"10\" fill=\"#6b7280\">" + Num(xlo) +
-       "</text>\n";
-  s += "<text x=\"" + Num(kW - kR) + "\" y=\"" + Num(kH - kB + 16) +
-       "\" font-size=\"10\" text-anchor=\"end\" fill=\"#6b7280\">" + Num(xhi) + "</text>\n";
-  s += "<text x=\"" + Num((kL + kW - kR) / 2) + "\" y=\"" + Num(kH - 8) +
+  s += "<text x=\"" + FormatNumber(kL, 4) + "\" y=\"" + FormatNumber(kH - kB + 16, 4) +
+       "\" font-size=\"10\" fill=\"#6b7280\">" + FormatNumber(xlo, 4) + "</text>\n";
+  s += "<text x=\"" + FormatNumber(kW - kR, 4) + "\" y=\"" + FormatNumber(kH - kB + 16, 4) +
+       "\" font-size=\"10\" text-anchor=\"end\" fill=\"#6b7280\">" + FormatNumber(xhi, 4) + "</text>\n";
+  s += "<text x=\"" + FormatNumber((kL + kW - kR) / 2, 4) + "\" y=\"" + FormatNumber(kH - 8, 4) +
        "\" font-size=\"11\" text-anchor=\"middle\" fill=\"#374151\">" + (by_step ? "step" : "sequence") + "</text>\n";
   if (pts.empty()) {
-    s += "<text x=\"" + Num((kL + kW - kR) / 2) + "\" y=\"" + Num((kT + kH - kB) / 2) +
+    s += "<text x=\"" + FormatNumber((kL + kW - kR) / 2, 4) + "\" y=\"" + FormatNumber((kT + kH - kB) / 2, 4) +
          "\" font-size=\"12\" text-anchor=\"middle\" fill=\"#9ca3af\">no values recorded</text>\n";
   }
   if (pts.size() > 1) {
     s += "<polyline fill=\"none\" stroke=\"#2563eb\" stroke-width=\"2\" points=\"";
-    for (const auto& [px, py, v] : pts) s += Num(sx(px), 6) + "," + Num(sy(py), 6) + " ";
+    for (const auto& [px, py, v] : pts) s += FormatNumber(sx(px), 6) + "," + FormatNumber(sy(py), 6) + " ";
     s += "\"/>\n";
   }
   for (const auto& [px, py, v] : pts) {
-    s += "<circle cx=\"" + Num(sx(px), 6) + "\" cy=\"" + Num(sy(py), 6) + "\" r=\"3.5\" fill=\"#1d4ed8\"><title>" +
-         EscapeHtml(metric + " = " + Num(py, 6) + " at " + (by_step ? "step " : "seq ") + Num(px, 10) + " (" +
-                    ShortId(v->id) + ")") +
+    s += "<circle cx=\"" + FormatNumber(sx(px), 6) + "\" cy=\"" + FormatNumber(sy(py), 6) +
+         "\" r=\"3.5\" fill=\"#1d4ed8\"><title>" +
+         EscapeHtml(metric + " = " + FormatNumber(py, 6) + " at " + (by_step ? "step " : "seq ") +
+                    FormatNumber(px, 10) + " (" + ShortId(v->id) + ")") +
          "</title></circle>\n";
   }
   s += "</svg>\n";
@@ -231,7 +231,7 @@ AuditReport StepsAsTimeline(const AuditReport& r) {
 
 std::string StepMetric(const store::StepEntry& e, const char* name) {
   auto it = e.metrics.find(name);
-  return it == e.metrics.end() ? "-" : Num(it->second, 5);
+  return it == e.metrics.end() ? "-" : FormatNumber(it->second, 5);
 }
 
 std::string StepsSection(const AuditReport& r) {
@@ -259,8 +259,8 @@ std::string StepsSection(const AuditReport& r) {
     for (const auto& a : e.acks) {
       const bool bad = a.digest_reported && !a.digest_matched;
       acks += std::string(acks.empty() ? "" : "<br>") + "<span class=\"" + (bad ? "bad" : "ok") + "\">" +
-              EscapeHtml(a.receiver) + "</span> " + std::string(EventTypeName(a.type)) + " " + IsoTime(a.time_ns) +
-              " (lag " + std::to_string(a.lag) + (bad ? ", digest MISMATCH" : "") + ")";
+              EscapeHtml(a.receiver) + "</span> " + std::string(EventTypeName(a.type)) + " " +
+              FormatTimeMillis(a.time_ns) + " (lag " + std::to_string(a.lag) + (bad ? ", digest MISMATCH" : "") + ")";
     }
     auto it = flagged.find(e.step);
     s += "<tr><td>" + std::to_string(e.step) + "</td><td><code>" +
@@ -342,7 +342,8 @@ std::string AuditToHtml(const AuditReport& r, std::string_view title) {
   for (const auto& e : r.timeline) {
     const VersionRecord& v = e.version;
     std::string metrics;
-    for (const auto& [k, value] : v.metrics) metrics += (metrics.empty() ? "" : ", ") + k + "=" + Num(value, 6);
+    for (const auto& [k, value] : v.metrics)
+      metrics += (metrics.empty() ? "" : ", ") + k + "=" + FormatNumber(value, 6);
     std::string by;
     for (const auto& x : e.activated_by) by += (by.empty() ? "" : ", ") + x;
     s += "<tr><td>" + EscapeHtml(v.run) + "</td><td>" + std::to_string(v.sequence) + "</td><td>" +
@@ -363,7 +364,7 @@ std::string AuditToHtml(const AuditReport& r, std::string_view title) {
       const std::string digest = !e.computed        ? "<td>not reported</td>"
                                  : e.digest_matched ? "<td class=\"ok\">matched</td>"
                                                     : "<td class=\"bad\">MISMATCH (" + ShortId(*e.computed) + ")</td>";
-      s += "<tr><td>" + IsoTime(e.time_ns) + "</td><td>" + EscapeHtml(e.receiver) + "</td><td>" +
+      s += "<tr><td>" + FormatTimeMillis(e.time_ns) + "</td><td>" + EscapeHtml(e.receiver) + "</td><td>" +
            std::string(EventTypeName(e.type)) + "</td><td><code>" + ShortId(e.version) + "</code></td><td>" +
            (e.known_version ? EscapeHtml(e.run) + " / " + std::to_string(e.sequence)
                             : std::string("<span class=\"bad\">unknown</span>")) +

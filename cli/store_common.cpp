@@ -29,14 +29,22 @@ store::VersionRecord GetVersionOrFail(store::Store& s, const std::string& id_or_
   return std::move(*v);
 }
 
-std::string ShortId(const store::Digest& d) { return d.Hex().substr(0, 12); }
-
 std::string FormatTime(int64_t time_ns) {
   const std::time_t secs = static_cast<std::time_t>(time_ns / 1'000'000'000);
   std::tm tm{};
   gmtime_r(&secs, &tm);
   char buf[64];
   std::strftime(buf, sizeof buf, "%Y-%m-%dT%H:%M:%SZ", &tm);
+  return buf;
+}
+
+std::string FormatTimeMillis(int64_t time_ns) {
+  const std::time_t secs = static_cast<std::time_t>(time_ns / 1'000'000'000);
+  std::tm tm{};
+  gmtime_r(&secs, &tm);
+  char buf[96];
+  std::snprintf(buf, sizeof buf, "%04d-%02d-%02dT%02d:%02d:%02d.%03dZ", tm.tm_year + 1900, tm.tm_mon + 1, tm.tm_mday,
+                tm.tm_hour, tm.tm_min, tm.tm_sec, static_cast<int>((time_ns / 1'000'000) % 1000));
   return buf;
 }
 

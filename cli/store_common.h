@@ -1,5 +1,6 @@
 // Helpers shared by the store commands (store, versions, verify, audit): opening the store
-// named by --db, resolving version ids, and the JSON/text forms of version records.
+// named by --db, resolving version ids, times, and the JSON/text forms of version records.
+// (A version's short id is store::ShortId, store/store.h.)
 #pragma once
 
 #include <map>
@@ -22,11 +23,10 @@ std::unique_ptr<store::Store> OpenStoreOrFail(const std::string& db, bool writab
 // prefix when absent or ambiguous.
 store::VersionRecord GetVersionOrFail(store::Store& s, const std::string& id_or_prefix, const std::string& flag);
 
-// The first 12 hex characters of a digest (what tables print).
-std::string ShortId(const store::Digest& d);
-
 // "2026-11-22T04:28:00Z" (UTC).
 std::string FormatTime(int64_t time_ns);
+// "2026-11-22T04:28:00.123Z" (UTC, milliseconds): the audit's times.
+std::string FormatTimeMillis(int64_t time_ns);
 
 // Parses "key=value" metric arguments; fails (exit 1) naming the bad argument.
 std::map<std::string, double> ParseMetricsOrFail(const std::vector<std::string>& args);

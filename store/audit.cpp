@@ -3,26 +3,16 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstdio>
-#include <ctime>
 #include <iterator>
 #include <map>
 #include <set>
 #include <tuple>
 #include <utility>
 
-#include <nlohmann/json.hpp>
+#include "core/text.h"
 
 namespace ferry::store {
 namespace {
-
-using Json = nlohmann::ordered_json;
-
-std::string Num(double v, int digits = 4) {
-  char buf[48];
-  std::snprintf(buf, sizeof buf, "%.*g", digits, v);
-  return buf;
-}
 
 bool IsLoraB(const std::string& name) {
   return name.find("lora_B") != std::string::npos || name.find("lora_embedding_B") != std::string::npos;
@@ -69,7 +59,7 @@ void CheckMergedEqualsBase(const VersionRecord& v, const std::map<Digest, const 
   out.push_back({AnomalyKind::kMergedEqualsBase, v.id, nonzero->name,
                  "merged " + Describe(v) + " has the same tensor digests as its base version " +
                      ShortId(*v.base_version) + " although adapter version " + ShortId(*v.adapter_version) +
-                     " is non-zero (tensor " + nonzero->name + " has l2_norm " + Num(nonzero->l2_norm) +
+                     " is non-zero (tensor " + nonzero->name + " has l2_norm " + FormatNumber(nonzero->l2_norm, 4) +
                      "): the adapter never reached these weights",
                  std::nullopt});
 }
@@ -255,9 +245,10 @@ void CheckStepMetrics(const AuditReport& report, const AuditOptions& o, std::vec
               Median(std::vector<double>(grad_history.end() - static_cast<std::ptrdiff_t>(w), grad_history.end()));
           if (median > 0 && *g > o.grad_spike_factor * median) {
             out.push_back({AnomalyKind::kGradNormSpike, id, "",
-                           StepName(e.step) + " (version " + ShortId(id) + "): grad_norm " + Num(*g) + " is " +
-                               Num(*g / median, 3) + "x the median " + Num(median) + " of the previous " +
-                               std::to_string(w) + " steps (rule: > " + Num(o.grad_spike_factor, 3) + "x)",
+                           StepName(e.step) + " (version " + ShortId(id) + "): grad_norm " + FormatNumber(*g, 4) +
+                               " is " + FormatNumber(*g / median, 3) + "x the median " + FormatNumber(median, 4) +
+                               " of the previous " + std::to_string(w) + " steps (rule: > " +
+                               FormatNumber(o.grad_spike_factor, 3) + "x)",
                            e.step});
           }
         }
@@ -296,27 +287,15 @@ void CheckStepMetrics(const AuditReport& report, const AuditOptions& o, std::vec
       collapse_flagged = true;
       out.push_back({AnomalyKind::kRewardCollapse, id, "",
                      StepName(e.step) + " (version " + ShortId(id) + "): the reward's " +
-                         std::to_string(o.reward_window) + "-step moving mean " + Num(mean) + " is " +
-                         Num(*best - mean) + " below its best " + Num(*best) + " (at " + StepName(best_step) +
-                         ") (rule: a drop > " + Num(o.reward_drop, 3) + ")",
+                         std::to_string(o.reward_window) + "-step moving mean " + FormatNumber(mean, 4) + " is " +
+                         FormatNumber(*best - mean, 4) + " below its best " + FormatNumber(*best, 4) + " (at " +
+                         StepName(best_step) + ") (rule: a drop > " + FormatNumber(o.reward_drop, 3) + ")",
                      e.step});
     }
   }
 }
 
 }  // namespace
-
-std::string ShortId(const Digest& d) { return d.Hex().substr(0, 12); }
-
-std::string IsoTime(int64_t time_ns) {
-  const std::time_t secs = static_cast<std::time_t>(time_ns / 1'000'000'000);
-  std::tm tm{};
-  gmtime_r(&secs, &tm);
-  char buf[96];
-  std::snprintf(buf, sizeof buf, "%04d-%02d-%02dT%02d:%02d:%02d.%03dZ", tm.tm_year + 1900, tm.tm_mon + 1, tm.tm_mday,
-                tm.tm_hour, tm.tm_min, tm.tm_sec, static_cast<int>((time_ns / 1'000'000) % 1000));
-  return buf;
-}
 
 std::string_view AnomalyKindName(AnomalyKind kind) {
   switch (kind) {
@@ -396,10 +375,11 @@ Result<AuditReport> AnalyzeAudit(const std::vector<VersionRecord>& all_versions,
           const double median = Median(history);
           if (median > 0 && d > options.jump_factor * median) {
             version_anomalies.push_back({AnomalyKind::kDeltaJump, v->id, "",
-                                         "adapter " + Describe(*v) + ": delta norm " + Num(d) + " from version " +
-                                             ShortId(prev->second->id) + " is " + Num(d / median, 3) + "x the median " +
-                                             Num(median) + " of the " + std::to_string(history.size()) +
-                                             " previous deltas (rule: > " + Num(options.jump_factor, 3) + "x)",
+                                         "adapter " + Describe(*v) + ": delta norm " + FormatNumber(d, 4) +
+                                             " from version " + ShortId(prev->second->id) + " is " +
+                                             FormatNumber(d / median, 3) + "x the median " + FormatNumber(median, 4) +
+                                             " of the " + std::to_string(history.size()) +
+                                             " previous deltas (rule: > " + FormatNumber(options.jump_factor, 3) + "x)",
                                          std::nullopt});
           }
         }
@@ -554,197 +534,6 @@ Result<AuditReport> RunAudit(Store& store, const AuditOptions& options) {
     return VersionDeltaNorm(store, a, b);
   };
   return AnalyzeAudit(versions, events, delta, options);
-}
-
-// ---------------------------------------------------------------------------------------
-// Rendering.
-
-namespace {
-
-Json OptDigest(const std::optional<Digest>& d) { return d ? Json(d->Hex()) : Json(); }
-
-Json FiniteOrNull(double v) { return std::isfinite(v) ? Json(v) : Json(); }
-
-Json VersionSummaryJson(const TimelineEntry& e) {
-  const VersionRecord& v = e.version;
-  Json j;
-  j["id"] = v.id.Hex();
-  j["run"] = v.run;
-  j["sequence"] = v.sequence;
-  j["step"] = v.step ? Json(*v.step) : Json();
-  j["kind"] = std::string(KindName(v.kind));
-  j["source"] = std::string(SourceName(v.source));
-  j["parent"] = OptDigest(v.parent);
-  j["base_version"] = OptDigest(v.base_version);
-  j["adapter_version"] = OptDigest(v.adapter_version);
-  j["time_ns"] = v.time_ns;
-  j["time"] = IsoTime(v.time_ns);
-  Json metrics = Json::object();
-  for (const auto& [k, value] : v.metrics) metrics[k] = FiniteOrNull(value);
-  j["metrics"] = std::move(metrics);
-  j["tensors"] = v.tensors.size();
-  j["total_bytes"] = v.total_bytes;
-  j["delta_norm"] = e.delta_norm ? FiniteOrNull(*e.delta_norm) : Json();
-  j["acknowledged_by"] = e.acknowledged_by;
-  j["activated_by"] = e.activated_by;
-  return j;
-}
-
-}  // namespace
-
-std::string AuditToJson(const AuditReport& r) {
-  Json j;
-  j["run"] = r.run ? Json(*r.run) : Json();
-  Json timeline = Json::array();
-  for (const auto& e : r.timeline) timeline.push_back(VersionSummaryJson(e));
-  j["timeline"] = std::move(timeline);
-  Json receivers = Json::array();
-  for (const auto& e : r.receivers) {
-    Json x;
-    x["receiver"] = e.receiver;
-    x["event"] = std::string(EventTypeName(e.type));
-    x["time_ns"] = e.time_ns;
-    x["time"] = IsoTime(e.time_ns);
-    x["version"] = e.version.Hex();
-    x["known_version"] = e.known_version;
-    x["run"] = e.known_version ? Json(e.run) : Json();
-    x["sequence"] = e.known_version ? Json(e.sequence) : Json();
-    x["computed"] = OptDigest(e.computed);
-    x["digest_matched"] = e.digest_matched;
-    receivers.push_back(std::move(x));
-  }
-  j["receivers"] = std::move(receivers);
-  Json gaps = Json::array();
-  for (const auto& g : r.gaps)
-    gaps.push_back({{"run", g.run}, {"first_missing", g.first_missing}, {"last_missing", g.last_missing}});
-  j["gaps"] = std::move(gaps);
-  Json never = Json::array();
-  for (const auto& d : r.never_acknowledged) never.push_back(d.Hex());
-  j["never_acknowledged"] = std::move(never);
-  Json anomalies = Json::array();
-  for (const auto& a : r.anomalies) {
-    anomalies.push_back({{"kind", std::string(AnomalyKindName(a.kind))},
-                         {"version", a.version.Hex()},
-                         {"tensor", a.tensor.empty() ? Json() : Json(a.tensor)},
-                         {"step", a.step ? Json(*a.step) : Json()},
-                         {"message", a.message}});
-  }
-  j["anomalies"] = std::move(anomalies);
-  Json steps = Json::array();
-  for (const auto& e : r.steps) {
-    Json x;
-    x["step"] = e.step;
-    x["adapter_version"] = OptDigest(e.adapter_version);
-    x["merged_version"] = OptDigest(e.merged_version);
-    x["time_ns"] = e.time_ns;
-    x["time"] = IsoTime(e.time_ns);
-    x["records"] = e.records;
-    Json metrics = Json::object();
-    for (const auto& [k, value] : e.metrics) metrics[k] = FiniteOrNull(value);
-    x["metrics"] = std::move(metrics);
-    Json acks = Json::array();
-    for (const auto& a : e.acks) {
-      acks.push_back({{"receiver", a.receiver},
-                      {"event", std::string(EventTypeName(a.type))},
-                      {"time_ns", a.time_ns},
-                      {"time", IsoTime(a.time_ns)},
-                      {"version", a.version.Hex()},
-                      {"digest_matched", a.digest_matched},
-                      {"digest_reported", a.digest_reported},
-                      {"lag", a.lag}});
-    }
-    x["acks"] = std::move(acks);
-    steps.push_back(std::move(x));
-  }
-  j["steps"] = std::move(steps);
-  Json generators = Json::array();
-  for (const auto& g : r.generators) {
-    generators.push_back({{"receiver", g.receiver},
-                          {"acks", g.acks},
-                          {"last_step", g.last_step ? Json(*g.last_step) : Json()},
-                          {"max_lag", g.max_lag}});
-  }
-  j["generators"] = std::move(generators);
-  // A report, not a record: text that is not UTF-8 (a --run filter given by the user, say)
-  // is shown with U+FFFD rather than failing the whole report.
-  return j.dump(2, ' ', /*ensure_ascii=*/false, Json::error_handler_t::replace);
-}
-
-std::string AuditToText(const AuditReport& r) {
-  std::string s;
-  s += "Timeline" + (r.run ? " of run " + *r.run : std::string()) + " (" + std::to_string(r.timeline.size()) +
-       " versions)\n";
-  char line[512];
-  std::snprintf(line, sizeof line, "  %-10s %4s %8s  %-12s  %-12s  %-8s  %s\n", "run", "seq", "step", "id", "parent",
-                "kind", "metrics");
-  s += line;
-  for (const auto& e : r.timeline) {
-    const VersionRecord& v = e.version;
-    std::string metrics;
-    for (const auto& [k, value] : v.metrics) metrics += (metrics.empty() ? "" : " ") + k + "=" + Num(value, 6);
-    if (e.delta_norm) metrics += (metrics.empty() ? "" : " ") + std::string("delta_norm=") + Num(*e.delta_norm);
-    std::snprintf(line, sizeof line, "  %-10s %4llu %8s  %-12s  %-12s  %-8s  %s\n", v.run.c_str(),
-                  static_cast<unsigned long long>(v.sequence), v.step ? std::to_string(*v.step).c_str() : "-",
-                  ShortId(v.id).c_str(), v.parent ? ShortId(*v.parent).c_str() : "-",
-                  std::string(KindName(v.kind)).c_str(), metrics.c_str());
-    s += line;
-  }
-  s += "\nReceivers (" + std::to_string(r.receivers.size()) + " events)\n";
-  if (r.receivers.empty()) s += "  none recorded\n";
-  for (const auto& e : r.receivers) {
-    s += "  " + IsoTime(e.time_ns) + "  " + e.receiver + " " + std::string(EventTypeName(e.type)) + " " +
-         ShortId(e.version) +
-         (e.known_version ? " (run " + e.run + ", seq " + std::to_string(e.sequence) + ")" : " (unknown version)") +
-         (e.computed ? (e.digest_matched ? ", digest matched" : ", digest MISMATCH: computed " + ShortId(*e.computed))
-                     : ", no digest reported") +
-         "\n";
-  }
-  s += "\nGaps in sequence numbers\n";
-  if (r.gaps.empty()) s += "  none\n";
-  for (const auto& g : r.gaps) {
-    s += "  run " + g.run + ": missing " + std::to_string(g.first_missing) +
-         (g.last_missing != g.first_missing ? ".." + std::to_string(g.last_missing) : "") + "\n";
-  }
-  s += "\nNever acknowledged\n";
-  if (r.receivers.empty()) {
-    s += "  (no receiver recorded)\n";
-  } else if (r.never_acknowledged.empty()) {
-    s += "  none\n";
-  }
-  for (const auto& d : r.never_acknowledged) s += "  " + ShortId(d) + "\n";
-  if (!r.steps.empty()) {
-    s += "\nSteps (" + std::to_string(r.steps.size()) + ")\n";
-    std::snprintf(line, sizeof line, "  %6s  %-12s  %-12s  %10s  %13s  %10s  %s\n", "step", "adapter", "merged",
-                  "reward", "loss", "grad_norm", "acknowledged by (lag)");
-    s += line;
-    for (const auto& e : r.steps) {
-      auto metric = [&](const char* k) {
-        auto it = e.metrics.find(k);
-        return it == e.metrics.end() ? std::string("-") : Num(it->second, 6);
-      };
-      std::string acks;
-      for (const auto& a : e.acks) {
-        acks += (acks.empty() ? "" : ", ") + a.receiver + " (" + std::to_string(a.lag) + ")" +
-                (a.digest_reported && !a.digest_matched ? " MISMATCH" : "");
-      }
-      std::snprintf(line, sizeof line, "  %6lld  %-12s  %-12s  %10s  %13s  %10s  ", static_cast<long long>(e.step),
-                    e.adapter_version ? ShortId(*e.adapter_version).c_str() : "-",
-                    e.merged_version ? ShortId(*e.merged_version).c_str() : "-", metric("reward").c_str(),
-                    metric("loss").c_str(), metric("grad_norm").c_str());
-      s += line + (acks.empty() ? std::string("-") : acks) + "\n";
-    }
-    s += "\nGenerators\n";
-    if (r.generators.empty()) s += "  none acknowledged a step\n";
-    for (const auto& g : r.generators) {
-      s += "  " + g.receiver + ": " + std::to_string(g.acks) + " acknowledgements, last step " +
-           (g.last_step ? std::to_string(*g.last_step) : std::string("-")) + ", max lag " + std::to_string(g.max_lag) +
-           " steps\n";
-    }
-  }
-  s += "\nAnomalies (" + std::to_string(r.anomalies.size()) + ")\n";
-  if (r.anomalies.empty()) s += "  none\n";
-  for (const auto& a : r.anomalies) s += "  [" + std::string(AnomalyKindName(a.kind)) + "] " + a.message + "\n";
-  return s;
 }
 
 }  // namespace ferry::store

@@ -1,6 +1,7 @@
 // The post-run audit (`ferry audit`): what a store says happened during a run.
 //
-// From the version records and events of a store it builds:
+// From the version records and events of a store it builds the report's data (presentation is
+// the CLI's: text and JSON in cli/audit_text.h, the HTML page in cli/audit_html.h):
 //   - a timeline: each version with its run, sequence, step, id, parent, kind, metrics, size,
 //     the delta norm of adapter versions and the receivers that activated it;
 //   - receivers: every acknowledged/activated event, with whether the manifest digest the
@@ -212,17 +213,5 @@ Result<AuditReport> RunAudit(Store& store, const AuditOptions& options);
 // ||b - a||_2 over the tensors of two versions (tensors present in only one count with their
 // full norm; tensors with equal digests contribute 0 without being read).
 Result<double> VersionDeltaNorm(Store& store, const VersionRecord& a, const VersionRecord& b);
-
-// The report as JSON (keys: run, timeline, receivers, gaps, never_acknowledged, anomalies,
-// steps, generators; each anomaly with its step or null).
-// Never throws: bytes that are not UTF-8 (a run filter as the user typed it) become U+FFFD.
-std::string AuditToJson(const AuditReport& report);
-// The report as plain text for a terminal. (The HTML page is the CLI's: cli/audit_html.h.)
-std::string AuditToText(const AuditReport& report);
-
-// How the report names a version in its messages: the first 12 hex characters of its id.
-std::string ShortId(const Digest& id);
-// A time as the report prints it: "2026-11-22T10:04:05.123Z" (UTC, milliseconds).
-std::string IsoTime(int64_t time_ns);
 
 }  // namespace ferry::store

@@ -216,6 +216,8 @@ std::string Digest::Hex() const {
   return s;
 }
 
+std::string ShortId(const Digest& id) { return id.Hex().substr(0, 12); }
+
 Result<Digest> Digest::FromHex(std::string_view hex) {
   if (hex.size() != 32) {
     return Status::InvalidArgument("digest '" + std::string(hex) + "': expected 32 hex characters, got " +

@@ -173,6 +173,9 @@ struct Digest {
   static Result<Digest> FromHex(std::string_view hex);  // kInvalidArgument on bad text
 };
 
+// How reports, tables and messages name a version: the first 12 hex characters of its id.
+std::string ShortId(const Digest& id);
+
 // The tensor digest defined above, streamed over `t`'s bytes.
 Digest TensorDigest(const Tensor& t);
 // The same over bytes held elsewhere (e.g. a file range being copied).

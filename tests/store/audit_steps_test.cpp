@@ -8,104 +8,19 @@
 #include <cmath>
 #include <limits>
 #include <map>
-#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
 #include "store/audit.h"
+#include "tests/store/audit_test_util.h"
 
 namespace ferry::store {
 namespace {
 
-constexpr int64_t kSteps = 30;
-constexpr int64_t kStepNs = 1000;  // step N is committed at N * kStepNs
-
-// Healthy metrics: the reward rises slowly, some groups have zero std, finite loss, grad
-// norms around 0.5.
-std::map<std::string, double> HealthyMetrics(int64_t n) {
-  return {{"reward", 0.5 + 0.01 * static_cast<double>(n) + (n % 2 ? 0.02 : -0.02)},
-          {"reward_std", 0.3},
-          {"frac_reward_zero_std", 0.25},
-          {"loss", 0.001 * std::sin(static_cast<double>(n))},
-          {"grad_norm", 0.5 + 0.2 * std::sin(static_cast<double>(n))},
-          {"entropy", 1.2},
-          {"completions/mean_length", 4},
-          {"sampling/sampling_logp_difference/mean", 1e-6},
-          {"learning_rate", 1e-3}};
-}
-
-// A run "r" as ferryd records it: its base (sequence 1), then per step N an adapter
-// (sequence 2N) and the merged version (2N + 1), both with step N and the step's metrics;
-// the in-process generator "colocated" acknowledges the base and each merged version just
-// before the step is committed.
-struct TrainingRun {
-  std::vector<VersionRecord> versions;
-  std::vector<Event> events;
-  std::map<int64_t, std::map<std::string, double>> metrics;  // step -> overrides
-
-  TrainingRun() {
-    for (int64_t n = 1; n <= kSteps; ++n) metrics[n] = HealthyMetrics(n);
-  }
-  static Digest Adapter(int64_t n) { return Digest{0xaaaa000000000000 + static_cast<uint64_t>(n), 1}; }
-  static Digest Merged(int64_t n) { return Digest{0xcccc000000000000 + static_cast<uint64_t>(n), 2}; }
-
-  void Build(int64_t steps = kSteps) {
-    VersionRecord base;
-    base.id = Merged(0);
-    base.run = "r";
-    base.sequence = 1;
-    base.kind = VersionKind::kBase;
-    base.time_ns = 10;
-    versions.push_back(base);
-    Publish(base.id, 15);
-    Ack("colocated", Merged(0), 20);
-    for (int64_t n = 1; n <= steps; ++n) {
-      VersionRecord a;
-      a.id = Adapter(n);
-      a.run = "r";
-      a.sequence = static_cast<uint64_t>(2 * n);
-      a.kind = VersionKind::kAdapter;
-      a.source = VersionSource::kDaemon;
-      a.step = n;
-      a.base_version = base.id;
-      a.metrics = metrics[n];
-      a.time_ns = n * kStepNs;
-      VersionRecord m = a;
-      m.id = Merged(n);
-      m.sequence = a.sequence + 1;
-      m.kind = VersionKind::kMerged;
-      m.adapter_version = a.id;
-      m.derived = true;
-      m.time_ns = a.time_ns + 1;
-      versions.push_back(a);
-      versions.push_back(m);
-      Publish(m.id, a.time_ns - 2);
-      Ack("colocated", m.id, a.time_ns - 1);
-    }
-  }
-  void Publish(const Digest& v, int64_t t) {
-    Event e;
-    e.type = Event::Type::kPublished;
-    e.version = v;
-    e.time_ns = t;
-    events.push_back(e);
-  }
-  void Ack(const std::string& receiver, const Digest& v, int64_t t, std::optional<Digest> computed = std::nullopt) {
-    Event e;
-    e.type = Event::Type::kAcknowledged;
-    e.receiver = receiver;
-    e.version = v;
-    e.computed = computed ? computed : v;
-    e.time_ns = t;
-    events.push_back(e);
-  }
-  AuditReport Audit(AuditOptions o = {}) const {
-    o.run = "r";
-    auto r = AnalyzeAudit(versions, events, {}, o);
-    EXPECT_TRUE(r.ok()) << r.status().ToString();
-    return r.ok() ? *r : AuditReport{};
-  }
-};
+using testing::HealthyMetrics;
+using testing::kStepNs;
+using testing::kSteps;
+using testing::TrainingRun;
 
 std::vector<const Anomaly*> Of(const AuditReport& r, AnomalyKind k) {
   std::vector<const Anomaly*> out;
@@ -342,30 +257,6 @@ TEST(AuditSteps, AStepWhoseAdapterAloneWasRecordedAgainCountsTwice) {
   EXPECT_EQ(r.steps[6].records, 2);
   EXPECT_EQ(r.steps[6].adapter_version, (Digest{0xeeee000000000006, 3}));
   EXPECT_EQ(r.steps[6].merged_version, TrainingRun::Merged(6));
-}
-
-TEST(AuditSteps, JsonCarriesStepsGeneratorsAndAnomalySteps) {
-  TrainingRun run;
-  run.metrics[7]["loss"] = std::numeric_limits<double>::infinity();
-  run.Build();
-  auto j = nlohmann::json::parse(AuditToJson(run.Audit()));
-  ASSERT_EQ(j["steps"].size(), static_cast<size_t>(kSteps + 1));
-  const auto& s7 = j["steps"][7];
-  EXPECT_EQ(s7["step"], 7);
-  EXPECT_EQ(s7["adapter_version"], TrainingRun::Adapter(7).Hex());
-  EXPECT_EQ(s7["merged_version"], TrainingRun::Merged(7).Hex());
-  EXPECT_TRUE(s7["metrics"]["loss"].is_null());
-  EXPECT_EQ(s7["metrics"]["learning_rate"], 1e-3);
-  ASSERT_EQ(s7["acks"].size(), 1u);
-  EXPECT_EQ(s7["acks"][0]["receiver"], "colocated");
-  EXPECT_EQ(s7["acks"][0]["event"], "acknowledged");
-  EXPECT_EQ(s7["acks"][0]["lag"], 0);
-  EXPECT_EQ(s7["acks"][0]["digest_matched"], true);
-  EXPECT_EQ(j["generators"][0]["receiver"], "colocated");
-  EXPECT_EQ(j["generators"][0]["last_step"], kSteps);
-  ASSERT_EQ(j["anomalies"].size(), 1u);
-  EXPECT_EQ(j["anomalies"][0]["kind"], "nonfinite_loss");
-  EXPECT_EQ(j["anomalies"][0]["step"], 7);
 }
 
 TEST(AuditSteps, OptionsAreChecked) {

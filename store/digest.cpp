@@ -9,6 +9,7 @@
 #endif
 
 #include "kernels/cast.h"
+#include "kernels/cpu_features.h"
 #include "store/internal.h"
 
 namespace ferry::store {
@@ -121,32 +122,16 @@ size_t LanesSse2(size_t n, Lanes8& out, Widen widen) {
 }
 #endif
 
-bool CpuHasAvx2Raw();
 bool g_stats_avx2_allowed = true;  // tests turn it off to compare the two paths
 
-bool CpuHasAvx2() {
-  if (!g_stats_avx2_allowed) return false;
-  return CpuHasAvx2Raw();
-}
-
-bool CpuHasAvx2Raw() {
-#if defined(__x86_64__)
-  static const bool has = [] {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") != 0;
-  }();
-  return has;
-#else
-  return false;
-#endif
-}
+bool StatsUseAvx2() { return g_stats_avx2_allowed && kernels::CpuHasAvx2(); }
 
 // F32 (bf16 = false) or BF16 values, any alignment. REQUIRES: n < 2^31.
 void AccumulateFloat(const std::byte* p, size_t n, bool bf16, Accum& a) {
   Lanes8 lanes;
   size_t i = 0;
 #if defined(__x86_64__)
-  if (CpuHasAvx2()) {
+  if (StatsUseAvx2()) {
     i = bf16 ? StatsBF16Avx2(p, n, lanes.sum, lanes.nonfinite, lanes.nonzero)
              : StatsF32Avx2(p, n, lanes.sum, lanes.nonfinite, lanes.nonzero);
   } else
@@ -305,7 +290,7 @@ TensorStats::TensorStats(DType dtype) : dtype_(dtype) {
 
 bool SetStatsAvx2ForTesting(bool allowed) {
   g_stats_avx2_allowed = allowed;
-  return CpuHasAvx2Raw();
+  return kernels::CpuHasAvx2();
 }
 
 void TensorStats::Update(std::span<const std::byte> bytes) {

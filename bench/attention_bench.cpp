@@ -24,6 +24,7 @@
 #include <string>
 #include <vector>
 
+#include "bench/bench_util.h"
 #include "convert/peft_config.h"
 #include "daemon/runtime/lora.h"
 #include "daemon/runtime/model.h"
@@ -31,14 +32,9 @@
 
 namespace {
 
+using ferry::bench::Median;
+using ferry::bench::Now;
 using ferry::runtime::CausalLM;
-
-double Now() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
-
-double Median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
 
 at::Tensor Positions(int64_t rows, int64_t start, int64_t count) {
   return at::arange(start, start + count, at::kLong).view({1, count}).expand({rows, count}).contiguous();

@@ -29,11 +29,13 @@
 #include <random>
 #include <string>
 
+#include "bench/bench_util.h"
 #include "daemon/runtime/generator.h"
 #include "daemon/runtime/torch_util.h"
 
 namespace {
 
+using ferry::bench::Now;
 using ferry::runtime::CausalLM;
 
 // A "Vm...:" field of /proc/self/status in bytes (0 when absent).
@@ -48,8 +50,6 @@ int64_t StatusBytes(const char* field) {
 }
 int64_t PeakRssBytes() { return StatusBytes("VmHWM:"); }
 int64_t RssBytes() { return StatusBytes("VmRSS:"); }
-
-double Now() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
 
 int Usage() {
   std::fprintf(stderr,

@@ -22,17 +22,14 @@
 #include <string>
 #include <vector>
 
+#include "bench/bench_util.h"
 #include "kernels/hash.h"
 #include "store/internal.h"
 #include "store/store.h"
 
 namespace {
 
-double Seconds(const std::function<void()>& f) {
-  auto t0 = std::chrono::steady_clock::now();
-  f();
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-}
+using ferry::bench::Seconds;
 
 volatile uint64_t g_sink = 0;
 

@@ -21,13 +21,14 @@
 #include <string>
 #include <vector>
 
+#include "bench/bench_util.h"
 #include "daemon/runtime/fused_ops.h"
 #include "daemon/runtime/torch_util.h"
 #include "kernels/skinny_gemm.h"
 
 namespace {
 
-double Now() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
+using ferry::bench::Now;
 
 std::vector<int64_t> ParseList(const char* s) {
   std::vector<int64_t> out;

@@ -36,12 +36,18 @@
 #include <string>
 #include <vector>
 
+#include "bench/bench_util.h"
 #include "core/safetensors.h"
 #include "store/store.h"
 
 extern char** environ;
 
 namespace {
+
+using ferry::bench::Median;
+using ferry::bench::Min;
+using ferry::bench::RunsText;
+using ferry::bench::Seconds;
 
 namespace fs = std::filesystem;
 using ferry::Status;
@@ -143,33 +149,11 @@ void Import(const fs::path& model, const fs::path& db) {
 // Flushes the filesystem's dirty pages (untimed) so that no writeback left over from the
 // previous step lands inside the next one.
 void Settle(const fs::path& dir) {
-  const int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (fd < 0) Die(dir.string() + ": " + std::strerror(errno));
-  ::syncfs(fd);
-  ::close(fd);
+  if (const int err = ferry::bench::SettleFilesystem(dir)) Die(dir.string() + ": " + std::strerror(err));
 }
-
-double Seconds(const std::function<void()>& fn) {
-  const auto t0 = std::chrono::steady_clock::now();
-  fn();
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-}
-
-double Median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  const size_t m = v.size() / 2;
-  return v.size() % 2 == 1 ? v[m] : (v[m - 1] + v[m]) / 2;
-}
-
-double Min(const std::vector<double>& v) { return *std::min_element(v.begin(), v.end()); }
 
 void PrintRow(const char* label, const std::vector<double>& runs, uint64_t bytes) {
-  std::string all;
-  for (double s : runs) {
-    char b[24];
-    std::snprintf(b, sizeof b, "%s%.3f", all.empty() ? "" : " ", s);
-    all += b;
-  }
+  const std::string all = RunsText(runs);
   std::printf("  %-36s %8.3f %8.3f %8.2f   %s\n", label, Min(runs), Median(runs),
               static_cast<double>(bytes) / 1e9 / Median(runs), all.c_str());
 }

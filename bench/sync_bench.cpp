@@ -58,6 +58,7 @@
 
 #include <zmq.hpp>
 
+#include "bench/bench_util.h"
 #include "convert/peft_config.h"
 #include "core/checkpoint.h"
 #include "core/mapped_file.h"
@@ -72,6 +73,8 @@ namespace fs = std::filesystem;
 using namespace ferry;  // NOLINT: benchmark program
 
 namespace {
+
+using ferry::bench::Median;
 
 uint32_t kChunkBytes = 1u << 20;                              // --chunk-kib; default = ReceiverOptions default
 uint32_t kCredit = 8;                                         // --credit; default = ReceiverOptions default
@@ -92,12 +95,6 @@ template <typename T>
 T Take(Result<T> r) {
   if (!r.ok()) Die(r.status().message());
   return std::move(*r);
-}
-
-double Median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
 }
 
 // CPU seconds this process has used so far (every thread: publisher, receivers, ZeroMQ I/O).

@@ -37,6 +37,7 @@
 #include <string>
 #include <vector>
 
+#include "bench/bench_util.h"
 #include "core/checkpoint.h"
 #include "core/mapped_file.h"
 #include "core/safetensors.h"
@@ -44,6 +45,10 @@
 extern char** environ;
 
 namespace {
+
+using ferry::bench::Median;
+using ferry::bench::RunsText;
+using ferry::bench::Seconds;
 
 namespace fs = std::filesystem;
 using ferry::Checkpoint;
@@ -268,22 +273,7 @@ void CpCopy(const fs::path& src, const fs::path& dst, bool sync) {
 // Flushes dirty pages of the filesystem holding `dir` (untimed), so that writeback left
 // over from a previous step does not land inside the next measurement.
 void Settle(const fs::path& dir) {
-  const int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (fd < 0) Die(dir.string() + ": " + std::strerror(errno));
-  ::syncfs(fd);
-  ::close(fd);
-}
-
-double Seconds(const std::function<void()>& fn) {
-  const auto t0 = std::chrono::steady_clock::now();
-  fn();
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-}
-
-double Median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  const size_t m = v.size() / 2;
-  return v.size() % 2 == 1 ? v[m] : (v[m - 1] + v[m]) / 2;
+  if (const int err = ferry::bench::SettleFilesystem(dir)) Die(dir.string() + ": " + std::strerror(err));
 }
 
 struct Row {
@@ -294,12 +284,7 @@ struct Row {
 
 void PrintRow(const Row& r) {
   const double med = Median(r.runs);
-  std::string runs;
-  for (double s : r.runs) {
-    char b[24];
-    std::snprintf(b, sizeof b, "%s%.3f", runs.empty() ? "" : " ", s);
-    runs += b;
-  }
+  const std::string runs = RunsText(r.runs);
   std::printf("  %-44s %9.3f %9.2f   %s\n", r.label.c_str(), med,
               static_cast<double>(r.bytes) / (1024.0 * 1024.0 * 1024.0) / med, runs.c_str());
 }

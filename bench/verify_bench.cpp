@@ -35,6 +35,7 @@
 #include <thread>
 #include <vector>
 
+#include "bench/bench_util.h"
 #include "core/safetensors.h"
 #include "kernels/hash.h"
 #include "store/store.h"
@@ -45,18 +46,17 @@ namespace fs = std::filesystem;
 
 namespace {
 
+using ferry::bench::Median;
+using ferry::bench::Min;
+using ferry::bench::RunsText;
+using ferry::bench::Seconds;
+
 constexpr double kTargetRatio = 1.10;
 constexpr size_t kBlock = size_t{64} << 20;
 
 [[noreturn]] void Die(const std::string& m) {
   std::fprintf(stderr, "ferry_bench_verify: %s\n", m.c_str());
   std::exit(2);
-}
-
-double Seconds(const std::function<void()>& fn) {
-  const auto t0 = std::chrono::steady_clock::now();
-  fn();
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
 // BF16 tensors of 64 MiB with random finite values, in 1 GiB shards.
@@ -159,20 +159,8 @@ int Spawn(std::vector<std::string> args, bool quiet) {
   return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
 }
 
-double Median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  const size_t m = v.size() / 2;
-  return v.size() % 2 == 1 ? v[m] : (v[m - 1] + v[m]) / 2;
-}
-double Min(const std::vector<double>& v) { return *std::min_element(v.begin(), v.end()); }
-
 void PrintRow(const char* label, const std::vector<double>& runs, uint64_t bytes) {
-  std::string all;
-  for (double s : runs) {
-    char b[24];
-    std::snprintf(b, sizeof b, "%s%.3f", all.empty() ? "" : " ", s);
-    all += b;
-  }
+  const std::string all = RunsText(runs);
   std::printf("  %-40s %7.3f %8.3f %7.2f   %s\n", label, Min(runs), Median(runs),
               static_cast<double>(bytes) / 1e9 / Median(runs), all.c_str());
 }

@@ -17,6 +17,7 @@
 #include "core/checkpoint.h"
 #include "core/safetensors.h"
 #include "tests/core/bad_input_corpus.h"
+#include "tests/temp_dir.h"
 
 namespace ferry {
 namespace {
@@ -24,22 +25,9 @@ namespace {
 namespace fs = std::filesystem;
 using corpus::BadInputCase;
 
-class TempDir {
+class TempDir : public testing::ScopedTempDir {
  public:
-  TempDir() {
-    std::string tmpl = (fs::path(::testing::TempDir()) / "ferry_bad_input_XXXXXX").string();
-    char* p = ::mkdtemp(tmpl.data());
-    EXPECT_NE(p, nullptr) << "mkdtemp " << tmpl;
-    path_ = tmpl;
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path_, ec);
-  }
-  const fs::path& path() const { return path_; }
-
- private:
-  fs::path path_;
+  TempDir() : ScopedTempDir("ferry_bad_input_") {}
 };
 
 // Relative path -> contents of every regular file under `root` (directories as "<dir>/").

@@ -14,6 +14,7 @@
 #include "core/checkpoint.h"
 #include "core/safetensors.h"
 #include "kernels/cast.h"
+#include "tests/temp_dir.h"
 
 namespace ferry {
 namespace {
@@ -54,20 +55,9 @@ const TensorDiff& Find(const DiffReport& r, const std::string& name) {
   return none;
 }
 
-class TempDir {
+class TempDir : public testing::ScopedTempDir {
  public:
-  TempDir() {
-    std::string tmpl = (fs::path(::testing::TempDir()) / "ferry_diff_XXXXXX").string();
-    path_ = ::mkdtemp(tmpl.data());
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path_, ec);
-  }
-  const fs::path& path() const { return path_; }
-
- private:
-  fs::path path_;
+  TempDir() : ScopedTempDir("ferry_diff_") {}
 };
 
 void WriteSafetensors(const fs::path& dir, const std::map<std::string, Tensor>& tensors, uint64_t max_shard_bytes) {

@@ -82,8 +82,8 @@ Status LoraAdapter::Bind(const CausalLM& model) {
   binding_.layers.assign(static_cast<size_t>(model.num_layers()), {});
   binding_.lm_head = nullptr;
   for (int i = 0; i < model.num_layers(); ++i) {
-    for (int p = 0; p < kNumProj; ++p) {
-      auto it = modules_.find(model.layer_linear(i, static_cast<Proj>(p)).name);
+    for (Proj p : kAllProj) {
+      auto it = modules_.find(model.layer_linear(i, p).name);
       if (it != modules_.end()) binding_.layers[static_cast<size_t>(i)][static_cast<size_t>(p)] = &it->second;
     }
   }

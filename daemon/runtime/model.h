@@ -12,7 +12,7 @@
 // (no fused kernel: LibTorch 1.13 has none on the CPU): scores = q k^T / sqrt(d) in the compute
 // dtype, masked with the dtype's lowest value, softmax in fp32, cast back, times v. GQA groups
 // query heads per KV head by reshaping (no repeat of K/V). Queries are processed in chunks so
-// memory grows linearly with the context, not quadratically.
+// memory grows linearly with the context, not quadratically (attention.h).
 //
 // Weights are views, never copies, where the device and dtype allow: a model directory's
 // safetensors stay memory-mapped (read-only pages), a sync Snapshot's buffers are used in place.
@@ -25,6 +25,12 @@
 //
 // Thread-safety: a CausalLM is immutable after load; concurrent forwards are safe (each with
 // its own KvCache).
+//
+// Files, one block each as vLLM's model files read: model.h this API; model.cpp the forward
+// (linear layer, attention block, MLP, decoder layer, model, lm_head); weight_loader.cpp the
+// loading (checkpoint -> tensors); attention.h the attention backend and its custom autograd
+// product; kv_cache.h the cache; fused_ops.h the single-node LoRA linear, RMSNorm and RoPE;
+// model_internal.h the decoder layer's weights, shared by model.cpp and weight_loader.cpp.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -40,15 +46,20 @@
 
 #include "core/checkpoint.h"
 #include "core/status.h"
+#include "daemon/runtime/attention.h"
+#include "daemon/runtime/kv_cache.h"
 #include "daemon/runtime/model_config.h"
 #include "daemon/runtime/quant4.h"
 #include "kernels/skinny_gemm.h"
 
 namespace ferry::runtime {
 
-// The seven projections of a decoder layer, in this order.
+// The seven projections of a decoder layer, in this order (kAllProj); they index a layer's
+// linears (CausalLM::layer_linear) and a LoraBinding's modules.
 enum class Proj : int { kQ = 0, kK, kV, kO, kGate, kUp, kDown };
 inline constexpr int kNumProj = 7;
+inline constexpr std::array<Proj, kNumProj> kAllProj = {Proj::kQ,    Proj::kK,  Proj::kV,   Proj::kO,
+                                                        Proj::kGate, Proj::kUp, Proj::kDown};
 // "self_attn.q_proj", ..., "mlp.down_proj".
 std::string_view ProjName(Proj p);
 
@@ -73,38 +84,6 @@ struct LoraModule {
 struct LoraBinding {
   std::vector<std::array<const LoraModule*, kNumProj>> layers;
   const LoraModule* lm_head = nullptr;
-};
-
-// Keys and values of every layer for `batch` sequences and up to `capacity` positions,
-// preallocated once and written in place: a decode step never grows or copies the cache.
-// Slot s of row b holds that row's s-th token (rows are left-padded to a common start).
-class KvCache {
- public:
-  KvCache() = default;
-  // REQUIRES: batch >= 1, capacity >= 1.
-  KvCache(const ModelConfig& config, int64_t batch, int64_t capacity, at::ScalarType dtype, const at::Device& device);
-
-  int64_t batch() const { return batch_; }
-  int64_t capacity() const { return capacity_; }
-  int64_t length() const { return length_; }  // slots filled
-  // [batch, capacity] bool: slot holds a real token (not padding).
-  const at::Tensor& valid() const { return valid_; }
-  at::Tensor& key(int layer) { return keys_[static_cast<size_t>(layer)]; }      // [B, nKV, capacity, D]
-  at::Tensor& value(int layer) { return values_[static_cast<size_t>(layer)]; }  // [B, nKV, capacity, D]
-
-  // Marks `t` new slots filled; `valid` [B, t] says which are real tokens. REQUIRES: room.
-  void Append(const at::Tensor& valid);
-  // Forgets everything (keeps the memory).
-  void Clear();
-  // Keeps only `rows` (a long tensor of row indices, repeats allowed) in that order: copies the
-  // filled slots into a cache of rows.size(0) rows and the same capacity.
-  KvCache Select(const at::Tensor& rows) const;
-  int64_t bytes() const;
-
- private:
-  int64_t batch_ = 0, capacity_ = 0, length_ = 0;
-  std::vector<at::Tensor> keys_, values_;
-  at::Tensor valid_;
 };
 
 struct ModelOptions {
@@ -214,8 +193,7 @@ class CausalLM {
   ModelConfig config_;
   at::Device device_ = at::kCPU;
   at::ScalarType dtype_ = at::kFloat;
-  int64_t attention_chunk_ = 1024;
-  int64_t small_attention_product_ = 4096;
+  AttentionOptions attention_;
   int64_t skinny_linear_rows_ = 0;
   bool fused_ = false;
   std::shared_ptr<const void> keep_alive_;

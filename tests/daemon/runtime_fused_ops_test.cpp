@@ -1,14 +1,18 @@
 // daemon/runtime/fused_ops.h against the LibTorch compositions they replace, their gradients
 // from LibTorch's own autograd: the LoRA linear in double (the same products, so nearly exact)
 // and in float, RMSNorm against transformers' formula computed in double, the few-row linear
-// against at::linear in double.
+// against at::linear in double; the attention backend (attention.h) against transformers' eager
+// attention in double, on both of its product paths, forward and backward.
 #include <gtest/gtest.h>
 
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
 
+#include <cmath>
+#include <limits>
 #include <vector>
 
+#include "daemon/runtime/attention.h"
 #include "daemon/runtime/fused_ops.h"
 #include "kernels/skinny_gemm.h"
 
@@ -192,6 +196,52 @@ TEST(RotaryTest, SameBitsAsTransformersFormulaForwardAndBackward) {
   // BF16 takes LibTorch's ops: the same formula in BF16.
   const at::Tensor xb = x0.to(at::kBFloat16), cb = cos.to(at::kBFloat16), sb = sin.to(at::kBFloat16);
   EXPECT_TRUE(at::equal(Rotary(xb, cb, sin_signed.to(at::kBFloat16)), xb * cb + RotateHalf(xb) * sb));
+}
+
+// transformers' eager attention with the KV heads repeated, for q [B, T, nH, D], k and v
+// [B, nKV, S, D] and blocked [B, 1, 1, T, S]: [B, T, nH * D].
+at::Tensor EagerAttention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& blocked) {
+  const int64_t B = q.size(0), T = q.size(1), nH = q.size(2), D = q.size(3), S = k.size(2);
+  const at::Tensor kk = k.repeat_interleave(nH / k.size(1), 1), vv = v.repeat_interleave(nH / k.size(1), 1);
+  at::Tensor scores = at::matmul(q.transpose(1, 2), kk.transpose(-1, -2)) / std::sqrt(static_cast<double>(D));
+  scores = scores.masked_fill(blocked.view({B, 1, T, S}), -std::numeric_limits<double>::infinity());
+  return at::matmul(at::softmax(scores, -1), vv).transpose(1, 2).reshape({B, T, nH * D});
+}
+
+TEST(AttentionTest, BothProductPathsAndChunksEqualEagerAttentionForwardAndBackward) {
+  at::manual_seed(8);
+  const int64_t B = 2, T = 5, nH = 4, nKV = 2, D = 8;
+  const std::vector<at::Tensor> inputs = {at::randn({B, T, nH, D}), at::randn({B, nKV, T, D}),
+                                          at::randn({B, nKV, T, D})};
+  const at::Tensor dy = at::randn({B, T, nH * D});
+  // Causal, and row 0's key 1 is padding.
+  at::Tensor blocked = at::ones({T, T}).triu(1).to(at::kBool).expand({B, T, T}).clone();
+  blocked[0].select(1, 1).fill_(true);
+  blocked = blocked.view({B, 1, 1, T, T});
+  auto run = [&](bool reference, const AttentionOptions& o) {
+    std::vector<at::Tensor> in;
+    for (const at::Tensor& t : inputs) in.push_back((reference ? t.to(at::kDouble) : t.clone()).requires_grad_(true));
+    const at::Tensor y = reference ? EagerAttention(in[0], in[1], in[2], blocked)
+                                   : ScaledDotProductAttention(in[0], in[1], in[2], blocked, o);
+    (y * (reference ? dy.to(at::kDouble) : dy)).sum().backward();
+    return std::vector<at::Tensor>{y.detach(), in[0].grad(), in[1].grad(), in[2].grad()};
+  };
+  const std::vector<at::Tensor> want = run(true, {});
+  const char* names[] = {"y", "dq", "dk", "dv"};
+  for (const int64_t small : {int64_t{0}, int64_t{1} << 40}) {  // every product on bmm; every one as loops
+    for (const int64_t chunk : {int64_t{1024}, int64_t{2}}) {
+      const std::vector<at::Tensor> got = run(false, {.query_chunk = chunk, .small_product = small});
+      for (size_t i = 0; i < got.size(); ++i) {
+        EXPECT_LT(MaxRelError(got[i], want[i]), 1e-5) << names[i] << " small " << small << " chunk " << chunk;
+      }
+      at::NoGradGuard no_grad;  // generation: the bmm split across threads
+      EXPECT_LT(MaxRelError(ScaledDotProductAttention(inputs[0], inputs[1], inputs[2], blocked,
+                                                      {.query_chunk = chunk, .small_product = small}),
+                            want[0]),
+                1e-5)
+          << "no grad, small " << small << " chunk " << chunk;
+    }
+  }
 }
 
 }  // namespace

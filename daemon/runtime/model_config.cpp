@@ -144,8 +144,16 @@ Status ParseQuantization(const json& j, const Fields& f, ModelConfig& c) {
   if (it == j.end() || it->is_null()) return Status::OK();
   const json& q = *it;
   if (!q.is_object()) return f.Bad("quantization_config", "must be an object");
-  const std::string method = q.value("quant_method", std::string());
-  const bool load_4bit = q.value("load_in_4bit", false);
+  std::string method;
+  if (auto m = q.find("quant_method"); m != q.end() && !m->is_null()) {
+    if (!m->is_string()) return f.Bad("quantization_config.quant_method", "must be a string");
+    method = m->get<std::string>();
+  }
+  bool load_4bit = false;
+  if (auto l = q.find("load_in_4bit"); l != q.end() && !l->is_null()) {
+    if (!l->is_boolean()) return f.Bad("quantization_config.load_in_4bit", "must be true or false");
+    load_4bit = l->get<bool>();
+  }
   if (method != "bitsandbytes" || !load_4bit) {
     return f.Bad(
         "quantization_config.quant_method",

@@ -252,6 +252,20 @@ TEST(RuntimeModel, RefusesAnUnknownLayerTypeAndAnotherActivation) {
   EXPECT_NE(act.status().message().find("'hidden_act' is 'gelu'"), std::string::npos);
 }
 
+TEST(RuntimeModel, AQuantizationConfigFieldOfTheWrongTypeIsCorruption) {
+  // nlohmann's value() threw type_error out of the parser for these (found writing the fuzz target).
+  const std::string base = R"({"model_type": "llama", "vocab_size": 8, "hidden_size": 8,
+      "intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": 2, "quantization_config": )";
+  auto method = ParseModelConfig(base + R"({"quant_method": 4, "load_in_4bit": true}})", "config.json");
+  ASSERT_FALSE(method.ok());
+  EXPECT_EQ(method.status().code(), StatusCode::kCorruption);
+  EXPECT_EQ(method.status().message(), "config.json: field 'quantization_config.quant_method' must be a string");
+  auto load = ParseModelConfig(base + R"({"quant_method": "bitsandbytes", "load_in_4bit": "yes"}})", "config.json");
+  ASSERT_FALSE(load.ok());
+  EXPECT_EQ(load.status().code(), StatusCode::kCorruption);
+  EXPECT_EQ(load.status().message(), "config.json: field 'quantization_config.load_in_4bit' must be true or false");
+}
+
 TEST(RuntimeModel, QwenSlidingWindowFollowsUseSlidingWindowAndMaxWindowLayers) {
   const std::string base = R"({"model_type": "qwen2", "vocab_size": 8, "hidden_size": 8,
       "intermediate_size": 8, "num_hidden_layers": 3, "num_attention_heads": 2, "sliding_window": 4,

@@ -6,7 +6,7 @@
 #include <utility>
 #include <zmq.hpp>
 
-#include "daemon/control/server.h"
+#include "daemon/control/endpoint.h"
 
 namespace ferry::control {
 namespace {

@@ -18,7 +18,7 @@ namespace ferry::control {
 struct ControlClientOptions {
   // The run directory: the default endpoint's directory, and named in errors.
   std::filesystem::path run_dir;
-  // Where ferryd listens. Default: "" = ipc://DIR/.ferryd/control (ControlSocketPath).
+  // Where ferryd listens. Default: "" = ipc://DIR/.ferryd/control (endpoint.h).
   std::string endpoint;
   // CURVE client keypair plus the server's public key; needed for tcp://. Default: none.
   std::optional<sync::CurveOptions> curve;

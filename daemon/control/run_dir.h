@@ -2,7 +2,7 @@
 //
 // Layout (ferryd writes it; `ferryd train --dir DIR`):
 //   DIR/ferryd.lock        flock + pid of the running ferryd (daemon/control/run_lock.h)
-//   DIR/.ferryd/control    the control socket (mode 0700 directory; daemon/control/server.h)
+//   DIR/.ferryd/control    the control socket (mode 0700 directory; daemon/control/endpoint.h)
 //   DIR/ferryd.log         stdout and stderr of a detached ferryd (`ferry daemon start --detach`)
 //   DIR/metrics.jsonl      one JSON object per logged step: step, TRL metric names (reward,
 //                          reward_std, kl, entropy, completions/mean_length, learning_rate,

@@ -15,20 +15,12 @@ namespace {
 namespace fs = std::filesystem;
 
 constexpr std::string_view kZapDomain = "ferry-control";
-constexpr std::string_view kSocketDir = ".ferryd";
-constexpr std::string_view kSocketName = "control";
 // Frames beyond the envelope that are counted but not kept (a multipart flood).
 constexpr size_t kKeptFrames = 3;
 
 zmq::message_t Frame(std::string_view s) { return zmq::message_t(s.data(), s.size()); }
 
 }  // namespace
-
-Result<std::string> ControlEndpoint(const fs::path& run_dir) {
-  return sync::PrivateIpcEndpoint(run_dir / kSocketDir, kSocketName);
-}
-
-fs::path ControlSocketPath(const fs::path& run_dir) { return run_dir / kSocketDir / kSocketName; }
 
 struct ControlServer::Impl {
   ControlHandler handler;

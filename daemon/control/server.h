@@ -10,6 +10,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/status.h"
+#include "daemon/control/endpoint.h"
 #include "daemon/control/protocol.h"
 #include "sync/endpoints.h"
 
@@ -32,14 +33,6 @@ struct ControlServerOptions {
   // handler's thread; must not block (ferryd prints it). Default: none.
   sync::RejectedKeyFn on_rejected_key;
 };
-
-// The default control endpoint of a run directory: ipc://DIR/.ferryd/control, after making
-// DIR/.ferryd private (sync::PrivateIpcEndpoint's errors: kFailedPrecondition when another
-// user owns it, kInvalidArgument when the path is too long for a Unix socket).
-[[nodiscard]] Result<std::string> ControlEndpoint(const std::filesystem::path& run_dir);
-// DIR/.ferryd/control: the socket file of the default endpoint (its presence is no proof
-// that a ferryd runs: use RunLock::Holder).
-[[nodiscard]] std::filesystem::path ControlSocketPath(const std::filesystem::path& run_dir);
 
 // A ROUTER socket served by its own thread. Every message gets exactly one reply: the
 // handler's, or an error reply for a refused request (protocol.h); a handler that throws

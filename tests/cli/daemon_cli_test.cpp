@@ -15,8 +15,8 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include "daemon/control/endpoint.h"
 #include "daemon/control/run_lock.h"
-#include "daemon/control/server.h"
 #include "tests/cli/cli_runner.h"
 #include "tests/temp_dir.h"
 

@@ -46,7 +46,6 @@
 #include "daemon/run/config.h"
 #include "daemon/run/dataset.h"
 #include "sync/endpoints.h"
-#include "sync/keys.h"
 
 namespace ferry::cli {
 namespace {
@@ -105,17 +104,9 @@ control::ControlClientOptions ClientOptionsOrFail(const Flags& f) {
     return o;
   }
   if (f.server_key.empty()) Fail("--key needs --server-key FILE (ferryd's public key)");
-  sync::CurveOptions c;
-  auto sec = sync::ReadSecretKey(f.key + ".key");
-  if (!sec.ok()) Fail(sec.status());
-  auto pub = sync::ReadPublicKey(f.key + ".pub");
-  if (!pub.ok()) Fail(pub.status());
-  auto server = sync::ReadPublicKey(f.server_key);
-  if (!server.ok()) Fail(server.status());
-  c.secret_key = *sec;
-  c.public_key = *pub;
-  c.server_public_key = *server;
-  o.curve = c;
+  auto curve = sync::LoadClientCurve(f.key, f.server_key);
+  if (!curve.ok()) Fail(curve.status());
+  o.curve = std::move(*curve);
   return o;
 }
 

@@ -26,7 +26,7 @@
 #include "cli/commands.h"
 #include "cli/output.h"
 #include "cli/store_common.h"
-#include "sync/keys.h"
+#include "sync/endpoints.h"
 #include "sync/publisher.h"
 #include "sync/receiver.h"
 #include "sync/snapshot.h"
@@ -69,25 +69,16 @@ std::optional<sync::CurveOptions> CurveOrFail(const KeyFlags& f, bool publisher)
     if (!f.server_key.empty()) Fail("--server-key needs --key");
     return std::nullopt;
   }
-  sync::CurveOptions c;
-  auto sec = sync::ReadSecretKey(f.key + ".key");
-  if (!sec.ok()) Fail(sec.status());
-  auto pub = sync::ReadPublicKey(f.key + ".pub");
-  if (!pub.ok()) Fail(pub.status());
-  c.secret_key = *sec;
-  c.public_key = *pub;
   if (publisher) {
     if (f.allow.empty()) Fail("--key needs --allow FILE (without an allow-list any client key would be accepted)");
-    auto keys = sync::ReadAllowList(f.allow);
-    if (!keys.ok()) Fail(keys.status());
-    c.allowed_keys = *keys;
-  } else {
-    if (f.server_key.empty()) Fail("--key needs --server-key FILE");
-    auto sk = sync::ReadPublicKey(f.server_key);
-    if (!sk.ok()) Fail(sk.status());
-    c.server_public_key = *sk;
+    auto c = sync::LoadServerCurve(f.key, f.allow);
+    if (!c.ok()) Fail(c.status());
+    return *c;
   }
-  return c;
+  if (f.server_key.empty()) Fail("--key needs --server-key FILE");
+  auto c = sync::LoadClientCurve(f.key, f.server_key);
+  if (!c.ok()) Fail(c.status());
+  return *c;
 }
 
 // Fails naming the flag unless both endpoints are usable with/without CURVE.

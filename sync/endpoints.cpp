@@ -36,6 +36,21 @@ Status SetCurveOption(void* socket, int option, const std::string& value, std::s
   return Status::OK();
 }
 
+// `s` with `name` in front (nothing when `name` is empty).
+Status Named(const Status& s, const std::string& name) { return name.empty() ? s : s.WithContext(name); }
+
+// Reads the keypair PREFIX.key (secret) and PREFIX.pub into `c`; errors named `name`.
+Status ReadKeyPair(const fs::path& prefix, const std::string& name, CurveOptions& c) {
+  if (prefix.empty()) return Status::InvalidArgument("CURVE: no keypair prefix given");
+  auto secret = ReadSecretKey(prefix.string() + ".key");
+  if (!secret.ok()) return Named(secret.status(), name);
+  auto pub = ReadPublicKey(prefix.string() + ".pub");
+  if (!pub.ok()) return Named(pub.status(), name);
+  c.secret_key = std::move(*secret);
+  c.public_key = std::move(*pub);
+  return Status::OK();
+}
+
 }  // namespace
 
 Status MakePrivateDirectory(const fs::path& dir) {
@@ -124,6 +139,32 @@ Status CheckCurve(const CurveOptions& c, CurveRole role) {
     if (!IsZ85Key(k)) return Status::InvalidArgument("allow-list key " + k.substr(0, 40) + ": not a Z85 public key");
   }
   return Status::OK();
+}
+
+Result<CurveOptions> LoadServerCurve(const fs::path& key_prefix, const fs::path& allow_file,
+                                     const CurveFileNames& names) {
+  if (allow_file.empty()) {
+    return Status::InvalidArgument("a CURVE server needs an allow-list (without one any client key would be accepted)");
+  }
+  CurveOptions c;
+  FERRY_RETURN_IF_ERROR(ReadKeyPair(key_prefix, names.key, c));
+  auto allowed = ReadAllowList(allow_file);
+  if (!allowed.ok()) return Named(allowed.status(), names.peer);
+  c.allowed_keys = std::move(*allowed);
+  FERRY_RETURN_IF_ERROR(CheckCurve(c, CurveRole::kServer));
+  return c;
+}
+
+Result<CurveOptions> LoadClientCurve(const fs::path& key_prefix, const fs::path& server_key_file,
+                                     const CurveFileNames& names) {
+  if (server_key_file.empty()) return Status::InvalidArgument("a CURVE client needs the server's public key file");
+  CurveOptions c;
+  FERRY_RETURN_IF_ERROR(ReadKeyPair(key_prefix, names.key, c));
+  auto server = ReadPublicKey(server_key_file);
+  if (!server.ok()) return Named(server.status(), names.peer);
+  c.server_public_key = std::move(*server);
+  FERRY_RETURN_IF_ERROR(CheckCurve(c, CurveRole::kClient));
+  return c;
 }
 
 Status SecureServerSocket(void* socket, const CurveOptions& curve, std::string_view zap_domain) {

@@ -12,7 +12,8 @@
 //              connection's User-Id to the client's key (Z85), so the server can tell which
 //              key sent a message (zmq_msg_gets(msg, "User-Id")).
 //   Anything else is refused.
-// Keys are Z85 text, 40 characters (sync/keys.h reads and writes key files).
+// Keys are Z85 text, 40 characters (sync/keys.h reads and writes key files; LoadServerCurve and
+// LoadClientCurve below read a side's keys from them).
 //
 // The socket helpers take libzmq handles as void* (zmq::socket_t::handle(),
 // zmq::context_t::handle()), so this header needs no ZeroMQ header.
@@ -80,6 +81,31 @@ enum class CurveRole { kServer, kClient };
 // admits nobody). kInvalidArgument naming the field (and, for the allow-list, the key's
 // first characters) otherwise.
 [[nodiscard]] Status CheckCurve(const CurveOptions& curve, CurveRole role);
+
+// What a caller calls the files LoadServerCurve and LoadClientCurve read (a config key such
+// as "publish.key", a flag such as "--key"): put in front of an error about that file, whose
+// message names the file itself. Empty: nothing in front.
+struct CurveFileNames {
+  std::string key;   // the keypair prefix
+  std::string peer;  // server: the allow-list file; client: the server's public key file
+};
+
+// The CURVE settings of a server, read from its key files (sync/keys.h formats): the keypair
+// PREFIX.key (secret) and PREFIX.pub, and the allow-list of client public keys in
+// `allow_file`. The result passes CheckCurve(kServer). sync/keys.h's errors, each naming its
+// file (kFailedPrecondition for a secret key others can read, kCorruption for a file that is
+// not a key or an allow-list line that is not one), with the name from `names` in front;
+// kInvalidArgument when `key_prefix` or `allow_file` is empty (without an allow-list any
+// client key would be accepted).
+[[nodiscard]] Result<CurveOptions> LoadServerCurve(const std::filesystem::path& key_prefix,
+                                                   const std::filesystem::path& allow_file,
+                                                   const CurveFileNames& names = {});
+// The CURVE settings of a client: its keypair PREFIX.key and PREFIX.pub and the server's
+// public key in `server_key_file`, which it pins. The result passes CheckCurve(kClient).
+// Errors as LoadServerCurve's.
+[[nodiscard]] Result<CurveOptions> LoadClientCurve(const std::filesystem::path& key_prefix,
+                                                   const std::filesystem::path& server_key_file,
+                                                   const CurveFileNames& names = {});
 
 // Makes the libzmq socket `socket` a CURVE server with `curve`'s keypair, its handshakes
 // decided by the ZAP handler of its context (ZapAllowList) under `zap_domain`. Call before

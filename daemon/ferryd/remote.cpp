@@ -1,7 +1,5 @@
 #include "daemon/ferryd/remote.h"
 
-#include "sync/keys.h"
-
 namespace ferry::ferryd {
 namespace {
 
@@ -19,17 +17,7 @@ Result<std::optional<sync::CurveOptions>> ServerCurve(const std::string& what, c
     return Status::InvalidArgument(what + ".key needs " + what +
                                    ".allow (without an allow-list any client key would be accepted)");
   }
-  sync::CurveOptions c;
-  auto sec = sync::ReadSecretKey(key.string() + ".key");
-  if (!sec.ok()) return sec.status().WithContext(what + ".key");
-  auto pub = sync::ReadPublicKey(key.string() + ".pub");
-  if (!pub.ok()) return pub.status().WithContext(what + ".key");
-  auto keys = sync::ReadAllowList(allow);
-  if (!keys.ok()) return keys.status().WithContext(what + ".allow");
-  c.secret_key = *sec;
-  c.public_key = *pub;
-  c.allowed_keys = *keys;
-  FERRY_RETURN_IF_ERROR(sync::CheckCurve(c, sync::CurveRole::kServer).WithContext(what));
+  FERRY_ASSIGN_OR_RETURN(sync::CurveOptions c, sync::LoadServerCurve(key, allow, {what + ".key", what + ".allow"}));
   return std::optional<sync::CurveOptions>(std::move(c));
 }
 

@@ -36,9 +36,10 @@
 
 namespace ferry::ferryd {
 
-// CURVE server options from a keypair prefix (PREFIX.key, PREFIX.pub) and an allow-list
-// file; none when `key` is empty. Errors of sync/keys.h (naming the file) with `what` ("publish",
-// "control") in front.
+// CURVE server options of the config table `what` ("publish", "control"): sync::LoadServerCurve
+// of its keypair prefix `key` and allow-list file `allow`, its errors named WHAT.key and
+// WHAT.allow; none when `key` is empty; kInvalidArgument "WHAT.key needs WHAT.allow" when
+// `allow` is.
 [[nodiscard]] Result<std::optional<sync::CurveOptions>> ServerCurve(const std::string& what,
                                                                     const std::filesystem::path& key,
                                                                     const std::filesystem::path& allow);

@@ -277,6 +277,51 @@ TEST_F(SyncCliTest, TcpWithoutKeysIsRefused) {
   EXPECT_FALSE(fs::exists(root_ / "gen"));
 }
 
+// Key flags are checked in pairs, and a key file that cannot be used is named
+// (sync::LoadServerCurve / LoadClientCurve).
+TEST_F(SyncCliTest, KeyFlagsComeInPairsAndABadKeyFileIsNamed) {
+  MakeStore();
+  ASSERT_EQ(RunFerry({"keys", "generate", "--out", (root_ / "k").string()}).exit_code, 0);
+  const std::string db = (root_ / "db").string(), key = (root_ / "k").string();
+  const std::string pub_ep = "ipc://" + (root_ / "pub").string();
+  auto publish = [&](std::vector<std::string> extra) {
+    std::vector<std::string> args = {"sync", "publish", "--db", db, "--bind", pub_ep};
+    args.insert(args.end(), extra.begin(), extra.end());
+    return RunFerry(args);
+  };
+  auto receive = [&](std::vector<std::string> extra) {
+    std::vector<std::string> args = {
+        "sync", "receive", "--once", "--connect", pub_ep, "--out", (root_ / "gen").string(), "--id", "gen-1"};
+    args.insert(args.end(), extra.begin(), extra.end());
+    return RunFerry(args);
+  };
+  auto r = publish({"--key", key});
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.err.find("--key needs --allow FILE"), std::string::npos) << r.err;
+  r = publish({"--allow", (root_ / "k.pub").string()});
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.err.find("--allow needs --key"), std::string::npos) << r.err;
+  r = receive({"--key", key});
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.err.find("--key needs --server-key FILE"), std::string::npos) << r.err;
+
+  std::ofstream(root_ / "allow") << "# receivers\nnot-a-key\n";
+  r = publish({"--key", key, "--allow", (root_ / "allow").string()});
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.err.find((root_ / "allow").string() + ":2: not a 40-character Z85 public key"), std::string::npos)
+      << r.err;
+  r = receive({"--key", key, "--server-key", (root_ / "absent.pub").string()});
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.err.find((root_ / "absent.pub").string()), std::string::npos) << r.err;
+  fs::permissions(root_ / "k.key", fs::perms::group_read, fs::perm_options::add);
+  r = receive({"--key", key, "--server-key", (root_ / "k.pub").string()});
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.err.find((root_ / "k.key").string() + ": secret key file is readable by group or others"),
+            std::string::npos)
+      << r.err;
+  EXPECT_FALSE(fs::exists(root_ / "gen"));
+}
+
 // Whether 127.0.0.1:`port` can be bound now (TCP).
 bool PortFree(uint16_t port) {
   const int fd = ::socket(AF_INET, SOCK_STREAM, 0);

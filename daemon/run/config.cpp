@@ -20,39 +20,12 @@
 namespace ferry::run {
 namespace {
 
-constexpr double kInf = std::numeric_limits<double>::infinity();
-
 // ---------------------------------------------------------------------------------
 // Names.
-
-constexpr std::string_view kLossTypes[] = {"grpo", "bnpo", "dr_grpo", "dapo"};
-// TRL 1.16 loss types ferryd does not implement.
-constexpr std::string_view kTrlOnlyLossTypes[] = {"cispo", "sapo", "luspo", "vespo"};
-constexpr std::string_view kSchedulers[] = {"linear", "cosine", "constant", "constant_with_warmup"};
-// transformers' SchedulerType values ferryd does not implement.
-// clang-format off
-constexpr std::string_view kOtherSchedulers[] = {"cosine_with_restarts",      "polynomial",
-                                                 "inverse_sqrt",              "reduce_lr_on_plateau",
-                                                 "cosine_with_min_lr",        "cosine_warmup_with_min_lr",
-                                                 "warmup_stable_decay",       "greedy"};
-// clang-format on
-constexpr std::string_view kIsModes[] = {"token_truncate", "token_mask", "sequence_truncate", "sequence_mask"};
 
 template <size_t N>
 bool In(const std::string_view (&names)[N], std::string_view s) {
   return std::find(std::begin(names), std::end(names), s) != std::end(names);
-}
-
-template <size_t N>
-std::string Quoted(const std::string_view (&names)[N]) {
-  std::string out;
-  for (size_t i = 0; i < N; ++i) {
-    if (i) out += i + 1 == N ? " or " : ", ";
-    out += '"';
-    out += names[i];
-    out += '"';
-  }
-  return out;
 }
 
 // GRPOConfig fields (trl 1.16.0) ferryd neither implements nor accepts at a neutral value:
@@ -101,83 +74,7 @@ std::string Suggest(std::string_view key, const std::vector<std::string_view>& k
 }
 
 // ---------------------------------------------------------------------------------
-// Paths.
-
-Result<std::filesystem::path> ResolvePath(Reader& rd, const toml::node& v, const std::filesystem::path& base) {
-  FERRY_ASSIGN_OR_RETURN(std::string s, rd.String(v));
-  if (s.empty()) return rd.Error("must not be empty");
-  if (s[0] == '~') return rd.Error("'~' is not expanded: write an absolute path or one relative to the config file");
-  std::filesystem::path p(s);
-  if (p.is_relative()) p = base / p;
-  return p.lexically_normal();
-}
-
-// ---------------------------------------------------------------------------------
-// Top-level keys.
-
-struct Parse {
-  RunConfig& c;
-  Reader& rd;
-  std::filesystem::path base;              // the config file's directory
-  std::set<std::string, std::less<>> set;  // top-level keys present
-  std::optional<std::vector<double>> reward_weights;
-  std::optional<double> clip_cap;  // vllm_importance_sampling_cap
-  std::optional<int64_t> generation_batch_size;
-  std::optional<int64_t> steps_per_generation;
-  std::optional<double> epsilon_high;
-  const toml::array* rewards = nullptr;
-  bool have_output_dir = false;
-  const toml::node* store = nullptr;
-};
-
-using Handler = std::function<Status(Parse&, const toml::node&)>;
-
-template <typename T>
-Status Into(Result<T> r, T& out) {
-  if (!r.ok()) return r.status();
-  out = std::move(r).value();
-  return Status::OK();
-}
-
-Status ParseDevice(Parse& p, const toml::node& v) {
-  FERRY_ASSIGN_OR_RETURN(std::string s, p.rd.String(v));
-  if (s == "cpu" || s == "cuda") {
-    p.c.device = s;
-    return Status::OK();
-  }
-  if (s.rfind("cuda:", 0) == 0 && s.size() > 5 && s.size() <= 9 &&
-      std::all_of(s.begin() + 5, s.end(), [](char ch) { return ch >= '0' && ch <= '9'; })) {
-    p.c.device = "cuda:" + std::to_string(std::stoi(s.substr(5)));
-    return Status::OK();
-  }
-  return p.rd.Error("must be \"cpu\", \"cuda\" or \"cuda:N\" (got " + Reader::Show(s) + ")");
-}
-
-Status ParseGenerationDtype(Parse& p, const toml::node& v) {
-  FERRY_ASSIGN_OR_RETURN(std::string s, p.rd.String(v));
-  for (GenerationDtype d : {GenerationDtype::kAuto, GenerationDtype::kFloat32, GenerationDtype::kBFloat16}) {
-    if (s == GenerationDtypeName(d)) {
-      p.c.generation_dtype = d;
-      return Status::OK();
-    }
-  }
-  if (s == "float16" || s == "half") {
-    return p.rd.Unsupported("\"" + s + "\" is a vLLM dtype ferryd's generator does not run (it has \"auto\", " +
-                            "\"float32\" or \"bfloat16\")");
-  }
-  return p.rd.Error("must be \"auto\", \"float32\" or \"bfloat16\" (got " + Reader::Show(s) + ")");
-}
-
-Status ParseChatTemplate(Parse& p, const toml::node& v) {
-  FERRY_ASSIGN_OR_RETURN(std::string s, p.rd.String(v));
-  for (ChatTemplate t : {ChatTemplate::kAuto, ChatTemplate::kNone, ChatTemplate::kChatML, ChatTemplate::kLlama3}) {
-    if (s == ChatTemplateName(t)) {
-      p.c.chat_template = t;
-      return Status::OK();
-    }
-  }
-  return p.rd.Error("must be \"auto\", \"none\", \"chatml\" or \"llama3\" (got " + Reader::Show(s) + ")");
-}
+// Tables read once the top-level keys are known.
 
 Status ParseStore(Parse& p, const toml::node& v) {
   if (v.is_string()) {
@@ -200,320 +97,6 @@ Status ParseStore(Parse& p, const toml::node& v) {
     }
   }
   return Status::OK();
-}
-
-// [publish] and [control]: endpoint, key, allow (and, for [publish], mode). `table` is the
-// section name used in errors.
-Status ParseEndpointTable(Parse& p, const toml::node& v, const std::string& table, std::string& endpoint,
-                          std::filesystem::path& key, std::filesystem::path& allow, std::string* mode) {
-  if (!v.is_table()) return p.rd.Error("must be a table ([" + table + "]), got " + Reader::TypeName(v));
-  const toml::table& t = *v.as_table();
-  for (auto&& [k, val] : t) {
-    Reader::Scope scope(p.rd, table + "." + std::string(k.str()));
-    if (k.str() == "endpoint") {
-      FERRY_ASSIGN_OR_RETURN(endpoint, p.rd.String(val));
-      if (!endpoint.starts_with("ipc://") && !endpoint.starts_with("tcp://")) {
-        return p.rd.Error("must be \"ipc://DIR\" or \"tcp://HOST:PORT\" (got " + Reader::Show(endpoint) + ")");
-      }
-    } else if (k.str() == "key") {
-      FERRY_ASSIGN_OR_RETURN(key, ResolvePath(p.rd, val, p.base));
-    } else if (k.str() == "allow") {
-      FERRY_ASSIGN_OR_RETURN(allow, ResolvePath(p.rd, val, p.base));
-    } else if (k.str() == "mode" && mode != nullptr) {
-      FERRY_ASSIGN_OR_RETURN(std::string m, p.rd.String(val));
-      if (m != "adapter" && m != "merged" && m != "delta") {
-        return p.rd.Error("must be \"adapter\", \"merged\" or \"delta\" (got " + Reader::Show(m) + ")");
-      }
-      *mode = m;
-    } else {
-      return p.rd.Error(std::string("unknown key (the [") + table + "] table has 'endpoint', " +
-                        (mode != nullptr ? "'mode', " : "") + "'key' and 'allow')");
-    }
-  }
-  if (key.empty() != allow.empty()) {
-    Reader::Scope scope(p.rd, table + (key.empty() ? ".allow" : ".key"));
-    return p.rd.Error(key.empty()
-                          ? "needs " + table + ".key (the CURVE keypair it admits clients with)"
-                          : "needs " + table + ".allow (without an allow-list any client key would be accepted)");
-  }
-  if (endpoint.starts_with("tcp://") && key.empty()) {
-    Reader::Scope scope(p.rd, table + ".endpoint");
-    return p.rd.Error("tcp:// needs CURVE: set " + table + ".key and " + table + ".allow");
-  }
-  return Status::OK();
-}
-
-// "logging_steps" / "save_steps": a whole number >= 1 or a ratio in (0, 1).
-Status ParseSteps(Parse& p, const toml::node& v, double& out) {
-  FERRY_ASSIGN_OR_RETURN(double x, p.rd.Float(v, {.min = 0, .min_open = true, .max = 1e12}));
-  if (x > 1 && x != std::floor(x))
-    return p.rd.Error("must be a whole number when above 1 (got " + Reader::Num(x) + ")");
-  out = x;
-  return Status::OK();
-}
-
-const std::map<std::string, Handler, std::less<>>& TopHandlers() {
-  static const auto* handlers = new std::map<std::string, Handler, std::less<>>{
-      {"model_name_or_path",
-       [](Parse& p, const toml::node& v) {
-         return Into(ResolvePath(p.rd, v, p.base), p.c.model_name_or_path);
-       }},
-      {"dataset", [](Parse& p, const toml::node& v) { return Into(ResolvePath(p.rd, v, p.base), p.c.dataset); }},
-      {"output_dir",
-       [](Parse& p, const toml::node& v) {
-         p.have_output_dir = true;
-         return Into(ResolvePath(p.rd, v, p.base), p.c.output_dir);
-       }},
-      {"threads", [](Parse& p, const toml::node& v) { return Into(p.rd.Int(v, 0, kMaxThreads), p.c.threads); }},
-      {"device", ParseDevice},
-      {"chat_template", ParseChatTemplate},
-      {"generation_dtype", ParseGenerationDtype},
-      {"store",
-       [](Parse& p, const toml::node& v) {
-         p.store = &v;
-         return Status::OK();
-       }},
-      {"publish",
-       [](Parse& p, const toml::node& v) {
-         PublishSettings& ps = p.c.publish;
-         return ParseEndpointTable(p, v, "publish", ps.endpoint, ps.key, ps.allow, &ps.mode);
-       }},
-      {"control",
-       [](Parse& p, const toml::node& v) {
-         ControlSettings& cs = p.c.control;
-         return ParseEndpointTable(p, v, "control", cs.endpoint, cs.key, cs.allow, nullptr);
-       }},
-      {"lora", [](Parse& p, const toml::node& v) { return ParseLora(p.rd, v, p.c.lora); }},
-      {"rewards",
-       [](Parse& p, const toml::node& v) {
-         if (!v.is_array()) return p.rd.Error("must be an array of tables ([[rewards]]), got " + Reader::TypeName(v));
-         p.rewards = v.as_array();
-         return Status::OK();
-       }},
-      // TrainingArguments.
-      {"learning_rate",
-       [](Parse& p, const toml::node& v) {
-         return Into(p.rd.Float(v, {.min = 0, .max = 1e6}), p.c.learning_rate);
-       }},
-      {"lr_scheduler_type",
-       [](Parse& p, const toml::node& v) -> Status {
-         FERRY_ASSIGN_OR_RETURN(std::string s, p.rd.String(v));
-         if (In(kOtherSchedulers, s)) {
-           return p.rd.Unsupported("\"" + s + "\" is a transformers scheduler ferryd does not implement (it has " +
-                                   Quoted(kSchedulers) + ")");
-         }
-         if (!In(kSchedulers, s)) {
-           return p.rd.Error("must be " + Quoted(kSchedulers) + " (got " + Reader::Show(s) + ")");
-         }
-         p.c.lr_scheduler_type = s;
-         return Status::OK();
-       }},
-      {"warmup_ratio",
-       [](Parse& p, const toml::node& v) {
-         return Into(p.rd.Float(v, {.min = 0, .max = 1}), p.c.warmup_ratio);
-       }},
-      {"warmup_steps",
-       [](Parse& p, const toml::node& v) -> Status {
-         FERRY_ASSIGN_OR_RETURN(double x, p.rd.Float(v, {.min = 0, .max = 1e12}));
-         if (x >= 1 && x != std::floor(x)) {
-           return p.rd.Error("must be a whole number of steps, or a ratio below 1 (got " + Reader::Num(x) + ")");
-         }
-         p.c.warmup_steps = x;
-         return Status::OK();
-       }},
-      {"weight_decay",
-       [](Parse& p, const toml::node& v) {
-         return Into(p.rd.Float(v, {.min = 0, .max = 1e6}), p.c.weight_decay);
-       }},
-      {"adam_beta1",
-       [](Parse& p, const toml::node& v) {
-         return Into(p.rd.Float(v, {.min = 0, .max = 1, .max_open = true}), p.c.adam_beta1);
-       }},
-      {"adam_beta2",
-       [](Parse& p, const toml::node& v) {
-         return Into(p.rd.Float(v, {.min = 0, .max = 1, .max_open = true}), p.c.adam_beta2);
-       }},
-      {"adam_epsilon",
-       [](Parse& p, const toml::node& v) {
-         return Into(p.rd.Float(v, {.min = 0, .min_open = true, .max = 1}), p.c.adam_epsilon);
-       }},
-      {"max_grad_norm",
-       [](Parse& p, const toml::node& v) {
-         return Into(p.rd.Float(v, {.min = 0, .max = 1e12}), p.c.max_grad_norm);
-       }},
-      {"num_train_epochs",
-       [](Parse& p, const toml::node& v) {
-         return Into(p.rd.Float(v, {.min = 0, .min_open = true, .max = 1e9}), p.c.num_train_epochs);
-       }},
-      {"max_steps",
-       [](Parse& p, const toml::node& v) -> Status {
-         FERRY_ASSIGN_OR_RETURN(int64_t x, p.rd.Int(v, -1, int64_t{1} << 40));
-         if (x == 0) return p.rd.Error("must be -1 (use num_train_epochs) or at least 1 (got 0)");
-         p.c.max_steps = x;
-         return Status::OK();
-       }},
-      {"logging_steps", [](Parse& p, const toml::node& v) { return ParseSteps(p, v, p.c.logging_steps); }},
-      {"save_steps", [](Parse& p, const toml::node& v) { return ParseSteps(p, v, p.c.save_steps); }},
-      {"save_total_limit",
-       [](Parse& p, const toml::node& v) -> Status {
-         FERRY_ASSIGN_OR_RETURN(int64_t x, p.rd.Int(v, 1, int64_t{1} << 40));
-         p.c.save_total_limit = x;
-         return Status::OK();
-       }},
-      {"seed",
-       [](Parse& p, const toml::node& v) {
-         return Into(p.rd.Int(v, 0, std::numeric_limits<int64_t>::max()), p.c.seed);
-       }},
-      {"shuffle_dataset", [](Parse& p, const toml::node& v) { return Into(p.rd.Bool(v), p.c.shuffle_dataset); }},
-      {"per_device_train_batch_size",
-       [](Parse& p, const toml::node& v) {
-         return Into(p.rd.Int(v, 1, kMaxBatchSize), p.c.per_device_train_batch_size);
-       }},
-      {"gradient_accumulation_steps",
-       [](Parse& p, const toml::node& v) {
-         return Into(p.rd.Int(v, 1, kMaxBatchSize), p.c.gradient_accumulation_steps);
-       }},
-      {"bf16", [](Parse& p, const toml::node& v) { return Into(p.rd.Bool(v), p.c.bf16); }},
-      {"gradient_checkpointing",
-       [](Parse& p, const toml::node& v) {
-         return Into(p.rd.Bool(v), p.c.gradient_checkpointing);
-       }},
-      // GRPOConfig.
-      {"num_generations",
-       [](Parse& p, const toml::node& v) {
-         return Into(p.rd.Int(v, 1, kMaxNumGenerations), p.c.num_generations);
-       }},
-      {"max_prompt_length",
-       [](Parse& p, const toml::node& v) -> Status {
-         FERRY_ASSIGN_OR_RETURN(int64_t x, p.rd.Int(v, 1, kMaxSequenceTokens));
-         p.c.max_prompt_length = x;
-         return Status::OK();
-       }},
-      {"max_completion_length",
-       [](Parse& p, const toml::node& v) {
-         return Into(p.rd.Int(v, 1, kMaxSequenceTokens), p.c.max_completion_length);
-       }},
-      {"generation_batch_size",
-       [](Parse& p, const toml::node& v) -> Status {
-         FERRY_ASSIGN_OR_RETURN(int64_t x, p.rd.Int(v, 1, kMaxGenerationBatchSize));
-         p.generation_batch_size = x;
-         return Status::OK();
-       }},
-      {"steps_per_generation",
-       [](Parse& p, const toml::node& v) -> Status {
-         FERRY_ASSIGN_OR_RETURN(int64_t x, p.rd.Int(v, 1, kMaxBatchSize));
-         p.steps_per_generation = x;
-         return Status::OK();
-       }},
-      {"temperature",
-       [](Parse& p, const toml::node& v) {
-         return Into(p.rd.Float(v, {.min = 0, .min_open = true, .max = 1e4}), p.c.temperature);
-       }},
-      {"top_p",
-       [](Parse& p, const toml::node& v) {
-         return Into(p.rd.Float(v, {.min = 0, .min_open = true, .max = 1}), p.c.top_p);
-       }},
-      {"top_k", [](Parse& p, const toml::node& v) { return Into(p.rd.Int(v, 0, int64_t{1} << 31), p.c.top_k); }},
-      {"beta", [](Parse& p, const toml::node& v) { return Into(p.rd.Float(v, {.min = 0, .max = 1e6}), p.c.beta); }},
-      {"num_iterations",
-       [](Parse& p, const toml::node& v) {
-         return Into(p.rd.Int(v, 1, 1 << 16), p.c.num_iterations);
-       }},
-      {"epsilon", [](Parse& p, const toml::node& v) { return Into(p.rd.Float(v, {.min = 0, .max = 1}), p.c.epsilon); }},
-      {"epsilon_high",
-       [](Parse& p, const toml::node& v) -> Status {
-         FERRY_ASSIGN_OR_RETURN(double x, p.rd.Float(v, {.min = 0, .max = 1e6}));
-         p.epsilon_high = x;
-         return Status::OK();
-       }},
-      {"delta",
-       [](Parse& p, const toml::node& v) -> Status {
-         FERRY_ASSIGN_OR_RETURN(double x, p.rd.Float(v, {.min = 1, .min_open = true, .max = 1e6}));
-         p.c.delta = x;
-         return Status::OK();
-       }},
-      {"importance_sampling_level",
-       [](Parse& p, const toml::node& v) -> Status {
-         FERRY_ASSIGN_OR_RETURN(std::string s, p.rd.String(v));
-         if (s != "token" && s != "sequence") {
-           return p.rd.Error("must be \"token\" or \"sequence\" (got " + Reader::Show(s) + ")");
-         }
-         p.c.importance_sampling_level = s;
-         return Status::OK();
-       }},
-      {"reward_weights",
-       [](Parse& p, const toml::node& v) -> Status {
-         FERRY_ASSIGN_OR_RETURN(p.reward_weights, p.rd.FloatList(v, {.min = -1e12, .max = 1e12}, kMaxRewards));
-         return Status::OK();
-       }},
-      {"scale_rewards",
-       [](Parse& p, const toml::node& v) -> Status {
-         // TRL maps True / False to "group" / "none" (GRPOConfig.__post_init__).
-         if (v.is_boolean()) {
-           p.c.scale_rewards = v.as_boolean()->get() ? "group" : "none";
-           return Status::OK();
-         }
-         if (!v.is_string()) {
-           return p.rd.Error("must be \"group\", \"batch\", \"none\", true or false (got " + Reader::TypeName(v) + ")");
-         }
-         const std::string s = v.as_string()->get();
-         if (s != "group" && s != "batch" && s != "none") {
-           return p.rd.Error("must be \"group\", \"batch\", \"none\", true or false (got " + Reader::Show(s) + ")");
-         }
-         p.c.scale_rewards = s;
-         return Status::OK();
-       }},
-      {"loss_type",
-       [](Parse& p, const toml::node& v) -> Status {
-         FERRY_ASSIGN_OR_RETURN(std::string s, p.rd.String(v));
-         if (In(kTrlOnlyLossTypes, s)) {
-           return p.rd.Unsupported("\"" + s + "\" is a TRL loss ferryd does not implement (it has " +
-                                   Quoted(kLossTypes) + ")");
-         }
-         if (!In(kLossTypes, s)) return p.rd.Error("must be " + Quoted(kLossTypes) + " (got " + Reader::Show(s) + ")");
-         p.c.loss_type = s;
-         return Status::OK();
-       }},
-      {"mask_truncated_completions",
-       [](Parse& p, const toml::node& v) {
-         return Into(p.rd.Bool(v), p.c.mask_truncated_completions);
-       }},
-      {"vllm_importance_sampling_correction",
-       [](Parse& p, const toml::node& v) {
-         return Into(p.rd.Bool(v), p.c.vllm_importance_sampling_correction);
-       }},
-      {"vllm_importance_sampling_mode",
-       [](Parse& p, const toml::node& v) -> Status {
-         FERRY_ASSIGN_OR_RETURN(std::string s, p.rd.String(v));
-         if (!In(kIsModes, s)) return p.rd.Error("must be " + Quoted(kIsModes) + " (got " + Reader::Show(s) + ")");
-         p.c.vllm_importance_sampling_mode = s;
-         return Status::OK();
-       }},
-      {"vllm_importance_sampling_clip_max",
-       [](Parse& p, const toml::node& v) -> Status {
-         // TOML has no null: inf stands for TRL's None (no upper bound).
-         FERRY_ASSIGN_OR_RETURN(double x, p.rd.Float(v, {.min = 0, .max = kInf, .allow_inf = true}));
-         p.c.vllm_importance_sampling_clip_max = std::isinf(x) ? std::nullopt : std::optional<double>(x);
-         return Status::OK();
-       }},
-      {"vllm_importance_sampling_clip_min",
-       [](Parse& p, const toml::node& v) -> Status {
-         FERRY_ASSIGN_OR_RETURN(double x, p.rd.Float(v, {.min = 0, .max = 1e12}));
-         p.c.vllm_importance_sampling_clip_min = x;
-         return Status::OK();
-       }},
-      {"vllm_importance_sampling_cap",
-       [](Parse& p, const toml::node& v) -> Status {
-         FERRY_ASSIGN_OR_RETURN(double x, p.rd.Float(v, {.min = 0, .max = 1e12}));
-         p.clip_cap = x;
-         return Status::OK();
-       }},
-      {"use_bias_correction_kl",
-       [](Parse& p, const toml::node& v) {
-         return Into(p.rd.Bool(v), p.c.use_bias_correction_kl);
-       }},
-  };
-  return *handlers;
 }
 
 // ---------------------------------------------------------------------------------
@@ -603,9 +186,10 @@ Status Resolve(Parse& p) {
                     ")");
   }
   if (c.vllm_importance_sampling_correction && !cmin && !cmax &&
-      (c.vllm_importance_sampling_mode == "token_truncate" || c.vllm_importance_sampling_mode == "sequence_truncate")) {
+      (c.vllm_importance_sampling_mode == MismatchMode::kTokenTruncate ||
+       c.vllm_importance_sampling_mode == MismatchMode::kSequenceTruncate)) {
     Reader::Scope s(rd, "vllm_importance_sampling_mode");
-    return rd.Error("\"" + c.vllm_importance_sampling_mode +
+    return rd.Error("\"" + std::string(NameOf(c.vllm_importance_sampling_mode)) +
                     "\" needs vllm_importance_sampling_clip_min or vllm_importance_sampling_clip_max");
   }
 
@@ -649,16 +233,15 @@ Status Resolve(Parse& p) {
   }
 
   // Warnings.
-  if (c.bf16 && c.device == "cpu") {
+  if (c.bf16 && !c.device.cuda) {
     Reader::Scope s(rd, "bf16");
     rd.Warn(std::string(p.set.count("bf16") ? "is true" : "is true (TRL's default)") +
             " on device \"cpu\": LibTorch's CPU bf16 matrix products are much slower than fp32 and less exact; set "
             "bf16 = false for fp32");
   }
-  if (c.importance_sampling_level == "sequence" &&
-      (c.loss_type == "bnpo" || c.loss_type == "dr_grpo" || c.loss_type == "dapo")) {
+  if (c.importance_sampling_level == ImportanceSamplingLevel::kSequence && c.loss_type != LossType::kGrpo) {
     Reader::Scope s(rd, "importance_sampling_level");
-    rd.Warn("\"sequence\" with loss_type \"" + c.loss_type +
+    rd.Warn("\"sequence\" with loss_type \"" + std::string(NameOf(c.loss_type)) +
             "\" sums per-token contributions, weighting each sequence by its length; GSPO uses loss_type \"grpo\" "
             "(TRL's warning)");
   }
@@ -676,23 +259,113 @@ Status Resolve(Parse& p) {
 
 }  // namespace
 
-std::string_view ChatTemplateName(ChatTemplate t) {
-  switch (t) {
-    case ChatTemplate::kAuto: return "auto";
-    case ChatTemplate::kNone: return "none";
-    case ChatTemplate::kChatML: return "chatml";
-    case ChatTemplate::kLlama3: return "llama3";
-  }
-  return "?";
+Result<std::filesystem::path> ResolvePath(Reader& rd, const toml::node& v, const std::filesystem::path& base) {
+  // Read in place: GCC 12 at -O2 warns (maybe-uninitialized) about a string moved out of the Result.
+  const Result<std::string> text = rd.String(v);
+  if (!text.ok()) return text.status();
+  const std::string& s = *text;
+  if (s.empty()) return rd.Error("must not be empty");
+  if (s.starts_with('~'))
+    return rd.Error("'~' is not expanded: write an absolute path or one relative to the config file");
+  std::filesystem::path p(s);
+  if (p.is_relative()) p = base / p;
+  return p.lexically_normal();
 }
 
-std::string_view GenerationDtypeName(GenerationDtype d) {
-  switch (d) {
-    case GenerationDtype::kAuto: return "auto";
-    case GenerationDtype::kFloat32: return "float32";
-    case GenerationDtype::kBFloat16: return "bfloat16";
+Status ReadEndpointTable(Parse& p, const toml::node& v, const std::string& table, std::string& endpoint,
+                         std::filesystem::path& key, std::filesystem::path& allow, sync::PublishMode* mode) {
+  if (!v.is_table()) return p.rd.Error("must be a table ([" + table + "]), got " + Reader::TypeName(v));
+  const toml::table& t = *v.as_table();
+  for (auto&& [k, val] : t) {
+    Reader::Scope scope(p.rd, table + "." + std::string(k.str()));
+    if (k.str() == "endpoint") {
+      FERRY_ASSIGN_OR_RETURN(endpoint, p.rd.String(val));
+      if (!endpoint.starts_with("ipc://") && !endpoint.starts_with("tcp://")) {
+        return p.rd.Error("must be \"ipc://DIR\" or \"tcp://HOST:PORT\" (got " + Reader::Show(endpoint) + ")");
+      }
+    } else if (k.str() == "key") {
+      FERRY_ASSIGN_OR_RETURN(key, ResolvePath(p.rd, val, p.base));
+    } else if (k.str() == "allow") {
+      FERRY_ASSIGN_OR_RETURN(allow, ResolvePath(p.rd, val, p.base));
+    } else if (k.str() == "mode" && mode != nullptr) {
+      FERRY_ASSIGN_OR_RETURN(std::string m, p.rd.String(val));
+      Result<sync::PublishMode> parsed = sync::ParsePublishMode(m);
+      if (!parsed.ok()) {
+        return p.rd.Error("must be \"adapter\", \"merged\" or \"delta\" (got " + Reader::Show(m) + ")");
+      }
+      *mode = *parsed;
+    } else {
+      return p.rd.Error(std::string("unknown key (the [") + table + "] table has 'endpoint', " +
+                        (mode != nullptr ? "'mode', " : "") + "'key' and 'allow')");
+    }
   }
-  return "?";
+  if (key.empty() != allow.empty()) {
+    Reader::Scope scope(p.rd, table + (key.empty() ? ".allow" : ".key"));
+    return p.rd.Error(key.empty()
+                          ? "needs " + table + ".key (the CURVE keypair it admits clients with)"
+                          : "needs " + table + ".allow (without an allow-list any client key would be accepted)");
+  }
+  if (endpoint.starts_with("tcp://") && key.empty()) {
+    Reader::Scope scope(p.rd, table + ".endpoint");
+    return p.rd.Error("tcp:// needs CURVE: set " + table + ".key and " + table + ".allow");
+  }
+  return Status::OK();
+}
+
+template <>
+std::span<const Spelling<ChatTemplate>> SpellingsOf() {
+  static constexpr Spelling<ChatTemplate> k[] = {{ChatTemplate::kAuto, "auto"},
+                                                 {ChatTemplate::kNone, "none"},
+                                                 {ChatTemplate::kChatML, "chatml"},
+                                                 {ChatTemplate::kLlama3, "llama3"}};
+  return k;
+}
+
+template <>
+std::span<const Spelling<GenerationDtype>> SpellingsOf() {
+  static constexpr Spelling<GenerationDtype> k[] = {{GenerationDtype::kAuto, "auto"},
+                                                    {GenerationDtype::kFloat32, "float32"},
+                                                    {GenerationDtype::kBFloat16, "bfloat16"}};
+  return k;
+}
+
+template <>
+std::span<const Spelling<LrSchedule>> SpellingsOf() {
+  static constexpr Spelling<LrSchedule> k[] = {{LrSchedule::kLinear, "linear"},
+                                               {LrSchedule::kCosine, "cosine"},
+                                               {LrSchedule::kConstant, "constant"},
+                                               {LrSchedule::kConstantWithWarmup, "constant_with_warmup"}};
+  return k;
+}
+
+template <>
+std::span<const Spelling<LossType>> SpellingsOf() {
+  static constexpr Spelling<LossType> k[] = {
+      {LossType::kGrpo, "grpo"}, {LossType::kBnpo, "bnpo"}, {LossType::kDrGrpo, "dr_grpo"}, {LossType::kDapo, "dapo"}};
+  return k;
+}
+
+template <>
+std::span<const Spelling<ScaleRewards>> SpellingsOf() {
+  static constexpr Spelling<ScaleRewards> k[] = {
+      {ScaleRewards::kGroup, "group"}, {ScaleRewards::kBatch, "batch"}, {ScaleRewards::kNone, "none"}};
+  return k;
+}
+
+template <>
+std::span<const Spelling<ImportanceSamplingLevel>> SpellingsOf() {
+  static constexpr Spelling<ImportanceSamplingLevel> k[] = {{ImportanceSamplingLevel::kToken, "token"},
+                                                            {ImportanceSamplingLevel::kSequence, "sequence"}};
+  return k;
+}
+
+template <>
+std::span<const Spelling<MismatchMode>> SpellingsOf() {
+  static constexpr Spelling<MismatchMode> k[] = {{MismatchMode::kTokenTruncate, "token_truncate"},
+                                                 {MismatchMode::kTokenMask, "token_mask"},
+                                                 {MismatchMode::kSequenceTruncate, "sequence_truncate"},
+                                                 {MismatchMode::kSequenceMask, "sequence_mask"}};
+  return k;
 }
 
 std::string_view RewardTypeName(RewardType t) {
@@ -729,18 +402,15 @@ Result<RunConfig> ParseRunConfig(std::string_view text, const std::filesystem::p
 
   Reader rd(src, &c.warnings);
   Parse p{c, rd, c.source.parent_path(), {}, {}, {}, {}, {}, {}, nullptr, false, nullptr};
-  const auto& handlers = TopHandlers();
-  std::map<std::string_view, const NeutralKey*> neutral;
-  for (const NeutralKey& k : NeutralKeys()) neutral[k.name] = &k;
+  std::map<std::string_view, const KeyInfo*> keys;
+  for (const KeyInfo& k : TopLevelKeys()) keys[k.name] = &k;
 
   for (auto&& [k, v] : root) {
     const std::string key(k.str());
     Reader::Scope scope(rd, key);
     p.set.insert(key);
-    if (auto it = handlers.find(key); it != handlers.end()) {
-      FERRY_RETURN_IF_ERROR(it->second(p, v));
-    } else if (auto nt = neutral.find(key); nt != neutral.end()) {
-      FERRY_RETURN_IF_ERROR(rd.Neutral(v, nt->second->neutral, nt->second->why));
+    if (auto it = keys.find(key); it != keys.end()) {
+      FERRY_RETURN_IF_ERROR(it->second->read(p, v));
     } else if (key == "use_cpu") {
       return rd.Unsupported("ferryd chooses its device with device = \"cpu\", \"cuda\" or \"cuda:N\"; remove it");
     } else if (key == "run_name") {
@@ -752,8 +422,7 @@ Result<RunConfig> ParseRunConfig(std::string_view text, const std::filesystem::p
       return rd.Error("unknown key: PEFT LoraConfig keys go in the [lora] table");
     } else {
       std::vector<std::string_view> known;
-      for (const auto& [name, h] : handlers) known.push_back(name);
-      for (const NeutralKey& n : NeutralKeys()) known.push_back(n.name);
+      for (const auto& [name, info] : keys) known.push_back(name);
       return rd.Error("unknown key" + Suggest(key, known));
     }
   }

@@ -39,22 +39,33 @@
 // target_modules resolve to PEFT's default for Llama, Mistral and Qwen2: ["q_proj",
 // "v_proj"]. Every reward's weight is resolved (reward_weights, or each table's weight).
 //
+// Keys. Every top-level key is one row of the table in config_keys.cpp (its type, bounds,
+// member and how it is recorded): that row alone reads and checks it, writes it into ToJson()
+// and decides whether it counts in Fingerprint(); docs/daemon.md lists each (a test checks
+// both ways). [lora] and [[rewards]] have their own readers (config_lora.cpp,
+// config_rewards.cpp).
+//
 // ToJson() writes the resolved config: every key with its value, defaults included, in the
-// fixed order of this header, keys of the TOML names. Optional values that are unset are
-// JSON null. Fingerprint() is the XXH3-128 (seed 0) of the compact form of that JSON, as 32
-// lowercase hex digits: equal configs (after resolution) give equal fingerprints on every
-// platform; a changed value, a moved file or a new Ferry default changes it.
+// table's order, keys of the TOML names ([publish] and [control] are operational and left
+// out). Optional values that are unset are JSON null. Fingerprint() is the XXH3-128 (seed 0)
+// of the compact form of that JSON, as 32 lowercase hex digits, except that keys added after
+// runs were made (generation_dtype) count only when set away from their default: equal
+// configs (after resolution) give equal fingerprints on every platform; a changed value, a
+// moved file or a new Ferry default changes it; fixtures/run_config/ holds configs whose
+// fingerprints earlier runs recorded.
 #pragma once
 
 #include <cstdint>
 #include <filesystem>
 #include <optional>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
 
 #include "convert/peft_config.h"
 #include "core/status.h"
+#include "sync/protocol.h"
 
 namespace ferry::run {
 
@@ -77,8 +88,6 @@ enum class ChatTemplate {
   kChatML,  // <|im_start|>role\ncontent<|im_end|>\n ... <|im_start|>assistant\n
   kLlama3,  // <|start_header_id|>role<|end_header_id|>\n\ncontent<|eot_id|> ...
 };
-// "auto" | "none" | "chatml" | "llama3".
-std::string_view ChatTemplateName(ChatTemplate t);
 
 // The dtype the co-located generator computes in (vLLM's `dtype`): the trainer's own, or another, as
 // when vLLM samples in BF16 for a trainer in F32. The snapshot the generator receives is the same either
@@ -88,8 +97,58 @@ enum class GenerationDtype {
   kFloat32,   // F32
   kBFloat16,  // BF16
 };
-// "auto" | "float32" | "bfloat16".
-std::string_view GenerationDtypeName(GenerationDtype d);
+
+// TRL's GRPO settings, parsed once when the config is read (daemon/grpo uses them as they are).
+// transformers' `lr_scheduler_type` (the four ferryd implements; daemon/grpo/lr_schedule.h).
+enum class LrSchedule { kLinear, kCosine, kConstant, kConstantWithWarmup };
+// TRL `loss_type` (daemon/grpo/grpo_math.h).
+enum class LossType { kGrpo, kBnpo, kDrGrpo, kDapo };
+// TRL `scale_rewards`: per group, over the whole batch, or not at all.
+enum class ScaleRewards { kGroup, kBatch, kNone };
+// TRL `importance_sampling_level`: per token, or per sequence (GSPO).
+enum class ImportanceSamplingLevel { kToken, kSequence };
+// TRL `vllm_importance_sampling_mode`.
+enum class MismatchMode { kTokenTruncate, kTokenMask, kSequenceTruncate, kSequenceMask };
+
+// How each enum of this file is spelled in the TOML file and the resolved JSON.
+template <typename E>
+struct Spelling {
+  E value;
+  std::string_view name;
+};
+// Every spelling of E, in the order messages list them. Defined for the enums of this file.
+template <typename E>
+std::span<const Spelling<E>> SpellingsOf();
+// `value`'s spelling ("?" for a value without one).
+template <typename E>
+std::string_view NameOf(E value) {
+  for (const Spelling<E>& s : SpellingsOf<E>()) {
+    if (s.value == value) return s.name;
+  }
+  return "?";
+}
+// The value spelled `name`; nullopt for another spelling.
+template <typename E>
+std::optional<E> FromName(std::string_view name) {
+  for (const Spelling<E>& s : SpellingsOf<E>()) {
+    if (s.name == name) return s.value;
+  }
+  return std::nullopt;
+}
+template <>
+std::span<const Spelling<ChatTemplate>> SpellingsOf();
+template <>
+std::span<const Spelling<GenerationDtype>> SpellingsOf();
+template <>
+std::span<const Spelling<LrSchedule>> SpellingsOf();
+template <>
+std::span<const Spelling<LossType>> SpellingsOf();
+template <>
+std::span<const Spelling<ScaleRewards>> SpellingsOf();
+template <>
+std::span<const Spelling<ImportanceSamplingLevel>> SpellingsOf();
+template <>
+std::span<const Spelling<MismatchMode>> SpellingsOf();
 
 // The answer answer_match and digit_match look for when a reward sets no pattern: the last
 // number in the completion (an optional minus sign, digits with optional thousands commas,
@@ -174,7 +233,7 @@ struct PublishSettings {
   // merged digest; "merged": each step's merged weights whole; "delta": only the merged
   // tensors a receiver's active version lacks (daemon/ferryd/remote.h: served from the
   // trainer's in-memory snapshots). Default: "adapter"
-  std::string mode = "adapter";
+  sync::PublishMode mode = sync::PublishMode::kAdapter;
   // CURVE keypair prefix (PREFIX.key / PREFIX.pub, `ferry keys generate`); relative to the
   // config file. Default: none
   std::filesystem::path key;
@@ -194,6 +253,15 @@ struct ControlSettings {
   std::filesystem::path allow;
 };
 
+// `device`: where the trainer and its generator compute: "cpu", "cuda" (the current CUDA
+// device) or "cuda:N" (N < 128).
+struct DeviceSpec {
+  bool cuda = false;
+  std::optional<int> index;  // with cuda: the N of "cuda:N"
+  std::string Name() const;  // "cpu", "cuda" or "cuda:N"
+  bool operator==(const DeviceSpec&) const = default;
+};
+
 // The resolved run. Field names are the TOML keys; defaults are TRL 1.16's.
 struct RunConfig {
   std::filesystem::path source;  // the config file (absolute)
@@ -203,7 +271,7 @@ struct RunConfig {
   std::filesystem::path dataset;                     // required; a JSONL file
   std::filesystem::path output_dir;                  // Default: "trainer_output"
   int64_t threads = 0;                               // LibTorch intra-op threads; 0: hardware threads. Default: 0
-  std::string device = "cpu";                        // "cpu", "cuda" or "cuda:N". Default: "cpu"
+  DeviceSpec device;                                 // Default: "cpu"
   ChatTemplate chat_template = ChatTemplate::kAuto;  // Default: "auto"
   GenerationDtype generation_dtype = GenerationDtype::kAuto;  // Default: "auto"
   StoreSettings store;
@@ -211,53 +279,52 @@ struct RunConfig {
   ControlSettings control;
 
   // --- TrainingArguments (as GRPOConfig overrides them).
-  double learning_rate = 1e-6;               // Default: 1e-6 (GRPOConfig)
-  std::string lr_scheduler_type = "linear";  // linear | cosine | constant | constant_with_warmup
-  double warmup_ratio = 0.0;                 // [0, 1]. Default: 0.0 (transformers 4.x name)
-  double warmup_steps = 0;                   // >= 0; below 1: a ratio of the total steps. Default: 0
-  double weight_decay = 0.0;                 // Default: 0.0
-  double adam_beta1 = 0.9;                   // Default: 0.9
-  double adam_beta2 = 0.999;                 // Default: 0.999
-  double adam_epsilon = 1e-8;                // Default: 1e-8
-  double max_grad_norm = 1.0;                // 0: no clipping. Default: 1.0
-  double num_train_epochs = 3.0;             // Default: 3.0
-  int64_t max_steps = -1;                    // -1: from num_train_epochs. Default: -1
-  double logging_steps = 10;                 // >= 1 (whole) or a ratio in (0, 1). Default: 10 (TRL)
-  double save_steps = 500;                   // as logging_steps. Default: 500
-  std::optional<int64_t> save_total_limit;   // Default: none (keep every checkpoint)
-  int64_t seed = 42;                         // Default: 42
-  bool shuffle_dataset = true;               // Default: true
-  int64_t per_device_train_batch_size = 8;   // completions per micro-step. Default: 8
-  int64_t gradient_accumulation_steps = 1;   // Default: 1
-  bool bf16 = true;                          // Default: true (TRL: "true if fp16 is not set")
-  bool gradient_checkpointing = true;        // Default: true (TRL)
+  double learning_rate = 1e-6;                         // Default: 1e-6 (GRPOConfig)
+  LrSchedule lr_scheduler_type = LrSchedule::kLinear;  // Default: "linear"
+  double warmup_ratio = 0.0;                           // [0, 1]. Default: 0.0 (transformers 4.x name)
+  double warmup_steps = 0;                             // >= 0; below 1: a ratio of the total steps. Default: 0
+  double weight_decay = 0.0;                           // Default: 0.0
+  double adam_beta1 = 0.9;                             // Default: 0.9
+  double adam_beta2 = 0.999;                           // Default: 0.999
+  double adam_epsilon = 1e-8;                          // Default: 1e-8
+  double max_grad_norm = 1.0;                          // 0: no clipping. Default: 1.0
+  double num_train_epochs = 3.0;                       // Default: 3.0
+  int64_t max_steps = -1;                              // -1: from num_train_epochs. Default: -1
+  double logging_steps = 10;                           // >= 1 (whole) or a ratio in (0, 1). Default: 10 (TRL)
+  double save_steps = 500;                             // as logging_steps. Default: 500
+  std::optional<int64_t> save_total_limit;             // Default: none (keep every checkpoint)
+  int64_t seed = 42;                                   // Default: 42
+  bool shuffle_dataset = true;                         // Default: true
+  int64_t per_device_train_batch_size = 8;             // completions per micro-step. Default: 8
+  int64_t gradient_accumulation_steps = 1;             // Default: 1
+  bool bf16 = true;                                    // Default: true (TRL: "true if fp16 is not set")
+  bool gradient_checkpointing = true;                  // Default: true (TRL)
 
   // --- GRPOConfig.
-  int64_t num_generations = 8;                      // >= 2. Default: 8
-  std::optional<int64_t> max_prompt_length;         // Ferry: keep the last N prompt tokens. Default: none
-  int64_t max_completion_length = 512;              // Default: 512
-  int64_t generation_batch_size = 0;                // resolved (see the top of this file)
-  int64_t steps_per_generation = 0;                 // resolved
-  double temperature = 1.0;                         // > 0. Default: 1.0
-  double top_p = 1.0;                               // (0, 1]. Default: 1.0
-  int64_t top_k = 0;                                // 0: off. Default: 0
-  double beta = 0.0;                                // KL coefficient. Default: 0.0
-  int64_t num_iterations = 1;                       // Default: 1
-  double epsilon = 0.2;                             // [0, 1]. Default: 0.2
-  double epsilon_high = 0.2;                        // resolved; Default: epsilon
-  std::optional<double> delta;                      // two-sided clipping bound. Default: none
-  std::string importance_sampling_level = "token";  // token | sequence
-  std::string scale_rewards = "group";              // group | batch | none
-  std::string loss_type = "dapo";                   // grpo | bnpo | dr_grpo | dapo
-  bool mask_truncated_completions = false;          // Default: false
+  int64_t num_generations = 8;               // >= 2. Default: 8
+  std::optional<int64_t> max_prompt_length;  // Ferry: keep the last N prompt tokens. Default: none
+  int64_t max_completion_length = 512;       // Default: 512
+  int64_t generation_batch_size = 0;         // resolved (see the top of this file)
+  int64_t steps_per_generation = 0;          // resolved
+  double temperature = 1.0;                  // > 0. Default: 1.0
+  double top_p = 1.0;                        // (0, 1]. Default: 1.0
+  int64_t top_k = 0;                         // 0: off. Default: 0
+  double beta = 0.0;                         // KL coefficient. Default: 0.0
+  int64_t num_iterations = 1;                // Default: 1
+  double epsilon = 0.2;                      // [0, 1]. Default: 0.2
+  double epsilon_high = 0.2;                 // resolved; Default: epsilon
+  std::optional<double> delta;               // two-sided clipping bound. Default: none
+  ImportanceSamplingLevel importance_sampling_level = ImportanceSamplingLevel::kToken;  // Default: "token"
+  ScaleRewards scale_rewards = ScaleRewards::kGroup;                                    // Default: "group"
+  LossType loss_type = LossType::kDapo;                                                 // Default: "dapo"
+  bool mask_truncated_completions = false;                                              // Default: false
   // TRL's vLLM importance-sampling correction; in Ferry it corrects the mismatch between
   // ferryd's co-located generator and its trainer.
-  bool vllm_importance_sampling_correction = true;  // Default: true
-  std::string vllm_importance_sampling_mode =
-      "sequence_mask";  // token_truncate | token_mask | sequence_truncate | sequence_mask
-  std::optional<double> vllm_importance_sampling_clip_max = 3.0;  // Default: 3.0; inf: none
-  std::optional<double> vllm_importance_sampling_clip_min;        // Default: none
-  bool use_bias_correction_kl = true;                             // Default: true (trl 1.16)
+  bool vllm_importance_sampling_correction = true;                           // Default: true
+  MismatchMode vllm_importance_sampling_mode = MismatchMode::kSequenceMask;  // Default: "sequence_mask"
+  std::optional<double> vllm_importance_sampling_clip_max = 3.0;             // Default: 3.0; inf: none
+  std::optional<double> vllm_importance_sampling_clip_min;                   // Default: none
+  bool use_bias_correction_kl = true;                                        // Default: true (trl 1.16)
 
   // --- PEFT and rewards.
   LoraSettings lora;

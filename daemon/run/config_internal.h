@@ -5,14 +5,17 @@
 
 #include <cstdint>
 #include <filesystem>
+#include <functional>
 #include <limits>
 #include <optional>
+#include <set>
 #include <span>
 #include <string>
 #include <string_view>
 #include <vector>
 
 #include <toml++/toml.h>
+#include <nlohmann/json.hpp>
 
 #include "core/status.h"
 #include "daemon/run/config.h"
@@ -35,15 +38,6 @@ struct NeutralValue {
   // TRL's default is None; `v` has the same effect and is accepted.
   static NeutralValue NoneOrFloat(double v) { return {Kind::kNoneOrFloat, false, v, {}}; }
 };
-
-struct NeutralKey {
-  std::string_view name;
-  NeutralValue neutral;
-  std::string_view why;  // completes "ferryd ..."
-};
-
-// TRL keys accepted only at their neutral value, in the order ToJson writes them.
-std::span<const NeutralKey> NeutralKeys();
 
 // True when `s` is valid UTF-8 without C0/C1 control characters or DEL.
 bool IsPrintableUtf8(std::string_view s);
@@ -104,6 +98,75 @@ class Reader {
   std::string key_;
   std::vector<std::string>* warnings_;
 };
+
+// The state of one parse: the config being filled, and what top-level keys set that is
+// resolved only once every key has been read (Resolve in config.cpp).
+struct Parse {
+  RunConfig& c;
+  Reader& rd;
+  std::filesystem::path base;              // the config file's directory
+  std::set<std::string, std::less<>> set;  // top-level keys present
+  std::optional<std::vector<double>> reward_weights;
+  std::optional<double> clip_cap;  // vllm_importance_sampling_cap
+  std::optional<int64_t> generation_batch_size;
+  std::optional<int64_t> steps_per_generation;
+  std::optional<double> epsilon_high;
+  const toml::array* rewards = nullptr;
+  bool have_output_dir = false;
+  const toml::node* store = nullptr;
+};
+
+// One top-level key of the run config (config_keys.cpp holds the table; its top says how to
+// add one). The row alone drives reading the key (with its messages), the resolved JSON
+// (RunConfig::ToJson, in table order) and the fingerprint; the docs test walks it.
+struct KeyInfo {
+  using Read = std::function<Status(Parse&, const toml::node&)>;
+  using Value = std::function<nlohmann::ordered_json(const RunConfig&)>;
+  using AtDefault = std::function<bool(const RunConfig&)>;
+  // How ToJson and Fingerprint treat the key.
+  enum class Record {
+    kAlways,         // in both
+    kUnlessDefault,  // in ToJson; in Fingerprint only when set away from its default (a key
+                     // added after runs were made: their checkpoints still match)
+    kNever,          // in neither (operational settings, a deprecated alias)
+  };
+  std::string_view name;
+  Record record = Record::kAlways;
+  std::vector<std::string_view> subkeys;  // a table's keys ([store], [publish], [control])
+  Read read;                              // checks the value and stores it (or defers it)
+  Value value;                            // the resolved value
+  AtDefault at_default;                   // true when the resolved value is the default
+};
+
+// Every top-level key, in the order ToJson writes them.
+std::span<const KeyInfo> TopLevelKeys();
+
+// `"a", "b" or "c"`: E's spellings as messages list them.
+template <typename E>
+std::string QuotedSpellings() {
+  const auto names = SpellingsOf<E>();
+  std::string out;
+  for (size_t i = 0; i < names.size(); ++i) {
+    if (i) out += i + 1 == names.size() ? " or " : ", ";
+    out += '"';
+    out += names[i].name;
+    out += '"';
+  }
+  return out;
+}
+
+// A path key: not empty, no '~', relative to `base`, made lexically normal.
+Result<std::filesystem::path> ResolvePath(Reader& rd, const toml::node& v, const std::filesystem::path& base);
+
+// [publish] and [control]: endpoint, key, allow (and, for [publish], mode). `table` is the
+// section name used in errors.
+[[nodiscard]] Status ReadEndpointTable(Parse& p, const toml::node& v, const std::string& table, std::string& endpoint,
+                                       std::filesystem::path& key, std::filesystem::path& allow,
+                                       sync::PublishMode* mode);
+
+// The resolved [lora] table and one [[rewards]] table as ToJson writes them (config_json.cpp).
+nlohmann::ordered_json LoraJson(const LoraSettings& lora);
+nlohmann::ordered_json RewardJson(const RewardSpec& reward);
 
 // The [lora] table into `out` (keys "lora.*").
 [[nodiscard]] Status ParseLora(Reader& rd, const toml::node& v, LoraSettings& out);

@@ -16,11 +16,6 @@ using OJson = nlohmann::ordered_json;
 
 OJson PathJson(const std::filesystem::path& p) { return p.string(); }
 
-template <typename T>
-OJson Opt(const std::optional<T>& v) {
-  return v ? OJson(*v) : OJson(nullptr);
-}
-
 OJson SelectorJson(const ModuleSelector& s) {
   switch (s.form) {
     case ModuleSelector::Form::kNone: return nullptr;
@@ -36,6 +31,8 @@ OJson AlphaJson(double a) {
   if (a == std::floor(a) && std::fabs(a) < 1e15) return static_cast<int64_t>(a);
   return a;
 }
+
+}  // namespace
 
 OJson LoraJson(const LoraSettings& l) {
   OJson j;
@@ -97,81 +94,17 @@ OJson RewardJson(const RewardSpec& r) {
   return j;
 }
 
-OJson NeutralJson(const NeutralValue& n) {
-  switch (n.kind) {
-    case NeutralValue::Kind::kBool: return n.b;
-    case NeutralValue::Kind::kFloat: return n.f;
-    case NeutralValue::Kind::kString: return std::string(n.s);
-    case NeutralValue::Kind::kNone:
-    case NeutralValue::Kind::kNoneOrFloat: return nullptr;
-  }
-  return nullptr;
-}
+namespace {
 
-OJson ConfigJson(const RunConfig& c) {
+// The resolved config in TopLevelKeys() order; `fingerprint`: as Fingerprint() hashes it.
+OJson ConfigJson(const RunConfig& c, bool fingerprint) {
   OJson j;
   j["ferry_run_config"] = 1;
-  j["model_name_or_path"] = PathJson(c.model_name_or_path);
-  j["dataset"] = PathJson(c.dataset);
-  j["output_dir"] = PathJson(c.output_dir);
-  j["threads"] = c.threads;
-  j["device"] = c.device;
-  j["chat_template"] = std::string(ChatTemplateName(c.chat_template));
-  j["generation_dtype"] = std::string(GenerationDtypeName(c.generation_dtype));
-  j["store"] = {{"path", PathJson(c.store.path)}, {"run", c.store.run}};
-
-  j["learning_rate"] = c.learning_rate;
-  j["lr_scheduler_type"] = c.lr_scheduler_type;
-  j["warmup_ratio"] = c.warmup_ratio;
-  j["warmup_steps"] = c.warmup_steps;
-  j["weight_decay"] = c.weight_decay;
-  j["adam_beta1"] = c.adam_beta1;
-  j["adam_beta2"] = c.adam_beta2;
-  j["adam_epsilon"] = c.adam_epsilon;
-  j["max_grad_norm"] = c.max_grad_norm;
-  j["num_train_epochs"] = c.num_train_epochs;
-  j["max_steps"] = c.max_steps;
-  j["logging_steps"] = c.logging_steps;
-  j["save_steps"] = c.save_steps;
-  j["save_total_limit"] = Opt(c.save_total_limit);
-  j["seed"] = c.seed;
-  j["shuffle_dataset"] = c.shuffle_dataset;
-  j["per_device_train_batch_size"] = c.per_device_train_batch_size;
-  j["gradient_accumulation_steps"] = c.gradient_accumulation_steps;
-  j["bf16"] = c.bf16;
-  j["gradient_checkpointing"] = c.gradient_checkpointing;
-
-  j["num_generations"] = c.num_generations;
-  j["max_prompt_length"] = Opt(c.max_prompt_length);
-  j["max_completion_length"] = c.max_completion_length;
-  j["generation_batch_size"] = c.generation_batch_size;
-  j["steps_per_generation"] = c.steps_per_generation;
-  j["temperature"] = c.temperature;
-  j["top_p"] = c.top_p;
-  j["top_k"] = c.top_k;
-  j["beta"] = c.beta;
-  j["num_iterations"] = c.num_iterations;
-  j["epsilon"] = c.epsilon;
-  j["epsilon_high"] = c.epsilon_high;
-  j["delta"] = Opt(c.delta);
-  j["importance_sampling_level"] = c.importance_sampling_level;
-  j["scale_rewards"] = c.scale_rewards;
-  j["loss_type"] = c.loss_type;
-  j["mask_truncated_completions"] = c.mask_truncated_completions;
-  j["vllm_importance_sampling_correction"] = c.vllm_importance_sampling_correction;
-  j["vllm_importance_sampling_mode"] = c.vllm_importance_sampling_mode;
-  j["vllm_importance_sampling_clip_max"] = Opt(c.vllm_importance_sampling_clip_max);
-  j["vllm_importance_sampling_clip_min"] = Opt(c.vllm_importance_sampling_clip_min);
-  j["use_bias_correction_kl"] = c.use_bias_correction_kl;
-  OJson weights = OJson::array();
-  for (const RewardSpec& r : c.rewards) weights.push_back(r.weight);
-  j["reward_weights"] = weights;
-  for (const NeutralKey& k : NeutralKeys()) j[std::string(k.name)] = NeutralJson(k.neutral);
-
-  j["lora"] = LoraJson(c.lora);
-  OJson rewards = OJson::array();
-  for (const RewardSpec& r : c.rewards) rewards.push_back(RewardJson(r));
-  j["rewards"] = rewards;
+  for (const KeyInfo& k : TopLevelKeys()) {
+    if (k.record == KeyInfo::Record::kNever) continue;
+    if (fingerprint && k.record == KeyInfo::Record::kUnlessDefault && k.at_default(c)) continue;
+    j[std::string(k.name)] = k.value(c);
+  }
   return j;
 }
 
@@ -179,14 +112,14 @@ constexpr auto kReplace = nlohmann::json::error_handler_t::replace;
 
 }  // namespace
 
-std::string RunConfig::ToJson() const { return ConfigJson(*this).dump(2, ' ', false, kReplace) + "\n"; }
+std::string RunConfig::ToJson() const {
+  return ConfigJson(*this, /*fingerprint=*/false).dump(2, ' ', false, kReplace) + "\n";
+}
 
 std::string RunConfig::Fingerprint() const {
-  OJson j = ConfigJson(*this);
   // Keys added after runs were made count only when set away from their default, so a run made
   // before them still resumes (its checkpoints hold the fingerprint without them).
-  if (generation_dtype == GenerationDtype::kAuto) j.erase("generation_dtype");
-  const std::string text = j.dump(-1, ' ', false, kReplace);
+  const std::string text = ConfigJson(*this, /*fingerprint=*/true).dump(-1, ' ', false, kReplace);
   const kernels::Hash128 h = kernels::Xxh3_128(text.data(), text.size());
   static const char* hex = "0123456789abcdef";
   std::string out(32, '0');

@@ -10,24 +10,6 @@
 namespace ferry::run {
 namespace {
 
-const NeutralKey kNeutralKeys[] = {
-    {"use_vllm", NeutralValue::Bool(false), "generates with its own co-located generator"},
-    {"fp16", NeutralValue::Bool(false), "computes in fp32, or bf16 with bf16 = true"},
-    {"use_liger_kernel", NeutralValue::Bool(false), "has no Liger kernels"},
-    {"disable_dropout", NeutralValue::Bool(false), "does not implement disable_dropout (set lora.lora_dropout = 0)"},
-    {"cast_lm_head_to_fp32", NeutralValue::Bool(false), "does not implement cast_lm_head_to_fp32"},
-    {"remove_unused_columns", NeutralValue::Bool(false), "always keeps every dataset field for the rewards"},
-    {"sync_ref_model", NeutralValue::Bool(false), "does not implement reference-model syncing (TR-DPO)"},
-    {"use_adaptive_entropy", NeutralValue::Bool(false), "has no entropy bonus"},
-    {"entropy_coef", NeutralValue::Float(0.0), "has no entropy bonus"},
-    {"top_entropy_quantile", NeutralValue::Float(1.0), "does not mask tokens by entropy"},
-    {"repetition_penalty", NeutralValue::Float(1.0), "samples without a repetition penalty"},
-    {"min_p", NeutralValue::NoneOrFloat(0.0), "samples without min-p filtering"},
-    {"off_policy_mask_threshold", NeutralValue::None(), "does not implement off-policy sequence masking"},
-    {"multi_objective_aggregation", NeutralValue::String("sum_then_normalize"),
-     "aggregates rewards as TRL's default \"sum_then_normalize\" only"},
-};
-
 std::string RangeText(const Reader::Range& r) {
   const bool has_min = r.min > -std::numeric_limits<double>::max();
   const bool has_max = !r.allow_inf && r.max < std::numeric_limits<double>::max();
@@ -41,8 +23,6 @@ std::string RangeText(const Reader::Range& r) {
 }
 
 }  // namespace
-
-std::span<const NeutralKey> NeutralKeys() { return kNeutralKeys; }
 
 bool IsPrintableUtf8(std::string_view s) {
   size_t i = 0;

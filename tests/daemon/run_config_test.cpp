@@ -1,11 +1,16 @@
 #include "daemon/run/config.h"
 
 #include <cmath>
+#include <fstream>
+#include <regex>
+#include <set>
+#include <sstream>
 #include <string>
 
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include "daemon/run/config_internal.h"
 #include "tests/daemon/run_test_util.h"
 
 namespace ferry::run {
@@ -53,24 +58,24 @@ void ExpectKeyError(const std::string& text, StatusCode code, const std::string&
 TEST(RunConfigTest, DefaultsAreTrls) {
   const RunConfig c = MustParse(Cfg());
   // --- GRPOConfig (grpo_config.py)
-  EXPECT_EQ(c.learning_rate, 1e-6);                             // l.423 (overrides TrainingArguments' 5e-5)
-  EXPECT_EQ(c.num_generations, 8);                              // l.480
-  EXPECT_EQ(c.max_completion_length, 512);                      // l.494
-  EXPECT_TRUE(c.shuffle_dataset);                               // l.507
-  EXPECT_EQ(c.temperature, 1.0);                                // l.532
-  EXPECT_EQ(c.top_p, 1.0);                                      // l.536
-  EXPECT_EQ(c.top_k, 0);                                        // l.543
-  EXPECT_EQ(c.beta, 0.0);                                       // l.681
-  EXPECT_EQ(c.num_iterations, 1);                               // l.689
-  EXPECT_EQ(c.epsilon, 0.2);                                    // l.693
-  EXPECT_FALSE(c.delta.has_value());                            // l.697 (None)
-  EXPECT_EQ(c.epsilon_high, 0.2);                               // l.705 (None = epsilon)
-  EXPECT_EQ(c.importance_sampling_level, "token");              // l.760
-  EXPECT_EQ(c.scale_rewards, "group");                          // l.789
-  EXPECT_EQ(c.loss_type, "dapo");                               // l.801
-  EXPECT_FALSE(c.mask_truncated_completions);                   // l.836
-  EXPECT_TRUE(c.vllm_importance_sampling_correction);           // l.925
-  EXPECT_EQ(c.vllm_importance_sampling_mode, "sequence_mask");  // l.934
+  EXPECT_EQ(c.learning_rate, 1e-6);                                     // l.423 (overrides TrainingArguments' 5e-5)
+  EXPECT_EQ(c.num_generations, 8);                                      // l.480
+  EXPECT_EQ(c.max_completion_length, 512);                              // l.494
+  EXPECT_TRUE(c.shuffle_dataset);                                       // l.507
+  EXPECT_EQ(c.temperature, 1.0);                                        // l.532
+  EXPECT_EQ(c.top_p, 1.0);                                              // l.536
+  EXPECT_EQ(c.top_k, 0);                                                // l.543
+  EXPECT_EQ(c.beta, 0.0);                                               // l.681
+  EXPECT_EQ(c.num_iterations, 1);                                       // l.689
+  EXPECT_EQ(c.epsilon, 0.2);                                            // l.693
+  EXPECT_FALSE(c.delta.has_value());                                    // l.697 (None)
+  EXPECT_EQ(c.epsilon_high, 0.2);                                       // l.705 (None = epsilon)
+  EXPECT_EQ(NameOf(c.importance_sampling_level), "token");              // l.760
+  EXPECT_EQ(NameOf(c.scale_rewards), "group");                          // l.789
+  EXPECT_EQ(NameOf(c.loss_type), "dapo");                               // l.801
+  EXPECT_FALSE(c.mask_truncated_completions);                           // l.836
+  EXPECT_TRUE(c.vllm_importance_sampling_correction);                   // l.925
+  EXPECT_EQ(NameOf(c.vllm_importance_sampling_mode), "sequence_mask");  // l.934
   EXPECT_EQ(c.vllm_importance_sampling_clip_max, std::optional<double>(3.0));  // l.947
   EXPECT_FALSE(c.vllm_importance_sampling_clip_min.has_value());               // l.955 (None)
   EXPECT_TRUE(c.use_bias_correction_kl);                                       // l.972 (True since 1.16)
@@ -88,7 +93,7 @@ TEST(RunConfigTest, DefaultsAreTrls) {
   EXPECT_EQ(c.per_device_train_batch_size, 8);                            // l.777
   EXPECT_EQ(c.num_train_epochs, 3.0);                                     // l.778
   EXPECT_EQ(c.max_steps, -1);                                             // l.779
-  EXPECT_EQ(c.lr_scheduler_type, "linear");                               // l.788
+  EXPECT_EQ(NameOf(c.lr_scheduler_type), "linear");                       // l.788
   EXPECT_EQ(c.warmup_steps, 0);                                           // l.798
   EXPECT_EQ(c.warmup_ratio, 0.0);                // transformers 4.x; removed in 5 (warmup_steps < 1 is a ratio)
   EXPECT_EQ(c.weight_decay, 0.0);                // l.822
@@ -117,7 +122,7 @@ TEST(RunConfigTest, DefaultsAreTrls) {
   // --- Ferry's own
   EXPECT_EQ(c.threads, 0);
   EXPECT_GE(ResolvedThreads(c), 1);
-  EXPECT_EQ(c.device, "cpu");
+  EXPECT_EQ(c.device.Name(), "cpu");
   EXPECT_EQ(c.chat_template, ChatTemplate::kAuto);
   EXPECT_EQ(c.generation_dtype, GenerationDtype::kAuto);
   EXPECT_EQ(c.store.path, std::filesystem::path("/cfg/trainer_output/store"));
@@ -199,7 +204,7 @@ TEST(RunConfigTest, StoreDefaultsUnderOutputDirAndAcceptsAPathString) {
 TEST(RunConfigTest, PublishAndControlTables) {
   const RunConfig d = MustParse(Cfg());
   EXPECT_EQ(d.publish.endpoint, "");
-  EXPECT_EQ(d.publish.mode, "adapter");
+  EXPECT_EQ(d.publish.mode, sync::PublishMode::kAdapter);
   EXPECT_TRUE(d.publish.key.empty());
   EXPECT_EQ(d.control.endpoint, "");
   const RunConfig c = MustParse(Cfg("",
@@ -218,8 +223,8 @@ TEST(RunConfigTest, PublishAndControlTables) {
   EXPECT_EQ(c.Fingerprint(), d.Fingerprint());
 
   // Merged and delta mode are served from the trainer's in-memory snapshots (ferryd/remote.h).
-  EXPECT_EQ(MustParse(Cfg("", "[publish]\nmode = \"merged\"\n")).publish.mode, "merged");
-  EXPECT_EQ(MustParse(Cfg("", "[publish]\nmode = \"delta\"\n")).publish.mode, "delta");
+  EXPECT_EQ(MustParse(Cfg("", "[publish]\nmode = \"merged\"\n")).publish.mode, sync::PublishMode::kMerged);
+  EXPECT_EQ(MustParse(Cfg("", "[publish]\nmode = \"delta\"\n")).publish.mode, sync::PublishMode::kDelta);
   ExpectKeyError(Cfg("", "[publish]\nmode = \"full\"\n"), StatusCode::kInvalidArgument, "publish.mode",
                  "must be \"adapter\"");
   ExpectKeyError(Cfg("", "[publish]\nendpoint = \"tcp://h:1\"\n"), StatusCode::kInvalidArgument, "publish.endpoint",
@@ -331,15 +336,15 @@ TEST(RunConfigTest, GenerationDtypeAsVllmNamesIt) {
 }
 
 TEST(RunConfigTest, DeviceNames) {
-  EXPECT_EQ(MustParse(Cfg("device = \"cuda\"")).device, "cuda");
-  EXPECT_EQ(MustParse(Cfg("device = \"cuda:01\"")).device, "cuda:1");
+  EXPECT_EQ(MustParse(Cfg("device = \"cuda\"")).device.Name(), "cuda");
+  EXPECT_EQ(MustParse(Cfg("device = \"cuda:01\"")).device.Name(), "cuda:1");
   ExpectKeyError(Cfg("device = \"cuda:\""), StatusCode::kInvalidArgument, "device");
   ExpectKeyError(Cfg("device = \"cuda:1x\""), StatusCode::kInvalidArgument, "device");
 }
 
 TEST(RunConfigTest, LossTypesAsTrlNamesThemAndFerryImplements) {
   for (const char* t : {"grpo", "bnpo", "dr_grpo", "dapo"}) {
-    EXPECT_EQ(MustParse(Cfg(std::string("loss_type = \"") + t + "\"")).loss_type, t);
+    EXPECT_EQ(NameOf(MustParse(Cfg(std::string("loss_type = \"") + t + "\"")).loss_type), t);
   }
   for (const char* t : {"cispo", "sapo", "luspo", "vespo"}) {
     ExpectKeyError(Cfg(std::string("loss_type = \"") + t + "\""), StatusCode::kUnsupported, "loss_type",
@@ -350,9 +355,9 @@ TEST(RunConfigTest, LossTypesAsTrlNamesThemAndFerryImplements) {
 }
 
 TEST(RunConfigTest, ScaleRewardsTakesTrlsBooleanAliases) {
-  EXPECT_EQ(MustParse(Cfg("scale_rewards = true")).scale_rewards, "group");
-  EXPECT_EQ(MustParse(Cfg("scale_rewards = false")).scale_rewards, "none");
-  EXPECT_EQ(MustParse(Cfg("scale_rewards = \"batch\"")).scale_rewards, "batch");
+  EXPECT_EQ(NameOf(MustParse(Cfg("scale_rewards = true")).scale_rewards), "group");
+  EXPECT_EQ(NameOf(MustParse(Cfg("scale_rewards = false")).scale_rewards), "none");
+  EXPECT_EQ(NameOf(MustParse(Cfg("scale_rewards = \"batch\"")).scale_rewards), "batch");
   ExpectKeyError(Cfg("scale_rewards = \"std\""), StatusCode::kInvalidArgument, "scale_rewards");
   // Equivalent spellings resolve to the same config.
   EXPECT_EQ(MustParse(Cfg("scale_rewards = true")).Fingerprint(), MustParse(Cfg()).Fingerprint());
@@ -767,6 +772,91 @@ TEST(RunConfigTest, LoadChecksTheFiles) {
   EXPECT_EQ(c->source, dir / "run.toml");
   WriteFile(dir / "big.toml", std::string(kMaxConfigFileBytes + 1, '#'));
   ExpectError(LoadRunConfig(dir / "big.toml").status(), StatusCode::kInvalidArgument, (dir / "big.toml").string());
+}
+
+// ---------------------------------------------------------------------------------------
+// The key table (config_keys.cpp): earlier runs' fingerprints, the docs.
+
+std::string ReadAll(const std::filesystem::path& p) {
+  std::ifstream in(p, std::ios::binary);
+  EXPECT_TRUE(in.good()) << p;
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+// fixtures/run_config/: configs and what the reader made of them before it became one table
+// (README there). A checkpoint holds its run's fingerprint: a different one would stop every
+// earlier run from resuming.
+TEST(RunConfigTest, ResolvedJsonAndFingerprintAreThoseOfEarlierRuns) {
+  const std::filesystem::path dir = std::filesystem::path(FERRY_FIXTURES_DIR) / "run_config";
+  std::istringstream golden(ReadAll(dir / "fingerprints.txt"));
+  int checked = 0;
+  for (std::string file, fingerprint; golden >> file >> fingerprint; ++checked) {
+    SCOPED_TRACE(file);
+    auto c = ParseRunConfig(ReadAll(dir / file), "/golden/run.toml");
+    ASSERT_TRUE(c.ok()) << c.status().ToString();
+    EXPECT_EQ(c->Fingerprint(), fingerprint);
+    const std::string stem = file.substr(0, file.size() - std::string(".toml").size());
+    EXPECT_EQ(c->ToJson(), ReadAll(dir / (stem + ".resolved.json")));
+  }
+  EXPECT_EQ(checked, 3);
+}
+
+// Every key of the table is in docs/daemon.md's key tables ("### Keys"), and every key there
+// is in the table: a key added is one row plus its line in the docs.
+TEST(RunConfigTest, EveryKeyIsDocumented) {
+  std::set<std::string> table;
+  for (const KeyInfo& k : TopLevelKeys()) {
+    if (k.subkeys.empty()) {
+      table.insert(std::string(k.name));
+    } else {
+      for (std::string_view sub : k.subkeys) table.insert(std::string(k.name) + "." + std::string(sub));
+    }
+  }
+  const std::string doc = ReadAll(std::filesystem::path(FERRY_FIXTURES_DIR) / ".." / "docs" / "daemon.md");
+  const size_t begin = doc.find("\n### Keys\n");
+  const size_t end = doc.find("\n### ", begin + 1);
+  ASSERT_NE(begin, std::string::npos);
+  std::istringstream lines(doc.substr(begin, end - begin));
+  std::set<std::string> documented;
+  bool lora_rows = false;  // the rows of the [lora] table are its own keys, not top-level ones
+  static const std::regex kCode("`([^`]+)`");
+  for (std::string line; std::getline(lines, line);) {
+    if (line.empty() || line[0] != '|') {
+      if (!line.empty()) lora_rows = line.rfind("`[lora]`", 0) == 0;
+      if (lora_rows) documented.insert("lora");
+      continue;
+    }
+    if (lora_rows || line.rfind("| ", 0) != 0) continue;  // [lora]'s rows, a |---| line
+    const std::string cell = line.substr(2, line.find(" |", 1) - 2);
+    std::vector<std::string> names;
+    for (std::sregex_iterator it(cell.begin(), cell.end(), kCode), e; it != e; ++it) names.push_back((*it)[1]);
+    if (names.empty()) continue;  // the header row
+    if (names.size() == 2 && names[0].front() == '[' && names[0].rfind("[[", 0) != 0) {
+      documented.insert(names[0].substr(1, names[0].size() - 2) + "." + names[1]);  // `[store]` `path`
+    } else {
+      for (std::string n : names) {
+        if (n.rfind("[[", 0) == 0) n = n.substr(2, n.size() - 4);  // `[[rewards]]`
+        documented.insert(n);
+      }
+    }
+  }
+  for (const std::string& k : table) EXPECT_TRUE(documented.count(k)) << k << " is not documented in docs/daemon.md";
+  for (const std::string& k : documented) EXPECT_TRUE(table.count(k)) << k << " is documented but not a key";
+  EXPECT_GT(table.size(), 60u);
+}
+
+// The rows' defaults are RunConfig's: a config that sets nothing is at every row's default.
+TEST(RunConfigTest, EveryRowIsAtItsDefaultWhenNothingIsSet) {
+  const RunConfig c = MustParse(Cfg());
+  for (const KeyInfo& k : TopLevelKeys()) {
+    if (k.name == "lora" || k.name == "rewards" || k.name == "model_name_or_path" || k.name == "dataset" ||
+        k.name == "output_dir") {
+      continue;  // required, or holding what Cfg() sets
+    }
+    EXPECT_TRUE(k.at_default(c)) << k.name;
+  }
 }
 
 }  // namespace

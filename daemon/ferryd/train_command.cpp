@@ -270,7 +270,6 @@ class RunControl {
 struct Serving {
   std::string publish;
   std::optional<sync::CurveOptions> publish_curve;
-  sync::PublishMode publish_mode = sync::PublishMode::kAdapter;
   std::optional<sync::CurveOptions> control_curve;
 };
 
@@ -282,7 +281,6 @@ Result<Serving> CheckServing(const TrainFlags& f, const run::RunConfig& rc) {
     FERRY_ASSIGN_OR_RETURN(e.publish_curve, ServerCurve("publish", rc.publish.key, rc.publish.allow));
     FERRY_ASSIGN_OR_RETURN(sync::Endpoints parsed, sync::ParseSyncEndpoint(e.publish));
     FERRY_RETURN_IF_ERROR(sync::CheckEndpoints(parsed, e.publish_curve.has_value()).WithContext(where));
-    FERRY_ASSIGN_OR_RETURN(e.publish_mode, sync::ParsePublishMode(rc.publish.mode));
   }
   if (!rc.control.endpoint.empty()) {
     FERRY_ASSIGN_OR_RETURN(e.control_curve, ServerCurve("control", rc.control.key, rc.control.allow));
@@ -301,7 +299,7 @@ Status RunTrain(const TrainFlags& f) {
   bool lock_file_created = false;
 
   grpo::TrainOptions o;
-  o.config = f.config;
+  o.config = config;
   o.dir = dir;
   if (f.max_steps > 0) o.max_steps = f.max_steps;
   o.claim_dir = [&](const fs::path& d) -> Status {
@@ -361,7 +359,7 @@ Status RunTrain(const TrainFlags& f) {
   first_step = trainer->step();
   RunControl control(total);
   control.Started(*trainer, first_step > 0 ? "checkpoint-" + std::to_string(first_step) : "");
-  const run::RunConfig& rc = trainer->config();
+  const run::RunConfig& rc = config;
   if (!serving.publish.empty()) {
     RemotePublisherOptions ro;
     ro.endpoint = serving.publish;
@@ -369,15 +367,16 @@ Status RunTrain(const TrainFlags& f) {
     ro.run = rc.store.run;
     ro.base_version = trainer->base_version();
     if (first_step > 0) ro.resumed = trainer->generator_snapshot();
-    ro.mode = serving.publish_mode;
+    ro.mode = rc.publish.mode;
     ro.on_rejected_key = [](const std::string& key) {
       std::fprintf(stderr, "ferryd: warning: refused a receiver with CURVE public key %s: not in [publish] allow\n",
                    key.c_str());
     };
     FERRY_ASSIGN_OR_RETURN(remote, RemotePublisher::Start(trainer->store(), std::move(ro)));
     control.SetRemote([&remote](int64_t step) { return remote->Generators(step); });
-    std::fprintf(stderr, "ferryd: publishing (mode %s) on %s and %s\n", rc.publish.mode.c_str(),
-                 remote->endpoints().requests.c_str(), remote->endpoints().updates.c_str());
+    std::fprintf(stderr, "ferryd: publishing (mode %s) on %s and %s\n",
+                 std::string(sync::PublishModeName(rc.publish.mode)).c_str(), remote->endpoints().requests.c_str(),
+                 remote->endpoints().updates.c_str());
   }
   auto handler = [&control](const control::ControlRequest& r) { return control.Handle(r); };
   control::ControlServerOptions so;
@@ -401,7 +400,7 @@ Status RunTrain(const TrainFlags& f) {
     std::fprintf(stderr, "ferryd: control socket %s\n", extra->endpoint().c_str());
   }
   std::fprintf(stderr, "ferryd: training %s for %lld steps (from step %lld) in %s\n",
-               trainer->config().model_name_or_path.string().c_str(), static_cast<long long>(total),
+               config.model_name_or_path.string().c_str(), static_cast<long long>(total),
                static_cast<long long>(first_step), trainer->dir().string().c_str());
   started = true;
   grpo::RunHooks hooks;

@@ -65,53 +65,6 @@ using internal::SizesString;
 constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
 constexpr double kInf = std::numeric_limits<double>::infinity();
 
-template <typename E>
-struct Spelling {
-  E value;
-  std::string_view name;
-};
-
-constexpr std::array<Spelling<LossType>, 4> kLossTypes = {{
-    {LossType::kGrpo, "grpo"},
-    {LossType::kBnpo, "bnpo"},
-    {LossType::kDrGrpo, "dr_grpo"},
-    {LossType::kDapo, "dapo"},
-}};
-constexpr std::array<Spelling<ScaleRewards>, 3> kScaleRewards = {{
-    {ScaleRewards::kGroup, "group"},
-    {ScaleRewards::kBatch, "batch"},
-    {ScaleRewards::kNone, "none"},
-}};
-constexpr std::array<Spelling<ImportanceSamplingLevel>, 2> kLevels = {{
-    {ImportanceSamplingLevel::kToken, "token"},
-    {ImportanceSamplingLevel::kSequence, "sequence"},
-}};
-constexpr std::array<Spelling<MismatchMode>, 4> kMismatchModes = {{
-    {MismatchMode::kTokenTruncate, "token_truncate"},
-    {MismatchMode::kTokenMask, "token_mask"},
-    {MismatchMode::kSequenceTruncate, "sequence_truncate"},
-    {MismatchMode::kSequenceMask, "sequence_mask"},
-}};
-
-template <typename E, size_t N>
-std::string_view NameIn(const std::array<Spelling<E>, N>& table, E value) {
-  for (const auto& s : table) {
-    if (s.value == value) return s.name;
-  }
-  return "unknown";
-}
-
-template <typename E, size_t N>
-Result<E> ParseIn(const std::array<Spelling<E>, N>& table, std::string_view name, std::string_view what) {
-  std::string accepted;
-  for (const auto& s : table) {
-    if (s.name == name) return s.value;
-    accepted += accepted.empty() ? "" : ", ";
-    accepted += s.name;
-  }
-  return Status::InvalidArgument(std::string(what) + " \"" + std::string(name) + "\" is not one of " + accepted);
-}
-
 // TRL utils.nanmin / nanmax: NaN when every value is NaN, else the extreme of the others.
 double NanExtreme(const at::Tensor& t, bool want_min) {
   at::Tensor nan = at::isnan(t);
@@ -128,18 +81,6 @@ bool IsSequenceMode(MismatchMode mode) {
 }
 
 }  // namespace
-
-std::string_view LossTypeName(LossType type) { return NameIn(kLossTypes, type); }
-std::string_view ScaleRewardsName(ScaleRewards scale) { return NameIn(kScaleRewards, scale); }
-std::string_view ImportanceSamplingLevelName(ImportanceSamplingLevel level) { return NameIn(kLevels, level); }
-std::string_view MismatchModeName(MismatchMode mode) { return NameIn(kMismatchModes, mode); }
-
-Result<LossType> ParseLossType(std::string_view name) { return ParseIn(kLossTypes, name, "loss_type"); }
-Result<ScaleRewards> ParseScaleRewards(std::string_view name) { return ParseIn(kScaleRewards, name, "scale_rewards"); }
-Result<ImportanceSamplingLevel> ParseImportanceSamplingLevel(std::string_view name) {
-  return ParseIn(kLevels, name, "importance_sampling_level");
-}
-Result<MismatchMode> ParseMismatchMode(std::string_view name) { return ParseIn(kMismatchModes, name, "mismatch mode"); }
 
 at::Tensor NanStd(const at::Tensor& x, std::optional<int64_t> dim) {
   if (!dim) return NanStd(x.reshape({-1}), 0);
@@ -243,7 +184,7 @@ Result<MismatchCorrection> ComputeMismatchCorrection(const at::Tensor& old_per_t
   FERRY_RETURN_IF_ERROR(CheckDevice(kWhat, completion_mask, "completion_mask", device));
   const bool truncate = options.mode == MismatchMode::kTokenTruncate || options.mode == MismatchMode::kSequenceTruncate;
   if (truncate && !options.clip_min && !options.clip_max) {
-    return Status::InvalidArgument(std::string(kWhat) + ": mode " + std::string(MismatchModeName(options.mode)) +
+    return Status::InvalidArgument(std::string(kWhat) + ": mode " + std::string(run::NameOf(options.mode)) +
                                    " needs clip_min or clip_max");
   }
   if (options.clip_min && options.clip_max && *options.clip_min >= *options.clip_max) {

@@ -27,30 +27,16 @@
 #include <vector>
 
 #include "core/status.h"
+#include "daemon/run/config.h"
 
 namespace ferry::grpo {
 
-// TRL `loss_type`: "grpo" | "bnpo" | "dr_grpo" | "dapo" (TRL's default).
-enum class LossType { kGrpo, kBnpo, kDrGrpo, kDapo };
-// TRL `scale_rewards`: "group" (default) | "batch" | "none".
-enum class ScaleRewards { kGroup, kBatch, kNone };
-// TRL `importance_sampling_level`: "token" (default) | "sequence" (GSPO).
-enum class ImportanceSamplingLevel { kToken, kSequence };
-// TRL `vllm_importance_sampling_mode`: "token_truncate" | "token_mask" | "sequence_truncate" |
-// "sequence_mask" (default).
-enum class MismatchMode { kTokenTruncate, kTokenMask, kSequenceTruncate, kSequenceMask };
-
-// TRL's spelling of each value.
-std::string_view LossTypeName(LossType type);
-std::string_view ScaleRewardsName(ScaleRewards scale);
-std::string_view ImportanceSamplingLevelName(ImportanceSamplingLevel level);
-std::string_view MismatchModeName(MismatchMode mode);
-
-// Parse TRL's spelling. kInvalidArgument naming the value and the accepted ones otherwise.
-Result<LossType> ParseLossType(std::string_view name);
-Result<ScaleRewards> ParseScaleRewards(std::string_view name);
-Result<ImportanceSamplingLevel> ParseImportanceSamplingLevel(std::string_view name);
-Result<MismatchMode> ParseMismatchMode(std::string_view name);
+// TRL's settings, as the run config parsed them once (daemon/run/config.h; their spellings:
+// run::NameOf / run::FromName).
+using LossType = run::LossType;                                // "grpo" | "bnpo" | "dr_grpo" | "dapo"
+using ScaleRewards = run::ScaleRewards;                        // "group" | "batch" | "none"
+using ImportanceSamplingLevel = run::ImportanceSamplingLevel;  // "token" | "sequence" (GSPO)
+using MismatchMode = run::MismatchMode;  // "token_truncate" | "token_mask" | "sequence_truncate" | "sequence_mask"
 
 // Metric name (TRL's) -> value; NaN where TRL logs NaN (e.g. the std of a single reward).
 using Metrics = std::map<std::string, double>;

@@ -7,15 +7,6 @@
 
 namespace ferry::grpo {
 
-Result<LrSchedule> ParseLrSchedule(std::string_view name) {
-  if (name == "constant") return LrSchedule::kConstant;
-  if (name == "constant_with_warmup") return LrSchedule::kConstantWithWarmup;
-  if (name == "linear") return LrSchedule::kLinear;
-  if (name == "cosine") return LrSchedule::kCosine;
-  return Status::InvalidArgument("lr_scheduler_type '" + std::string(name) +
-                                 "' is not supported (constant, constant_with_warmup, linear, cosine)");
-}
-
 double LrMultiplier(LrSchedule schedule, int64_t s, int64_t warmup_steps, int64_t total_steps) {
   if (schedule == LrSchedule::kConstant) return 1.0;
   if (s < warmup_steps) return static_cast<double>(s) / std::max(1.0, static_cast<double>(warmup_steps));

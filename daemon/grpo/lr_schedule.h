@@ -13,13 +13,12 @@
 #include <string_view>
 
 #include "core/status.h"
+#include "daemon/run/config.h"
 
 namespace ferry::grpo {
 
-enum class LrSchedule { kConstant, kConstantWithWarmup, kLinear, kCosine };
-
-// "constant", "constant_with_warmup", "linear", "cosine"; kInvalidArgument otherwise.
-Result<LrSchedule> ParseLrSchedule(std::string_view name);
+// transformers' lr_scheduler_type, as the run config parsed it (daemon/run/config.h).
+using LrSchedule = run::LrSchedule;
 
 double LrMultiplier(LrSchedule schedule, int64_t s, int64_t warmup_steps, int64_t total_steps);
 

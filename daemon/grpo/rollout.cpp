@@ -300,7 +300,7 @@ Result<Rollout> MakeRollout(Trainer::State& s) {
   if (!s.fast_old_logps) {
     FERRY_ASSIGN_OR_RETURN(r.old_logps, whole(true));
   }
-  if (c.beta != 0.0) {
+  if (s.loss_options.beta != 0.0) {
     FERRY_ASSIGN_OR_RETURN(r.ref_logps, whole(false));
   }
   if (c.vllm_importance_sampling_correction && r.old_logps.defined()) {

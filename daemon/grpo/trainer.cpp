@@ -30,16 +30,12 @@ namespace {
 namespace fs = std::filesystem;
 using ojson = nlohmann::ordered_json;
 
-Result<at::Device> ParseDevice(const std::string& name, const std::string& source) {
-  try {
-    at::Device d(name);
-    if (d.is_cuda() && !at::hasCUDA()) {
-      return Status::Unsupported(source + ": key 'device': \"" + name + "\" but this LibTorch has no CUDA device");
-    }
-    return d;
-  } catch (const std::exception&) {
-    return Status::InvalidArgument(source + ": key 'device': \"" + name + "\" is not cpu, cuda or cuda:N");
+Result<at::Device> TorchDevice(const run::DeviceSpec& d, const std::string& source) {
+  if (!d.cuda) return at::Device(at::kCPU);
+  if (!at::hasCUDA()) {
+    return Status::Unsupported(source + ": key 'device': \"" + d.Name() + "\" but this LibTorch has no CUDA device");
   }
+  return at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(d.index.value_or(-1)));
 }
 
 // logging_steps / save_steps: a whole number of steps, or a ratio of the total below 1.
@@ -49,12 +45,12 @@ int64_t Interval(double value, int64_t total) {
   return static_cast<int64_t>(value);
 }
 
-Status Configure(Trainer::State& s) {
+// The GRPO maths' options from the run config (its settings are parsed already).
+void Configure(Trainer::State& s) {
   const run::RunConfig& c = s.config;
-  FERRY_ASSIGN_OR_RETURN(s.schedule, ParseLrSchedule(c.lr_scheduler_type));
-  FERRY_ASSIGN_OR_RETURN(s.loss_options.loss_type, ParseLossType(c.loss_type));
-  FERRY_ASSIGN_OR_RETURN(s.loss_options.importance_sampling_level,
-                         ParseImportanceSamplingLevel(c.importance_sampling_level));
+  s.schedule = c.lr_scheduler_type;
+  s.loss_options.loss_type = c.loss_type;
+  s.loss_options.importance_sampling_level = c.importance_sampling_level;
   s.loss_options.epsilon = c.epsilon;
   s.loss_options.epsilon_high = c.epsilon_high;
   s.loss_options.delta = c.delta;
@@ -64,16 +60,15 @@ Status Configure(Trainer::State& s) {
   s.loss_options.gradient_accumulation_steps = c.gradient_accumulation_steps;
   s.loss_options.steps_per_generation = c.steps_per_generation;
   s.advantage_options.num_generations = c.num_generations;
-  FERRY_ASSIGN_OR_RETURN(s.advantage_options.scale_rewards, ParseScaleRewards(c.scale_rewards));
+  s.advantage_options.scale_rewards = c.scale_rewards;
   for (const auto& r : c.rewards) {
     s.advantage_options.reward_names.push_back(r.name);
     s.advantage_options.reward_weights.push_back(r.weight);
   }
-  FERRY_ASSIGN_OR_RETURN(s.mismatch_options.mode, ParseMismatchMode(c.vllm_importance_sampling_mode));
+  s.mismatch_options.mode = c.vllm_importance_sampling_mode;
   s.mismatch_options.clip_min = c.vllm_importance_sampling_clip_min;
   s.mismatch_options.clip_max = c.vllm_importance_sampling_clip_max;
   s.fast_old_logps = c.steps_per_generation == 1 && c.num_iterations == 1 && c.lora.lora_dropout == 0;
-  return Status::OK();
 }
 
 Status RecordStep(Trainer::State& s, const sync::Handoff& h, const Metrics& metrics) {
@@ -253,13 +248,13 @@ Result<std::unique_ptr<Trainer::State>> CreateState(const TrainOptions& options,
     if (options.on_message) options.on_message(m);
   };
   // 1. Everything that can be checked without writing anything.
-  FERRY_ASSIGN_OR_RETURN(s->config, run::LoadRunConfig(options.config));
+  s->config = options.config;
   const run::RunConfig& c = s->config;
   for (const auto& w : c.warnings) say("warning: " + w);
   std::error_code ec;
   s->dir = fs::absolute(options.dir.empty() ? c.output_dir : options.dir, ec);
   if (ec) return Status::IOError(s->dir.string() + ": " + ec.message());
-  FERRY_RETURN_IF_ERROR(Configure(*s));
+  Configure(*s);
 
   runtime::SetTorchThreads(static_cast<int>(run::ResolvedThreads(c)));
   runtime::KeepFreedTensorMemory();
@@ -267,7 +262,7 @@ Result<std::unique_ptr<Trainer::State>> CreateState(const TrainOptions& options,
     say("warning: LibTorch runs on the reference BLAS (" + blas.library +
         "), ~15x slower; install libopenblas0-openmp");
   }
-  FERRY_ASSIGN_OR_RETURN(at::Device device, ParseDevice(c.device, c.source.string()));
+  FERRY_ASSIGN_OR_RETURN(at::Device device, TorchDevice(c.device, c.source.string()));
 
   // Tokenizer, chat format, special ids.
   FERRY_ASSIGN_OR_RETURN(s->tokenizer, text::Tokenizer::FromDirectory(c.model_name_or_path));

@@ -53,7 +53,9 @@ class Snapshot;
 namespace ferry::grpo {
 
 struct TrainOptions {
-  std::filesystem::path config;  // the TOML file. REQUIRED
+  // The run's configuration, loaded and checked by the caller (run::LoadRunConfig): the
+  // trainer opens no config file. REQUIRED
+  run::RunConfig config;
   // The run directory; empty: the config's output_dir. Default: empty.
   std::filesystem::path dir;
   // Stop after this many optimizer steps in total (counting steps of a resumed run). Default:
@@ -97,7 +99,7 @@ struct StepResult {
 
 class Trainer {
  public:
-  // Loads the config, model, tokenizer, dataset, rewards and store; records the base; hands
+  // Loads the model, tokenizer, dataset, rewards and store of options.config; records the base; hands
   // the base (or the resumed adapter's weights) to the generator. Errors name the file, key,
   // line or tensor at fault.
   //

@@ -16,6 +16,13 @@
 namespace ferry::grpo {
 namespace {
 
+// A TRL fixture's spelling of a setting, as the run config reads it (daemon/run/config.h).
+template <typename E>
+Result<E> ParseSpelling(const std::string& s) {
+  if (std::optional<E> v = run::FromName<E>(s)) return *v;
+  return Status::InvalidArgument("\"" + s + "\" is not a spelling of the setting");
+}
+
 using ferry::testing::ExpectMetricsNear;
 using ferry::testing::ExpectTensorNear;
 using ferry::testing::GrpoCase;
@@ -36,7 +43,7 @@ at::Tensor I64(std::vector<int64_t> v, std::vector<int64_t> shape) {
 void CheckRewardsCase(const GrpoCase& c, const at::Device& device) {
   AdvantageOptions o;
   o.num_generations = c.config.at("num_generations").get<int64_t>();
-  auto scale = ParseScaleRewards(c.config.at("scale_rewards").get<std::string>());
+  auto scale = ParseSpelling<ScaleRewards>(c.config.at("scale_rewards").get<std::string>());
   ASSERT_TRUE(scale.ok()) << scale.status().ToString();
   o.scale_rewards = *scale;
   o.reward_weights = c.config.at("reward_weights").get<std::vector<double>>();
@@ -51,7 +58,7 @@ void CheckRewardsCase(const GrpoCase& c, const at::Device& device) {
 
 MismatchOptions MismatchOptionsOf(const nlohmann::json& config, const std::string& mode_key) {
   MismatchOptions o;
-  auto mode = ParseMismatchMode(config.at(mode_key).get<std::string>());
+  auto mode = ParseSpelling<MismatchMode>(config.at(mode_key).get<std::string>());
   EXPECT_TRUE(mode.ok()) << mode.status().ToString();
   if (mode.ok()) o.mode = *mode;
   o.clip_min = OptionalNumber(config.at("clip_min"));
@@ -72,8 +79,8 @@ void CheckMismatchCase(const GrpoCase& c, const at::Device& device) {
 void CheckLossCase(const GrpoCase& c, const at::Device& device) {
   const nlohmann::json& k = c.config;
   LossOptions o;
-  auto type = ParseLossType(k.at("loss_type").get<std::string>());
-  auto level = ParseImportanceSamplingLevel(k.at("importance_sampling_level").get<std::string>());
+  auto type = ParseSpelling<LossType>(k.at("loss_type").get<std::string>());
+  auto level = ParseSpelling<ImportanceSamplingLevel>(k.at("importance_sampling_level").get<std::string>());
   ASSERT_TRUE(type.ok() && level.ok());
   o.loss_type = *type;
   o.importance_sampling_level = *level;
@@ -148,61 +155,6 @@ TEST(GrpoFixtureTest, SameNumbersOnCuda) {
   for (const GrpoCase* c : GrpoCases("rewards")) CheckRewardsCase(*c, cuda);
   for (const GrpoCase* c : GrpoCases("mismatch")) CheckMismatchCase(*c, cuda);
   for (const GrpoCase* c : GrpoCases("loss")) CheckLossCase(*c, cuda);
-}
-
-// ------------------------------------------------------------------------------------ names
-
-TEST(GrpoNamesTest, ParseAndNameRoundTripWithTrlSpellings) {
-  for (std::string_view s : {"grpo", "bnpo", "dr_grpo", "dapo"}) {
-    auto v = ParseLossType(s);
-    ASSERT_TRUE(v.ok()) << s;
-    EXPECT_EQ(LossTypeName(*v), s);
-  }
-  for (std::string_view s : {"group", "batch", "none"}) {
-    auto v = ParseScaleRewards(s);
-    ASSERT_TRUE(v.ok()) << s;
-    EXPECT_EQ(ScaleRewardsName(*v), s);
-  }
-  for (std::string_view s : {"token", "sequence"}) {
-    auto v = ParseImportanceSamplingLevel(s);
-    ASSERT_TRUE(v.ok()) << s;
-    EXPECT_EQ(ImportanceSamplingLevelName(*v), s);
-  }
-  for (std::string_view s : {"token_truncate", "token_mask", "sequence_truncate", "sequence_mask"}) {
-    auto v = ParseMismatchMode(s);
-    ASSERT_TRUE(v.ok()) << s;
-    EXPECT_EQ(MismatchModeName(*v), s);
-  }
-}
-
-TEST(GrpoNamesTest, UnknownSpellingsAreRefusedNamingTheValue) {
-  auto l = ParseLossType("cispo");
-  ASSERT_FALSE(l.ok());
-  EXPECT_EQ(l.status().code(), StatusCode::kInvalidArgument);
-  EXPECT_NE(l.status().message().find("\"cispo\""), std::string::npos) << l.status().message();
-  EXPECT_NE(l.status().message().find("dr_grpo"), std::string::npos) << l.status().message();
-  EXPECT_EQ(ParseScaleRewards("True").status().code(), StatusCode::kInvalidArgument);
-  EXPECT_EQ(ParseImportanceSamplingLevel("Token").status().code(), StatusCode::kInvalidArgument);
-  EXPECT_EQ(ParseMismatchMode("sequence").status().code(), StatusCode::kInvalidArgument);
-}
-
-TEST(GrpoNamesTest, DefaultsAreTrls) {
-  const LossOptions l;
-  EXPECT_EQ(l.loss_type, LossType::kDapo);
-  EXPECT_EQ(l.importance_sampling_level, ImportanceSamplingLevel::kToken);
-  EXPECT_EQ(l.epsilon, 0.2);
-  EXPECT_FALSE(l.epsilon_high.has_value());
-  EXPECT_FALSE(l.delta.has_value());
-  EXPECT_EQ(l.beta, 0.0);
-  EXPECT_TRUE(l.use_bias_correction_kl);
-  EXPECT_EQ(l.max_completion_length, 512);
-  const MismatchOptions m;
-  EXPECT_EQ(m.mode, MismatchMode::kSequenceMask);
-  EXPECT_FALSE(m.clip_min.has_value());
-  EXPECT_EQ(m.clip_max, 3.0);
-  const AdvantageOptions a;
-  EXPECT_EQ(a.num_generations, 8);
-  EXPECT_EQ(a.scale_rewards, ScaleRewards::kGroup);
 }
 
 // ------------------------------------------------------------------------------------ advantages

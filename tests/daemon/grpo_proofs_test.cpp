@@ -132,9 +132,12 @@ std::vector<std::string> AdditionPrompts(int n) {
   return out;
 }
 
+// The run's options with its config loaded (as ferryd loads it before Trainer::Create).
 TrainOptions Options(const fs::path& config, int64_t max_steps) {
   TrainOptions o;
-  o.config = config;
+  auto c = run::LoadRunConfig(config);
+  EXPECT_TRUE(c.ok()) << c.status().ToString();
+  if (c.ok()) o.config = std::move(*c);
   o.max_steps = max_steps;
   return o;
 }
@@ -358,10 +361,10 @@ vllm_importance_sampling_clip_max = 1.0
     auto mc = ComputeMismatchCorrection(old, sampling, mask, mo);
     ASSERT_TRUE(mc.ok()) << mc.status().ToString();
     const at::Tensor want = ExpectedRatio(old, sampling, mask, c.sequence, c.truncate, c.cap);
-    EXPECT_TRUE(at::equal(mc->ratio, want)) << MismatchModeName(c.mode);
+    EXPECT_TRUE(at::equal(mc->ratio, want)) << run::NameOf(c.mode);
     if (!c.sequence || seq.min().item<double>() < seq.max().item<double>()) {
       EXPECT_GT((want != ExpectedRatio(old, sampling, mask, c.sequence, true, 1e30)).sum().item<int64_t>(), 0)
-          << MismatchModeName(c.mode) << ": the cap changes nothing";
+          << run::NameOf(c.mode) << ": the cap changes nothing";
     }
   }
 

@@ -123,9 +123,12 @@ void AddTopLevelKey(const fs::path& config, const std::string& line) {
   WriteText(config, text);
 }
 
+// The run's options with its config loaded (as ferryd loads it before Trainer::Create).
 TrainOptions Options(const fs::path& config) {
   TrainOptions o;
-  o.config = config;
+  auto c = run::LoadRunConfig(config);
+  EXPECT_TRUE(c.ok()) << c.status().ToString();
+  if (c.ok()) o.config = std::move(*c);
   return o;
 }
 
@@ -153,9 +156,7 @@ std::string ConvertedId(const RunFiles& r, int64_t step, const fs::path& scratch
 void ExpectGeneratorRunsConvertedCheckpoints(at::ScalarType dtype, const fs::path& model_src = {}) {
   TempDir tmp;
   RunFiles r = MakeRun(tmp.path(), dtype, 3, 1, model_src);
-  TrainOptions o;
-  o.config = r.config;
-  auto trainer = Trainer::Create(o);
+  auto trainer = Trainer::Create(Options(r.config));
   ASSERT_TRUE(trainer.ok()) << trainer.status().ToString();
   auto base = store::HashPath(r.model);
   ASSERT_TRUE(base.ok());
@@ -321,8 +322,7 @@ TEST(GrpoTrainerTest, Bf16GeneratorOverAnF32BaseConvertsOnlyWhatAStepChanged) {
 TEST(GrpoTrainerTest, NoWrappedNameReachesTheGeneratorAndTheReferenceIsTheBase) {
   TempDir tmp;
   RunFiles r = MakeRun(tmp.path(), at::kFloat);
-  TrainOptions o;
-  o.config = r.config;
+  TrainOptions o = Options(r.config);
   o.max_steps = 1;
   auto trainer = Trainer::Create(o);
   ASSERT_TRUE(trainer.ok()) << trainer.status().ToString();
@@ -413,7 +413,7 @@ TEST(GrpoTrainerTest, BadConfigNamesTheKeyAndTheFile) {
   TempDir tmp;
   RunFiles r = MakeRun(tmp.path(), at::kFloat);
   WriteText(r.config, ReadText(r.config) + "\nnum_generatoins = 4\n");
-  auto t = Trainer::Create(Options(r.config));
+  auto t = run::LoadRunConfig(r.config);  // what ferryd does before Trainer::Create
   ASSERT_FALSE(t.ok());
   EXPECT_EQ(t.status().code(), StatusCode::kInvalidArgument);
   EXPECT_NE(t.status().message().find("num_generatoins"), std::string::npos) << t.status().ToString();

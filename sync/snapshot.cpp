@@ -13,6 +13,7 @@
 #include "convert/merge_plan.h"
 #include "convert/model_config.h"
 #include "core/aux_files.h"
+#include "core/text.h"
 
 namespace ferry::sync {
 namespace {
@@ -20,8 +21,6 @@ namespace {
 constexpr std::string_view kPeftPrefix = "base_model.model.";
 constexpr std::string_view kSourceOrigin = "<snapshot source>";
 constexpr std::string_view kAdapterOrigin = "<snapshot adapter>";
-
-std::string Q(std::string_view s) { return "'" + std::string(s) + "'"; }
 
 // Removes every ".<segment>." occurrence of `segment`, keeping one dot.
 void DropSegment(std::string& name, std::string_view segment) {
@@ -58,7 +57,7 @@ Result<std::map<std::string, Tensor>> CopyAll(const std::map<std::string, Tensor
   std::map<std::string, Tensor> out;
   for (const auto& [name, t] : in) {
     auto copy = CopyTensor(t);
-    if (!copy.ok()) return copy.status().WithContext("tensor " + Q(name));
+    if (!copy.ok()) return copy.status().WithContext("tensor " + Quote(name));
     out.emplace(name, std::move(copy).value());
   }
   return out;
@@ -79,12 +78,12 @@ Result<Normalised> Normalise(const SnapshotSource& source) {
     if (!key.ok()) return Status(key.status().code(), "snapshot source: " + key.status().message());
     if (IsLoraKind(key->kind)) {
       if (!source.adapter_config) {
-        return Status::InvalidArgument("snapshot source: tensor " + Q(name) + " is a " +
+        return Status::InvalidArgument("snapshot source: tensor " + Quote(name) + " is a " +
                                        std::string(AdapterKeyKindName(key->kind)) +
                                        " tensor but no adapter config was given");
       }
       if (!n.adapter.emplace(name, t).second) {
-        return Status::InvalidArgument("snapshot source: tensor " + Q(name) +
+        return Status::InvalidArgument("snapshot source: tensor " + Quote(name) +
                                        " is given both as a source and as an adapter tensor");
       }
       continue;
@@ -95,8 +94,8 @@ Result<Normalised> Normalise(const SnapshotSource& source) {
     DropSegment(out, "original_module");
     auto [it, inserted] = origin.emplace(out, name);
     if (!inserted) {
-      return Status::InvalidArgument("snapshot source: tensors " + Q(it->second) + " and " + Q(name) +
-                                     " both normalise to " + Q(out));
+      return Status::InvalidArgument("snapshot source: tensors " + Quote(it->second) + " and " + Quote(name) +
+                                     " both normalise to " + Quote(out));
     }
     n.base.emplace(out, t);
   }
@@ -120,7 +119,7 @@ class Merger {
       FERRY_ASSIGN_OR_RETURN(std::vector<float> w, MergedF32(plan_, base_, adapter_, name, q->second.shape, threads_));
       FERRY_ASSIGN_OR_RETURN(Tensor out, Tensor::Empty(q->second.dtype, q->second.shape));
       Status s = WriteFromF32(w, q->second.dtype, std::span<std::byte>(out.mutable_data(), out.nbytes()));
-      if (!s.ok()) return s.WithContext("snapshot: tensor " + Q(name));
+      if (!s.ok()) return s.WithContext("snapshot: tensor " + Quote(name));
       return out;
     }
     FERRY_ASSIGN_OR_RETURN(Tensor base, base_.Get(source));
@@ -133,14 +132,14 @@ class Merger {
       return out;
     }
     if (!CanWriteFromF32(base.dtype())) {
-      return Status::Unsupported("snapshot source: tensor " + Q(source) + " is " +
+      return Status::Unsupported("snapshot source: tensor " + Quote(source) + " is " +
                                  std::string(DTypeName(base.dtype())) +
                                  " and cannot be merged (only F32, F16, BF16 and F64 weights can)");
     }
     FERRY_ASSIGN_OR_RETURN(std::vector<float> w, MergedF32(plan_, base_, adapter_, name, base.shape(), threads_));
     FERRY_ASSIGN_OR_RETURN(Tensor out, Tensor::Empty(base.dtype(), base.shape()));
     Status s = WriteFromF32(w, base.dtype(), std::span<std::byte>(out.mutable_data(), out.nbytes()));
-    if (!s.ok()) return s.WithContext("snapshot: tensor " + Q(name));
+    if (!s.ok()) return s.WithContext("snapshot: tensor " + Quote(name));
     return out;
   }
 
@@ -181,7 +180,7 @@ Result<AuxFiles> SortedAux(const AuxFiles& aux) {
     const std::string& name = out[i].name;
     if (Status s = CheckAuxFileName(name); !s.ok()) return s.WithContext("snapshot");
     if (i > 0 && out[i - 1].name == name) {
-      return Status::InvalidArgument("snapshot aux file " + Q(name) + " is given twice");
+      return Status::InvalidArgument("snapshot aux file " + Quote(name) + " is given twice");
     }
   }
   return out;
@@ -227,7 +226,7 @@ struct SnapshotPlanState {
     for (const std::string& member : f->second) {
       FERRY_ASSIGN_OR_RETURN(Tensor part, MakeUnfused(member, /*copy_unchanged=*/false));
       if (part.nbytes() > out.nbytes() - offset) {
-        return Status::Internal("snapshot: " + Q(member) + " does not fit in " + Q(name));
+        return Status::Internal("snapshot: " + Quote(member) + " does not fit in " + Quote(name));
       }
       if (part.nbytes() > 0) std::memcpy(out.mutable_data() + offset, part.data(), part.nbytes());
       offset += part.nbytes();
@@ -268,7 +267,7 @@ Result<std::shared_ptr<SnapshotPlanState>> PlanSnapshot(const SnapshotSource& so
   };
   if (!p->merging) {
     if (!in.adapter.empty()) {
-      return Status::InvalidArgument("snapshot source: adapter tensor " + Q(in.adapter.begin()->first) +
+      return Status::InvalidArgument("snapshot source: adapter tensor " + Quote(in.adapter.begin()->first) +
                                      " given without an adapter config");
     }
     p->base = Checkpoint::FromTensors(std::string(kSourceOrigin), std::move(in.base));
@@ -314,7 +313,7 @@ Result<std::shared_ptr<SnapshotPlanState>> PlanSnapshot(const SnapshotSource& so
     // tensor is made, so a streamed snapshot fails before it writes anything).
     for (const auto& [name, info] : p->outputs) {
       if (plan.Changes(name) && !CanWriteFromF32(info.dtype)) {
-        return Status::Unsupported("snapshot source: tensor " + Q(plan.SourceOf(name)) + " is " +
+        return Status::Unsupported("snapshot source: tensor " + Quote(plan.SourceOf(name)) + " is " +
                                    std::string(DTypeName(info.dtype)) +
                                    " and cannot be merged (only F32, F16, BF16 and F64 weights can)");
       }
@@ -425,7 +424,7 @@ Result<store::ImportResult> RecordSnapshotDigests(store::Store& store, const Sna
   rows.reserve(snapshot.digests().size());
   for (const auto& [name, digest] : snapshot.digests()) {
     const TensorInfo* info = snapshot.checkpoint().Info(name);
-    if (info == nullptr) return Status::Internal(what + ": tensor " + Q(name) + " has a digest but no tensor");
+    if (info == nullptr) return Status::Internal(what + ": tensor " + Quote(name) + " has a digest but no tensor");
     store::TensorRow row;
     row.name = name;
     row.dtype = info->dtype;

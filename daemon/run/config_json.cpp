@@ -8,6 +8,7 @@
 
 #include "daemon/run/config_internal.h"
 #include "kernels/hash.h"
+#include "store/store.h"
 
 namespace ferry::run {
 namespace {
@@ -121,13 +122,7 @@ std::string RunConfig::Fingerprint() const {
   // before them still resumes (its checkpoints hold the fingerprint without them).
   const std::string text = ConfigJson(*this, /*fingerprint=*/true).dump(-1, ' ', false, kReplace);
   const kernels::Hash128 h = kernels::Xxh3_128(text.data(), text.size());
-  static const char* hex = "0123456789abcdef";
-  std::string out(32, '0');
-  for (int i = 0; i < 16; ++i) {
-    out[15 - i] = hex[(h.hi >> (4 * i)) & 15];
-    out[31 - i] = hex[(h.lo >> (4 * i)) & 15];
-  }
-  return out;
+  return store::Digest{h.hi, h.lo}.Hex();
 }
 
 Result<PeftConfig> LoraPeftConfig(const RunConfig& config) {

@@ -10,21 +10,12 @@
 #include "core/json_limits.h"
 #include "core/mapped_file.h"
 #include "kernels/hash.h"
+#include "store/store.h"
 
 namespace ferry::run {
 namespace {
 
 using Json = nlohmann::json;
-
-std::string Hex128(const kernels::Hash128& h) {
-  static const char* hex = "0123456789abcdef";
-  std::string out(32, '0');
-  for (int i = 0; i < 16; ++i) {
-    out[15 - i] = hex[(h.hi >> (4 * i)) & 15];
-    out[31 - i] = hex[(h.lo >> (4 * i)) & 15];
-  }
-  return out;
-}
 
 std::string JsonTypeName(const Json& j) {
   switch (j.type()) {
@@ -206,7 +197,8 @@ Result<std::shared_ptr<const Dataset>> Dataset::Parse(std::string_view text, std
   }
   std::shared_ptr<Dataset> ds(new Dataset());
   ds->source_ = source;
-  ds->digest_ = Hex128(kernels::Xxh3_128(text.data(), text.size()));
+  const kernels::Hash128 h = kernels::Xxh3_128(text.data(), text.size());
+  ds->digest_ = store::Digest{h.hi, h.lo}.Hex();
   size_t pos = 0;
   uint64_t line_no = 0;
   if (text.substr(0, 3) == "\xEF\xBB\xBF") pos = 3;

@@ -16,29 +16,14 @@
 #include <nlohmann/json.hpp>
 
 #include "core/status.h"
+#include "tests/temp_dir.h"
 
 namespace ferry::run::testing {
 
 // A fresh directory under ::testing::TempDir(), removed with everything in it.
-class TempDir {
+class TempDir : public ::ferry::testing::ScopedTempDir {
  public:
-  TempDir() {
-    std::string tmpl = (std::filesystem::path(::testing::TempDir()) / "ferry-run-test-XXXXXX").string();
-    char* p = ::mkdtemp(tmpl.data());
-    EXPECT_NE(p, nullptr) << "mkdtemp " << tmpl << ": " << std::strerror(errno);
-    path_ = std::filesystem::path(tmpl).lexically_normal();
-  }
-  ~TempDir() {
-    std::error_code ec;
-    std::filesystem::remove_all(path_, ec);
-  }
-  TempDir(const TempDir&) = delete;
-  TempDir& operator=(const TempDir&) = delete;
-  const std::filesystem::path& path() const { return path_; }
-  std::filesystem::path operator/(const std::string& s) const { return path_ / s; }
-
- private:
-  std::filesystem::path path_;
+  TempDir() : ScopedTempDir("ferry-run-test-") {}
 };
 
 // Writes `text` to `path` (parents created); `executable` sets mode 0755.

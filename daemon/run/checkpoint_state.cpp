@@ -269,7 +269,11 @@ Status CheckCheckpointFile(const fs::path& dir, const std::string& name, const C
                                                    : "differs from what was written (its digest)";
   if (IsSafetensors(name) && !recorded.tensors.empty()) {
     auto ckpt = Checkpoint::Open(path);
-    if (!ckpt.ok()) return Status::Corruption(path.string() + ": " + what + ": " + ckpt.status().message());
+    if (!ckpt.ok()) {
+      std::string why = ckpt.status().message();
+      if (why.rfind(path.string() + ": ", 0) == 0) why.erase(0, path.string().size() + 2);
+      return Status::Corruption(path.string() + ": " + what + ", and its header no longer reads: " + why);
+    }
     for (const auto& [t, digest] : recorded.tensors) {
       if (!ckpt->Contains(t)) return Status::Corruption(path.string() + ": tensor '" + t + "' is missing; " + what);
       auto v = ckpt->Get(t);

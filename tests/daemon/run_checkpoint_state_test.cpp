@@ -156,6 +156,17 @@ TEST(CheckpointStateTest, CheckedFileNamesTheTensorThatChangedOrItsHeader) {
             std::string::npos)
       << s.message();
 
+  {
+    std::ofstream garbage(tmp.path() / "optimizer.safetensors", std::ios::binary | std::ios::trunc);
+    garbage << "not a safetensors file";
+  }
+  s = CheckCheckpointFile(tmp.path(), "optimizer.safetensors", *rec);
+  EXPECT_EQ(s.code(), StatusCode::kCorruption);
+  EXPECT_NE(s.message().find((tmp.path() / "optimizer.safetensors").string() + ": is 22 bytes, " +
+                             std::to_string(rec->size) + " were written, and its header no longer reads: "),
+            std::string::npos)
+      << s.message();
+
   fs::remove(tmp.path() / "optimizer.safetensors");
   s = CheckCheckpointFile(tmp.path(), "optimizer.safetensors", *rec);
   EXPECT_NE(s.message().find("optimizer.safetensors: missing"), std::string::npos) << s.message();

@@ -2,11 +2,12 @@
 // (daemon/control/protocol.h) and from its run directory's files (daemon/control/run_dir.h).
 //   start    --config FILE [--dir DIR] [--max-steps N] [--publish EP] [--detach [--wait-s S]] [--json]
 //            runs `ferryd train --config FILE --dir DIR [--max-steps N] [--publish EP]` (ferryd next to this
-//            executable, or $FERRY_FERRYD): in the foreground (its exit code is ferry's), or
-//            detached (new session, output appended to DIR/ferryd.log; prints the pid once the
-//            control socket answers, fails when ferryd exits first, except that a run already
-//            complete is reported as such, exit 0). --publish tcp://... without the config's
-//            [publish] key and allow is refused before ferryd starts (nothing is created).
+//            executable, or $FERRY_FERRYD) through daemon/control/launcher.h: in the foreground
+//            (its exit code is ferry's), or detached (new session, output appended to
+//            DIR/ferryd.log; prints the pid once the control socket answers, fails when ferryd
+//            exits first, except that a run already complete is reported as such, exit 0).
+//            --publish tcp://... without the config's [publish] key and allow is refused before
+//            ferryd starts (nothing is created).
 //   status   [--json]                  the daemon's status; without one: state "stopped" from
 //                                      DIR/metrics.jsonl and the newest checkpoint, exit 3
 //   pause | resume | snapshot | stop   (snapshot prints the version id; stop waits for the
@@ -16,17 +17,12 @@
 // Every subcommand takes --dir DIR (default: the current directory). Control commands also
 // take --connect tcp://HOST:PORT --key PREFIX --server-key FILE (CURVE) and --timeout-ms.
 // Exit codes: 0 done, 1 error, 3 no ferryd is running for DIR.
-#include <fcntl.h>
-#include <sys/stat.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
-#include <cerrno>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
-#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <memory>
@@ -40,6 +36,7 @@
 #include "cli/commands.h"
 #include "cli/output.h"
 #include "daemon/control/client.h"
+#include "daemon/control/launcher.h"
 #include "daemon/control/metrics.h"
 #include "daemon/control/run_dir.h"
 #include "daemon/control/run_lock.h"
@@ -277,19 +274,6 @@ std::string FerrydPathOrFail() {
   return ferryd.string();
 }
 
-std::string LogTail(const fs::path& log, size_t lines) {
-  std::ifstream in(log);
-  std::vector<std::string> all;
-  std::string line;
-  while (std::getline(in, line)) {
-    all.push_back(line);
-    if (all.size() > lines) all.erase(all.begin());
-  }
-  std::string out;
-  for (const auto& l : all) out += "  " + l + "\n";
-  return out;
-}
-
 // --publish EP against the endpoint policy ferryd applies (sync::CheckEndpoint): tcp:// needs
 // the config's [publish] key and allow. Checked before ferryd starts, since ferryd creates the
 // run directory and its store (holding the base) before it starts publishing.
@@ -343,12 +327,6 @@ void PrintComplete(const Flags& f, const fs::path& dir, const fs::path& log, con
   std::fflush(stdout);
 }
 
-// The integer `key` of a status reply; -1 when absent or not an integer.
-int64_t IntField(const Json& j, const char* key) {
-  const auto it = j.find(key);
-  return it != j.end() && it->is_number_integer() ? it->get<int64_t>() : -1;
-}
-
 // ferryd exited 0 before its control socket answered: when DIR's newest checkpoint is at the
 // run's last step (`total`, or worked out from the config), the run was complete and ferryd
 // had nothing to do. Prints so and returns true; false otherwise.
@@ -370,101 +348,30 @@ void RunStart(const Flags& f) {
   if (auto holder = HolderOrFail(f)) {
     Fail(DirText(f) + " is in use by ferryd pid " + std::to_string(*holder));
   }
-  const std::string ferryd = FerrydPathOrFail();
-  const fs::path dir = fs::absolute(f.dir).lexically_normal();
-  std::vector<std::string> args = {ferryd,  "train",     "--config", fs::absolute(f.config).lexically_normal().string(),
-                                   "--dir", dir.string()};
-  if (f.max_steps > 0) {
-    args.push_back("--max-steps");
-    args.push_back(std::to_string(f.max_steps));
-  }
-  if (!f.publish.empty()) {
-    args.push_back("--publish");
-    args.push_back(f.publish);
-  }
-  std::vector<char*> argv;
-  for (auto& a : args) argv.push_back(a.data());
-  argv.push_back(nullptr);
-  std::fflush(stdout);
-  std::fflush(stderr);
-  if (!f.detach) {
-    ::execv(ferryd.c_str(), argv.data());
-    Fail("cannot run " + ferryd + ": " + std::strerror(errno));
-  }
+  control::FerrydTrainOptions train;
+  train.ferryd = FerrydPathOrFail();
+  train.config = fs::absolute(f.config).lexically_normal();
+  train.run_dir = fs::absolute(f.dir).lexically_normal();
+  train.max_steps = f.max_steps;
+  train.publish = f.publish;
+  if (!f.detach) Fail(control::ExecFerrydTrain(train));
 
-  fs::create_directories(dir, ec);
-  if (ec) Fail(dir.string() + ": cannot create the run directory: " + ec.message());
-  const fs::path log = dir / control::kLogFileName;
-  const int log_fd = ::open(log.c_str(), O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC, 0644);
-  if (log_fd < 0) Fail(log.string() + ": cannot open: " + std::strerror(errno));
-  const int null_fd = ::open("/dev/null", O_RDONLY | O_CLOEXEC);
-  int report[2];
-  if (null_fd < 0 || ::pipe2(report, O_CLOEXEC) != 0) Fail(std::string("cannot start ferryd: ") + std::strerror(errno));
-  const pid_t pid = ::fork();
-  if (pid < 0) Fail(std::string("cannot fork: ") + std::strerror(errno));
-  if (pid == 0) {
-    // The child: only async-signal-safe calls until exec.
-    ::setsid();
-    ::dup2(null_fd, STDIN_FILENO);
-    ::dup2(log_fd, STDOUT_FILENO);
-    ::dup2(log_fd, STDERR_FILENO);
-    ::execv(ferryd.c_str(), argv.data());
-    const int err = errno;
-    (void)!::write(report[1], &err, sizeof(err));
-    ::_exit(127);
+  control::DetachOptions detach;
+  detach.wait = std::chrono::seconds(f.wait_s);
+  auto started = control::StartDetached(train, detach);
+  if (!started.ok()) Fail(started.status());
+  const fs::path& dir = train.run_dir;
+  if (started->state == control::DetachedState::kExited && started->exit_code == 0 &&
+      ReportedComplete(f, dir, started->log, started->last_step)) {
+    return;
   }
-  ::close(report[1]);
-  ::close(log_fd);
-  ::close(null_fd);
-  int exec_errno = 0;
-  ssize_t n;
-  while ((n = ::read(report[0], &exec_errno, sizeof(exec_errno))) < 0 && errno == EINTR) {
-  }
-  ::close(report[0]);
-  if (n == static_cast<ssize_t>(sizeof(exec_errno))) {
-    ::waitpid(pid, nullptr, 0);
-    Fail("cannot run " + ferryd + ": " + std::strerror(exec_errno));
-  }
-
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(f.wait_s);
-  // The run's total steps when a status reply shows ferryd already at its last step: a run
-  // that was complete, whose ferryd is about to exit.
-  std::optional<int64_t> finished_at;
-  for (;;) {
-    int status = 0;
-    if (::waitpid(pid, &status, WNOHANG) == pid) {
-      if (WIFEXITED(status) && WEXITSTATUS(status) == 0 && ReportedComplete(f, dir, log, finished_at)) return;
-      const std::string how = WIFEXITED(status) ? "with code " + std::to_string(WEXITSTATUS(status))
-                                                : "on signal " + std::to_string(WTERMSIG(status));
-      Fail("ferryd pid " + std::to_string(pid) + " exited " + how + " before its control socket answered; " +
-           log.string() + " ends with:\n" + LogTail(log, 10));
-    }
-    if (!finished_at) {
-      control::ControlClientOptions o;
-      o.run_dir = dir;
-      auto client = control::ControlClient::Connect(o);
-      auto reply = client.ok() ? (*client)->Call(ControlCommand::kStatus, std::chrono::milliseconds(500))
-                               : Result<Json>(client.status());
-      if (reply.ok()) {
-        const int64_t step = IntField(*reply, "step"), total = IntField(*reply, "total_steps");
-        if (total <= 0 || step < total) break;
-        finished_at = total;  // nothing to do: wait for it to exit, then say so
-      }
-    }
-    if (std::chrono::steady_clock::now() >= deadline) {
-      Fail("ferryd pid " + std::to_string(pid) +
-           (finished_at ? " is at the run's last step but did not exit within "
-                        : " is running but its control socket did not answer within ") +
-           std::to_string(f.wait_s) + " s (see " + log.string() + ")");
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(100));
-  }
+  if (started->state != control::DetachedState::kAnswering) Fail(started->error);
+  const int pid = static_cast<int>(started->pid);
   if (f.json) {
-    PrintJson(Json{{"pid", pid}, {"dir", dir.string()}, {"log", log.string()}});
+    PrintJson(Json{{"pid", pid}, {"dir", dir.string()}, {"log", started->log.string()}});
   } else {
-    std::printf("%d\n", static_cast<int>(pid));
-    std::fprintf(stderr, "ferry: ferryd pid %d is running in %s (log: %s)\n", static_cast<int>(pid), dir.c_str(),
-                 log.c_str());
+    std::printf("%d\n", pid);
+    std::fprintf(stderr, "ferry: ferryd pid %d is running in %s (log: %s)\n", pid, dir.c_str(), started->log.c_str());
   }
   std::fflush(stdout);
 }

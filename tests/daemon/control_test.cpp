@@ -1,4 +1,4 @@
-// ferryd's control protocol, socket, run lock and run-directory readers (daemon/control/).
+// ferryd's control protocol, socket, run lock, launcher and run-directory readers (daemon/control/).
 // No LibTorch.
 #include <signal.h>
 #include <sys/stat.h>
@@ -6,10 +6,13 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <cerrno>
 #include <chrono>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 #include <zmq.hpp>
@@ -18,6 +21,7 @@
 #include <nlohmann/json.hpp>
 
 #include "daemon/control/client.h"
+#include "daemon/control/launcher.h"
 #include "daemon/control/metrics.h"
 #include "daemon/control/protocol.h"
 #include "daemon/control/run_dir.h"
@@ -511,6 +515,183 @@ TEST(RunLockTest, AnotherProcessIsNamedAndItsDeathReleasesTheLock) {
   auto after = RunLock::Acquire(dir.path());
   ASSERT_TRUE(after.ok()) << after.status().ToString();
   EXPECT_EQ(*RunLock::Holder(dir.path()), ::getpid());
+}
+
+// ---------------------------------------------------------------- launcher
+
+// `ferryd train --config config --dir dir`, nothing else set.
+FerrydTrainOptions Train(const fs::path& ferryd, const fs::path& config, const fs::path& dir) {
+  FerrydTrainOptions o;
+  o.ferryd = ferryd;
+  o.config = config;
+  o.run_dir = dir;
+  return o;
+}
+
+TEST(FerrydTrainArgvTest, PassesOnlyWhatIsSet) {
+  FerrydTrainOptions o = Train("/bin/ferryd", "/c/grpo.toml", "/runs/a");
+  EXPECT_EQ(FerrydTrainArgv(o),
+            (std::vector<std::string>{"/bin/ferryd", "train", "--config", "/c/grpo.toml", "--dir", "/runs/a"}));
+  o.max_steps = 5;
+  o.publish = "ipc:///tmp/pub";
+  EXPECT_EQ(FerrydTrainArgv(o),
+            (std::vector<std::string>{"/bin/ferryd", "train", "--config", "/c/grpo.toml", "--dir", "/runs/a",
+                                      "--max-steps", "5", "--publish", "ipc:///tmp/pub"}));
+}
+
+// Detached starts of fake_ferryd (tests/daemon/fake_ferryd.cpp) and of shell scripts. Every
+// child the launcher leaves running is killed and reaped at the end.
+class LauncherTest : public ::testing::Test {
+ protected:
+  void TearDown() override {
+    for (const pid_t pid : children_) {
+      ::kill(pid, SIGKILL);
+      ::waitpid(pid, nullptr, 0);
+    }
+  }
+  // fake_ferryd on DIR = tmp/run, with `config` as its --config file.
+  FerrydTrainOptions Fake(const Json& config) {
+    FerrydTrainOptions o = Train(FAKE_FERRYD_PATH, tmp_.path() / "fake.json", tmp_.path() / "run");
+    std::ofstream(o.config) << config.dump();
+    return o;
+  }
+  // A shell script as ferryd.
+  FerrydTrainOptions Script(const std::string& body) {
+    const fs::path script = tmp_.path() / "ferryd.sh";
+    std::ofstream(script) << "#!/bin/sh\n" << body << "\n";
+    fs::permissions(script, fs::perms::owner_all);
+    return Train(script, tmp_.path() / "grpo.toml", tmp_.path() / "run");
+  }
+  // Starts `train` and expects it to get as far as a pid; the pid is reaped at the end.
+  DetachedStart Start(const FerrydTrainOptions& train, DetachOptions options = {}) {
+    auto s = StartDetached(train, options);
+    EXPECT_TRUE(s.ok()) << s.status().ToString();
+    if (!s.ok()) return {};
+    if (s->state != DetachedState::kExited) children_.push_back(s->pid);
+    return *s;
+  }
+  // Asks the fake on DIR to stop and returns its wait status.
+  int StopAndReap(const FerrydTrainOptions& train, pid_t pid) {
+    auto client = ControlClient::Connect({train.run_dir, "", std::nullopt});
+    EXPECT_TRUE(client.ok()) << client.status().ToString();
+    if (client.ok()) {
+      auto reply = (*client)->Call(ControlCommand::kStop, milliseconds(5000));
+      EXPECT_TRUE(reply.ok()) << reply.status().ToString();
+    }
+    int status = -1;
+    EXPECT_EQ(::waitpid(pid, &status, 0), pid);
+    std::erase(children_, pid);
+    return status;
+  }
+  std::string Log() const {
+    std::ifstream in(tmp_.path() / "run" / "ferryd.log");
+    return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  }
+  ScopedTempDir tmp_{"ferry_launcher_"};
+  std::vector<pid_t> children_;
+};
+
+TEST_F(LauncherTest, AnAnsweringFerrydRunsInItsOwnSessionWritingItsLog) {
+  const auto train = Fake({{"status", {{"step", 1}, {"total_steps", 5}}}});
+  const DetachedStart s = Start(train);
+  ASSERT_EQ(s.state, DetachedState::kAnswering) << s.error.ToString();
+  EXPECT_TRUE(s.error.ok());
+  EXPECT_EQ(s.log, train.run_dir / "ferryd.log");
+  EXPECT_EQ(s.status.value("pid", 0), s.pid);
+  EXPECT_EQ(s.status.value("step", 0), 1);
+  EXPECT_FALSE(s.last_step.has_value());
+  EXPECT_EQ(::getsid(s.pid), s.pid);  // a session of its own
+  auto holder = RunLock::Holder(train.run_dir);
+  ASSERT_TRUE(holder.ok()) << holder.status().ToString();
+  EXPECT_EQ(*holder, s.pid);
+
+  const int status = StopAndReap(train, s.pid);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
+  EXPECT_EQ(Log(), "fake_ferryd train --config " + train.config.string() + " --dir " + train.run_dir.string() +
+                       "\nfake_ferryd: stopped\n");
+}
+
+TEST_F(LauncherTest, AnEarlyExitIsReportedWithTheLogsLastLines) {
+  auto train = Fake({{"exit_code", 7}});
+  train.max_steps = 5;
+  const DetachedStart s = Start(train);
+  ASSERT_EQ(s.state, DetachedState::kExited);
+  EXPECT_EQ(s.exit_code, 7);
+  EXPECT_EQ(s.signal, 0);
+  EXPECT_EQ(s.error.code(), StatusCode::kUnavailable);
+  EXPECT_EQ(s.error.message(), "ferryd pid " + std::to_string(s.pid) +
+                                   " exited with code 7 before its control socket answered; " + s.log.string() +
+                                   " ends with:\n  fake_ferryd train --config " + train.config.string() + " --dir " +
+                                   train.run_dir.string() + " --max-steps 5\n");
+}
+
+TEST_F(LauncherTest, AnExitOnASignalIsNamed) {
+  const DetachedStart s = Start(Script("echo \"started $*\"\nkill -KILL $$"));
+  ASSERT_EQ(s.state, DetachedState::kExited);
+  EXPECT_EQ(s.exit_code, -1);
+  EXPECT_EQ(s.signal, SIGKILL);
+  EXPECT_NE(s.error.message().find(" exited on signal 9 before its control socket answered"), std::string::npos)
+      << s.error.message();
+  EXPECT_NE(s.error.message().find("ends with:\n  started train --config "), std::string::npos) << s.error.message();
+}
+
+// ferryd answering at its run's last step had nothing to do: its exit is waited for.
+TEST_F(LauncherTest, AnAnswerAtTheLastStepWaitsForTheExit) {
+  const DetachedStart s = Start(Fake({{"status", {{"step", 5}, {"total_steps", 5}}}, {"exit_after_status", true}}));
+  ASSERT_EQ(s.state, DetachedState::kExited) << s.error.ToString();
+  EXPECT_EQ(s.exit_code, 0);
+  EXPECT_EQ(s.last_step, std::optional<int64_t>(5));
+}
+
+TEST_F(LauncherTest, AnAnswerAtTheLastStepWithoutAnExitTimesOut) {
+  const auto train = Fake({{"status", {{"step", 5}, {"total_steps", 5}}}});
+  DetachOptions options;
+  options.wait = milliseconds(1500);
+  const DetachedStart s = Start(train, options);
+  ASSERT_EQ(s.state, DetachedState::kTimedOut) << s.error.ToString();
+  EXPECT_EQ(s.last_step, std::optional<int64_t>(5));
+  EXPECT_EQ(s.error.code(), StatusCode::kUnavailable);
+  EXPECT_EQ(s.error.message(), "ferryd pid " + std::to_string(s.pid) +
+                                   " is at the run's last step but did not exit within 1500 ms (see " + s.log.string() +
+                                   ")");
+  const int status = StopAndReap(train, s.pid);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
+}
+
+TEST_F(LauncherTest, ASilentProcessTimesOutAndIsLeftRunning) {
+  DetachOptions options;
+  options.wait = std::chrono::seconds(1);
+  const DetachedStart s = Start(Script("exec sleep 60"), options);
+  ASSERT_EQ(s.state, DetachedState::kTimedOut);
+  EXPECT_FALSE(s.last_step.has_value());
+  EXPECT_EQ(s.error.message(), "ferryd pid " + std::to_string(s.pid) +
+                                   " is running but its control socket did not answer within 1 s (see " +
+                                   s.log.string() + ")");
+  EXPECT_EQ(::kill(s.pid, 0), 0);  // not killed
+}
+
+TEST_F(LauncherTest, WhatCannotStartIsAnErrorAndLeavesNoProcess) {
+  const FerrydTrainOptions absent = Train(tmp_.path() / "absent", tmp_.path() / "grpo.toml", tmp_.path() / "run");
+  auto r = StartDetached(absent);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), StatusCode::kIOError);
+  EXPECT_EQ(r.status().message(), "cannot run " + absent.ferryd.string() + ": No such file or directory");
+  // The child that failed to exec was reaped.
+  EXPECT_EQ(::waitpid(-1, nullptr, WNOHANG), -1);
+  EXPECT_EQ(errno, ECHILD);
+
+  const Status s = ExecFerrydTrain(absent);  // returns: nothing to replace this process with
+  EXPECT_EQ(s.code(), StatusCode::kIOError);
+  EXPECT_EQ(s.message(), "cannot run " + absent.ferryd.string() + ": No such file or directory");
+
+  std::ofstream(tmp_.path() / "file") << "x";
+  const FerrydTrainOptions blocked = Train(FAKE_FERRYD_PATH, tmp_.path() / "grpo.toml", tmp_.path() / "file" / "run");
+  r = StartDetached(blocked);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), StatusCode::kIOError);
+  EXPECT_NE(r.status().message().find(blocked.run_dir.string() + ": cannot create the run directory"),
+            std::string::npos)
+      << r.status().message();
 }
 
 // ---------------------------------------------------------------- metrics and the run directory

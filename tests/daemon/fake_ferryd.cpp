@@ -5,9 +5,11 @@
 //
 // FILE is a JSON object: "status" (the fields the status reply carries; pid and state are
 // filled in), "snapshot_version" (the version id snapshot replies with), "exit_code" (when
-// present: print the arguments and exit with it at once, without serving). The fake takes
-// DIR's RunLock, serves the control socket (pause/resume change the state), counts every
-// command, and on stop (or SIGTERM) writes the counts to DIR/fake_counts.json and exits 0.
+// present: print the arguments and exit with it at once, without serving),
+// "exit_after_status" (when true: exit 0 once the first status is answered, as ferryd does
+// at its run's last step). The fake takes DIR's RunLock, serves the control socket
+// (pause/resume change the state), counts every command, and on stop (or SIGTERM) writes the
+// counts to DIR/fake_counts.json and exits 0.
 #include <signal.h>
 #include <unistd.h>
 
@@ -90,6 +92,10 @@ int main(int argc, char** argv) {
         Json j = cfg.value("status", Json::object());
         j["pid"] = ::getpid();
         j["state"] = state;
+        if (cfg.value("exit_after_status", false)) {
+          stopping = true;  // the reply goes out before the server stops
+          cv.notify_all();
+        }
         return j;
       }
       case ControlCommand::kPause: state = "paused"; break;
@@ -122,7 +128,9 @@ int main(int argc, char** argv) {
     std::unique_lock guard(mu);
     cv.wait(guard, [&] { return stopping; });
   }
-  (*server)->Stop();
+  // Destroyed, not only stopped: closing its context sends the replies still queued (the
+  // one to stop, or to the status that ended a run at its last step) before _Exit.
+  server->reset();
   {
     std::lock_guard guard(mu);
     std::ofstream(std::string(dir) + "/fake_counts.json") << Json(counts).dump() << "\n";

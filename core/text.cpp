@@ -76,6 +76,22 @@ std::string EscapeForMessage(std::string_view s) {
   return out;
 }
 
+std::string QuoteForMessage(std::string_view s, size_t max_bytes) {
+  const std::string_view shown = s.substr(0, max_bytes);
+  std::string out = "\"";
+  size_t from = 0;
+  for (size_t i = 0; i <= shown.size(); ++i) {
+    if (i == shown.size() || shown[i] == '"') {
+      out += EscapeForMessage(shown.substr(from, i - from));
+      if (i < shown.size()) out += "\\\"";
+      from = i + 1;
+    }
+  }
+  out += '"';
+  if (s.size() > max_bytes) out += "... (" + std::to_string(s.size()) + " bytes)";
+  return out;
+}
+
 std::string Quote(std::string_view s) { return "'" + std::string(s) + "'"; }
 
 std::string FormatNumber(double v, int significant_digits) {

@@ -25,6 +25,11 @@ constexpr bool IsControlByte(unsigned char c) { return c < 0x20 || c == 0x7F; }
 // bytes outside a well-formed sequence) as \xHH. "vocab.\xff" for the bytes 'vocab.' 0xFF.
 std::string EscapeForMessage(std::string_view s);
 
+// `s` between double quotes for a message: escaped as EscapeForMessage does, '"' as \", and
+// cut after `max_bytes` bytes, "... (N bytes)" then following the closing quote. A value read
+// from a config, a reply or a dataset line shown in an error.
+std::string QuoteForMessage(std::string_view s, size_t max_bytes);
+
 // `s` between single quotes, as it is: "'q_proj'" (nothing escaped: where `s` may hold bytes
 // that are not printable, quote EscapeForMessage(s)).
 std::string Quote(std::string_view s);

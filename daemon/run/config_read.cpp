@@ -5,6 +5,7 @@
 
 #include <re2/re2.h>
 
+#include "core/text.h"
 #include "daemon/run/config_internal.h"
 
 namespace ferry::run {
@@ -88,27 +89,7 @@ std::string Reader::TypeName(const toml::node& v) {
   }
 }
 
-std::string Reader::Show(std::string_view s) {
-  constexpr size_t kMax = 80;
-  std::string out = "\"";
-  for (size_t i = 0; i < s.size() && i < kMax; ++i) {
-    const auto c = static_cast<unsigned char>(s[i]);
-    if (c == '"' || c == '\\') {
-      out += '\\';
-      out += static_cast<char>(c);
-    } else if (c < 0x20 || c == 0x7f) {
-      static const char* hex = "0123456789abcdef";
-      out += "\\x";
-      out += hex[c >> 4];
-      out += hex[c & 15];
-    } else {
-      out += static_cast<char>(c);
-    }
-  }
-  out += '"';
-  if (s.size() > kMax) out += "... (" + std::to_string(s.size()) + " bytes)";
-  return out;
-}
+std::string Reader::Show(std::string_view s) { return QuoteForMessage(s, 80); }
 
 std::string Reader::Num(double x) {
   if (std::isnan(x)) return "nan";

@@ -19,6 +19,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "core/text.h"
 #include "daemon/run/rewards.h"
 
 extern char** environ;
@@ -30,28 +31,8 @@ using Json = nlohmann::json;
 using Clock = std::chrono::steady_clock;
 constexpr auto kReplace = Json::error_handler_t::replace;
 
-// `s` quoted, control bytes escaped, cut at 100 bytes.
-std::string Snippet(std::string_view s) {
-  constexpr size_t kMax = 100;
-  std::string out = "\"";
-  for (size_t i = 0; i < s.size() && i < kMax; ++i) {
-    const auto c = static_cast<unsigned char>(s[i]);
-    if (c == '"' || c == '\\') {
-      out += '\\';
-      out += static_cast<char>(c);
-    } else if (c < 0x20 || c == 0x7f) {
-      static const char* hex = "0123456789abcdef";
-      out += "\\x";
-      out += hex[c >> 4];
-      out += hex[c & 15];
-    } else {
-      out += static_cast<char>(c);
-    }
-  }
-  out += '"';
-  if (s.size() > kMax) out += "... (" + std::to_string(s.size()) + " bytes)";
-  return out;
-}
+// `s` quoted, escaped, cut at 100 bytes.
+std::string Snippet(std::string_view s) { return QuoteForMessage(s, 100); }
 
 bool IsIdentChar(char c) {
   return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '_';

@@ -99,5 +99,13 @@ TEST(TextFormTest, FormatNumberWithSixDigitsEqualsOstream) {
   }
 }
 
+TEST(TextTest, QuoteForMessageEscapesAndCuts) {
+  EXPECT_EQ(QuoteForMessage("cosine_hard", 80), "\"cosine_hard\"");
+  EXPECT_EQ(QuoteForMessage("a\"b\\c\td", 80), "\"a\\\"b\\\\c\\x09d\"");
+  EXPECT_EQ(QuoteForMessage("caf\xc3\xa9 \xff", 80), "\"caf\xc3\xa9 \\xff\"");
+  EXPECT_EQ(QuoteForMessage("abcdef", 4), "\"abcd\"... (6 bytes)");
+  EXPECT_EQ(QuoteForMessage("", 4), "\"\"");
+}
+
 }  // namespace
 }  // namespace ferry

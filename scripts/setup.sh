@@ -12,6 +12,7 @@ PACKAGES=(
   libtorch-dev                        # legacy adapter_model.bin reader, GRPO daemon
   libopenblas0-openmp                 # BLAS for LibTorch (the default reference BLAS is ~15x slower)
   libtomlplusplus-dev                 # ferryd's TOML configuration
+  libcurl4-openssl-dev                # HTTP to a vLLM server (sync/engine)
   libonig-dev libicu-dev              # tokenizer.json pre-tokenizer regexes (as HF tokenizers) and NFC
   clang-format                        # scripts/format.sh --check
 )

@@ -1,0 +1,217 @@
+#include "sync/engine/vllm_follower.h"
+
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <fstream>
+#include <utility>
+
+#include "convert/converter.h"
+#include "core/text.h"
+
+namespace ferry::engine {
+namespace {
+
+namespace fs = std::filesystem;
+using Clock = std::chrono::steady_clock;
+
+double SecondsSince(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+
+// What the probe's shape depends on in config.json (text_config's for a multimodal config).
+struct ProbeShape {
+  int64_t vocab_size = 0;
+  int64_t max_positions = 0;  // 0: not given
+};
+
+Result<ProbeShape> ProbeShapeOf(const fs::path& model_dir) {
+  const fs::path file = model_dir / "config.json";
+  std::ifstream in(file);
+  if (!in) return Status(StatusCode::kNotFound, file.string() + ": cannot be read");
+  auto j = nlohmann::json::parse(in, nullptr, false);
+  if (j.is_object() && !j.contains("vocab_size") && j.contains("text_config")) j = j["text_config"];
+  if (!j.is_object() || !j.contains("vocab_size") || !j["vocab_size"].is_number_integer()) {
+    return Status(StatusCode::kCorruption, file.string() + ": no integer \"vocab_size\"");
+  }
+  ProbeShape shape;
+  shape.vocab_size = j["vocab_size"].get<int64_t>();
+  if (j.contains("max_position_embeddings") && j["max_position_embeddings"].is_number_integer()) {
+    shape.max_positions = j["max_position_embeddings"].get<int64_t>();
+  }
+  return shape;
+}
+
+// At most this many adapters stay loaded: the proven one, the one before it (requests still
+// naming it finish), and the one being proven.
+constexpr size_t kKeepLoaded = 2;
+
+}  // namespace
+
+std::string_view EngineModeName(EngineMode m) { return m == EngineMode::kAdapter ? "adapter" : "merged"; }
+
+VllmFollower::VllmFollower(VllmFollowerOptions options, std::unique_ptr<VllmClient> client,
+                           std::unique_ptr<ReferenceProber> reference, Sequences probe)
+    : options_(std::move(options)),
+      client_(std::move(client)),
+      reference_(std::move(reference)),
+      probe_(std::move(probe)) {}
+
+VllmFollower::~VllmFollower() = default;
+
+Result<std::unique_ptr<VllmFollower>> VllmFollower::Create(VllmFollowerOptions options,
+                                                           std::unique_ptr<ReferenceProber> reference) {
+  if (options.work_dir.empty()) return Status(StatusCode::kInvalidArgument, "VllmFollowerOptions.work_dir is required");
+  if (!reference) return Status(StatusCode::kInvalidArgument, "a vLLM follower needs a reference prober");
+  if (!(options.tolerance > 0)) return Status(StatusCode::kInvalidArgument, "the probe tolerance must be positive");
+  auto client = VllmClient::Create(options.client);
+  if (!client.ok()) return client.status();
+  std::error_code ec;
+  fs::create_directories(options.work_dir, ec);
+  if (ec) return Status(StatusCode::kIOError, "cannot create " + options.work_dir.string() + ": " + ec.message());
+  return std::unique_ptr<VllmFollower>(
+      new VllmFollower(std::move(options), std::move(*client), std::move(reference), Sequences{}));
+}
+
+Result<LogProbs> VllmFollower::ReferenceFor(const EngineVersion& v) {
+  for (const auto& c : references_) {
+    if (c.id == v.id) return c.logprobs;
+  }
+  if (probe_.empty()) {
+    auto shape = ProbeShapeOf(v.merged_dir);
+    if (!shape.ok()) return shape.status();
+    ProbeOptions probe = options_.probe;
+    if (shape->max_positions > 1 && probe.length > shape->max_positions) {
+      probe.length = static_cast<int>(shape->max_positions);
+    }
+    auto seqs = ProbeSequences(shape->vocab_size, probe);
+    if (!seqs.ok()) return seqs.status();
+    probe_ = std::move(*seqs);
+  }
+  auto lp = reference_->Compute(v.merged_dir, std::nullopt, probe_);
+  if (!lp.ok()) return lp.status();
+  references_.push_back({v.id, *lp});
+  while (references_.size() > 3) references_.pop_front();
+  return std::move(*lp);
+}
+
+Result<std::string> VllmFollower::LoadAdapter(const EngineVersion& v) {
+  if (!v.adapter_dir || !v.base_dir) {
+    return Status(StatusCode::kInvalidArgument,
+                  "adapter mode: version " + v.id.Hex() + " has no adapter or base directory");
+  }
+  const std::string name = "ferry-" + v.id.Hex().substr(0, 12) + "-" + std::to_string(++loads_);
+  // The clean adapter vLLM loads: generator-ready names, one global scaling (convert/lora_layout.h).
+  ConvertOptions c;
+  c.base = *v.base_dir;
+  c.adapter = *v.adapter_dir;
+  c.out = options_.work_dir / name;
+  c.layout = Layout::kLora;
+  c.force = true;
+  c.threads = 1;
+  auto converted = Convert(c);
+  if (!converted.ok()) return converted.status();
+  if (Status s = client_->LoadLoraAdapter(name, fs::absolute(c.out).string()); !s.ok()) {
+    std::error_code ec;
+    fs::remove_all(c.out, ec);
+    return s;
+  }
+  loaded_.push_back(name);
+  return name;
+}
+
+Status VllmFollower::LoadMerged(const EngineVersion& v) {
+  if (Status s = client_->Pause(); !s.ok()) return s;
+  Status s = client_->ReloadWeights(fs::absolute(v.load_dir.value_or(v.merged_dir)).string());
+  if (s.ok()) s = client_->ResetPrefixCache();
+  if (s.ok()) s = client_->UpdateWeightVersion(v.id.Hex());
+  Status resumed = client_->Resume();
+  return s.ok() ? resumed : s;
+}
+
+void VllmFollower::UnloadOld() {
+  const std::string keep = proven_ ? proven_->served_name : std::string();
+  while (loaded_.size() > kKeepLoaded) {
+    auto it = std::find_if(loaded_.begin(), loaded_.end(), [&](const std::string& n) { return n != keep; });
+    if (it == loaded_.end()) break;
+    // A failure leaves the adapter loaded (the server's LoRA slots are an LRU): not an error.
+    (void)client_->UnloadLoraAdapter(*it);
+    std::error_code ec;
+    fs::remove_all(options_.work_dir / *it, ec);
+    loaded_.erase(it);
+  }
+}
+
+Result<Adoption> VllmFollower::Adopt(const EngineVersion& v) {
+  const auto start = Clock::now();
+  Adoption a;
+  a.version = v.id;
+  auto reference = ReferenceFor(v);
+  if (!reference.ok()) return reference.status();
+  a.reference_seconds = SecondsSince(start);
+  std::optional<LogProbs> previous;
+  if (proven_ && !(proven_->version == v.id)) {
+    if (proven_version_) {
+      auto p = ReferenceFor(*proven_version_);
+      if (!p.ok()) return p.status();
+      previous = std::move(*p);
+    }
+  }
+  const auto load_start = Clock::now();
+  if (options_.mode == EngineMode::kAdapter) {
+    auto name = LoadAdapter(v);
+    if (!name.ok()) return name.status();
+    a.served_name = *name;
+  } else {
+    if (Status s = LoadMerged(v); !s.ok()) return s;
+    a.served_name = options_.base_name;
+  }
+  a.load_seconds = SecondsSince(load_start);
+  auto answer = client_->PromptLogProbs(a.served_name, probe_);
+  if (!answer.ok()) return answer.status();
+  auto judged = Judge(*answer, *reference, previous ? &*previous : nullptr, options_.tolerance);
+  if (!judged.ok()) return judged.status();
+  a.proof = *judged;
+  a.seconds = SecondsSince(start);
+  if (a.proof.proven) {
+    proven_ = a;
+    proven_version_ = v;
+    if (options_.mode == EngineMode::kAdapter) UnloadOld();
+    return a;
+  }
+  // Not this version: the server goes back to the last proven one.
+  if (options_.mode == EngineMode::kAdapter) {
+    (void)client_->UnloadLoraAdapter(a.served_name);
+    std::error_code ec;
+    fs::remove_all(options_.work_dir / a.served_name, ec);
+    loaded_.erase(std::remove(loaded_.begin(), loaded_.end(), a.served_name), loaded_.end());
+  } else if (proven_version_) {
+    (void)LoadMerged(*proven_version_);
+  }
+  return a;
+}
+
+void VllmFollower::ForgetServerState() {
+  for (const auto& n : loaded_) {
+    std::error_code ec;
+    fs::remove_all(options_.work_dir / n, ec);
+  }
+  loaded_.clear();
+  proven_.reset();
+  proven_version_.reset();
+}
+
+Result<bool> VllmFollower::StillServesProven() {
+  if (!proven_ || !proven_version_) return false;
+  auto reference = ReferenceFor(*proven_version_);
+  if (!reference.ok()) return reference.status();
+  auto answer = client_->PromptLogProbs(proven_->served_name, probe_);
+  if (!answer.ok()) {
+    if (answer.status().code() == StatusCode::kNotFound) return false;  // the adapter is gone
+    return answer.status();
+  }
+  auto d = MaxAbsDiff(*answer, *reference);
+  if (!d.ok()) return d.status();
+  return *d <= options_.tolerance;
+}
+
+}  // namespace ferry::engine

@@ -1,0 +1,102 @@
+// The probe's sequences and its judgement (sync/engine/probe.h); the server side is in
+// engine_vllm_test.cpp.
+#include "sync/engine/probe.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <limits>
+
+namespace ferry::engine {
+namespace {
+
+TEST(ProbeSequencesTest, AreDeterministicInRangeAndDifferBySeed) {
+  auto a = ProbeSequences(14);
+  auto b = ProbeSequences(14);
+  ASSERT_TRUE(a.ok()) << a.status().message();
+  ASSERT_EQ(a->size(), 3u);
+  EXPECT_EQ(*a, *b);
+  int distinct = 0;
+  std::vector<bool> seen(14, false);
+  for (const auto& s : *a) {
+    ASSERT_EQ(s.size(), 24u);
+    for (int32_t id : s) {
+      ASSERT_GE(id, 0);
+      ASSERT_LT(id, 14);
+      if (!seen[static_cast<size_t>(id)]) ++distinct;
+      seen[static_cast<size_t>(id)] = true;
+    }
+  }
+  EXPECT_GE(distinct, 12) << "72 draws over 14 ids should reach nearly all of them";
+  ProbeOptions other;
+  other.seed = 7;
+  EXPECT_NE(*ProbeSequences(14, other), *a);
+}
+
+TEST(ProbeSequencesTest, RefusesBadVocabularyAndShape) {
+  auto v = ProbeSequences(1);
+  ASSERT_FALSE(v.ok());
+  EXPECT_EQ(v.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(v.status().message().find("vocabulary size 1"), std::string::npos) << v.status().message();
+  ProbeOptions o;
+  o.length = 1;
+  auto s = ProbeSequences(100, o);
+  ASSERT_FALSE(s.ok());
+  EXPECT_NE(s.status().message().find("3 sequences of 1 tokens"), std::string::npos) << s.status().message();
+}
+
+TEST(ProbeMaxAbsDiffTest, TakesTheLargestAndNamesAShapeMismatch) {
+  EXPECT_DOUBLE_EQ(*MaxAbsDiff({{-1.0, -2.0}, {-3.0}}, {{-1.5, -2.0}, {-3.25}}), 0.5);
+  auto nan = MaxAbsDiff({{std::nan("")}}, {{0.0}});
+  ASSERT_TRUE(nan.ok());
+  EXPECT_TRUE(std::isinf(*nan));
+  auto bad = MaxAbsDiff({{1.0, 2.0}, {1.0}}, {{1.0, 2.0}, {1.0, 2.0}});
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("sequence 1 has 1 log-probabilities against 2"), std::string::npos)
+      << bad.status().message();
+}
+
+TEST(ProbeJudgeTest, ProvesOnlyTheNearerVersionWithinTolerance) {
+  const LogProbs version = {{-1.0, -2.0, -3.0}};
+  const LogProbs previous = {{-1.2, -2.0, -3.1}};
+  // Within the tolerance of the version, far from the previous one.
+  auto ok = Judge({{-1.00001, -2.00002, -3.0}}, version, &previous, 1e-4);
+  ASSERT_TRUE(ok.ok());
+  EXPECT_TRUE(ok->proven) << ok->why;
+  EXPECT_EQ(ok->tokens, 3);
+  EXPECT_NEAR(ok->max_diff, 2e-5, 1e-9);
+  EXPECT_NEAR(*ok->previous_diff, 0.2, 1e-4);
+  EXPECT_NEAR(*ok->references_diff, 0.2, 1e-12);
+  // The engine still answers as the previous version.
+  auto stale = Judge(previous, version, &previous, 1e-4);
+  ASSERT_TRUE(stale.ok());
+  EXPECT_FALSE(stale->proven);
+  EXPECT_NE(stale->why.find("differs from the version's by 0.2"), std::string::npos) << stale->why;
+  EXPECT_NE(stale->why.find("it matches the previous version's"), std::string::npos) << stale->why;
+  // No previous version: the tolerance alone decides.
+  EXPECT_TRUE(Judge(version, version, nullptr, 1e-4)->proven);
+  EXPECT_FALSE(Judge({{-1.001, -2.0, -3.0}}, version, nullptr, 1e-4)->proven);
+  // Two versions that answer alike cannot be told apart: within the tolerance is the proof.
+  const LogProbs same = {{-1.00003, -2.0, -3.0}};
+  auto alike = Judge({{-1.00004, -2.0, -3.0}}, version, &same, 1e-4);
+  EXPECT_TRUE(alike->proven) << alike->why;
+  // Nearer to the previous one although within the tolerance of both, when they differ by more.
+  const LogProbs close_previous = {{-1.00015, -2.0, -3.0}};
+  auto between = Judge({{-1.00009, -2.0, -3.0}}, version, &close_previous, 1e-4);
+  EXPECT_FALSE(between->proven);
+  EXPECT_NE(between->why.find("no nearer to the version"), std::string::npos) << between->why;
+  // A NaN from the engine is never a match.
+  EXPECT_FALSE(Judge({{std::nan(""), -2.0, -3.0}}, version, nullptr, 1e-4)->proven);
+}
+
+TEST(ProbeToleranceTest, FollowsTheServersDtype) {
+  EXPECT_DOUBLE_EQ(*ToleranceForDtype("float32"), 1e-4);
+  EXPECT_DOUBLE_EQ(*ToleranceForDtype("bfloat16"), 1e-1);
+  EXPECT_DOUBLE_EQ(*ToleranceForDtype("float16"), 2e-2);
+  auto bad = ToleranceForDtype("int8");
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("'int8'"), std::string::npos) << bad.status().message();
+}
+
+}  // namespace
+}  // namespace ferry::engine

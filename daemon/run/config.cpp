@@ -5,12 +5,8 @@
 #include <cmath>
 #include <functional>
 #include <limits>
-#include <map>
-#include <set>
 #include <string>
 #include <utility>
-
-#include <re2/re2.h>
 
 #include <toml++/toml.h>
 
@@ -74,50 +70,24 @@ std::string Suggest(std::string_view key, const std::vector<std::string_view>& k
 }
 
 // ---------------------------------------------------------------------------------
-// Tables read once the top-level keys are known.
-
-Status ParseStore(Parse& p, const toml::node& v) {
-  if (v.is_string()) {
-    FERRY_ASSIGN_OR_RETURN(p.c.store.path, ResolvePath(p.rd, v, p.base));
-    return Status::OK();
-  }
-  if (!v.is_table()) return p.rd.Error("must be a table ([store]) or a path string (got " + Reader::TypeName(v) + ")");
-  const toml::table& t = *v.as_table();
-  for (auto&& [k, val] : t) {
-    Reader::Scope scope(p.rd, "store." + std::string(k.str()));
-    if (k.str() == "path") {
-      FERRY_ASSIGN_OR_RETURN(p.c.store.path, ResolvePath(p.rd, val, p.base));
-    } else if (k.str() == "run") {
-      FERRY_ASSIGN_OR_RETURN(std::string run, p.rd.String(val));
-      if (run.empty() || run.size() > 256) return p.rd.Error("must have 1 to 256 characters");
-      if (!IsPrintableUtf8(run)) return p.rd.Error("must be UTF-8 without control characters");
-      p.c.store.run = std::move(run);
-    } else {
-      return p.rd.Error("unknown key (the [store] table has 'path' and 'run')");
-    }
-  }
-  return Status::OK();
-}
-
-// ---------------------------------------------------------------------------------
 // Cross-key rules (TRL's GRPOConfig.__post_init__ and the trainer's checks).
 
 Status Resolve(Parse& p) {
   RunConfig& c = p.c;
   Reader& rd = p.rd;
-  if (!p.set.count("model_name_or_path")) {
+  if (!p.root.contains("model_name_or_path")) {
     Reader::Scope s(rd, "model_name_or_path");
     return rd.Error("is required (the model directory)");
   }
-  if (!p.set.count("dataset")) {
+  if (!p.root.contains("dataset")) {
     Reader::Scope s(rd, "dataset");
     return rd.Error("is required (the JSONL file of prompts)");
   }
-  if (!p.have_output_dir) c.output_dir = (p.base / "trainer_output").lexically_normal();
+  if (!p.root.contains("output_dir")) c.output_dir = (p.base / "trainer_output").lexically_normal();
   c.store.path = (c.output_dir / "store").lexically_normal();
   if (p.store != nullptr) {
     Reader::Scope s(rd, "store");
-    FERRY_RETURN_IF_ERROR(ParseStore(p, *p.store));
+    FERRY_RETURN_IF_ERROR(ReadStore(p, *p.store));
   }
 
   // Batch sizes (GRPOConfig.__post_init__, one process).
@@ -164,7 +134,7 @@ Status Resolve(Parse& p) {
   }
 
   // Warmup: one of the two encodings.
-  if (p.set.count("warmup_ratio") && p.set.count("warmup_steps") && c.warmup_ratio > 0 && c.warmup_steps > 0) {
+  if (p.root.contains("warmup_ratio") && p.root.contains("warmup_steps") && c.warmup_ratio > 0 && c.warmup_steps > 0) {
     Reader::Scope s(rd, "warmup_ratio");
     return rd.Error("and warmup_steps are both set: give one (warmup_steps below 1 is a ratio, as in transformers 5)");
   }
@@ -172,7 +142,7 @@ Status Resolve(Parse& p) {
   // Importance-sampling correction bounds.
   if (p.clip_cap) {
     Reader::Scope s(rd, "vllm_importance_sampling_cap");
-    if (p.set.count("vllm_importance_sampling_clip_max")) {
+    if (p.root.contains("vllm_importance_sampling_clip_max")) {
       return rd.Error("is the deprecated name of vllm_importance_sampling_clip_max: set only the latter");
     }
     c.vllm_importance_sampling_clip_max = *p.clip_cap;
@@ -204,9 +174,8 @@ Status Resolve(Parse& p) {
   }
   std::vector<bool> explicit_weight;
   for (size_t i = 0; i < p.rewards->size(); ++i) {
-    bool has_weight = false;
-    FERRY_ASSIGN_OR_RETURN(RewardSpec spec, ParseReward(rd, (*p.rewards)[i], i, p.base, &has_weight));
-    explicit_weight.push_back(has_weight);
+    FERRY_ASSIGN_OR_RETURN(RewardSpec spec, ReadReward(p, (*p.rewards)[i], i));
+    explicit_weight.push_back((*p.rewards)[i].as_table()->contains("weight"));
     for (size_t j = 0; j < c.rewards.size(); ++j) {
       if (c.rewards[j].name == spec.name) {
         Reader::Scope s(rd, "rewards[" + std::to_string(i) + "].name");
@@ -235,7 +204,7 @@ Status Resolve(Parse& p) {
   // Warnings.
   if (c.bf16 && !c.device.cuda) {
     Reader::Scope s(rd, "bf16");
-    rd.Warn(std::string(p.set.count("bf16") ? "is true" : "is true (TRL's default)") +
+    rd.Warn(std::string(p.root.contains("bf16") ? "is true" : "is true (TRL's default)") +
             " on device \"cpu\": LibTorch's CPU bf16 matrix products are much slower than fp32 and less exact; set "
             "bf16 = false for fp32");
   }
@@ -250,7 +219,7 @@ Status Resolve(Parse& p) {
     rd.Warn(Reader::Num(*c.delta) + " is not above 1 + epsilon_high (" + Reader::Num(1 + c.epsilon_high) +
             "): TRL recommends delta > 1 + epsilon");
   }
-  if (c.beta == 0 && p.set.count("use_bias_correction_kl")) {
+  if (c.beta == 0 && p.root.contains("use_bias_correction_kl")) {
     Reader::Scope s(rd, "use_bias_correction_kl");
     rd.Warn("has no effect with beta = 0 (no KL term)");
   }
@@ -270,46 +239,6 @@ Result<std::filesystem::path> ResolvePath(Reader& rd, const toml::node& v, const
   std::filesystem::path p(s);
   if (p.is_relative()) p = base / p;
   return p.lexically_normal();
-}
-
-Status ReadEndpointTable(Parse& p, const toml::node& v, const std::string& table, std::string& endpoint,
-                         std::filesystem::path& key, std::filesystem::path& allow, sync::PublishMode* mode) {
-  if (!v.is_table()) return p.rd.Error("must be a table ([" + table + "]), got " + Reader::TypeName(v));
-  const toml::table& t = *v.as_table();
-  for (auto&& [k, val] : t) {
-    Reader::Scope scope(p.rd, table + "." + std::string(k.str()));
-    if (k.str() == "endpoint") {
-      FERRY_ASSIGN_OR_RETURN(endpoint, p.rd.String(val));
-      if (!endpoint.starts_with("ipc://") && !endpoint.starts_with("tcp://")) {
-        return p.rd.Error("must be \"ipc://DIR\" or \"tcp://HOST:PORT\" (got " + Reader::Show(endpoint) + ")");
-      }
-    } else if (k.str() == "key") {
-      FERRY_ASSIGN_OR_RETURN(key, ResolvePath(p.rd, val, p.base));
-    } else if (k.str() == "allow") {
-      FERRY_ASSIGN_OR_RETURN(allow, ResolvePath(p.rd, val, p.base));
-    } else if (k.str() == "mode" && mode != nullptr) {
-      FERRY_ASSIGN_OR_RETURN(std::string m, p.rd.String(val));
-      Result<sync::PublishMode> parsed = sync::ParsePublishMode(m);
-      if (!parsed.ok()) {
-        return p.rd.Error("must be \"adapter\", \"merged\" or \"delta\" (got " + Reader::Show(m) + ")");
-      }
-      *mode = *parsed;
-    } else {
-      return p.rd.Error(std::string("unknown key (the [") + table + "] table has 'endpoint', " +
-                        (mode != nullptr ? "'mode', " : "") + "'key' and 'allow')");
-    }
-  }
-  if (key.empty() != allow.empty()) {
-    Reader::Scope scope(p.rd, table + (key.empty() ? ".allow" : ".key"));
-    return p.rd.Error(key.empty()
-                          ? "needs " + table + ".key (the CURVE keypair it admits clients with)"
-                          : "needs " + table + ".allow (without an allow-list any client key would be accepted)");
-  }
-  if (endpoint.starts_with("tcp://") && key.empty()) {
-    Reader::Scope scope(p.rd, table + ".endpoint");
-    return p.rd.Error("tcp:// needs CURVE: set " + table + ".key and " + table + ".allow");
-  }
-  return Status::OK();
 }
 
 template <>
@@ -368,16 +297,17 @@ std::span<const Spelling<MismatchMode>> SpellingsOf() {
   return k;
 }
 
-std::string_view RewardTypeName(RewardType t) {
-  switch (t) {
-    case RewardType::kAnswerMatch: return "answer_match";
-    case RewardType::kDigitMatch: return "digit_match";
-    case RewardType::kRegex: return "regex";
-    case RewardType::kLength: return "length";
-    case RewardType::kCommand: return "command";
-  }
-  return "?";
+template <>
+std::span<const Spelling<RewardType>> SpellingsOf() {
+  static constexpr Spelling<RewardType> k[] = {{RewardType::kAnswerMatch, "answer_match"},
+                                               {RewardType::kDigitMatch, "digit_match"},
+                                               {RewardType::kRegex, "regex"},
+                                               {RewardType::kLength, "length"},
+                                               {RewardType::kCommand, "command"}};
+  return k;
 }
+
+std::string_view RewardTypeName(RewardType t) { return NameOf(t); }
 
 Result<RunConfig> ParseRunConfig(std::string_view text, const std::filesystem::path& source) {
   RunConfig c;
@@ -401,31 +331,24 @@ Result<RunConfig> ParseRunConfig(std::string_view text, const std::filesystem::p
   }
 
   Reader rd(src, &c.warnings);
-  Parse p{c, rd, c.source.parent_path(), {}, {}, {}, {}, {}, {}, nullptr, false, nullptr};
-  std::map<std::string_view, const KeyInfo*> keys;
-  for (const KeyInfo& k : TopLevelKeys()) keys[k.name] = &k;
-
-  for (auto&& [k, v] : root) {
-    const std::string key(k.str());
-    Reader::Scope scope(rd, key);
-    p.set.insert(key);
-    if (auto it = keys.find(key); it != keys.end()) {
-      FERRY_RETURN_IF_ERROR(it->second->read(p, v));
-    } else if (key == "use_cpu") {
+  Parse p{.c = c, .rd = rd, .root = root, .base = c.source.parent_path()};
+  FERRY_RETURN_IF_ERROR(ReadRows(p, root, "", TopLevelKeys(), c, [&rd](const std::string& key) {
+    if (key == "use_cpu") {
       return rd.Unsupported("ferryd chooses its device with device = \"cpu\", \"cuda\" or \"cuda:N\"; remove it");
-    } else if (key == "run_name") {
-      return rd.Unsupported("ferryd names its run in the store with [store] run = \"...\"; remove it");
-    } else if (In(kTrlUnimplemented, key)) {
-      return rd.Unsupported("a TRL GRPOConfig / TrainingArguments key ferryd does not implement; remove it");
-    } else if (key == "r" || key == "lora_alpha" || key == "target_modules" || key == "lora_dropout" ||
-               key == "use_rslora") {
-      return rd.Error("unknown key: PEFT LoraConfig keys go in the [lora] table");
-    } else {
-      std::vector<std::string_view> known;
-      for (const auto& [name, info] : keys) known.push_back(name);
-      return rd.Error("unknown key" + Suggest(key, known));
     }
-  }
+    if (key == "run_name") {
+      return rd.Unsupported("ferryd names its run in the store with [store] run = \"...\"; remove it");
+    }
+    if (In(kTrlUnimplemented, key)) {
+      return rd.Unsupported("a TRL GRPOConfig / TrainingArguments key ferryd does not implement; remove it");
+    }
+    if (key == "r" || key == "lora_alpha" || key == "target_modules" || key == "lora_dropout" || key == "use_rslora") {
+      return rd.Error("unknown key: PEFT LoraConfig keys go in the [lora] table");
+    }
+    std::vector<std::string_view> known = NamesOf(TopLevelKeys());
+    std::sort(known.begin(), known.end());
+    return rd.Error("unknown key" + Suggest(key, known));
+  }));
   FERRY_RETURN_IF_ERROR(Resolve(p));
   return c;
 }

@@ -39,11 +39,11 @@
 // target_modules resolve to PEFT's default for Llama, Mistral and Qwen2: ["q_proj",
 // "v_proj"]. Every reward's weight is resolved (reward_weights, or each table's weight).
 //
-// Keys. Every top-level key is one row of the table in config_keys.cpp (its type, bounds,
-// member and how it is recorded): that row alone reads and checks it, writes it into ToJson()
-// and decides whether it counts in Fingerprint(); docs/daemon.md lists each (a test checks
-// both ways). [lora] and [[rewards]] have their own readers (config_lora.cpp,
-// config_rewards.cpp).
+// Keys. Every key is one row of its table (its type, bounds, member and how it is recorded):
+// config_keys.cpp for the top level, [store], [publish] and [control], config_lora.cpp for
+// [lora], config_rewards.cpp for each reward type. That row alone reads and checks the key,
+// writes it into ToJson() and decides whether it counts in Fingerprint(); docs/daemon.md lists
+// each (a test checks both ways).
 //
 // ToJson() writes the resolved config: every key with its value, defaults included, in the
 // table's order, keys of the TOML names ([publish] and [control] are operational and left
@@ -158,6 +158,8 @@ inline constexpr std::string_view kDefaultAnswerPattern = R"(-?(?:\d{1,3}(?:,\d{
 // The built-in reward functions and the external command (daemon/run/rewards.h says
 // exactly how each one scores).
 enum class RewardType { kAnswerMatch, kDigitMatch, kRegex, kLength, kCommand };
+template <>
+std::span<const Spelling<RewardType>> SpellingsOf();
 // "answer_match" | "digit_match" | "regex" | "length" | "command".
 std::string_view RewardTypeName(RewardType t);
 

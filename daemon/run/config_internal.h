@@ -3,12 +3,12 @@
 // that live in their own files. Not part of ferry_run's interface.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <filesystem>
 #include <functional>
 #include <limits>
 #include <optional>
-#include <set>
 #include <span>
 #include <string>
 #include <string_view>
@@ -104,77 +104,111 @@ class Reader {
 struct Parse {
   RunConfig& c;
   Reader& rd;
-  std::filesystem::path base;              // the config file's directory
-  std::set<std::string, std::less<>> set;  // top-level keys present
-  std::optional<std::vector<double>> reward_weights;
-  std::optional<double> clip_cap;  // vllm_importance_sampling_cap
-  std::optional<int64_t> generation_batch_size;
-  std::optional<int64_t> steps_per_generation;
-  std::optional<double> epsilon_high;
+  const toml::table& root;     // the file: which top-level keys are set
+  std::filesystem::path base;  // the config file's directory
+  std::optional<std::vector<double>> reward_weights = {};
+  std::optional<double> clip_cap = {};  // vllm_importance_sampling_cap
+  std::optional<int64_t> generation_batch_size = {};
+  std::optional<int64_t> steps_per_generation = {};
+  std::optional<double> epsilon_high = {};
   const toml::array* rewards = nullptr;
-  bool have_output_dir = false;
   const toml::node* store = nullptr;
 };
 
-// One top-level key of the run config (config_keys.cpp holds the table; its top says how to
-// add one). The row alone drives reading the key (with its messages), the resolved JSON
-// (RunConfig::ToJson, in table order) and the fingerprint; the docs test walks it.
-struct KeyInfo {
-  using Read = std::function<Status(Parse&, const toml::node&)>;
-  using Value = std::function<nlohmann::ordered_json(const RunConfig&)>;
-  using AtDefault = std::function<bool(const RunConfig&)>;
-  // How ToJson and Fingerprint treat the key.
-  enum class Record {
-    kAlways,         // in both
-    kUnlessDefault,  // in ToJson; in Fingerprint only when set away from its default (a key
-                     // added after runs were made: their checkpoints still match)
-    kNever,          // in neither (operational settings, a deprecated alias)
-  };
+// How ToJson and Fingerprint treat a key.
+enum class Record {
+  kAlways,         // in both
+  kUnlessDefault,  // in ToJson; in Fingerprint only when set away from its default (a key
+                   // added after runs were made: their checkpoints still match). Top-level rows only.
+  kNever,          // in neither (operational settings, a deprecated alias, a PEFT key accepted
+                   // only at its neutral value)
+};
+
+// One key of one table of the run config, filling a T: RunConfig (the top level),
+// LoraSettings ([lora]), RewardSpec (a [[rewards]] table), StoreSettings, PublishSettings,
+// ControlSettings. As in RocksDB's option type maps, the row alone reads and checks the key
+// (with its messages), gives its resolved JSON value and says whether that is the default:
+// ToJson and Fingerprint write the rows in table order, and the docs test walks them. The
+// tables: config_keys.cpp (top level, [store], [publish], [control]), config_lora.cpp,
+// config_rewards.cpp; the factories they are written with: config_rows.h.
+template <typename T>
+struct KeyInfoT {
+  using Read = std::function<Status(Parse&, T&, const toml::node&)>;
+  using Value = std::function<nlohmann::ordered_json(const T&)>;
+  using AtDefault = std::function<bool(const T&)>;
   std::string_view name;
   Record record = Record::kAlways;
-  std::vector<std::string_view> subkeys;  // a table's keys ([store], [publish], [control])
+  std::vector<std::string_view> subkeys;  // a small table's keys, documented as `[store]` `path`
   Read read;                              // checks the value and stores it (or defers it)
   Value value;                            // the resolved value
   AtDefault at_default;                   // true when the resolved value is the default
 };
+using KeyInfo = KeyInfoT<RunConfig>;
 
-// Every top-level key, in the order ToJson writes them.
+// The tables (each in the order ToJson writes its keys).
 std::span<const KeyInfo> TopLevelKeys();
+std::span<const KeyInfoT<LoraSettings>> LoraKeys();
+// name, type and weight, then `type`'s own keys.
+std::span<const KeyInfoT<RewardSpec>> RewardKeys(RewardType type);
+
+template <typename T>
+std::vector<std::string_view> NamesOf(std::span<const KeyInfoT<T>> rows) {
+  std::vector<std::string_view> names;
+  for (const KeyInfoT<T>& k : rows) names.push_back(k.name);
+  return names;
+}
+
+// Reads every key of `t` with its row of `rows` into `out`, the key named "PREFIX.KEY" in
+// messages (just "KEY" without a prefix); a key without a row is `unknown(KEY)`'s error.
+template <typename T>
+[[nodiscard]] Status ReadRows(Parse& p, const toml::table& t, std::string_view prefix,
+                              std::span<const KeyInfoT<T>> rows, T& out,
+                              const std::function<Status(const std::string&)>& unknown) {
+  for (auto&& [k, v] : t) {
+    const std::string key(k.str());
+    Reader::Scope scope(p.rd, prefix.empty() ? key : std::string(prefix) + "." + key);
+    const auto row = std::find_if(rows.begin(), rows.end(), [&](const KeyInfoT<T>& r) { return r.name == key; });
+    FERRY_RETURN_IF_ERROR(row != rows.end() ? row->read(p, out, v) : unknown(key));
+  }
+  return Status::OK();
+}
+
+// The recorded rows' values as a JSON object, in table order; `fingerprint`: as Fingerprint
+// hashes them.
+template <typename T>
+nlohmann::ordered_json RowsJson(std::span<const KeyInfoT<T>> rows, const T& x, bool fingerprint = false) {
+  nlohmann::ordered_json j = nlohmann::ordered_json::object();
+  for (const KeyInfoT<T>& k : rows) {
+    if (k.record == Record::kNever) continue;
+    if (fingerprint && k.record == Record::kUnlessDefault && k.at_default(x)) continue;
+    j[std::string(k.name)] = k.value(x);
+  }
+  return j;
+}
+
+// `names` as messages list them: each between `quote`s, separated by ", " and, before the
+// last, by `last` (" or ", " and ", ", ").
+std::string ListOf(std::span<const std::string_view> names, std::string_view quote, std::string_view last);
 
 // `"a", "b" or "c"`: E's spellings as messages list them.
 template <typename E>
 std::string QuotedSpellings() {
-  const auto names = SpellingsOf<E>();
-  std::string out;
-  for (size_t i = 0; i < names.size(); ++i) {
-    if (i) out += i + 1 == names.size() ? " or " : ", ";
-    out += '"';
-    out += names[i].name;
-    out += '"';
-  }
-  return out;
+  std::vector<std::string_view> names;
+  for (const Spelling<E>& s : SpellingsOf<E>()) names.push_back(s.name);
+  return ListOf(names, "\"", " or ");
 }
 
 // A path key: not empty, no '~', relative to `base`, made lexically normal.
 Result<std::filesystem::path> ResolvePath(Reader& rd, const toml::node& v, const std::filesystem::path& base);
 
-// [publish] and [control]: endpoint, key, allow (and, for [publish], mode). `table` is the
-// section name used in errors.
-[[nodiscard]] Status ReadEndpointTable(Parse& p, const toml::node& v, const std::string& table, std::string& endpoint,
-                                       std::filesystem::path& key, std::filesystem::path& allow,
-                                       sync::PublishMode* mode);
+// The [lora] table into `out`, with PEFT's rules.
+[[nodiscard]] Status ReadLora(Parse& p, const toml::node& v, LoraSettings& out);
 
-// The resolved [lora] table and one [[rewards]] table as ToJson writes them (config_json.cpp).
-nlohmann::ordered_json LoraJson(const LoraSettings& lora);
-nlohmann::ordered_json RewardJson(const RewardSpec& reward);
+// rewards[index], with its type's rules.
+[[nodiscard]] Result<RewardSpec> ReadReward(Parse& p, const toml::node& v, size_t index);
 
-// The [lora] table into `out` (keys "lora.*").
-[[nodiscard]] Status ParseLora(Reader& rd, const toml::node& v, LoraSettings& out);
-
-// rewards[index]; `base` is the config file's directory. Sets *has_weight when the table
-// has a `weight` key.
-[[nodiscard]] Result<RewardSpec> ParseReward(Reader& rd, const toml::node& v, size_t index,
-                                             const std::filesystem::path& base, bool* has_weight);
+// [store] (a table or a path string), once output_dir is known.
+[[nodiscard]] Status ReadStore(Parse& p, const toml::node& v);
 
 // Compiles `pattern` with the options ferry_run uses for every regex (RE2, UTF-8, 1 MiB of
 // program memory, longest-match off) and returns its number of capture groups, or the

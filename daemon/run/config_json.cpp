@@ -15,97 +15,10 @@ namespace {
 
 using OJson = nlohmann::ordered_json;
 
-OJson PathJson(const std::filesystem::path& p) { return p.string(); }
-
-OJson SelectorJson(const ModuleSelector& s) {
-  switch (s.form) {
-    case ModuleSelector::Form::kNone: return nullptr;
-    case ModuleSelector::Form::kList: return s.names;
-    case ModuleSelector::Form::kRegex:
-    case ModuleSelector::Form::kAllLinear: return s.pattern;
-  }
-  return nullptr;
-}
-
-// lora_alpha is an int in PEFT's LoraConfig: written as one when it is whole.
-OJson AlphaJson(double a) {
-  if (a == std::floor(a) && std::fabs(a) < 1e15) return static_cast<int64_t>(a);
-  return a;
-}
-
-}  // namespace
-
-OJson LoraJson(const LoraSettings& l) {
-  OJson j;
-  j["r"] = l.r;
-  j["lora_alpha"] = AlphaJson(l.lora_alpha);
-  j["lora_dropout"] = l.lora_dropout;
-  j["target_modules"] = SelectorJson(l.target_modules);
-  j["exclude_modules"] = SelectorJson(l.exclude_modules);
-  j["use_rslora"] = l.use_rslora;
-  OJson rank = OJson::object();
-  for (const auto& e : l.rank_pattern) rank[e.key] = e.rank;
-  OJson alpha = OJson::object();
-  for (const auto& e : l.alpha_pattern) alpha[e.key] = AlphaJson(e.alpha);
-  j["rank_pattern"] = rank;
-  j["alpha_pattern"] = alpha;
-  if (l.layers_to_transform.empty()) {
-    j["layers_to_transform"] = nullptr;
-  } else if (l.layers_to_transform_is_int) {
-    j["layers_to_transform"] = l.layers_to_transform[0];
-  } else {
-    j["layers_to_transform"] = l.layers_to_transform;
-  }
-  j["layers_pattern"] = l.layers_pattern.empty() ? OJson(nullptr) : OJson(l.layers_pattern);
-  j["bias"] = l.bias;
-  return j;
-}
-
-OJson RewardJson(const RewardSpec& r) {
-  OJson j;
-  j["name"] = r.name;
-  j["type"] = std::string(RewardTypeName(r.type));
-  j["weight"] = r.weight;
-  switch (r.type) {
-    case RewardType::kAnswerMatch:
-      j["field"] = r.field;
-      j["pattern"] = *r.pattern;
-      j["group"] = r.group;
-      j["normalize"] = r.normalize;
-      break;
-    case RewardType::kDigitMatch:
-      j["field"] = r.field;
-      j["pattern"] = *r.pattern;
-      j["group"] = r.group;
-      j["align"] = r.align;
-      break;
-    case RewardType::kRegex:
-      j["pattern"] = *r.pattern;
-      j["match"] = r.match;
-      break;
-    case RewardType::kLength: j["target"] = r.target; break;
-    case RewardType::kCommand:
-      j["command"] = r.command;
-      j["timeout_seconds"] = r.timeout_seconds;
-      j["batch_size"] = r.batch_size;
-      j["stderr_file"] = r.stderr_file.empty() ? OJson(nullptr) : PathJson(r.stderr_file);
-      j["working_dir"] = PathJson(r.working_dir);
-      break;
-  }
-  return j;
-}
-
-namespace {
-
 // The resolved config in TopLevelKeys() order; `fingerprint`: as Fingerprint() hashes it.
 OJson ConfigJson(const RunConfig& c, bool fingerprint) {
-  OJson j;
-  j["ferry_run_config"] = 1;
-  for (const KeyInfo& k : TopLevelKeys()) {
-    if (k.record == KeyInfo::Record::kNever) continue;
-    if (fingerprint && k.record == KeyInfo::Record::kUnlessDefault && k.at_default(c)) continue;
-    j[std::string(k.name)] = k.value(c);
-  }
+  OJson j = {{"ferry_run_config", 1}};
+  j.update(RowsJson(TopLevelKeys(), c, fingerprint));
   return j;
 }
 
@@ -129,9 +42,8 @@ Result<PeftConfig> LoraPeftConfig(const RunConfig& config) {
   OJson j;
   j["peft_type"] = "LORA";
   j["task_type"] = "CAUSAL_LM";
-  j["base_model_name_or_path"] = PathJson(config.model_name_or_path);
-  const OJson lora = LoraJson(config.lora);
-  for (auto it = lora.begin(); it != lora.end(); ++it) j[it.key()] = it.value();
+  j["base_model_name_or_path"] = config.model_name_or_path.string();
+  j.update(RowsJson(LoraKeys(), config.lora));
   j["use_dora"] = false;
   j["fan_in_fan_out"] = false;
   j["init_lora_weights"] = true;

@@ -62,6 +62,15 @@ bool IsPrintableUtf8(std::string_view s) {
   return true;
 }
 
+std::string ListOf(std::span<const std::string_view> names, std::string_view quote, std::string_view last) {
+  std::string out;
+  for (size_t i = 0; i < names.size(); ++i) {
+    if (i) out += i + 1 == names.size() ? last : ", ";
+    out.append(quote).append(names[i]).append(quote);
+  }
+  return out;
+}
+
 Status Reader::Error(const std::string& what) const {
   return Status::InvalidArgument(source_ + ": key '" + key_ + "': " + what);
 }

@@ -1,143 +1,144 @@
-// The [[rewards]] tables of the run config (what each type means: daemon/run/rewards.h).
+// The [[rewards]] tables of the run config: one table of rows per reward type (what each type
+// means: daemon/run/rewards.h), each starting with name, type and weight, and each type's rules
+// across its keys. Adding a key: a member of RewardSpec (config.h), one row in its type's table
+// below in the place its JSON should take, and its line in docs/daemon.md.
 #include <algorithm>
-#include <set>
 
-#include "daemon/run/config_internal.h"
+#include "daemon/run/config_rows.h"
 
 namespace ferry::run {
 namespace {
+
+using OJson = nlohmann::ordered_json;
+using Row = KeyInfoT<RewardSpec>;
 
 bool IsNameChar(char c) {
   return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '_' || c == '-' || c == '.';
 }
 
-Result<RewardType> ParseType(Reader& rd, const toml::node& v) {
-  FERRY_ASSIGN_OR_RETURN(std::string s, rd.String(v));
-  for (RewardType t : {RewardType::kAnswerMatch, RewardType::kDigitMatch, RewardType::kRegex, RewardType::kLength,
-                       RewardType::kCommand}) {
-    if (s == RewardTypeName(t)) return t;
-  }
-  return rd.Error("must be \"answer_match\", \"digit_match\", \"regex\", \"length\" or \"command\" (got " +
-                  Reader::Show(s) + ")");
+const Row& TypeKey() {
+  static const Row* k = new Row(EnumKey("type", &RewardSpec::type));
+  return *k;
 }
 
-// The keys each type accepts besides name, type and weight.
-std::set<std::string_view> KeysOf(RewardType t) {
-  switch (t) {
-    case RewardType::kAnswerMatch: return {"field", "pattern", "group", "normalize"};
-    case RewardType::kDigitMatch: return {"field", "pattern", "group", "align"};
-    case RewardType::kRegex: return {"pattern", "match"};
-    case RewardType::kLength: return {"target"};
-    case RewardType::kCommand: return {"command", "timeout_seconds", "batch_size", "stderr_file"};
-  }
-  return {};
+Row NameKey() {
+  Row k = MemberKey("name", &RewardSpec::name, [](Parse& p, const toml::node& v) -> Result<std::string> {
+    FERRY_ASSIGN_OR_RETURN(std::string name, p.rd.String(v, kMaxRewardNameLength));
+    if (name.empty() || !std::all_of(name.begin(), name.end(), IsNameChar)) {
+      return p.rd.Error("must be 1 to " + std::to_string(kMaxRewardNameLength) +
+                        " characters of A-Z a-z 0-9 _ - . (it names metrics; got " + Reader::Show(name) + ")");
+    }
+    return name;
+  });
+  k.at_default = [](const RewardSpec& r) { return r.name == RewardTypeName(r.type); };
+  return k;
 }
 
-std::string KeyList(const std::set<std::string_view>& keys) {
-  std::string out;
-  for (std::string_view k : keys) {
-    if (!out.empty()) out += ", ";
-    out += k;
-  }
-  return out;
+Row FieldKey() {
+  return MemberKey("field", &RewardSpec::field, [](Parse& p, const toml::node& v) -> Result<std::string> {
+    FERRY_ASSIGN_OR_RETURN(std::string field, p.rd.String(v, 256));
+    if (field.empty() || !IsPrintableUtf8(field)) return p.rd.Error("must be a dataset field name");
+    return field;
+  });
+}
+
+Row PatternKey() {
+  return MemberKey("pattern", &RewardSpec::pattern,
+                   [](Parse& p, const toml::node& v) -> Result<std::optional<std::string>> {
+                     FERRY_ASSIGN_OR_RETURN(std::string pattern, p.rd.String(v, kMaxRegexLength));
+                     if (auto groups = CheckRegex(pattern); !groups.ok()) return p.rd.Error(groups.status().message());
+                     return std::optional<std::string>(std::move(pattern));
+                   });
+}
+
+// argv; argv[0] with a '/' is resolved against the config file's directory.
+Row CommandKey() {
+  return MemberKey("command", &RewardSpec::command,
+                   [](Parse& p, const toml::node& v) -> Result<std::vector<std::string>> {
+                     if (v.is_string()) {
+                       return p.rd.Error(
+                           "must be an array of strings, the program and its arguments (no shell): [\"python3\", "
+                           "\"reward.py\"]");
+                     }
+                     FERRY_ASSIGN_OR_RETURN(std::vector<std::string> argv, p.rd.StringList(v, kMaxCommandArgs));
+                     if (argv.empty() || argv[0].empty()) return p.rd.Error("must name a program");
+                     const std::filesystem::path prog(argv[0]);
+                     if (argv[0].find('/') != std::string::npos && prog.is_relative()) {
+                       argv[0] = (p.base / prog).lexically_normal().string();
+                     }
+                     return argv;
+                   });
+}
+
+Row StderrFileKey() {
+  return {"stderr_file",
+          Record::kAlways,
+          {},
+          [](Parse& p, RewardSpec& r, const toml::node& v) {
+            if (v.is_string() && v.as_string()->get().empty()) {
+              return p.rd.Error("must not be empty (leave it out for ferryd's stderr)");
+            }
+            return Into(ResolvePath(p.rd, v, p.base), r.stderr_file);
+          },
+          [](const RewardSpec& r) { return r.stderr_file.empty() ? OJson(nullptr) : OJson(r.stderr_file.string()); },
+          SameAsDefault(&RewardSpec::stderr_file)};
+}
+
+struct TypeTable {
+  std::vector<Row> rows;  // name, type, weight, then the type's own keys
+  std::string own_keys;   // the type's own keys, sorted, as messages list them
+};
+
+// One table per RewardType, in its order.
+std::vector<TypeTable> MakeTables() {
+  const auto with = [](std::vector<Row> own) {
+    std::vector<std::string_view> names = NamesOf(std::span<const Row>(own));
+    std::sort(names.begin(), names.end());
+    std::vector<Row> rows = {NameKey(), TypeKey(),
+                             FloatKey("weight", &RewardSpec::weight, {.min = -1e12, .max = 1e12})};
+    rows.insert(rows.end(), own.begin(), own.end());
+    return TypeTable{std::move(rows), ListOf(names, "", ", ")};
+  };
+  const Row field = FieldKey(), pattern = PatternKey(), group = IntKey("group", &RewardSpec::group, 0, 1000);
+  return {
+      with({field, pattern, group, ChoiceKey("normalize", &RewardSpec::normalize, {"auto", "none"})}),  // answer_match
+      with({field, pattern, group, ChoiceKey("align", &RewardSpec::align, {"left", "right"})}),         // digit_match
+      with({pattern, ChoiceKey("match", &RewardSpec::match, {"full", "search"})}),                      // regex
+      with({IntKey("target", &RewardSpec::target, 1, kMaxSequenceTokens)}),                             // length
+      with({CommandKey(),                                                                               // command
+            FloatKey("timeout_seconds", &RewardSpec::timeout_seconds, {.min = 0, .min_open = true, .max = 86400}),
+            IntKey("batch_size", &RewardSpec::batch_size, 0, kMaxGenerationBatchSize), StderrFileKey()}),
+  };
+}
+
+const TypeTable& TableOf(RewardType type) {
+  static const std::vector<TypeTable>* tables = new std::vector<TypeTable>(MakeTables());
+  return (*tables)[static_cast<size_t>(type)];
 }
 
 }  // namespace
 
-Result<RewardSpec> ParseReward(Reader& rd, const toml::node& v, size_t index, const std::filesystem::path& base,
-                               bool* has_weight) {
+std::span<const KeyInfoT<RewardSpec>> RewardKeys(RewardType type) { return TableOf(type).rows; }
+
+Result<RewardSpec> ReadReward(Parse& p, const toml::node& v, size_t index) {
+  Reader& rd = p.rd;
   const std::string at = "rewards[" + std::to_string(index) + "]";
   Reader::Scope whole(rd, at);
   if (!v.is_table()) return rd.Error("must be a table (write [[rewards]]), got " + Reader::TypeName(v));
   const toml::table& t = *v.as_table();
   RewardSpec spec;
-  const toml::node* type = t.get("type");
-  if (type == nullptr) {
-    Reader::Scope s(rd, at + ".type");
-    return rd.Error("is required (\"answer_match\", \"digit_match\", \"regex\", \"length\" or \"command\")");
-  }
   {
     Reader::Scope s(rd, at + ".type");
-    FERRY_ASSIGN_OR_RETURN(spec.type, ParseType(rd, *type));
+    const toml::node* type = t.get("type");
+    if (type == nullptr) return rd.Error("is required (" + QuotedSpellings<RewardType>() + ")");
+    FERRY_RETURN_IF_ERROR(TypeKey().read(p, spec, *type));  // first: it chooses the table
   }
   spec.name = std::string(RewardTypeName(spec.type));
-  const std::set<std::string_view> allowed = KeysOf(spec.type);
-  bool have_group = false;
-  *has_weight = false;
-
-  for (auto&& [k, val] : t) {
-    const std::string key(k.str());
-    Reader::Scope s(rd, at + "." + key);
-    if (key == "type") continue;
-    if (key == "name") {
-      FERRY_ASSIGN_OR_RETURN(spec.name, rd.String(val, kMaxRewardNameLength));
-      if (spec.name.empty() || !std::all_of(spec.name.begin(), spec.name.end(), IsNameChar)) {
-        return rd.Error("must be 1 to " + std::to_string(kMaxRewardNameLength) +
-                        " characters of A-Z a-z 0-9 _ - . (it names metrics; got " + Reader::Show(spec.name) + ")");
-      }
-      continue;
-    }
-    if (key == "weight") {
-      FERRY_ASSIGN_OR_RETURN(spec.weight, rd.Float(val, {.min = -1e12, .max = 1e12}));
-      *has_weight = true;
-      continue;
-    }
-    if (!allowed.count(key)) {
-      return rd.Error("is not a key of type \"" + std::string(RewardTypeName(spec.type)) +
-                      "\" (its keys: name, type, weight, " + KeyList(allowed) + ")");
-    }
-    if (key == "field") {
-      FERRY_ASSIGN_OR_RETURN(spec.field, rd.String(val, 256));
-      if (spec.field.empty() || !IsPrintableUtf8(spec.field)) return rd.Error("must be a dataset field name");
-    } else if (key == "pattern") {
-      FERRY_ASSIGN_OR_RETURN(std::string pattern, rd.String(val, kMaxRegexLength));
-      if (auto groups = CheckRegex(pattern); !groups.ok()) return rd.Error(groups.status().message());
-      spec.pattern = std::move(pattern);
-    } else if (key == "group") {
-      FERRY_ASSIGN_OR_RETURN(int64_t g, rd.Int(val, 0, 1000));
-      spec.group = static_cast<int>(g);
-      have_group = true;
-    } else if (key == "normalize") {
-      FERRY_ASSIGN_OR_RETURN(spec.normalize, rd.String(val));
-      if (spec.normalize != "auto" && spec.normalize != "none") {
-        return rd.Error("must be \"auto\" or \"none\" (got " + Reader::Show(spec.normalize) + ")");
-      }
-    } else if (key == "align") {
-      FERRY_ASSIGN_OR_RETURN(spec.align, rd.String(val));
-      if (spec.align != "left" && spec.align != "right") {
-        return rd.Error("must be \"left\" or \"right\" (got " + Reader::Show(spec.align) + ")");
-      }
-    } else if (key == "match") {
-      FERRY_ASSIGN_OR_RETURN(spec.match, rd.String(val));
-      if (spec.match != "full" && spec.match != "search") {
-        return rd.Error("must be \"full\" or \"search\" (got " + Reader::Show(spec.match) + ")");
-      }
-    } else if (key == "target") {
-      FERRY_ASSIGN_OR_RETURN(spec.target, rd.Int(val, 1, kMaxSequenceTokens));
-    } else if (key == "command") {
-      if (val.is_string()) {
-        return rd.Error(
-            "must be an array of strings, the program and its arguments (no shell): [\"python3\", \"reward.py\"]");
-      }
-      FERRY_ASSIGN_OR_RETURN(spec.command, rd.StringList(val, kMaxCommandArgs));
-      if (spec.command.empty() || spec.command[0].empty()) return rd.Error("must name a program");
-      if (spec.command[0].find('/') != std::string::npos) {
-        std::filesystem::path prog(spec.command[0]);
-        if (prog.is_relative()) spec.command[0] = (base / prog).lexically_normal().string();
-      }
-    } else if (key == "timeout_seconds") {
-      FERRY_ASSIGN_OR_RETURN(spec.timeout_seconds, rd.Float(val, {.min = 0, .min_open = true, .max = 86400}));
-    } else if (key == "batch_size") {
-      FERRY_ASSIGN_OR_RETURN(spec.batch_size, rd.Int(val, 0, kMaxGenerationBatchSize));
-    } else if (key == "stderr_file") {
-      FERRY_ASSIGN_OR_RETURN(std::string f, rd.String(val));
-      if (f.empty()) return rd.Error("must not be empty (leave it out for ferryd's stderr)");
-      if (f[0] == '~')
-        return rd.Error("'~' is not expanded: write an absolute path or one relative to the config file");
-      std::filesystem::path p(f);
-      spec.stderr_file = (p.is_relative() ? base / p : p).lexically_normal();
-    }
-  }
+  const TypeTable& table = TableOf(spec.type);
+  FERRY_RETURN_IF_ERROR(ReadRows(p, t, at, std::span<const Row>(table.rows), spec, [&](const std::string&) {
+    return rd.Error("is not a key of type \"" + std::string(RewardTypeName(spec.type)) +
+                    "\" (its keys: name, type, weight, " + table.own_keys + ")");
+  }));
 
   auto require = [&](std::string_view key, bool present, const std::string& what) -> Status {
     if (present) return Status::OK();
@@ -151,7 +152,7 @@ Result<RewardSpec> ParseReward(Reader& rd, const toml::node& v, size_t index, co
       const bool own_pattern = spec.pattern.has_value();
       if (!own_pattern) spec.pattern = std::string(kDefaultAnswerPattern);
       const int groups = *CheckRegex(*spec.pattern);
-      if (!have_group) {
+      if (!t.contains("group")) {
         spec.group = groups >= 1 ? 1 : 0;
       } else if (spec.group > groups) {
         Reader::Scope s(rd, at + ".group");
@@ -168,7 +169,7 @@ Result<RewardSpec> ParseReward(Reader& rd, const toml::node& v, size_t index, co
       break;
     case RewardType::kCommand:
       FERRY_RETURN_IF_ERROR(require("command", !spec.command.empty(), "argv, e.g. [\"python3\", \"reward.py\"]"));
-      spec.working_dir = base;
+      spec.working_dir = p.base;
       break;
   }
   return spec;

@@ -803,9 +803,45 @@ TEST(RunConfigTest, ResolvedJsonAndFingerprintAreThoseOfEarlierRuns) {
   EXPECT_EQ(checked, 3);
 }
 
-// Every key of the table is in docs/daemon.md's key tables ("### Keys"), and every key there
-// is in the table: a key added is one row plus its line in the docs.
+// The `code` names of each cell of a Markdown table row ("| `a`, `b` | all | ... |").
+std::vector<std::vector<std::string>> CellNames(const std::string& row) {
+  static const std::regex kCode("`([^`]+)`");
+  std::vector<std::vector<std::string>> cells;
+  std::istringstream in(row.substr(1));
+  for (std::string cell; std::getline(in, cell, '|');) {
+    cells.emplace_back();
+    for (std::sregex_iterator it(cell.begin(), cell.end(), kCode), e; it != e; ++it) cells.back().push_back((*it)[1]);
+  }
+  return cells;
+}
+
+// The rows of the table after the line of `doc` that starts with `intro` (its header row and
+// |---| line left out), as CellNames.
+std::vector<std::vector<std::vector<std::string>>> DocTable(const std::string& doc, const std::string& intro) {
+  const size_t at = doc.find("\n" + intro);
+  EXPECT_NE(at, std::string::npos) << intro;
+  std::istringstream lines(doc.substr(at == std::string::npos ? doc.size() : at + 1));
+  std::vector<std::vector<std::vector<std::string>>> rows;
+  std::string line;
+  std::getline(lines, line);                                      // the intro
+  while (std::getline(lines, line) && line.rfind('|', 0) != 0) {  // up to the header row
+  }
+  std::getline(lines, line);  // |---|
+  while (std::getline(lines, line) && line.rfind("| ", 0) == 0) rows.push_back(CellNames(line));
+  return rows;
+}
+
+void ExpectSameKeys(const std::set<std::string>& table, const std::set<std::string>& documented) {
+  for (const std::string& k : table) EXPECT_TRUE(documented.count(k)) << k << " is not documented in docs/daemon.md";
+  for (const std::string& k : documented) EXPECT_TRUE(table.count(k)) << k << " is documented but not a key";
+}
+
+// Every key of the tables (top level with [store], [publish] and [control]; [lora]; each
+// reward type) is in docs/daemon.md's key tables ("### Keys", "`[lora]`", "`[[rewards]]`
+// keys"), and every key there is in its table: a key added is one row plus its line in the docs.
 TEST(RunConfigTest, EveryKeyIsDocumented) {
+  const std::string doc = ReadAll(std::filesystem::path(FERRY_FIXTURES_DIR) / ".." / "docs" / "daemon.md");
+
   std::set<std::string> table;
   for (const KeyInfo& k : TopLevelKeys()) {
     if (k.subkeys.empty()) {
@@ -814,14 +850,12 @@ TEST(RunConfigTest, EveryKeyIsDocumented) {
       for (std::string_view sub : k.subkeys) table.insert(std::string(k.name) + "." + std::string(sub));
     }
   }
-  const std::string doc = ReadAll(std::filesystem::path(FERRY_FIXTURES_DIR) / ".." / "docs" / "daemon.md");
   const size_t begin = doc.find("\n### Keys\n");
   const size_t end = doc.find("\n### ", begin + 1);
   ASSERT_NE(begin, std::string::npos);
   std::istringstream lines(doc.substr(begin, end - begin));
   std::set<std::string> documented;
   bool lora_rows = false;  // the rows of the [lora] table are its own keys, not top-level ones
-  static const std::regex kCode("`([^`]+)`");
   for (std::string line; std::getline(lines, line);) {
     if (line.empty() || line[0] != '|') {
       if (!line.empty()) lora_rows = line.rfind("`[lora]`", 0) == 0;
@@ -829,9 +863,7 @@ TEST(RunConfigTest, EveryKeyIsDocumented) {
       continue;
     }
     if (lora_rows || line.rfind("| ", 0) != 0) continue;  // [lora]'s rows, a |---| line
-    const std::string cell = line.substr(2, line.find(" |", 1) - 2);
-    std::vector<std::string> names;
-    for (std::sregex_iterator it(cell.begin(), cell.end(), kCode), e; it != e; ++it) names.push_back((*it)[1]);
+    const std::vector<std::string> names = CellNames(line).front();
     if (names.empty()) continue;  // the header row
     if (names.size() == 2 && names[0].front() == '[' && names[0].rfind("[[", 0) != 0) {
       documented.insert(names[0].substr(1, names[0].size() - 2) + "." + names[1]);  // `[store]` `path`
@@ -842,17 +874,42 @@ TEST(RunConfigTest, EveryKeyIsDocumented) {
       }
     }
   }
-  for (const std::string& k : table) EXPECT_TRUE(documented.count(k)) << k << " is not documented in docs/daemon.md";
-  for (const std::string& k : documented) EXPECT_TRUE(table.count(k)) << k << " is documented but not a key";
+  ExpectSameKeys(table, documented);
   EXPECT_GT(table.size(), 60u);
+
+  std::set<std::string> lora, lora_documented;
+  for (const auto& k : LoraKeys()) lora.insert(std::string(k.name));
+  for (const auto& row : DocTable(doc, "`[lora]` (PEFT LoraConfig)"))
+    lora_documented.insert(row[0].begin(), row[0].end());
+  ExpectSameKeys(lora, lora_documented);
+  EXPECT_GT(lora.size(), 10u);
+
+  // "type.key"; a row whose types cell names no type ("all") is every type's.
+  const RewardType kTypes[] = {RewardType::kAnswerMatch, RewardType::kDigitMatch, RewardType::kRegex,
+                               RewardType::kLength, RewardType::kCommand};
+  std::set<std::string> rewards, rewards_documented;
+  for (RewardType t : kTypes) {
+    for (const auto& k : RewardKeys(t)) rewards.insert(std::string(RewardTypeName(t)) + "." + std::string(k.name));
+  }
+  for (const auto& row : DocTable(doc, "`[[rewards]]` keys")) {
+    ASSERT_GE(row.size(), 2u);
+    std::vector<std::string> types = row[1];
+    if (types.empty()) {
+      for (RewardType t : kTypes) types.emplace_back(RewardTypeName(t));
+    }
+    for (const std::string& t : types) {
+      for (const std::string& k : row[0]) rewards_documented.insert(t + "." + k);
+    }
+  }
+  ExpectSameKeys(rewards, rewards_documented);
+  EXPECT_GT(rewards.size(), 20u);
 }
 
 // The rows' defaults are RunConfig's: a config that sets nothing is at every row's default.
 TEST(RunConfigTest, EveryRowIsAtItsDefaultWhenNothingIsSet) {
   const RunConfig c = MustParse(Cfg());
   for (const KeyInfo& k : TopLevelKeys()) {
-    if (k.name == "lora" || k.name == "rewards" || k.name == "model_name_or_path" || k.name == "dataset" ||
-        k.name == "output_dir") {
+    if (k.name == "rewards" || k.name == "model_name_or_path" || k.name == "dataset" || k.name == "output_dir") {
       continue;  // required, or holding what Cfg() sets
     }
     EXPECT_TRUE(k.at_default(c)) << k.name;

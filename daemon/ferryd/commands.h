@@ -12,6 +12,7 @@ namespace ferry::ferryd {
 
 void SetGenerateCommand(CLI::App& app);
 void SetTrainCommand(CLI::App& app);
+void SetProbeCommand(CLI::App& app);
 
 // Prints "ferryd: error: <message>" to stderr and throws CLI::RuntimeError(exit_code).
 [[noreturn]] void Fail(const Status& status, int exit_code = 1);

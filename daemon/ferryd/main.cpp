@@ -1,5 +1,6 @@
 // ferryd: the GRPO daemon and its model runtime. `ferryd generate` samples from a model (and
-// adapter); `ferryd train` runs GRPO. Operated by people through `ferry daemon ...`.
+// adapter); `ferryd train` runs GRPO; `ferryd probe` computes the reference prompt
+// log-probabilities a vLLM server's are checked against. Operated by people through `ferry daemon ...`.
 #include <CLI/CLI.hpp>
 
 #include <cstdio>
@@ -21,6 +22,7 @@ int main(int argc, char** argv) {
   app.set_version_flag("--version", "ferryd 0.1.0");
   ferry::ferryd::SetGenerateCommand(app);
   ferry::ferryd::SetTrainCommand(app);
+  ferry::ferryd::SetProbeCommand(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::RuntimeError& e) {

@@ -373,6 +373,22 @@ std::string AuditToHtml(const AuditReport& r, std::string_view title) {
     s += "</table>\n";
   }
 
+  s += "<h2 id=\"engines\">Engines</h2>\n";
+  if (r.engines.empty()) {
+    s += "<p>No engine proofs recorded.</p>\n";
+  } else {
+    s += "<table>\n<tr><th>time</th><th>engine</th><th>version</th><th>served as</th><th>receiver</th><th>largest "
+         "difference</th><th>previous version</th><th>tolerance</th></tr>\n";
+    for (const auto& e : r.engines) {
+      s += "<tr><td>" + FormatTimeMillis(e.time_ns) + "</td><td>" + EscapeHtml(e.engine + " " + e.url) +
+           "</td><td><code>" + ShortId(e.version) + "</code></td><td><code>" + EscapeHtml(e.model) +
+           "</code></td><td>" + EscapeHtml(e.receiver) + "</td><td class=\"ok\">" + FormatNumber(e.max_diff, 3) +
+           "</td><td>" + (e.previous_diff ? FormatNumber(*e.previous_diff, 3) : std::string("-")) + "</td><td>" +
+           FormatNumber(e.tolerance, 3) + "</td></tr>\n";
+    }
+    s += "</table>\n";
+  }
+
   s += "<h2 id=\"gaps\">Gaps in sequence numbers</h2>\n";
   if (r.gaps.empty()) s += "<p>None.</p>\n";
   for (const auto& g : r.gaps) {

@@ -49,6 +49,7 @@ Json VersionSummaryJson(const TimelineEntry& e) {
   j["delta_norm"] = e.delta_norm ? FiniteOrNull(*e.delta_norm) : Json();
   j["acknowledged_by"] = e.acknowledged_by;
   j["activated_by"] = e.activated_by;
+  j["served_by"] = e.served_by;
   return j;
 }
 
@@ -76,6 +77,22 @@ std::string AuditToJson(const AuditReport& r) {
     receivers.push_back(std::move(x));
   }
   j["receivers"] = std::move(receivers);
+  Json engines = Json::array();
+  for (const auto& e : r.engines) {
+    engines.push_back({{"receiver", e.receiver},
+                       {"time_ns", e.time_ns},
+                       {"time", FormatTimeMillis(e.time_ns)},
+                       {"version", e.version.Hex()},
+                       {"engine", e.engine},
+                       {"url", e.url},
+                       {"model", e.model},
+                       {"max_diff", FiniteOrNull(e.max_diff)},
+                       {"previous_diff", e.previous_diff ? FiniteOrNull(*e.previous_diff) : Json()},
+                       {"tolerance", e.tolerance},
+                       {"tokens", e.tokens},
+                       {"seconds", e.seconds}});
+  }
+  j["engines"] = std::move(engines);
   Json gaps = Json::array();
   for (const auto& g : r.gaps)
     gaps.push_back({{"run", g.run}, {"first_missing", g.first_missing}, {"last_missing", g.last_missing}});
@@ -161,6 +178,15 @@ std::string AuditToText(const AuditReport& r) {
          (e.computed ? (e.digest_matched ? ", digest matched" : ", digest MISMATCH: computed " + ShortId(*e.computed))
                      : ", no digest reported") +
          "\n";
+  }
+  s += "\nEngines (" + std::to_string(r.engines.size()) + " proofs)\n";
+  if (r.engines.empty()) s += "  none recorded\n";
+  for (const auto& e : r.engines) {
+    s += "  " + FormatTimeMillis(e.time_ns) + "  " + e.engine + " " + e.url + " serves " + ShortId(e.version) + " as " +
+         e.model + " (receiver " + e.receiver + "): largest difference " + FormatNumber(e.max_diff, 3) +
+         " <= " + FormatNumber(e.tolerance, 3) +
+         (e.previous_diff ? ", previous version " + FormatNumber(*e.previous_diff, 3) : std::string()) + ", " +
+         std::to_string(e.tokens) + " tokens\n";
   }
   s += "\nGaps in sequence numbers\n";
   if (r.gaps.empty()) s += "  none\n";

@@ -258,22 +258,6 @@ void RunStop(const Flags& f) {
 
 // ---- start ----
 
-std::string FerrydPathOrFail() {
-  if (const char* env = std::getenv("FERRY_FERRYD"); env != nullptr && *env != '\0') {
-    if (::access(env, X_OK) != 0) Fail(std::string("FERRY_FERRYD=") + env + ": not an executable file");
-    return env;
-  }
-  std::error_code ec;
-  const fs::path self = fs::read_symlink("/proc/self/exe", ec);
-  if (ec) Fail("cannot find this executable's directory (/proc/self/exe): " + ec.message());
-  const fs::path ferryd = self.parent_path() / "ferryd";
-  if (::access(ferryd.c_str(), X_OK) != 0) {
-    Fail("ferryd not found at " + ferryd.string() +
-         " (it is installed next to ferry and needs LibTorch; set FERRY_FERRYD to run another)");
-  }
-  return ferryd.string();
-}
-
 // --publish EP against the endpoint policy ferryd applies (sync::CheckEndpoint): tcp:// needs
 // the config's [publish] key and allow. Checked before ferryd starts, since ferryd creates the
 // run directory and its store (holding the base) before it starts publishing.

@@ -3,6 +3,8 @@
 #include <unistd.h>
 
 #include <cstdio>
+#include <cstdlib>
+#include <filesystem>
 
 #include <CLI/CLI.hpp>
 
@@ -76,6 +78,23 @@ void Progress::Draw(bool final) {
                HumanBytes(done_).c_str(), HumanBytes(total_).c_str(), HumanBytes(static_cast<uint64_t>(rate)).c_str(),
                final ? "\n" : "");
   std::fflush(stderr);
+}
+
+std::string FerrydPathOrFail() {
+  if (const char* env = std::getenv("FERRY_FERRYD"); env != nullptr && *env != '\0') {
+    if (::access(env, X_OK) != 0) Fail(std::string("FERRY_FERRYD=") + env + ": not an executable file");
+    return env;
+  }
+  std::error_code ec;
+  namespace fs = std::filesystem;
+  const fs::path self = fs::read_symlink("/proc/self/exe", ec);
+  if (ec) Fail("cannot find this executable's directory (/proc/self/exe): " + ec.message());
+  const fs::path ferryd = self.parent_path() / "ferryd";
+  if (::access(ferryd.c_str(), X_OK) != 0) {
+    Fail("ferryd not found at " + ferryd.string() +
+         " (it is installed next to ferry and needs LibTorch; set FERRY_FERRYD to run another)");
+  }
+  return ferryd.string();
 }
 
 }  // namespace ferry::cli

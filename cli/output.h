@@ -17,6 +17,10 @@ namespace ferry::cli {
 // CLI's own advice (a flag to pass), keyed on the library's code, never on its text.
 [[noreturn]] void FailWithHint(const Status& status, StatusCode when, std::string_view hint, int exit_code = 1);
 
+// The ferryd executable: $FERRY_FERRYD when set, else the one installed next to this one
+// (fails naming where it looked).
+std::string FerrydPathOrFail();
+
 // "1.50 GiB"
 std::string HumanBytes(uint64_t bytes);
 

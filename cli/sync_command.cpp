@@ -4,6 +4,7 @@
 //            With --watch the run's newest servable version, or else its base, is served at
 //            once, so a receiver started before the first checkpoint holds the base.
 //   receive  --connect EP --out DIR --id ID [--key PREFIX --server-key FILE] [--layout hf|fused]
+//            [--engine vllm --engine-url URL]: makes a vLLM server adopt and prove each version
 //            [--base DIR] [--once] [--timeout-ms N] [--keep-versions N] [--json]
 //            Without --once it waits out a publisher that is not up, silent or unreachable
 //            (kUnavailable, warned once per outage) and one with nothing (newer) published
@@ -26,6 +27,8 @@
 #include "cli/commands.h"
 #include "cli/output.h"
 #include "cli/store_common.h"
+#include "cli/sync_engine.h"
+#include "core/text.h"
 #include "sync/endpoints.h"
 #include "sync/publisher.h"
 #include "sync/receiver.h"
@@ -266,6 +269,7 @@ struct ReceiveFlags {
   bool once = false, json = false;
   int timeout_ms = 10000;
   int keep_versions = 2;
+  EngineFlags engine;
 };
 
 // Errors `receive` waits out when following: the publisher not answering or unreachable
@@ -302,6 +306,9 @@ void RunReceive(const ReceiveFlags& f) {
   o.endpoints = ParseEndpointOrFail("--connect", f.connect);
   o.curve = CurveOrFail(f.keys, false);
   CheckEndpointsOrFail("--connect", f.connect, o.endpoints, o.curve.has_value(), "give --key and --server-key");
+  auto engine = EngineDriver::CreateOrFail(f.engine, f.out, f.id, f.json);
+  if (engine && o.layout != Layout::kHf)
+    Fail("--engine needs --layout hf (the engine and its reference read hf names)");
   const sigset_t set = BlockStopSignals();
   auto r = sync::Receiver::Connect(o);
   if (!r.ok()) Fail(r.status());
@@ -321,6 +328,7 @@ void RunReceive(const ReceiveFlags& f) {
   auto s = (*r)->SyncLatest();
   if (s.ok()) {
     PrintSync(*s, f.id, f.json);
+    if (engine) engine->OnSynced(*s, **r);
   } else {
     if (f.once) FailReceive(s.status(), f, **r);
     on_error(s.status());
@@ -333,12 +341,16 @@ void RunReceive(const ReceiveFlags& f) {
     auto n = (*r)->WaitForNewer(500);
     if (!n.ok()) {
       on_error(n.status());
+      if (engine) engine->Poll(**r);
       continue;
     }
     if (publisher_lost) std::fprintf(stderr, "ferry: publisher %s is answering again\n", f.connect.c_str());
     publisher_lost = false;
     PrintSync(*n, f.id, f.json);
+    if (engine) engine->OnSynced(*n, **r);
   }
+  // --once: the engine's first adoption, retried until proven or stopped.
+  while (f.once && engine && !engine->caught_up() && !WaitForStop(set, 500)) engine->Poll(**r);
 }
 
 struct StatusFlags {
@@ -365,9 +377,11 @@ void RunStatus(const StatusFlags& f) {
   auto events = store->ListEvents(std::nullopt);
   if (!events.ok()) Fail(events.status());
   struct Row {
-    std::optional<store::Event> ack;  // newest acknowledgement
-    int64_t last_seen_ns = 0;         // newest event naming the receiver
-    std::optional<std::string> lost;  // set while the newest event is a "lost" anomaly
+    std::optional<store::Event> ack;       // newest acknowledgement
+    int64_t last_seen_ns = 0;              // newest event naming the receiver
+    std::optional<std::string> lost;       // set while the newest event is a "lost" anomaly
+    std::optional<store::Event> engine;    // newest engine proof (kEngine)
+    std::optional<store::Event> mismatch;  // newest engine mismatch, when newer than the proof
   };
   std::map<std::string, Row> rows;  // events are in time order
   for (const auto& e : *events) {
@@ -375,6 +389,11 @@ void RunStatus(const StatusFlags& f) {
     Row& r = rows[e.receiver];
     const bool lost = e.type == store::Event::Type::kAnomaly && e.anomaly == store::Event::Anomaly::kReceiverLost;
     if (e.type == store::Event::Type::kAcknowledged) r.ack = e;
+    if (e.type == store::Event::Type::kEngine) {
+      r.engine = e;
+      r.mismatch.reset();
+    }
+    if (e.type == store::Event::Type::kAnomaly && e.anomaly == store::Event::Anomaly::kEngineMismatch) r.mismatch = e;
     if (!lost) r.last_seen_ns = std::max(r.last_seen_ns, e.time_ns);
     if (lost) {
       r.lost = e.detail;
@@ -394,6 +413,16 @@ void RunStatus(const StatusFlags& f) {
     j["last_seen"] = r.last_seen_ns > 0 ? Json(FormatTime(r.last_seen_ns)) : Json(nullptr);
     j["lost"] = r.lost.has_value();
     if (r.lost) j["lost_detail"] = *r.lost;
+    // The engine the receiver drives: what it was last proven to serve, and a mismatch since.
+    auto engine_json = [](const store::Event& e) {
+      Json d = Json::parse(e.detail, nullptr, false);
+      if (!d.is_object()) d = Json::object();
+      d["version"] = e.version.Hex();
+      d["time"] = FormatTime(e.time_ns);
+      return d;
+    };
+    if (r.engine) j["engine"] = engine_json(*r.engine);
+    if (r.mismatch) j["engine_mismatch"] = engine_json(*r.mismatch);
     out.push_back(j);
   }
   if (f.json) {
@@ -409,6 +438,21 @@ void RunStatus(const StatusFlags& f) {
     std::printf("%-24s %-12s %-8s %-5s %-20s %-20s %s\n", j["receiver"].get<std::string>().c_str(), version.c_str(),
                 j["version"].is_null() ? "-" : (j["verified"].get<bool>() ? "yes" : "NO"), lag.c_str(),
                 text(j["time"]).c_str(), text(j["last_seen"]).c_str(), j["lost"].get<bool>() ? "LOST" : "ok");
+    if (j.contains("engine")) {
+      const Json& e = j["engine"];
+      std::printf("  engine %s %s serves %s as %s, proven %s (largest difference %s)\n",
+                  e.value("engine", std::string("?")).c_str(), e.value("url", std::string("?")).c_str(),
+                  e["version"].get<std::string>().substr(0, 12).c_str(), e.value("model", std::string("?")).c_str(),
+                  e["time"].get<std::string>().c_str(),
+                  e.contains("max_diff") && e["max_diff"].is_number()
+                      ? FormatNumber(e["max_diff"].get<double>(), 3).c_str()
+                      : "?");
+    }
+    if (j.contains("engine_mismatch")) {
+      const Json& e = j["engine_mismatch"];
+      std::printf("  engine MISMATCH %s: did not answer as %s (%s)\n", e["time"].get<std::string>().c_str(),
+                  e["version"].get<std::string>().substr(0, 12).c_str(), e.value("why", std::string("?")).c_str());
+    }
   }
 }
 
@@ -464,6 +508,7 @@ void SetSyncCommand(CLI::App& app) {
   receive->add_flag("--once", rf->once, "Sync the latest version and exit (default: keep following)");
   receive->add_flag("--json", rf->json, "Print one JSON line per activated version");
   AddKeyFlags(receive, rf->keys, /*publisher=*/false);
+  AddEngineFlags(receive, rf->engine);
   receive->callback([rf] { RunReceive(*rf); });
 
   auto sf = std::make_shared<StatusFlags>();

@@ -9,6 +9,8 @@
 #include <tuple>
 #include <utility>
 
+#include <nlohmann/json.hpp>
+
 #include "core/text.h"
 
 namespace ferry::store {
@@ -414,6 +416,34 @@ Result<AuditReport> AnalyzeAudit(const std::vector<VersionRecord>& all_versions,
                                  "recorded" + (e->receiver.empty() ? std::string() : " by " + e->receiver) +
                                      " for version " + ShortId(e->version) + ": " + e->detail,
                                  std::nullopt});
+      continue;
+    }
+    if (e->type == Event::Type::kEngine) {
+      EngineProof p;
+      p.receiver = e->receiver;
+      p.time_ns = e->time_ns;
+      p.version = e->version;
+      const auto d = nlohmann::json::parse(e->detail, nullptr, false);
+      if (d.is_object()) {
+        auto text = [&](const char* k) { return d.contains(k) && d[k].is_string() ? d[k].get<std::string>() : ""; };
+        auto number = [&](const char* k) { return d.contains(k) && d[k].is_number() ? d[k].get<double>() : 0.0; };
+        p.engine = text("engine");
+        p.url = text("url");
+        p.model = text("model");
+        p.max_diff = number("max_diff");
+        p.tolerance = number("tolerance");
+        p.seconds = number("seconds");
+        p.tokens = static_cast<int64_t>(number("tokens"));
+        if (d.contains("previous_diff") && d["previous_diff"].is_number())
+          p.previous_diff = d["previous_diff"].get<double>();
+      }
+      auto t = timeline_index.find(e->version);
+      if (t != timeline_index.end()) {
+        auto& list = report.timeline[t->second].served_by;
+        const std::string who = p.engine + " " + p.url + " as " + p.model;
+        if (std::find(list.begin(), list.end(), who) == list.end()) list.push_back(who);
+      }
+      report.engines.push_back(std::move(p));
       continue;
     }
     if (!IsReceiverEvent(*e)) continue;

@@ -163,6 +163,7 @@ struct TimelineEntry {
   std::optional<double> delta_norm;       // adapters after the run's first adapter version
   std::vector<std::string> activated_by;  // receivers with an activated event for it
   std::vector<std::string> acknowledged_by;
+  std::vector<std::string> served_by;  // engines proven to serve it: "vllm URL as MODEL"
 };
 
 struct ReceiverEvent {
@@ -177,6 +178,17 @@ struct ReceiverEvent {
   uint64_t sequence = 0;        // of the version, when known
 };
 
+// An inference engine proven to serve a version (a kEngine event: its detail's fields).
+struct EngineProof {
+  std::string receiver;  // the receiver that drove the engine
+  int64_t time_ns = 0;
+  Digest version;
+  std::string engine, url, model;  // "vllm", its URL, the name it serves the version under
+  double max_diff = 0, tolerance = 0, seconds = 0;
+  std::optional<double> previous_diff;
+  int64_t tokens = 0;
+};
+
 struct SequenceGap {
   std::string run;
   uint64_t first_missing = 0;
@@ -187,6 +199,7 @@ struct AuditReport {
   std::optional<std::string> run;        // the filter used
   std::vector<TimelineEntry> timeline;   // by run, then sequence
   std::vector<ReceiverEvent> receivers;  // by time
+  std::vector<EngineProof> engines;      // by time
   std::vector<SequenceGap> gaps;
   std::vector<Digest> never_acknowledged;  // empty when no receiver exists
   std::vector<Anomaly> anomalies;

@@ -236,10 +236,11 @@ Result<Event> DecodeEvent(std::string_view text) {
   Event e;
   std::string type;
   FERRY_RETURN_IF_ERROR(rd.Get("type", type));
-  FERRY_ASSIGN_OR_RETURN(e.type, ParseEnum(type,
-                                           {Event::Type::kPublished, Event::Type::kAcknowledged,
-                                            Event::Type::kActivated, Event::Type::kAnomaly, Event::Type::kCheckpoint},
-                                           &EventTypeName, "event: field 'type'"));
+  FERRY_ASSIGN_OR_RETURN(e.type,
+                         ParseEnum(type,
+                                   {Event::Type::kPublished, Event::Type::kAcknowledged, Event::Type::kActivated,
+                                    Event::Type::kAnomaly, Event::Type::kCheckpoint, Event::Type::kEngine},
+                                   &EventTypeName, "event: field 'type'"));
   FERRY_RETURN_IF_ERROR(rd.Get("time_ns", e.time_ns));
   FERRY_RETURN_IF_ERROR(rd.Get("receiver", e.receiver));
   FERRY_RETURN_IF_ERROR(rd.GetDigest("version", e.version));
@@ -248,7 +249,9 @@ Result<Event> DecodeEvent(std::string_view text) {
   if (j.contains("anomaly")) {  // absent in events recorded before it existed
     std::string anomaly;
     FERRY_RETURN_IF_ERROR(rd.Get("anomaly", anomaly));
-    FERRY_ASSIGN_OR_RETURN(e.anomaly, ParseEnum(anomaly, {Event::Anomaly::kUnspecified, Event::Anomaly::kReceiverLost},
+    FERRY_ASSIGN_OR_RETURN(e.anomaly, ParseEnum(anomaly,
+                                                {Event::Anomaly::kUnspecified, Event::Anomaly::kReceiverLost,
+                                                 Event::Anomaly::kEngineMismatch},
                                                 &AnomalyName, "event: field 'anomaly'"));
   }
   return e;
@@ -279,6 +282,7 @@ std::string_view AnomalyName(Event::Anomaly a) {
   switch (a) {
     case Event::Anomaly::kUnspecified: return "unspecified";
     case Event::Anomaly::kReceiverLost: return "receiver_lost";
+    case Event::Anomaly::kEngineMismatch: return "engine_mismatch";
   }
   return "unknown";
 }

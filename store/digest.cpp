@@ -270,6 +270,7 @@ std::string_view EventTypeName(Event::Type t) {
     case Event::Type::kActivated: return "activated";
     case Event::Type::kAnomaly: return "anomaly";
     case Event::Type::kCheckpoint: return "checkpoint";
+    case Event::Type::kEngine: return "engine";
   }
   return "unknown";
 }

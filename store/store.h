@@ -248,12 +248,18 @@ struct VersionRecord {
 //   `detail` is a JSON object {"run", "step", "checkpoint" (its directory name),
 //   "trainer_state" (AuxDigest of its trainer_state.json)}: what a resume proves the
 //   checkpoint against (daemon/run/checkpoint_state.h).
+//   kEngine: an inference engine a receiver drives (vLLM) answered as this version, proven
+//   from its own answers (sync/engine/probe.h); `receiver` names the receiver, `detail` is
+//   a JSON object {"engine", "url", "model" (the name it serves the version under),
+//   "tolerance", "max_diff", "previous_diff", "tokens", "seconds"}. One that answered as
+//   something else is a kAnomaly (kEngineMismatch) with the same JSON plus "why".
 struct Event {
-  enum class Type { kPublished, kAcknowledged, kActivated, kAnomaly, kCheckpoint };
+  enum class Type { kPublished, kAcknowledged, kActivated, kAnomaly, kCheckpoint, kEngine };
   // What an anomaly is, where it is one a program acts on (kUnspecified otherwise).
   enum class Anomaly {
     kUnspecified,
-    kReceiverLost,  // a publisher stopped hearing from `receiver`
+    kReceiverLost,    // a publisher stopped hearing from `receiver`
+    kEngineMismatch,  // an engine did not answer as the version it was given (detail: see kEngine)
   };
   Type type = Type::kPublished;
   int64_t time_ns = 0;
@@ -264,7 +270,7 @@ struct Event {
   Anomaly anomaly = Anomaly::kUnspecified;  // kAnomaly events only
 };
 std::string_view EventTypeName(Event::Type t);
-// "unspecified", "receiver_lost".
+// "unspecified", "receiver_lost", "engine_mismatch".
 std::string_view AnomalyName(Event::Anomaly a);
 
 struct ImportOptions {

@@ -56,6 +56,7 @@ std::string_view TypeName(MsgType t) {
     case MsgType::kAcked: return "ACKED";
     case MsgType::kAnnounce: return "ANNOUNCE";
     case MsgType::kError: return "ERROR";
+    case MsgType::kEngine: return "ENGINE";
   }
   return "?";
 }
@@ -64,7 +65,7 @@ std::string_view TypeName(MsgType t) {
 
 bool HasPayload(MsgType type) {
   return type == MsgType::kHello || type == MsgType::kManifest || type == MsgType::kChunk || type == MsgType::kAck ||
-         type == MsgType::kError;
+         type == MsgType::kError || type == MsgType::kEngine;
 }
 
 std::string EncodeHeader(const Message& m) {
@@ -99,7 +100,8 @@ std::string EncodeHeader(const Message& m) {
       out.push_back(m.proven ? '\x01' : '\x00');
       PutDigest(out, m.proven.value_or(store::Digest{}));
       break;
-    case MsgType::kAcked: PutDigest(out, m.version); break;
+    case MsgType::kAcked:
+    case MsgType::kEngine: PutDigest(out, m.version); break;
     case MsgType::kAnnounce:
       PutLe(out, m.sequence, 8);
       PutDigest(out, m.version);
@@ -116,7 +118,7 @@ Result<Message> Decode(std::span<const std::byte> header, const std::span<const 
   }
   Message m;
   const auto t = static_cast<uint8_t>(header[kMagic.size()]);
-  if (t < 1 || t > 8) return Status::Corruption("sync message: unknown type byte " + std::to_string(t));
+  if (t < 1 || t > 9) return Status::Corruption("sync message: unknown type byte " + std::to_string(t));
   m.type = static_cast<MsgType>(t);
   const std::string name(TypeName(m.type));
   Reader r(header.subspan(kMagic.size() + 1));
@@ -158,7 +160,8 @@ Result<Message> Decode(std::span<const std::byte> header, const std::span<const 
       if (ok && v == 1) m.proven = proven;
       break;
     }
-    case MsgType::kAcked: ok = r.Dig(&m.version); break;
+    case MsgType::kAcked:
+    case MsgType::kEngine: ok = r.Dig(&m.version); break;
     case MsgType::kAnnounce: ok = r.Le(&m.sequence, 8) && r.Dig(&m.version) && r.Le(&m.epoch, 8); break;
     case MsgType::kError:
       ok = r.Le(&v, 4);
@@ -177,6 +180,9 @@ Result<Message> Decode(std::span<const std::byte> header, const std::span<const 
     if (payload->size() > kMaxChunkBytes) return Status::Corruption("sync CHUNK: payload larger than the chunk limit");
     m.bytes = *payload;
     return m;
+  }
+  if (m.type == MsgType::kEngine && payload->size() > kMaxEngineReportBytes) {
+    return Status::Corruption("sync ENGINE: payload larger than " + std::to_string(kMaxEngineReportBytes) + " bytes");
   }
   m.payload.assign(reinterpret_cast<const char*>(payload->data()), payload->size());
   if ((m.type == MsgType::kHello || m.type == MsgType::kAck) && !IsValidReceiverId(m.payload)) {

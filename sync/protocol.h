@@ -31,6 +31,7 @@
 //   6     ACKED     digest version                              (none)
 //   7     ANNOUNCE  u64 sequence || digest version || u64 epoch (none)       (PUB only)
 //   8     ERROR     u32 StatusCode                              message text
+//   9     ENGINE    digest version                              report JSON (below)
 //
 //   kind: 0 = tensor (index into the manifest's tensors), 1 = auxiliary file.
 //   MANIFEST JSON: {"version": hex, "sequence": n, "epoch": n, "kind": "full"|"base"|
@@ -43,6 +44,11 @@
 //   ACK: version = the served version, computed = the manifest digest the receiver computed
 //   over the files it received; in adapter mode proven = the manifest id of its local
 //   merge (checked equal to merged_version before activating).
+//   ENGINE: an inference engine the receiver drives answered (or did not) as `version` (the
+//   merged hf id it was given, as ACK's proven): JSON {"receiver", "engine", "url", "model",
+//   "proven", "tolerance", "max_diff", "previous_diff" (or null), "tokens", "seconds",
+//   "why" (when not proven)} of at most kMaxEngineReportBytes; answered with ACKED, recorded
+//   as a store event kEngine (or an anomaly kEngineMismatch). Older publishers answer ERROR.
 //   HELLO without a version asks for the latest version's MANIFEST; with one, for that
 //   version's, if the publisher still serves it (ERROR kNotFound otherwise). In adapter mode
 //   the publisher keeps serving the base its newest adapter applies to, so a receiver that
@@ -102,6 +108,7 @@ inline constexpr size_t kMaxReceiverIdBytes = 64;
 inline constexpr uint64_t kMaxAuxBytes = 64u << 20;
 inline constexpr int kMaxManifestDepth = 8;  // {"tensors": [{"shape": [..]}]} is 4
 inline constexpr size_t kMaxReceivers = 1024;
+inline constexpr size_t kMaxEngineReportBytes = 4096;
 inline constexpr uint32_t kMaxCredit = 1024;      // FETCHes a receiver may keep outstanding
 inline constexpr int kSendHwm = kMaxCredit + 64;  // publisher's reply queue per peer
 
@@ -114,6 +121,7 @@ enum class MsgType : uint8_t {
   kAcked = 6,
   kAnnounce = 7,
   kError = 8,
+  kEngine = 9,
 };
 enum class ItemKind : uint8_t { kTensor = 0, kAux = 1 };
 
@@ -132,7 +140,7 @@ struct Message {
   uint64_t offset = 0;                  // FETCH, CHUNK
   uint32_t length = 0;                  // FETCH
   uint32_t code = 0;                    // ERROR: a StatusCode value
-  std::string payload;                  // HELLO/ACK: receiver id; MANIFEST: JSON; ERROR: text
+  std::string payload;                  // HELLO/ACK: receiver id; MANIFEST, ENGINE: JSON; ERROR: text
   std::span<const std::byte> bytes;     // CHUNK: view into the received payload frame
 };
 

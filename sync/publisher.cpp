@@ -239,6 +239,7 @@ void Publisher::Impl::HandleRequest() {
     case MsgType::kAck:
       if (known = Touch(msg->payload, fd, key); !known.ok()) return ReplyError(rid, known);
       return HandleAck(rid, *msg, key);
+    case MsgType::kEngine: return HandleEngine(rid, *msg, key, fd);
     default: return ReplyError(rid, Status::Corruption("sync request: a receiver may not send this message type"));
   }
 }

@@ -7,6 +7,8 @@
 #include <algorithm>
 #include <cstring>
 
+#include <nlohmann/json.hpp>
+
 #include "sync/publisher_internal.h"
 
 namespace ferry::sync {
@@ -181,6 +183,44 @@ void Publisher::Impl::HandleAck(const zmq::message_t& rid, const Message& m, con
       it->second.info.acknowledged_ns = NowNs();
     }
   }
+  Message r;
+  r.type = MsgType::kAcked;
+  r.version = m.version;
+  Reply(rid, r, {});
+}
+
+void Publisher::Impl::HandleEngine(const zmq::message_t& rid, const Message& m, const std::string& key, int fd) {
+  // The report, as hostile as any message: an object of known fields and types.
+  const auto j = nlohmann::json::parse(m.payload, nullptr, false);
+  auto bad = [&](const std::string& what) { ReplyError(rid, Status::Corruption("sync ENGINE: " + what)); };
+  if (!j.is_object()) return bad("the report is not a JSON object");
+  for (const char* s : {"receiver", "engine", "url", "model"}) {
+    if (!j.contains(s) || !j[s].is_string()) return bad(std::string("field '") + s + "' is not a string");
+  }
+  if (!j.contains("proven") || !j["proven"].is_boolean()) return bad("field 'proven' is not a boolean");
+  for (const char* s : {"tolerance", "max_diff", "seconds"}) {
+    if (!j.contains(s) || !j[s].is_number()) return bad(std::string("field '") + s + "' is not a number");
+  }
+  const std::string receiver = j["receiver"].get<std::string>();
+  if (!IsValidReceiverId(receiver)) return bad("field 'receiver' is not [A-Za-z0-9._-]{1,64}");
+  if (Status known = Touch(receiver, fd, key); !known.ok()) return ReplyError(rid, known);
+  if (!store_->GetVersion(m.version.Hex()).ok()) {
+    return ReplyError(rid, Status::NotFound("sync ENGINE from " + receiver + ": version " + m.version.Hex() +
+                                            " is not in this publisher's store"));
+  }
+  store::Event e;
+  const bool proven = j["proven"].get<bool>();
+  e.type = proven ? store::Event::Type::kEngine : store::Event::Type::kAnomaly;
+  if (!proven) e.anomaly = store::Event::Anomaly::kEngineMismatch;
+  e.receiver = receiver;
+  e.version = m.version;
+  nlohmann::json detail = j;
+  detail.erase("receiver");
+  detail.erase("proven");
+  if (!key.empty()) detail["curve_key"] = key;
+  e.detail = detail.dump();
+  Status st = store_->AddEvent(e);
+  if (!st.ok()) return ReplyError(rid, st);
   Message r;
   r.type = MsgType::kAcked;
   r.version = m.version;

@@ -169,6 +169,9 @@ class Publisher::Impl {
   std::string SenderId(const zmq::message_t& rid, int fd) const;
   // Records an ACK as a kAcknowledged event and answers ACKED.
   void HandleAck(const zmq::message_t& rid, const Message& m, const std::string& key);
+  // ENGINE: records what a receiver's inference engine answered (a kEngine event or an
+  // anomaly kEngineMismatch) after checking the report's fields and that the version is stored.
+  void HandleEngine(const zmq::message_t& rid, const Message& m, const std::string& key, int fd);
 
   // ---- state ------------------------------------------------------------------------------
   // Set before the serving thread starts and then only read: store_ (the pointer), options_,

@@ -187,6 +187,14 @@ Result<SyncResult> Receiver::SyncLatest() {
   return r;
 }
 
+Status Receiver::ReportEngine(const store::Digest& version, const std::string& report) {
+  if (reset_dealer_) FERRY_RETURN_IF_ERROR(ResetDealer());
+  Session s(options_, sockets_->dealer, sockets_->sub, &state_->link);
+  Status st = s.ReportEngine(version, report);
+  if (!st.ok()) reset_dealer_ = true;
+  return st;
+}
+
 Result<SyncResult> Receiver::SyncLatestOnce() {
   Session s(options_, sockets_->dealer, sockets_->sub, &state_->link);
   SyncResult result;
@@ -200,6 +208,9 @@ Result<SyncResult> Receiver::SyncLatestOnce() {
     result.epoch = man.epoch;
     if (st.active && st.served == man.version && st.layout == options_.layout) {
       result.already_active = true;
+      if (man.kind == store::VersionKind::kAdapter && !st.adapter_base_dir) {
+        st.adapter_base_dir = PlanFor(man, options_).base_dir;  // a restarted receiver
+      }
     } else {
       FERRY_ASSIGN_OR_RETURN(Outcome base, ReceiveMissingBase(s, options_, man, &result));
       if (base == Outcome::kNewer) {
@@ -245,6 +256,7 @@ Result<SyncResult> Receiver::SyncLatestOnce() {
                                     ", the publisher's merged version is " + man.merged_version->Hex());
         }
         FERRY_RETURN_IF_ERROR(RenameIntoPlace(tmp, versions / prepared->id.Hex()));
+        if (plan.served_kind == store::VersionKind::kAdapter) st.adapter_base_dir = plan.base_dir;
         activate = prepared->id;
         proven = prepared->proven;
       }
@@ -262,6 +274,7 @@ Result<SyncResult> Receiver::SyncLatestOnce() {
     result.computed = man.version;  // ReceiveVersion checked the manifest digest of the verified files == version
     result.active = *st.active;
     result.proven = st.proven;
+    result.adapter_base_dir = st.adapter_base_dir;
     result.bytes_received = s.bytes_received();
     FERRY_RETURN_IF_ERROR(s.Ack(man.version, result.computed, st.proven));
     return result;

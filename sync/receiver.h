@@ -85,6 +85,9 @@ struct SyncResult {
   int refetches = 0;                    // tensors fetched again after a digest mismatch
   int skipped = 0;                      // versions abandoned mid-transfer for a newer one
   bool already_active = false;          // nothing fetched: DIR/current already was this version
+  // Adapter mode, an adapter activated: the base directory it was merged onto (a received
+  // base, DIR/versions/<base>, or ReceiverOptions::base_dir). Unset otherwise.
+  std::optional<std::filesystem::path> adapter_base_dir;
 };
 
 // One receiver. Thread-compatible (use from one thread).
@@ -126,6 +129,13 @@ class Receiver {
   // gone. When the publisher was already silent that long on entry, kUnavailable comes only
   // after `timeout_ms` more of silence, so a caller may simply call again in a loop.
   [[nodiscard]] Result<SyncResult> WaitForNewer(int timeout_ms);
+
+  // Tells the publisher what an inference engine this receiver drives did with `version`
+  // (the merged hf id it was given): `report` is the ENGINE message's JSON (sync/protocol.h),
+  // its "receiver" this receiver's id. The publisher records it in its store (kEngine, or an
+  // anomaly kEngineMismatch when "proven" is false). kUnavailable when the publisher does not
+  // answer; its ERROR otherwise (kNotFound: the version is not in its store).
+  [[nodiscard]] Status ReportEngine(const store::Digest& version, const std::string& report);
 
   // The sequence of the active version (0: none yet).
   uint64_t sequence() const { return sequence_; }

@@ -167,6 +167,9 @@ class Session {
   // Sends ACK (served id, computed id, proven merged id in adapter mode) and waits for ACKED.
   Status Ack(const store::Digest& v, const store::Digest& computed, const std::optional<store::Digest>& proven);
 
+  // Sends ENGINE (the version an engine was given and the report JSON) and waits for ACKED.
+  Status ReportEngine(const store::Digest& v, const std::string& report);
+
   // Tensor and aux bytes fetched so far.
   uint64_t bytes_received() const { return bytes_received_; }
 
@@ -313,6 +316,8 @@ struct ActiveState {
   std::optional<store::Digest> served;  // the served version it was activated from
   std::optional<Layout> layout;         // the layout it was activated in
   std::optional<store::Digest> proven;  // adapter mode
+  // Adapter mode: the base the active adapter was merged onto (SyncResult::adapter_base_dir).
+  std::optional<std::filesystem::path> adapter_base_dir;
 };
 // Reads DIR/current and its activation record (fields it cannot read stay unset).
 Result<ActiveState> LoadActiveState(const std::filesystem::path& dir);

@@ -241,6 +241,21 @@ Result<Outcome> Session::FetchRun(const Manifest& man, const std::vector<RunItem
   }
 }
 
+Status Session::ReportEngine(const store::Digest& v, const std::string& report) {
+  Message m;
+  m.type = MsgType::kEngine;
+  m.version = v;
+  FERRY_RETURN_IF_ERROR(Send(m, {reinterpret_cast<const std::byte*>(report.data()), report.size()}));
+  const auto deadline = Deadline();
+  for (;;) {
+    Incoming in;
+    FERRY_RETURN_IF_ERROR(Next(deadline, &in));
+    if (in.announce) continue;
+    if (in.msg.type == MsgType::kError) return PublisherError(in.msg);
+    if (in.msg.type == MsgType::kAcked && in.msg.version == v) return Status::OK();
+  }
+}
+
 Status Session::Ack(const store::Digest& v, const store::Digest& computed, const std::optional<store::Digest>& proven) {
   Message m;
   m.version = v;

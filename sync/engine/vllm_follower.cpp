@@ -157,7 +157,9 @@ Result<Adoption> VllmFollower::Adopt(const EngineVersion& v) {
     }
   }
   const auto load_start = Clock::now();
-  if (options_.mode == EngineMode::kAdapter) {
+  if (options_.mode == EngineMode::kAdapter && !v.adapter_dir) {
+    a.served_name = options_.base_name;  // the base itself (served before the first adapter)
+  } else if (options_.mode == EngineMode::kAdapter) {
     auto name = LoadAdapter(v);
     if (!name.ok()) return name.status();
     a.served_name = *name;
@@ -179,7 +181,7 @@ Result<Adoption> VllmFollower::Adopt(const EngineVersion& v) {
     return a;
   }
   // Not this version: the server goes back to the last proven one.
-  if (options_.mode == EngineMode::kAdapter) {
+  if (options_.mode == EngineMode::kAdapter && a.served_name != options_.base_name) {
     (void)client_->UnloadLoraAdapter(a.served_name);
     std::error_code ec;
     fs::remove_all(options_.work_dir / a.served_name, ec);

@@ -43,10 +43,12 @@ struct VllmFollowerOptions {
 
 // One version to adopt.
 struct EngineVersion {
-  store::Digest id;                                  // the version (the merged id in adapter mode)
-  std::filesystem::path merged_dir;                  // its merged weights, hf layout: the reference's model
-  std::optional<std::filesystem::path> adapter_dir;  // adapter mode: the PEFT adapter as received
-  std::optional<std::filesystem::path> base_dir;     // adapter mode: the base it applies to
+  store::Digest id;                  // the version (the merged id in adapter mode)
+  std::filesystem::path merged_dir;  // its merged weights, hf layout: the reference's model
+  // Adapter mode: the PEFT adapter as received (none: the version is the base the server
+  // was started with, served under its base name)
+  std::optional<std::filesystem::path> adapter_dir;
+  std::optional<std::filesystem::path> base_dir;  // adapter mode: the base it applies to
   // Merged mode: the directory the server reloads, when not merged_dir (a 4-bit version's
   // dequantised weights). Default: merged_dir
   std::optional<std::filesystem::path> load_dir;

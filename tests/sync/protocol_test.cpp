@@ -169,7 +169,7 @@ TEST(ProtocolTest, RejectsMalformedHeadersWithTypedErrors) {
   expect_corrupt("", nullptr, "magic");
   expect_corrupt("XXXX\x01", nullptr, "magic");
   expect_corrupt(std::string("FSY1\x01", 5), nullptr, "magic");  // the previous protocol version
-  expect_corrupt(std::string("FSY2\x09", 5), nullptr, "unknown type");
+  expect_corrupt(std::string("FSY2\x0a", 5), nullptr, "unknown type");
   expect_corrupt(std::string("FSY2\x03\x01\x02", 7), nullptr, "FETCH: header frame truncated");
   Message f;
   f.type = MsgType::kFetch;
@@ -815,6 +815,61 @@ TEST_F(SyncTest, AckOfAVersionOutsideTheStoreIsRefusedAndNotRecorded) {
     EXPECT_EQ(e.version, v2_);
   }
   EXPECT_EQ(acks, 1);
+}
+
+// ENGINE: a receiver tells what its inference engine answered; the publisher records a proof
+// as an `engine` event and a mismatch as an `engine_mismatch` anomaly, and refuses a report
+// that is not the documented JSON, too large, or about a version its store lacks.
+TEST_F(SyncTest, EngineReportsAreRecordedAndMalformedOnesRefused) {
+  StartPublisher();
+  ASSERT_TRUE(publisher_->Publish(v1_).ok());
+  auto r = Receiver::Connect(RecvOptions("gen-e"));
+  ASSERT_TRUE(r.ok()) << r.status().message();
+  ASSERT_TRUE((*r)->SyncLatest().ok());
+  const std::string proof =
+      R"({"receiver": "gen-e", "engine": "vllm", "url": "http://127.0.0.1:8000", "model": "ferry-abc-1",)"
+      R"( "proven": true, "tolerance": 0.0001, "max_diff": 1.5e-05, "previous_diff": null, "tokens": 69, "seconds": 0.05})";
+  ASSERT_TRUE((*r)->ReportEngine(v1_, proof).ok());
+  std::string mismatch = proof;
+  mismatch.replace(mismatch.find("true"), 4, "false");
+  mismatch.insert(mismatch.size() - 1, R"(, "why": "differs by 0.5")");
+  ASSERT_TRUE((*r)->ReportEngine(v1_, mismatch).ok());
+  // v2 is in the store though not published: recorded; a version outside the store is not.
+  Status stored = (*r)->ReportEngine(v2_, proof);
+  ASSERT_TRUE(stored.ok()) << stored.message();
+  Status unknown = (*r)->ReportEngine(*store::Digest::FromHex(std::string(32, 'e')), proof);
+  EXPECT_EQ(unknown.code(), StatusCode::kNotFound) << unknown.message();
+  for (const auto& [report, what] : std::vector<std::pair<std::string, std::string>>{
+           {"[1]", "not a JSON object"},
+           {R"({"receiver": "gen-e", "engine": "vllm", "url": "u", "model": "m", "proven": 1})", "'proven'"},
+           {R"({"receiver": "bad id!", "engine": "vllm", "url": "u", "model": "m", "proven": true, "tolerance": 1,)"
+            R"( "max_diff": 0, "seconds": 0})",
+            "'receiver'"},
+           {std::string(kMaxEngineReportBytes + 1, ' '), "payload larger than"}}) {
+    Status s = (*r)->ReportEngine(v1_, report);
+    EXPECT_EQ(s.code(), StatusCode::kCorruption) << report;
+    EXPECT_NE(s.message().find(what), std::string::npos) << s.message();
+  }
+  r->reset();
+  publisher_.reset();
+  auto events = store_->ListEvents(std::nullopt);
+  ASSERT_TRUE(events.ok());
+  int engine = 0, anomalies = 0;
+  for (const auto& e : *events) {
+    if (e.type == store::Event::Type::kEngine) {
+      ++engine;
+      EXPECT_EQ(e.receiver, "gen-e");
+      EXPECT_NE(e.detail.find(R"("model":"ferry-abc-1")"), std::string::npos) << e.detail;
+      EXPECT_EQ(e.detail.find("proven"), std::string::npos) << e.detail;
+    }
+    if (e.type == store::Event::Type::kAnomaly && e.anomaly == store::Event::Anomaly::kEngineMismatch) {
+      ++anomalies;
+      EXPECT_EQ(e.version, v1_);
+      EXPECT_NE(e.detail.find("differs by 0.5"), std::string::npos) << e.detail;
+    }
+  }
+  EXPECT_EQ(engine, 2);  // v1 and v2 (a stored version, published or not)
+  EXPECT_EQ(anomalies, 1);
 }
 
 // The publisher tracks at most kMaxReceivers receiver ids: one more, while all are alive,

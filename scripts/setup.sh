@@ -13,6 +13,7 @@ PACKAGES=(
   libopenblas0-openmp                 # BLAS for LibTorch (the default reference BLAS is ~15x slower)
   libtomlplusplus-dev                 # ferryd's TOML configuration
   libcurl4-openssl-dev                # HTTP to a vLLM server (sync/engine)
+  python3 python3-venv curl           # scripts/vllm.sh: the real vLLM the engine tests run against
   libonig-dev libicu-dev              # tokenizer.json pre-tokenizer regexes (as HF tokenizers) and NFC
   clang-format                        # scripts/format.sh --check
 )

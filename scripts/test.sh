@@ -8,6 +8,8 @@
 #   4. builds the tests of a Store shared by threads, of the receiver's multi-threaded
 #      activation and of its writer thread under ThreadSanitizer and runs them,
 #   5. runs each libFuzzer target briefly (FERRY_FUZZ_SECONDS, default 20), two at a time.
+# The engine tests run a real vLLM server from the venv scripts/vllm.sh creates (PyPI, about
+# 6 GB, a few minutes the first time; cached in ~/.cache/ferry).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 JOBS=${FERRY_JOBS:-$(nproc)}
@@ -25,6 +27,9 @@ if command -v ccache >/dev/null; then
   export CMAKE_C_COMPILER_LAUNCHER="${CMAKE_C_COMPILER_LAUNCHER:-ccache}"
   export CMAKE_CXX_COMPILER_LAUNCHER="${CMAKE_CXX_COMPILER_LAUNCHER:-ccache}"
 fi
+
+phase "a real vLLM for the engine tests (scripts/vllm.sh setup: a cached venv, created once)"
+bash scripts/vllm.sh setup >/dev/null
 
 phase "format (scripts/format.sh --check)"
 bash scripts/format.sh --check

@@ -26,8 +26,11 @@ using Sequences = std::vector<std::vector<int32_t>>;
 using LogProbs = std::vector<std::vector<double>>;  // [sequence][position - 1]
 
 struct ProbeOptions {
-  int sequences = 3;       // Default: 3
-  int length = 24;         // tokens per sequence (>= 2). Default: 24
+  // One long sequence: one request to the engine (vLLM is asked one prompt at a time,
+  // sync/engine/vllm_client.h). Callers cap the length below the model's positions (the
+  // engine generates one token after the prompt).
+  int sequences = 1;       // Default: 1
+  int length = 64;         // tokens per sequence (>= 2). Default: 64
   uint64_t seed = 0x5eed;  // Default: a constant, so every party draws the same probe
 };
 

@@ -202,38 +202,40 @@ Status VllmClient::UnloadLoraAdapter(const std::string& name) {
 
 Result<std::vector<std::vector<double>>> VllmClient::PromptLogProbs(const std::string& model,
                                                                     const std::vector<std::vector<int32_t>>& prompts) {
-  json body = {{"model", model},     {"prompt", prompts},    {"max_tokens", 1},
-               {"temperature", 0.0}, {"prompt_logprobs", 1}, {"return_tokens_as_token_ids", true}};
+  // One prompt per request: vLLM 0.32's CPU LoRA path fails on a batch of prompts with
+  // prompt_logprobs (an einsum over mismatched sizes) and its engine process dies with it.
+  std::vector<std::vector<double>> out;
+  out.reserve(prompts.size());
   const std::string what = "prompt log-probabilities under " + Quote(model);
-  auto j = impl_->CallJson("/v1/completions", &body, what);
-  if (!j.ok()) return j.status();
   const std::string where = "vLLM " + base_url() + "/v1/completions (" + what + "): ";
-  if (!j->contains("choices") || !(*j)["choices"].is_array() || (*j)["choices"].size() != prompts.size()) {
-    return Status(StatusCode::kCorruption, where + "\"choices\" is not an array of " + std::to_string(prompts.size()));
-  }
-  std::vector<std::vector<double>> out(prompts.size());
-  for (const auto& choice : (*j)["choices"]) {
-    if (!choice.is_object() || !choice.contains("index") || !choice["index"].is_number_unsigned() ||
-        choice["index"].get<uint64_t>() >= prompts.size()) {
-      return Status(StatusCode::kCorruption, where + "a choice without a valid \"index\"");
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    const auto& prompt = prompts[i];
+    json body = {{"model", model},     {"prompt", prompt},     {"max_tokens", 1},
+                 {"temperature", 0.0}, {"prompt_logprobs", 1}, {"return_tokens_as_token_ids", true}};
+    auto j = impl_->CallJson("/v1/completions", &body, what);
+    if (!j.ok()) return j.status();
+    const std::string seq = "sequence " + std::to_string(i);
+    if (!j->contains("choices") || !(*j)["choices"].is_array() || (*j)["choices"].size() != 1 ||
+        !(*j)["choices"][0].is_object()) {
+      return Status(StatusCode::kCorruption, where + seq + ": \"choices\" is not an array of one object");
     }
-    const size_t i = choice["index"].get<size_t>();
+    const auto& choice = (*j)["choices"][0];
     const auto& lp = choice.contains("prompt_logprobs") ? choice["prompt_logprobs"] : json();
-    if (!lp.is_array() || lp.size() != prompts[i].size()) {
-      return Status(StatusCode::kCorruption, where + "choice " + std::to_string(i) +
-                                                 ": \"prompt_logprobs\" is not an array of " +
-                                                 std::to_string(prompts[i].size()));
+    if (!lp.is_array() || lp.size() != prompt.size()) {
+      return Status(StatusCode::kCorruption,
+                    where + seq + ": \"prompt_logprobs\" is not an array of " + std::to_string(prompt.size()));
     }
-    out[i].reserve(prompts[i].size() - 1);
+    std::vector<double> row;
+    row.reserve(prompt.size() - 1);
     for (size_t t = 1; t < lp.size(); ++t) {
-      const std::string field = "choice " + std::to_string(i) + " prompt_logprobs[" + std::to_string(t) + "]";
+      const std::string field = seq + " prompt_logprobs[" + std::to_string(t) + "]";
       if (!lp[t].is_object()) return Status(StatusCode::kCorruption, where + field + " is not an object");
       // The entry holds the prompt token itself (and the top-1): find the prompt token's.
       std::optional<double> value;
       for (const auto& [key, entry] : lp[t].items()) {
         auto id = TokenIdOf(key, where + field);
         if (!id.ok()) return id.status();
-        if (*id != prompts[i][t]) continue;
+        if (*id != prompt[t]) continue;
         if (!entry.is_object() || !entry.contains("logprob")) {
           return Status(StatusCode::kCorruption, where + field + ": no \"logprob\"");
         }
@@ -242,11 +244,11 @@ Result<std::vector<std::vector<double>>> VllmClient::PromptLogProbs(const std::s
         value = *v;
       }
       if (!value) {
-        return Status(StatusCode::kCorruption,
-                      where + field + " lacks the prompt token " + std::to_string(prompts[i][t]));
+        return Status(StatusCode::kCorruption, where + field + " lacks the prompt token " + std::to_string(prompt[t]));
       }
-      out[i].push_back(*value);
+      row.push_back(*value);
     }
+    out.push_back(std::move(row));
   }
   return out;
 }

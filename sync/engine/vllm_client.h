@@ -76,7 +76,8 @@ class VllmClient {
 
   // The log-probability of each prompt token after the first, as the model `model` gives it
   // (/v1/completions with prompt_logprobs, max_tokens 1, greedy): result[i][t-1] is
-  // log p(prompts[i][t] | prompts[i][<t]).
+  // log p(prompts[i][t] | prompts[i][<t]). One request per prompt, one after the other: vLLM
+  // 0.32's CPU LoRA path crashes its engine on a batch of prompts with prompt_logprobs.
   [[nodiscard]] Result<std::vector<std::vector<double>>> PromptLogProbs(
       const std::string& model, const std::vector<std::vector<int32_t>>& prompts);
   // Samples completions (with per-token log-probabilities and token ids), n per prompt, in

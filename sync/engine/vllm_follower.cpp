@@ -80,8 +80,9 @@ Result<LogProbs> VllmFollower::ReferenceFor(const EngineVersion& v) {
     auto shape = ProbeShapeOf(v.merged_dir);
     if (!shape.ok()) return shape.status();
     ProbeOptions probe = options_.probe;
-    if (shape->max_positions > 1 && probe.length > shape->max_positions) {
-      probe.length = static_cast<int>(shape->max_positions);
+    // The prompt and the one token the engine generates after it must fit its positions.
+    if (shape->max_positions > 2 && probe.length > shape->max_positions - 1) {
+      probe.length = static_cast<int>(shape->max_positions - 1);
     }
     auto seqs = ProbeSequences(shape->vocab_size, probe);
     if (!seqs.ok()) return seqs.status();

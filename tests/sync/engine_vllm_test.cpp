@@ -1,0 +1,383 @@
+// A real vLLM server adopting Ferry versions (sync/engine/): the server is started once for
+// this executable with scripts/vllm.sh (the venv it caches; `bash scripts/vllm.sh setup`
+// creates it) over a copy of the demo model, and every test talks to it. The references come
+// from the built ferryd (`ferryd probe --serve`).
+#include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <nlohmann/json.hpp>
+
+#include <cstdio>
+#include <fstream>
+#include <random>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "convert/converter.h"
+#include "core/checkpoint.h"
+#include "core/safetensors.h"
+#include "store/store.h"
+#include "sync/engine/probe.h"
+#include "sync/engine/reference.h"
+#include "sync/engine/vllm_client.h"
+#include "sync/engine/vllm_follower.h"
+#include "tests/temp_dir.h"
+
+namespace ferry::engine {
+namespace {
+
+namespace fs = std::filesystem;
+using json = nlohmann::json;
+
+const fs::path kRoot = fs::path(FERRY_FIXTURES_DIR).parent_path();
+
+// Output of a shell command; the test fails when it exits non-zero.
+std::string Run(const std::string& cmd) {
+  std::string out;
+  FILE* p = ::popen(cmd.c_str(), "r");
+  if (p == nullptr) return out;
+  char buf[4096];
+  size_t n;
+  while ((n = std::fread(buf, 1, sizeof(buf), p)) > 0) out.append(buf, n);
+  const int rc = ::pclose(p);
+  EXPECT_EQ(rc, 0) << cmd << " ->\n" << out;
+  return out;
+}
+
+int FreePort() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a));
+  socklen_t len = sizeof(a);
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
+  ::close(fd);
+  return ntohs(a.sin_port);
+}
+
+// One server for the whole executable (starting one takes about a minute on 2 cores).
+class Server : public ::testing::Environment {
+ public:
+  void SetUp() override {
+    dir_ = std::make_unique<testing::ScopedTempDir>("ferry_vllm_");
+    model_ = dir_->path() / "model";
+    fs::copy(fs::path(FERRY_FIXTURES_DIR) / "demo" / "model", model_, fs::copy_options::recursive);
+    const int port = FreePort();
+    url_ = "http://127.0.0.1:" + std::to_string(port);
+    std::string pid = Run("bash " + (kRoot / "scripts" / "vllm.sh").string() + " start " + model_.string() + " " +
+                          std::to_string(port) + " " + (dir_->path() / "server.log").string());
+    while (!pid.empty() && (pid.back() == '\n' || pid.back() == ' ')) pid.pop_back();
+    pid_ = pid;
+    ASSERT_FALSE(pid_.empty()) << "the vLLM server did not start (bash scripts/vllm.sh setup creates its venv)";
+  }
+  void TearDown() override {
+    if (::testing::UnitTest::GetInstance()->failed_test_count() > 0) {
+      std::printf("the end of the vLLM server's log:\n%s\n",
+                  Run("grep -v \"^(APIServer\" " + (dir_->path() / "server.log").string() + " | tail -40").c_str());
+    }
+    if (!pid_.empty()) Run("bash " + (kRoot / "scripts" / "vllm.sh").string() + " stop " + pid_);
+    dir_.reset();
+  }
+  static const std::string& url() { return url_; }
+  static const fs::path& model() { return model_; }
+
+ private:
+  std::unique_ptr<testing::ScopedTempDir> dir_;
+  static inline std::string url_;
+  static inline fs::path model_;
+  std::string pid_;
+};
+
+// A random LoRA adapter for the demo model (q_proj and v_proj of both layers, rank 8), in
+// PEFT's format.
+void WriteAdapter(const fs::path& dir, uint32_t seed, double alpha, float scale = 0.05f) {
+  fs::create_directories(dir);
+  struct Pair {
+    std::string module;
+    int64_t out;
+  };
+  const std::vector<Pair> modules = {{"self_attn.q_proj", 128}, {"self_attn.v_proj", 64}};
+  const int64_t r = 8, in = 128;
+  std::vector<TensorSpec> specs;
+  for (int layer = 0; layer < 2; ++layer) {
+    for (const auto& m : modules) {
+      const std::string p = "base_model.model.model.layers." + std::to_string(layer) + "." + m.module;
+      specs.push_back({p + ".lora_A.weight", DType::kF32, {r, in}});
+      specs.push_back({p + ".lora_B.weight", DType::kF32, {m.out, r}});
+    }
+  }
+  std::sort(specs.begin(), specs.end(), [](const TensorSpec& a, const TensorSpec& b) { return a.name < b.name; });
+  auto w = SafetensorsWriter::CreateFile(dir / "adapter_model.safetensors", specs);
+  ASSERT_TRUE(w.ok()) << w.status().message();
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> normal(0.0f, scale);
+  for (const auto& s : specs) {
+    std::vector<float> v(static_cast<size_t>(s.shape[0] * s.shape[1]));
+    for (float& x : v) x = normal(rng);
+    ASSERT_TRUE((*w)->Append(std::as_bytes(std::span(v))).ok());
+  }
+  ASSERT_TRUE((*w)->Finish().ok());
+  std::ofstream(dir / "adapter_config.json") << json{
+      {"peft_type", "LORA"},
+      {"task_type", "CAUSAL_LM"},
+      {"r", r},
+      {"lora_alpha", alpha},
+      {"lora_dropout", 0.0},
+      {"bias", "none"},
+      {"fan_in_fan_out", false},
+      {"use_rslora", false},
+      {"target_modules", {"q_proj", "v_proj"}},
+      {"base_model_name_or_path",
+       Server::model().string()}}.dump(2);
+}
+
+// The adapter merged onto the demo base (hf layout) and that directory's manifest id.
+struct Version {
+  fs::path adapter, merged;
+  store::Digest id;
+};
+
+Version MakeVersion(const fs::path& root, const std::string& name, uint32_t seed, double alpha) {
+  Version v;
+  v.adapter = root / (name + "-adapter");
+  v.merged = root / (name + "-merged");
+  WriteAdapter(v.adapter, seed, alpha);
+  ConvertOptions c;
+  c.base = Server::model();
+  c.adapter = v.adapter;
+  c.out = v.merged;
+  c.threads = 1;
+  auto s = Convert(c);
+  EXPECT_TRUE(s.ok()) << s.status().message();
+  auto id = store::HashPath(v.merged);
+  EXPECT_TRUE(id.ok()) << id.status().message();
+  if (id.ok()) v.id = id->id;
+  return v;
+}
+
+EngineVersion AdapterVersion(const Version& v, const fs::path* adapter_override = nullptr) {
+  EngineVersion e;
+  e.id = v.id;
+  e.merged_dir = v.merged;
+  e.adapter_dir = adapter_override ? *adapter_override : v.adapter;
+  e.base_dir = Server::model();
+  return e;
+}
+
+std::unique_ptr<ReferenceProber> Reference() {
+  ReferenceOptions o;
+  o.ferryd = FERRYD_PATH;
+  auto r = ReferenceProber::Start(o);
+  EXPECT_TRUE(r.ok()) << r.status().message();
+  return r.ok() ? std::move(*r) : nullptr;
+}
+
+std::unique_ptr<VllmFollower> Follower(const fs::path& work, EngineMode mode = EngineMode::kAdapter) {
+  VllmFollowerOptions o;
+  o.client.base_url = Server::url();
+  o.client.timeout_ms = 120000;
+  o.mode = mode;
+  o.work_dir = work;
+  auto f = VllmFollower::Create(o, Reference());
+  EXPECT_TRUE(f.ok()) << f.status().message();
+  return f.ok() ? std::move(*f) : nullptr;
+}
+
+bool Lists(VllmClient& c, const std::string& name) {
+  auto models = c.Models();
+  EXPECT_TRUE(models.ok()) << models.status().message();
+  return models.ok() && std::find(models->begin(), models->end(), name) != models->end();
+}
+
+TEST(VllmEngineTest, AdoptsEachAdapterVersionUnderItsOwnNameAndProvesIt) {
+  testing::ScopedTempDir tmp;
+  auto f = Follower(tmp / "engine");
+  ASSERT_NE(f, nullptr);
+  std::vector<Version> v;
+  for (uint32_t i = 0; i < 3; ++i) v.push_back(MakeVersion(tmp.path(), "v" + std::to_string(i), 11 + i, 16.0));
+  std::vector<std::string> names;
+  for (size_t i = 0; i < v.size(); ++i) {
+    auto a = f->Adopt(AdapterVersion(v[i]));
+    ASSERT_TRUE(a.ok()) << a.status().message();
+    EXPECT_TRUE(a->proof.proven) << a->proof.why;
+    EXPECT_LE(a->proof.max_diff, 1e-4);
+    EXPECT_EQ(a->proof.tokens, 62);  // one sequence of 63: with the generated token, the 64 positions
+    EXPECT_NE(a->served_name.find(v[i].id.Hex().substr(0, 12)), std::string::npos) << a->served_name;
+    if (i > 0) {
+      // The versions differ measurably, and the server answered as the newer one.
+      EXPECT_GT(*a->proof.references_diff, 1e-2);
+      EXPECT_GT(*a->proof.previous_diff, 1e-2);
+    }
+    names.push_back(a->served_name);
+    EXPECT_TRUE(Lists(f->client(), a->served_name));
+    EXPECT_TRUE(fs::exists(tmp / "engine" / a->served_name / "adapter_model.safetensors"));
+  }
+  // Two versions old: unloaded and its directory removed.
+  EXPECT_FALSE(Lists(f->client(), names[0]));
+  EXPECT_FALSE(fs::exists(tmp / "engine" / names[0]));
+  EXPECT_TRUE(Lists(f->client(), names[1]));
+  EXPECT_EQ(f->proven()->served_name, names[2]);
+  // The same version adopted again gets a new name (never reloaded in place).
+  auto again = f->Adopt(AdapterVersion(v[2]));
+  ASSERT_TRUE(again.ok()) << again.status().message();
+  EXPECT_TRUE(again->proof.proven);
+  EXPECT_NE(again->served_name, names[2]);
+  auto still = f->StillServesProven();
+  ASSERT_TRUE(still.ok()) << still.status().message();
+  EXPECT_TRUE(*still);
+}
+
+// An adapter whose scaling is wrong (lora_alpha doubled) or that the server applies as nothing
+// (lora_alpha 0: the base answers for the adapter) is refused, unloaded, and the last proven
+// version stays served.
+TEST(VllmEngineTest, RefusesWrongScalingAndTheBaseAnsweringForAnAdapter) {
+  testing::ScopedTempDir tmp;
+  auto f = Follower(tmp / "engine");
+  ASSERT_NE(f, nullptr);
+  const Version good = MakeVersion(tmp.path(), "good", 21, 16.0);
+  const Version next = MakeVersion(tmp.path(), "next", 22, 16.0);
+  auto first = f->Adopt(AdapterVersion(good));
+  ASSERT_TRUE(first.ok()) << first.status().message();
+  ASSERT_TRUE(first->proof.proven) << first->proof.why;
+  for (double alpha : {32.0, 0.0}) {
+    SCOPED_TRACE("lora_alpha " + std::to_string(alpha));
+    const fs::path wrong = tmp / ("next-alpha-" + std::to_string(static_cast<int>(alpha)));
+    WriteAdapter(wrong, 22, alpha);
+    auto a = f->Adopt(AdapterVersion(next, &wrong));
+    ASSERT_TRUE(a.ok()) << a.status().message();
+    EXPECT_FALSE(a->proof.proven);
+    EXPECT_GT(a->proof.max_diff, 1e-2);
+    EXPECT_NE(a->proof.why.find("differs from the version's"), std::string::npos) << a->proof.why;
+    EXPECT_FALSE(Lists(f->client(), a->served_name)) << "a refused version is unloaded";
+    EXPECT_EQ(f->proven()->served_name, first->served_name);
+    EXPECT_TRUE(*f->StillServesProven());
+  }
+  // The base answering: the server's answer under the refused name equals the base's.
+  auto base = Reference()->Compute(Server::model(), std::nullopt, *ProbeSequences(14, {1, 63}));
+  ASSERT_TRUE(base.ok()) << base.status().message();
+  auto answer = f->client().PromptLogProbs("base", *ProbeSequences(14, {1, 63}));
+  ASSERT_TRUE(answer.ok()) << answer.status().message();
+  EXPECT_LE(*MaxAbsDiff(*answer, *base), 1e-4);
+}
+
+// Loading a second adapter under a name already loaded leaves the first one answering (vLLM
+// refuses or keeps it: vllm#42125's stale blocks are worse); the probe says so.
+TEST(VllmEngineTest, ProbeCatchesAStaleSameNameReload) {
+  testing::ScopedTempDir tmp;
+  const Version one = MakeVersion(tmp.path(), "one", 31, 16.0);
+  const Version two = MakeVersion(tmp.path(), "two", 32, 16.0);
+  ConvertOptions c;
+  c.base = Server::model();
+  c.layout = Layout::kLora;
+  c.threads = 1;
+  for (const Version* v : {&one, &two}) {
+    c.adapter = v->adapter;
+    c.out = v->adapter.string() + "-lora";
+    ASSERT_TRUE(Convert(c).ok());
+  }
+  auto client = VllmClient::Create({Server::url(), 120000});
+  ASSERT_TRUE(client.ok());
+  const std::string name = "stale-" + one.id.Hex().substr(0, 12);
+  ASSERT_TRUE((*client)->LoadLoraAdapter(name, one.adapter.string() + "-lora").ok());
+  (void)(*client)->LoadLoraAdapter(name, two.adapter.string() + "-lora");  // refused or ignored
+  auto reference = Reference();
+  const Sequences probe = *ProbeSequences(14, {1, 63});
+  auto ref_one = reference->Compute(one.merged, std::nullopt, probe);
+  auto ref_two = reference->Compute(two.merged, std::nullopt, probe);
+  ASSERT_TRUE(ref_one.ok() && ref_two.ok());
+  auto answer = (*client)->PromptLogProbs(name, probe);
+  ASSERT_TRUE(answer.ok()) << answer.status().message();
+  auto judged = Judge(*answer, *ref_two, &*ref_one, 1e-4);
+  ASSERT_TRUE(judged.ok());
+  EXPECT_FALSE(judged->proven);
+  EXPECT_NE(judged->why.find("it matches the previous version's"), std::string::npos) << judged->why;
+  EXPECT_TRUE((*client)->UnloadLoraAdapter(name).ok());
+  auto gone = (*client)->PromptLogProbs(name, probe);
+  ASSERT_FALSE(gone.ok());
+  EXPECT_EQ(gone.status().code(), StatusCode::kNotFound) << gone.status().message();
+}
+
+// Merged mode (dev mode endpoints): reload_weights, proven under the base's name; a reload
+// from a directory holding only some tensors is caught and the last proven weights restored.
+// Runs last: it changes the base the other tests' adapters apply to, and puts it back.
+TEST(VllmEngineTest, ZMergedModeReloadsProvesAndCatchesAPartialReload) {
+  testing::ScopedTempDir tmp;
+  auto f = Follower(tmp / "engine", EngineMode::kMerged);
+  ASSERT_NE(f, nullptr);
+  const Version one = MakeVersion(tmp.path(), "m1", 41, 16.0);
+  const Version two = MakeVersion(tmp.path(), "m2", 42, 16.0);
+  EngineVersion e1;
+  e1.id = one.id;
+  e1.merged_dir = one.merged;
+  auto a = f->Adopt(e1);
+  ASSERT_TRUE(a.ok()) << a.status().message();
+  EXPECT_TRUE(a->proof.proven) << a->proof.why;
+  EXPECT_EQ(a->served_name, "base");
+  // Only the layer-0 tensors of version two: vLLM reloads what it finds and keeps the rest.
+  const fs::path partial = tmp / "m2-partial";
+  fs::create_directories(partial);
+  {
+    auto ck = Checkpoint::Open(two.merged);
+    ASSERT_TRUE(ck.ok());
+    std::vector<TensorSpec> specs;
+    for (const auto& name : ck->names()) {
+      if (name.find("layers.0.") != std::string::npos) specs.push_back({name, DType::kF32, ck->Info(name)->shape});
+    }
+    ASSERT_FALSE(specs.empty());
+    auto w = SafetensorsWriter::CreateFile(partial / "model.safetensors", specs);
+    ASSERT_TRUE(w.ok());
+    for (const auto& s : specs) ASSERT_TRUE((*w)->Write(s.name, *ck->Get(s.name)).ok());
+    ASSERT_TRUE((*w)->Finish().ok());
+    fs::copy_file(two.merged / "config.json", partial / "config.json");
+  }
+  EngineVersion e2;
+  e2.id = two.id;
+  e2.merged_dir = two.merged;
+  e2.load_dir = partial;
+  auto b = f->Adopt(e2);
+  ASSERT_TRUE(b.ok()) << b.status().message();
+  EXPECT_FALSE(b->proof.proven);
+  EXPECT_GT(b->proof.max_diff, 1e-3);
+  EXPECT_TRUE(*f->StillServesProven()) << "the last proven weights are reloaded";
+  // Whole: proven.
+  e2.load_dir.reset();
+  auto c = f->Adopt(e2);
+  ASSERT_TRUE(c.ok()) << c.status().message();
+  EXPECT_TRUE(c->proof.proven) << c->proof.why;
+  // The base back for the other tests.
+  ASSERT_TRUE(f->client().Pause().ok());
+  ASSERT_TRUE(f->client().ReloadWeights(Server::model().string()).ok());
+  ASSERT_TRUE(f->client().ResetPrefixCache().ok());
+  ASSERT_TRUE(f->client().Resume().ok());
+}
+
+TEST(VllmEngineTest, ClientNamesTheServerAndTheRequestInItsErrors) {
+  auto client = VllmClient::Create({Server::url(), 120000});
+  ASSERT_TRUE(client.ok());
+  auto unknown = (*client)->PromptLogProbs("no-such-adapter", {{1, 2, 3}});
+  ASSERT_FALSE(unknown.ok());
+  EXPECT_EQ(unknown.status().code(), StatusCode::kNotFound);
+  EXPECT_NE(unknown.status().message().find(Server::url() + "/v1/completions"), std::string::npos)
+      << unknown.status().message();
+  EXPECT_NE(unknown.status().message().find("'no-such-adapter'"), std::string::npos) << unknown.status().message();
+  auto closed = VllmClient::Create({"http://127.0.0.1:" + std::to_string(FreePort()), 2000});
+  ASSERT_TRUE(closed.ok());
+  Status h = (*closed)->Health();
+  EXPECT_EQ(h.code(), StatusCode::kUnavailable) << h.message();
+  auto bad = VllmClient::Create({"ftp://x", 1000});
+  ASSERT_FALSE(bad.ok());
+  EXPECT_EQ(bad.status().code(), StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace ferry::engine
+
+int main(int argc, char** argv) {
+  ::testing::InitGoogleTest(&argc, argv);
+  ::testing::AddGlobalTestEnvironment(new ferry::engine::Server);
+  return RUN_ALL_TESTS();
+}

@@ -2,9 +2,13 @@
 // this executable with scripts/vllm.sh (the venv it caches; `bash scripts/vllm.sh setup`
 // creates it) over a copy of the demo model, and every test talks to it. The references come
 // from the built ferryd (`ferryd probe --serve`).
+#include <fcntl.h>
 #include <gtest/gtest.h>
 #include <netinet/in.h>
+#include <signal.h>
+#include <spawn.h>
 #include <sys/socket.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <nlohmann/json.hpp>
@@ -24,18 +28,22 @@
 #include "sync/engine/reference.h"
 #include "sync/engine/vllm_client.h"
 #include "sync/engine/vllm_follower.h"
+#include "tests/cli/cli_runner.h"
 #include "tests/temp_dir.h"
+
+extern char** environ;
 
 namespace ferry::engine {
 namespace {
 
 namespace fs = std::filesystem;
 using json = nlohmann::json;
+using testing::RunFerry;
 
 const fs::path kRoot = fs::path(FERRY_FIXTURES_DIR).parent_path();
 
 // Output of a shell command; the test fails when it exits non-zero.
-std::string Run(const std::string& cmd) {
+std::string Shell(const std::string& cmd) {
   std::string out;
   FILE* p = ::popen(cmd.c_str(), "r");
   if (p == nullptr) return out;
@@ -59,6 +67,59 @@ int FreePort() {
   return ntohs(a.sin_port);
 }
 
+// A background process, stdout and stderr to PREFIX.out / PREFIX.err; SIGTERM and reaped
+// when stopped or destroyed.
+class Child {
+ public:
+  Child(const std::string& program, const std::vector<std::string>& args, const fs::path& prefix) {
+    std::vector<std::string> all = {program};
+    all.insert(all.end(), args.begin(), args.end());
+    std::vector<char*> argv;
+    for (auto& a : all) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    const std::string out = prefix.string() + ".out", err = prefix.string() + ".err";
+    posix_spawn_file_actions_t actions;
+    posix_spawn_file_actions_init(&actions);
+    posix_spawn_file_actions_addopen(&actions, STDIN_FILENO, "/dev/null", O_RDONLY, 0);
+    posix_spawn_file_actions_addopen(&actions, STDOUT_FILENO, out.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    posix_spawn_file_actions_addopen(&actions, STDERR_FILENO, err.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    const int rc = ::posix_spawn(&pid_, program.c_str(), &actions, nullptr, argv.data(), environ);
+    posix_spawn_file_actions_destroy(&actions);
+    EXPECT_EQ(rc, 0) << program;
+  }
+  ~Child() { Stop(); }
+  void Stop() {
+    if (pid_ <= 0) return;
+    ::kill(pid_, SIGTERM);
+    int status = 0;
+    ::waitpid(pid_, &status, 0);
+    pid_ = -1;
+  }
+
+ private:
+  pid_t pid_ = -1;
+};
+
+// The `n`-th line of `file` holding `needle`, waiting up to `seconds` for it to appear (a test
+// failure naming the file's end otherwise).
+std::string WaitForLine(const fs::path& file, const std::string& needle, int n, int seconds) {
+  std::string text;
+  for (int i = 0; i < seconds * 10; ++i) {
+    std::ifstream in(file);
+    std::string line;
+    int seen = 0;
+    while (std::getline(in, line)) {
+      if (line.find(needle) != std::string::npos && ++seen == n) return line;
+    }
+    ::usleep(100000);
+  }
+  std::ifstream in(file);
+  text.assign(std::istreambuf_iterator<char>(in), {});
+  ADD_FAILURE() << "no line " << n << " with '" << needle << "' in " << file << " after " << seconds << " s:\n"
+                << text.substr(text.size() > 3000 ? text.size() - 3000 : 0);
+  return "";
+}
+
 // One server for the whole executable (starting one takes about a minute on 2 cores).
 class Server : public ::testing::Environment {
  public:
@@ -66,27 +127,42 @@ class Server : public ::testing::Environment {
     dir_ = std::make_unique<testing::ScopedTempDir>("ferry_vllm_");
     model_ = dir_->path() / "model";
     fs::copy(fs::path(FERRY_FIXTURES_DIR) / "demo" / "model", model_, fs::copy_options::recursive);
-    const int port = FreePort();
-    url_ = "http://127.0.0.1:" + std::to_string(port);
-    std::string pid = Run("bash " + (kRoot / "scripts" / "vllm.sh").string() + " start " + model_.string() + " " +
-                          std::to_string(port) + " " + (dir_->path() / "server.log").string());
-    while (!pid.empty() && (pid.back() == '\n' || pid.back() == ' ')) pid.pop_back();
-    pid_ = pid;
-    ASSERT_FALSE(pid_.empty()) << "the vLLM server did not start (bash scripts/vllm.sh setup creates its venv)";
+    port_ = FreePort();
+    url_ = "http://127.0.0.1:" + std::to_string(port_);
+    instance_ = this;
+    Start();
   }
+  // Stops the server (SIGTERM, as vllm.sh stop) and starts it again on the same port: a
+  // restarted server holds none of the adapters it had loaded.
+  static void Kill() { instance_->Stop(); }
+  static void Restart() { instance_->Start(); }
   void TearDown() override {
     if (::testing::UnitTest::GetInstance()->failed_test_count() > 0) {
       std::printf("the end of the vLLM server's log:\n%s\n",
-                  Run("grep -v \"^(APIServer\" " + (dir_->path() / "server.log").string() + " | tail -40").c_str());
+                  Shell("grep -v \"^(APIServer\" " + (dir_->path() / "server.log").string() + " | tail -40").c_str());
     }
-    if (!pid_.empty()) Run("bash " + (kRoot / "scripts" / "vllm.sh").string() + " stop " + pid_);
+    Stop();
     dir_.reset();
   }
   static const std::string& url() { return url_; }
   static const fs::path& model() { return model_; }
 
  private:
+  void Start() {
+    std::string pid = Shell("bash " + (kRoot / "scripts" / "vllm.sh").string() + " start " + model_.string() + " " +
+                            std::to_string(port_) + " " + (dir_->path() / "server.log").string());
+    while (!pid.empty() && (pid.back() == '\n' || pid.back() == ' ')) pid.pop_back();
+    pid_ = pid;
+    ASSERT_FALSE(pid_.empty()) << "the vLLM server did not start (bash scripts/vllm.sh setup creates its venv)";
+  }
+  void Stop() {
+    if (!pid_.empty()) Shell("bash " + (kRoot / "scripts" / "vllm.sh").string() + " stop " + pid_);
+    pid_.clear();
+  }
+
   std::unique_ptr<testing::ScopedTempDir> dir_;
+  int port_ = 0;
+  static inline Server* instance_ = nullptr;
   static inline std::string url_;
   static inline fs::path model_;
   std::string pid_;
@@ -371,6 +447,106 @@ TEST(VllmEngineTest, ClientNamesTheServerAndTheRequestInItsErrors) {
   auto bad = VllmClient::Create({"ftp://x", 1000});
   ASSERT_FALSE(bad.ok());
   EXPECT_EQ(bad.status().code(), StatusCode::kInvalidArgument);
+}
+
+// The whole path with the CLI: a trainer drops checkpoints (TRL's layout) into a directory
+// `ferry sync publish --watch --mode adapter` follows; `ferry sync receive --engine vllm`
+// makes the server adopt each one. The server is killed and restarted mid-run; the receiver
+// ends with the newest version proven on it, the publisher's store records every proof, and
+// the real transformers + PEFT, given that checkpoint converted by `ferry convert`, answer as
+// the server does under the version's name. Runs last: it restarts the shared server.
+TEST(VllmEngineTest, ZzReceiverFollowsAWatchedTrainerThroughAServerRestart) {
+  testing::ScopedTempDir tmp;
+  const fs::path trainer = tmp / "trainer", db = tmp / "db", recv = tmp / "gen";
+  fs::create_directories(trainer);
+  const std::string ep = "ipc://" + (tmp / "sock").string();
+  Child publisher(FERRY_CLI_PATH,
+                  {"sync", "publish", "--db", db.string(), "--bind", ep, "--run", "rl", "--mode", "adapter", "--watch",
+                   trainer.string(), "--base", Server::model().string(), "--poll-ms", "100"},
+                  tmp / "pub");
+  Child receiver(FERRY_CLI_PATH,
+                 {"sync", "receive", "--connect", ep, "--out", recv.string(), "--id", "gen-v", "--json", "--engine",
+                  "vllm", "--engine-url", Server::url(), "--timeout-ms", "20000"},
+                 tmp / "recv");
+  // A checkpoint appears whole (renamed into the watched directory), as a trainer saves it.
+  auto checkpoint = [&](int step, uint32_t seed) {
+    const fs::path staging = tmp / ("staging-" + std::to_string(step));
+    WriteAdapter(staging, seed, 16.0);
+    fs::rename(staging, trainer / ("checkpoint-" + std::to_string(step)));
+  };
+  // The receiver's JSON line proving the n-th engine adoption.
+  auto proven = [&](int n) -> json {
+    const std::string line = WaitForLine(tmp / "recv.out", "\"event\":\"engine\"", n, 180);
+    auto j = json::parse(line, nullptr, false);
+    EXPECT_TRUE(j.is_object()) << line;
+    return j.is_object() ? j : json::object();
+  };
+  json first = proven(1);  // the base, served before the first checkpoint
+  EXPECT_EQ(first["model"], "base");
+  EXPECT_EQ(first["proven"], true) << first.dump();
+  checkpoint(1, 51);
+  json one = proven(2);
+  EXPECT_EQ(one["proven"], true) << one.dump();
+  EXPECT_NE(one["model"].get<std::string>().find(one["version"].get<std::string>().substr(0, 12)), std::string::npos);
+
+  Server::Kill();
+  checkpoint(2, 52);
+  // Activated by the receiver (its third: the base, checkpoints 1 and 2) while the server is
+  // down: the adoption waits and retries.
+  WaitForLine(tmp / "recv.out", "\"already_active\"", 3, 120);
+  Server::Restart();
+  json two = proven(3);
+  EXPECT_EQ(two["proven"], true) << two.dump();
+  EXPECT_NE(two["version"], one["version"]);
+  checkpoint(3, 53);
+  json three = proven(4);
+  EXPECT_EQ(three["proven"], true) << three.dump();
+  EXPECT_LE(three["max_diff"].get<double>(), 1e-4);
+  EXPECT_GT(three["previous_diff"].get<double>(), 1e-2);
+  receiver.Stop();
+  publisher.Stop();
+
+  // The store: the receiver is on the run's newest version, and the engine serves that one.
+  auto st = RunFerry({"sync", "status", "--db", db.string(), "--run", "rl", "--json"});
+  ASSERT_EQ(st.exit_code, 0) << st.err;
+  const json rows = json::parse(st.out, nullptr, false);
+  ASSERT_TRUE(rows.is_array() && rows.size() == 1u) << st.out;
+  EXPECT_EQ(rows[0]["lag"], 0);
+  EXPECT_EQ(rows[0]["engine"]["version"], three["version"]) << st.out;
+  EXPECT_EQ(rows[0]["version"], three["version"]) << st.out;
+  EXPECT_EQ(rows[0]["engine"]["model"], three["model"]);
+  auto audit = RunFerry({"audit", "--db", db.string(), "--json"});
+  ASSERT_EQ(audit.exit_code, 0) << audit.err;
+  const json report = json::parse(audit.out, nullptr, false);
+  ASSERT_TRUE(report.is_object()) << audit.out;
+  EXPECT_EQ(report["engines"].size(), 4u) << audit.out;
+
+  // Independent check: transformers + PEFT on the newest checkpoint (converted by ferry to the
+  // lora layout the server loaded, and to a merged model) answer as the server does.
+  auto lora = RunFerry({"convert", "--base", Server::model().string(), "--adapter", (trainer / "checkpoint-3").string(),
+                        "--out", (tmp / "ck3-lora").string(), "--layout", "lora"});
+  ASSERT_EQ(lora.exit_code, 0) << lora.err;
+  auto merged = RunFerry({"convert", "--base", Server::model().string(), "--adapter",
+                          (trainer / "checkpoint-3").string(), "--out", (tmp / "ck3-merged").string()});
+  ASSERT_EQ(merged.exit_code, 0) << merged.err;
+  const std::vector<int32_t> ids = (*ProbeSequences(14, {1, 63}))[0];
+  std::string csv;
+  for (int32_t id : ids) csv += (csv.empty() ? "" : ",") + std::to_string(id);
+  const std::string python = Shell("bash " + (kRoot / "scripts" / "vllm.sh").string() + " python");
+  const std::string script = (kRoot / "tests" / "sync" / "peft_prompt_logprobs.py").string();
+  auto client = VllmClient::Create({Server::url(), 120000});
+  ASSERT_TRUE(client.ok());
+  auto served = (*client)->PromptLogProbs(three["model"].get<std::string>(), {ids});
+  ASSERT_TRUE(served.ok()) << served.status().message();
+  for (const std::string& args :
+       {Server::model().string() + " --adapter " + (tmp / "ck3-lora").string(), (tmp / "ck3-merged").string()}) {
+    SCOPED_TRACE(args);
+    const json peft = json::parse(
+        Shell(python.substr(0, python.find('\n')) + " " + script + " " + args + " --ids " + csv), nullptr, false);
+    ASSERT_TRUE(peft.is_array() && peft.size() == ids.size() - 1);
+    LogProbs reference = {peft.get<std::vector<double>>()};
+    EXPECT_LE(*MaxAbsDiff(*served, reference), 1e-4);
+  }
 }
 
 }  // namespace

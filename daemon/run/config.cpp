@@ -30,9 +30,8 @@ bool In(const std::string_view (&names)[N], std::string_view s) {
 constexpr std::string_view kTrlUnimplemented[] = {
     "model_init_kwargs", "trust_remote_code", "router_aux_loss_coef", "num_generations_eval",
     "ds3_gather_for_generation", "pad_to_multiple_of", "generation_kwargs", "chat_template_kwargs",
-    "cache_implementation", "vllm_mode", "vllm_model_impl", "vllm_enable_sleep_mode",
-    "vllm_structured_outputs_regex", "vllm_server_base_url", "vllm_server_host", "vllm_server_port",
-    "vllm_server_timeout", "vllm_group_port", "vllm_gpu_memory_utilization", "vllm_max_model_length",
+    "cache_implementation", "vllm_model_impl", "vllm_enable_sleep_mode",
+    "vllm_structured_outputs_regex", "vllm_group_port", "vllm_gpu_memory_utilization", "vllm_max_model_length",
     "vllm_tensor_parallel_size", "sapo_temperature_neg", "sapo_temperature_pos", "vespo_k_pos",
     "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg", "ref_model_mixup_alpha", "ref_model_sync_steps",
     "entropy_coef_min", "entropy_coef_max", "entropy_coef_delta", "entropy_target",
@@ -369,6 +368,11 @@ Result<RunConfig> LoadRunConfig(const std::filesystem::path& path) {
     return Status::NotFound(src + ": key 'dataset': " + c.dataset.string() + " is not a regular file");
   }
   return c;
+}
+
+std::string RunConfig::VllmServerUrl() const {
+  if (!vllm_server_base_url.empty()) return vllm_server_base_url;
+  return "http://" + vllm_server_host + ":" + std::to_string(vllm_server_port);
 }
 
 }  // namespace ferry::run

@@ -120,6 +120,8 @@ enum class Record {
   kAlways,         // in both
   kUnlessDefault,  // in ToJson; in Fingerprint only when set away from its default (a key
                    // added after runs were made: their checkpoints still match). Top-level rows only.
+  kWhenSet,        // in both only when set away from its default (a key added after runs were
+                   // made whose resolved JSON should read as it did too). Top-level rows only.
   kNever,          // in neither (operational settings, a deprecated alias, a PEFT key accepted
                    // only at its neutral value)
 };
@@ -181,6 +183,7 @@ nlohmann::ordered_json RowsJson(std::span<const KeyInfoT<T>> rows, const T& x, b
   for (const KeyInfoT<T>& k : rows) {
     if (k.record == Record::kNever) continue;
     if (fingerprint && k.record == Record::kUnlessDefault && k.at_default(x)) continue;
+    if (k.record == Record::kWhenSet && k.at_default(x)) continue;
     j[std::string(k.name)] = k.value(x);
   }
   return j;

@@ -257,6 +257,25 @@ std::vector<KeyInfo> MakeKeys() {
                       "a TRL loss ferryd does not implement"));
   k.push_back(BoolKey("mask_truncated_completions", &RunConfig::mask_truncated_completions));
   k.push_back(BoolKey("vllm_importance_sampling_correction", &RunConfig::vllm_importance_sampling_correction));
+  k.push_back(Recorded(ChoiceKey("vllm_mode", &RunConfig::vllm_mode, {"server"}), Record::kWhenSet));
+  k.push_back(Recorded(MemberKey("vllm_server_base_url", &RunConfig::vllm_server_base_url,
+                                 [](Parse& p, const toml::node& v) -> Result<std::string> {
+                                   FERRY_ASSIGN_OR_RETURN(std::string s, p.rd.String(v, 2048));
+                                   if (s.rfind("http://", 0) != 0 && s.rfind("https://", 0) != 0) {
+                                     return p.rd.Error("must start with http:// or https:// (got " + Reader::Show(s) +
+                                                       ")");
+                                   }
+                                   return s;
+                                 }),
+                       Record::kNever));
+  k.push_back(Recorded(MemberKey("vllm_server_host", &RunConfig::vllm_server_host,
+                                 [](Parse& p, const toml::node& v) { return p.rd.String(v, 255); }),
+                       Record::kNever));
+  k.push_back(Recorded(IntKey("vllm_server_port", &RunConfig::vllm_server_port, 1, 65535), Record::kNever));
+  k.push_back(Recorded(
+      FloatKey("vllm_server_timeout", &RunConfig::vllm_server_timeout, {.min = 0, .min_open = true, .max = 86400}),
+      Record::kNever));
+  k.push_back(Recorded(IntKey("max_staleness", &RunConfig::max_staleness, 0, 1), Record::kWhenSet));
   k.push_back(EnumKey("vllm_importance_sampling_mode", &RunConfig::vllm_importance_sampling_mode));
   KeyInfo clip_max = OptFloatKey("vllm_importance_sampling_clip_max", &RunConfig::vllm_importance_sampling_clip_max,
                                  {.min = 0, .max = kInf, .allow_inf = true});
@@ -295,7 +314,9 @@ std::vector<KeyInfo> MakeKeys() {
   // --- TRL keys accepted only at the value that turns their feature off.
   using N = NeutralValue;
   constexpr auto Neutral = &NeutralKey<RunConfig>;
-  k.push_back(Neutral("use_vllm", N::Bool(false), "generates with its own co-located generator"));
+  // Written where it stood when only false was accepted: resolved JSON and fingerprints of
+  // earlier runs are unchanged.
+  k.push_back(BoolKey("use_vllm", &RunConfig::use_vllm));
   k.push_back(Neutral("fp16", N::Bool(false), "computes in fp32, or bf16 with bf16 = true"));
   k.push_back(Neutral("use_liger_kernel", N::Bool(false), "has no Liger kernels"));
   k.push_back(

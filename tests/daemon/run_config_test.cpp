@@ -269,7 +269,9 @@ TEST(RunConfigTest, UnknownKeysAreErrorsNamingKeyAndFile) {
   ExpectKeyError(Cfg("", "[[rewards]]\ntype = \"regex\"\npattern = \"x\"\nfield = \"a\"\n"),
                  StatusCode::kInvalidArgument, "rewards[1].field", "is not a key of type \"regex\"");
   // A GRPOConfig field ferryd does not implement is named as such.
-  ExpectKeyError(Cfg("vllm_mode = \"colocate\""), StatusCode::kUnsupported, "vllm_mode", "ferryd does not implement");
+  ExpectKeyError(Cfg("vllm_group_port = 51216"), StatusCode::kUnsupported, "vllm_group_port",
+                 "ferryd does not implement");
+  ExpectKeyError(Cfg("vllm_mode = \"colocate\""), StatusCode::kInvalidArgument, "vllm_mode", "must be \"server\"");
   ExpectKeyError(Cfg("use_cpu = true"), StatusCode::kUnsupported, "use_cpu", "device = \"cpu\"");
   ExpectKeyError(Cfg("run_name = \"a\""), StatusCode::kUnsupported, "run_name", "[store] run");
 }
@@ -466,8 +468,17 @@ TEST(RunConfigTest, TotalStepsNeedMaxStepsBelowOneGeneration) {
 
 TEST(RunConfigTest, NeutralTrlKeys) {
   MustParse(Cfg("use_vllm = false\nrepetition_penalty = 1.0\nmin_p = 0.0\nfp16 = false\ntop_entropy_quantile = 1"));
-  ExpectKeyError(Cfg("use_vllm = true"), StatusCode::kUnsupported, "use_vllm",
-                 "only false is accepted: ferryd generates with its own co-located generator");
+  // use_vllm was one of these until ferryd could generate with a vLLM server.
+  auto vllm = MustParse(Cfg("use_vllm = true\nvllm_server_port = 8123\nmax_staleness = 1"));
+  EXPECT_TRUE(vllm.use_vllm);
+  EXPECT_EQ(vllm.VllmServerUrl(), "http://0.0.0.0:8123");
+  EXPECT_NE(vllm.ToJson().find("\"max_staleness\": 1"), std::string::npos);
+  EXPECT_NE(vllm.Fingerprint(), MustParse(Cfg("use_vllm = true\nvllm_server_port = 8123")).Fingerprint());
+  // The server's address is operational: a run resumes against a server moved elsewhere.
+  EXPECT_EQ(MustParse(Cfg("use_vllm = true\nvllm_server_base_url = \"http://10.0.0.2:9000\"")).Fingerprint(),
+            MustParse(Cfg("use_vllm = true")).Fingerprint());
+  ExpectKeyError(Cfg("vllm_server_base_url = \"10.0.0.2:9000\""), StatusCode::kInvalidArgument, "vllm_server_base_url",
+                 "must start with http://");
   ExpectKeyError(Cfg("repetition_penalty = 1.1"), StatusCode::kUnsupported, "repetition_penalty",
                  "only 1 is accepted (got 1.1)");
   ExpectKeyError(Cfg("min_p = 0.05"), StatusCode::kUnsupported, "min_p", "only 0 is accepted");

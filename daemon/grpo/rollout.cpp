@@ -192,8 +192,9 @@ Result<Rollout> MakeRollout(Trainer::State& s) {
   sp.max_new_tokens = c.max_completion_length;
   sp.eos_token_ids = s.eos_ids;
   sp.seed = SamplingSeed(c.seed, s.step);
-  FERRY_ASSIGN_OR_RETURN(std::vector<runtime::Completion> completions,
-                         s.generator->Generate(ids, static_cast<int>(G), sp));
+  FERRY_ASSIGN_OR_RETURN(
+      std::vector<runtime::Completion> completions,
+      s.vllm ? s.vllm->Generate(ids, static_cast<int>(G), sp) : s.generator->Generate(ids, static_cast<int>(G), sp));
   const size_t N = completions.size();
 
   // Rewards on the decoded texts (special tokens skipped, as TRL decodes completions).

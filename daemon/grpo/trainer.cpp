@@ -375,7 +375,17 @@ Result<std::unique_ptr<Trainer::State>> CreateState(const TrainOptions& options,
     case run::GenerationDtype::kBFloat16: go.model.dtype = at::kBFloat16; break;
   }
   go.generator.max_batch = std::max<int64_t>(c.generation_batch_size, 1);
-  s->generator = std::make_unique<ColocatedGenerator>(s->channel.get(), go);
+  if (c.use_vllm) {
+    VllmGeneratorOptions vo;
+    vo.url = c.VllmServerUrl();
+    vo.timeout_seconds = c.vllm_server_timeout;
+    vo.work_dir = s->dir / "vllm";
+    vo.base_dir = c.model_name_or_path;
+    vo.tolerance = s->model->dtype() == at::kFloat ? 1e-4 : 1e-1;
+    FERRY_ASSIGN_OR_RETURN(s->vllm, VllmGenerator::Create(vo, s->model.get(), s->store.get()));
+  } else {
+    s->generator = std::make_unique<ColocatedGenerator>(s->channel.get(), go);
+  }
 
   FERRY_ASSIGN_OR_RETURN(Restored restored, RestoreNewestCheckpoint(*s));
   if (restored.snapshot) {
@@ -385,12 +395,18 @@ Result<std::unique_ptr<Trainer::State>> CreateState(const TrainOptions& options,
   }
   FERRY_ASSIGN_OR_RETURN(sync::Handoff first,
                          restored.snapshot ? s->publisher->Publish(restored.snapshot) : s->publisher->PublishBase());
-  FERRY_ASSIGN_OR_RETURN(store::Digest acked, s->generator->Sync());
-  if (acked != first.snapshot->manifest_id()) {
-    return Status::Corruption("the generator acknowledged " + acked.Hex() + " for snapshot " +
-                              first.snapshot->manifest_id().Hex());
+  if (s->vllm) {
+    // The server serves the restored adapter (or the fresh one, whose merge is the base) proven.
+    FERRY_RETURN_IF_ERROR(s->vllm->Adopt(*s->adapter, first.snapshot->manifest_id()));
+    s->generator_version = first.snapshot->manifest_id().Hex();
+  } else {
+    FERRY_ASSIGN_OR_RETURN(store::Digest acked, s->generator->Sync());
+    if (acked != first.snapshot->manifest_id()) {
+      return Status::Corruption("the generator acknowledged " + acked.Hex() + " for snapshot " +
+                                first.snapshot->manifest_id().Hex());
+    }
+    s->generator_version = acked.Hex();
   }
-  s->generator_version = acked.Hex();
   s->generator_snapshot = first.snapshot;
   if (!had_run_config && dir_existed && !restored.snapshot) paths.created.push_back(s->dir / "run_config.json");
   FERRY_RETURN_IF_ERROR(WriteFileAtomic(s->dir / "run_config.json", c.ToJson()));
@@ -462,12 +478,19 @@ Result<StepResult> TakeStep(Trainer::State& s) {
 
   // Hand the new weights to the generator; the step ends when it has proven it holds them.
   FERRY_ASSIGN_OR_RETURN(sync::Handoff h, s.publisher->Publish(*s.adapter));
-  FERRY_ASSIGN_OR_RETURN(store::Digest acked, s.generator->Sync());
-  if (acked != h.snapshot->manifest_id()) {
-    return Status::Corruption("step " + std::to_string(s.step) + ": the generator acknowledged " + acked.Hex() +
-                              " but the snapshot after the update is " + h.snapshot->manifest_id().Hex());
+  if (s.vllm) {
+    // The next step samples from the server only once it has proven it serves this version.
+    FERRY_RETURN_IF_ERROR(
+        s.vllm->Adopt(*s.adapter, h.snapshot->manifest_id()).WithContext("step " + std::to_string(s.step)));
+    s.generator_version = h.snapshot->manifest_id().Hex();
+  } else {
+    FERRY_ASSIGN_OR_RETURN(store::Digest acked, s.generator->Sync());
+    if (acked != h.snapshot->manifest_id()) {
+      return Status::Corruption("step " + std::to_string(s.step) + ": the generator acknowledged " + acked.Hex() +
+                                " but the snapshot after the update is " + h.snapshot->manifest_id().Hex());
+    }
+    s.generator_version = acked.Hex();
   }
-  s.generator_version = acked.Hex();
   s.generator_snapshot = h.snapshot;
 
   for (const auto& [k, v] : micro) {

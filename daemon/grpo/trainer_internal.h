@@ -14,6 +14,7 @@
 #include "daemon/grpo/grpo_math.h"
 #include "daemon/grpo/lr_schedule.h"
 #include "daemon/grpo/trainer.h"
+#include "daemon/grpo/vllm_generator.h"
 #include "daemon/run/config.h"
 #include "daemon/run/dataset.h"
 #include "daemon/run/rewards.h"
@@ -79,7 +80,8 @@ struct Trainer::State {
   store::Digest base_version;
   std::unique_ptr<sync::SnapshotChannel> channel;
   std::unique_ptr<WeightPublisher> publisher;
-  std::unique_ptr<ColocatedGenerator> generator;
+  std::unique_ptr<ColocatedGenerator> generator;             // use_vllm = false
+  std::unique_ptr<VllmGenerator> vllm;                       // use_vllm = true
   std::string generator_version;                             // hex id the generator acknowledged last
   std::shared_ptr<const sync::Snapshot> generator_snapshot;  // the snapshot of that id
 

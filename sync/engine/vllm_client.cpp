@@ -4,7 +4,9 @@
 #include <nlohmann/json.hpp>
 
 #include <cmath>
+#include <cstdio>
 #include <mutex>
+#include <random>
 #include <utility>
 
 #include "core/text.h"
@@ -142,6 +144,14 @@ struct VllmClient::Impl {
     return answer.ok() ? Status() : answer.status();
   }
 };
+
+std::string AdapterName(std::string_view version_hex, uint32_t instance, uint64_t n) {
+  char tag[8];
+  std::snprintf(tag, sizeof tag, "%04x", instance & 0xffff);
+  return "ferry-" + std::string(version_hex.substr(0, 12)) + "-" + tag + "-" + std::to_string(n);
+}
+
+uint32_t NewInstanceTag() { return std::random_device()(); }
 
 VllmClient::VllmClient(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 VllmClient::~VllmClient() = default;

@@ -15,6 +15,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "core/status.h"
@@ -53,6 +54,14 @@ struct Completion {
   std::vector<double> logprobs;  // one per token id
   std::string finish_reason;     // "stop" or "length"
 };
+
+// The name a version's adapter is loaded under: "ferry-<the version's first 12 hex>-<4 hex of
+// `instance`>-<n>", unique to the version, the loading process (`instance`: NewInstanceTag()
+// once per process) and its n-th load, so that no name is ever loaded twice into a server
+// (vLLM refuses it, or with load_inplace serves stale prefix-cache blocks: vllm#42125).
+std::string AdapterName(std::string_view version_hex, uint32_t instance, uint64_t n);
+// A random tag for AdapterName.
+uint32_t NewInstanceTag();
 
 class VllmClient {
  public:

@@ -100,7 +100,7 @@ Result<std::string> VllmFollower::LoadAdapter(const EngineVersion& v) {
     return Status(StatusCode::kInvalidArgument,
                   "adapter mode: version " + v.id.Hex() + " has no adapter or base directory");
   }
-  const std::string name = "ferry-" + v.id.Hex().substr(0, 12) + "-" + std::to_string(++loads_);
+  const std::string name = AdapterName(v.id.Hex(), instance_, ++loads_);
   // The clean adapter vLLM loads: generator-ready names, one global scaling (convert/lora_layout.h).
   ConvertOptions c;
   c.base = *v.base_dir;

@@ -113,6 +113,7 @@ class VllmFollower {
   std::optional<EngineVersion> proven_version_;
   std::deque<std::string> loaded_;  // adapter names loaded, oldest first
   uint64_t loads_ = 0;
+  uint32_t instance_ = NewInstanceTag();
 };
 
 }  // namespace ferry::engine

@@ -1,0 +1,210 @@
+#include "daemon/grpo/vllm_generator.h"
+
+#include <unistd.h>
+
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <fstream>
+#include <thread>
+#include <utility>
+
+#include "convert/converter.h"
+#include "core/text.h"
+#include "daemon/runtime/prompt_logprobs.h"
+#include "daemon/runtime/torch_util.h"
+
+namespace ferry::grpo {
+namespace {
+
+namespace fs = std::filesystem;
+using Clock = std::chrono::steady_clock;
+
+double SecondsSince(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+
+// Errors a call waits out (within the timeout) rather than failing the step at once: the
+// server down, restarting or not answering, or answering something malformed.
+bool Retryable(const Status& s) { return s.code() == StatusCode::kUnavailable || s.code() == StatusCode::kCorruption; }
+
+// At most this many adapters stay loaded: the proven one and the one before it.
+constexpr size_t kKeepLoaded = 2;
+
+}  // namespace
+
+VllmGenerator::VllmGenerator(VllmGeneratorOptions options, std::unique_ptr<engine::VllmClient> client,
+                             const runtime::CausalLM* model, store::Store* store)
+    : options_(std::move(options)), client_(std::move(client)), model_(model), store_(store) {}
+
+VllmGenerator::~VllmGenerator() = default;
+
+Result<std::unique_ptr<VllmGenerator>> VllmGenerator::Create(VllmGeneratorOptions options,
+                                                             const runtime::CausalLM* model, store::Store* store) {
+  if (model == nullptr || options.work_dir.empty() || options.base_dir.empty()) {
+    return Status::InvalidArgument("VllmGenerator needs the trainer's model, a work directory and the base directory");
+  }
+  const int timeout_ms = static_cast<int>(std::min(options.timeout_seconds * 1000.0, 86'400'000.0));
+  FERRY_ASSIGN_OR_RETURN(std::unique_ptr<engine::VllmClient> client,
+                         engine::VllmClient::Create({options.url, timeout_ms}));
+  std::error_code ec;
+  fs::create_directories(options.work_dir, ec);
+  if (ec) return Status::IOError("cannot create " + options.work_dir.string() + ": " + ec.message());
+  // The server may still be starting: wait for it within the timeout, as TRL's client does.
+  const auto deadline = Clock::now() + std::chrono::milliseconds(timeout_ms);
+  Result<std::vector<std::string>> models = client->Models();
+  while (!models.ok() && Retryable(models.status()) && Clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::seconds(1));
+    models = client->Models();
+  }
+  if (!models.ok()) return models.status().WithContext("use_vllm: the vLLM server does not answer");
+  if (models->empty()) return Status::FailedPrecondition("vLLM " + options.url + "/v1/models lists no model");
+  const int64_t positions = model->config().max_position_embeddings;
+  if (positions > 2 && options.probe.length > positions - 1) options.probe.length = static_cast<int>(positions - 1);
+  FERRY_ASSIGN_OR_RETURN(engine::Sequences probe, engine::ProbeSequences(model->config().vocab_size, options.probe));
+  std::unique_ptr<VllmGenerator> g(new VllmGenerator(std::move(options), std::move(client), model, store));
+  g->probe_ = std::move(probe);
+  return g;
+}
+
+Status VllmGenerator::Record(const store::Digest& version, const std::string& name, const engine::ProofFigures& proof,
+                             double seconds) {
+  if (store_ == nullptr) return Status::OK();
+  nlohmann::json d = {{"engine", "vllm"},
+                      {"url", options_.url},
+                      {"model", name},
+                      {"tolerance", proof.tolerance},
+                      {"max_diff", proof.max_diff},
+                      {"previous_diff", proof.previous_diff ? nlohmann::json(*proof.previous_diff) : nlohmann::json()},
+                      {"tokens", proof.tokens},
+                      {"seconds", seconds}};
+  store::Event e;
+  e.type = proof.proven ? store::Event::Type::kEngine : store::Event::Type::kAnomaly;
+  if (!proof.proven) {
+    e.anomaly = store::Event::Anomaly::kEngineMismatch;
+    d["why"] = proof.why;
+  }
+  e.receiver = options_.receiver_id;
+  e.version = version;
+  e.detail = d.dump();
+  return store_->AddEvent(e);
+}
+
+Status VllmGenerator::Adopt(const runtime::LoraAdapter& adapter, const store::Digest& version) {
+  const auto start = Clock::now();
+  const auto deadline = start + std::chrono::duration<double>(options_.timeout_seconds);
+  // The adapter as the trainer holds it now, in PEFT's format, then as the clean lora layout.
+  const fs::path peft = options_.work_dir / ("adapter-" + version.Hex().substr(0, 12));
+  FERRY_RETURN_IF_ERROR(adapter.Save(peft, options_.base_dir.string(), /*force=*/true));
+  // The reference: the trainer's model with this adapter.
+  FERRY_ASSIGN_OR_RETURN(engine::LogProbs reference,
+                         runtime::GuardTorch("the probe's reference", [&]() -> Result<engine::LogProbs> {
+                           at::NoGradGuard no_grad;
+                           std::vector<std::vector<int64_t>> seqs;
+                           for (const auto& s : probe_) seqs.emplace_back(s.begin(), s.end());
+                           FERRY_ASSIGN_OR_RETURN(auto lp, runtime::PromptLogProbs(*model_, &adapter.binding(), seqs));
+                           engine::LogProbs out;
+                           for (const auto& row : lp) out.emplace_back(row.begin(), row.end());
+                           return out;
+                         }));
+  Status last;
+  for (int attempt = 0;; ++attempt) {
+    if (attempt > 0) {
+      if (Clock::now() >= deadline) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(std::min(1000 * attempt, 5000)));
+    }
+    const std::string name = engine::AdapterName(version.Hex(), instance_, ++loads_);
+    ConvertOptions c;
+    c.base = options_.base_dir;
+    c.adapter = peft;
+    c.out = options_.work_dir / name;
+    c.layout = Layout::kLora;
+    c.force = true;
+    c.threads = 1;
+    c.sync = false;  // the server reads it now; a crash loses nothing the store does not hold
+    auto converted = Convert(c);
+    if (!converted.ok()) return converted.status().WithContext("use_vllm: writing the adapter for the server");
+    last = client_->LoadLoraAdapter(name, fs::absolute(c.out).string());
+    if (!last.ok()) {
+      std::error_code ec;
+      fs::remove_all(c.out, ec);
+      if (!Retryable(last)) return last;
+      continue;
+    }
+    loaded_.push_back(name);
+    auto answer = client_->PromptLogProbs(name, probe_);
+    if (!answer.ok()) {
+      last = answer.status();
+      if (!Retryable(last)) return last;
+      continue;
+    }
+    FERRY_ASSIGN_OR_RETURN(engine::ProofFigures proof,
+                           engine::Judge(*answer, reference, previous_ ? &*previous_ : nullptr, options_.tolerance));
+    FERRY_RETURN_IF_ERROR(Record(version, name, proof, SecondsSince(start)));
+    if (proof.proven) {
+      proven_ = version;
+      served_name_ = name;
+      previous_ = std::move(reference);
+      while (loaded_.size() > kKeepLoaded) {
+        // A failed unload leaves the adapter to the server's LRU: not an error.
+        (void)client_->UnloadLoraAdapter(loaded_.front());
+        std::error_code ec;
+        fs::remove_all(options_.work_dir / loaded_.front(), ec);
+        loaded_.pop_front();
+      }
+      std::error_code ec;
+      fs::remove_all(peft, ec);
+      return Status::OK();
+    }
+    // Not this version: unloaded, tried again under a new name.
+    last = Status::Corruption("vLLM " + options_.url + " did not answer as version " + version.Hex() + " under " +
+                              Quote(name) + ": " + proof.why);
+    (void)client_->UnloadLoraAdapter(name);
+    loaded_.pop_back();
+    std::error_code ec;
+    fs::remove_all(c.out, ec);
+  }
+  return Status::Unavailable("use_vllm: version " + version.Hex() + " was not proven on vLLM " + options_.url +
+                             " within vllm_server_timeout (" + FormatNumber(options_.timeout_seconds, 6) +
+                             " s): " + last.message());
+}
+
+Result<std::vector<runtime::Completion>> VllmGenerator::Generate(const std::vector<std::vector<int32_t>>& prompts,
+                                                                 int n, const runtime::SamplingParams& params) {
+  if (!proven_) return Status::FailedPrecondition("use_vllm: no version is proven on the vLLM server yet");
+  engine::CompletionRequest req;
+  req.model = served_name_;
+  req.prompts = prompts;
+  req.n = n;
+  req.max_tokens = static_cast<int>(params.max_new_tokens);
+  req.temperature = params.temperature;
+  req.top_p = params.top_p;
+  req.top_k = params.top_k > 0 ? static_cast<int>(params.top_k) : -1;
+  req.seed = params.seed & 0x7fffffffffffffffULL;  // vLLM takes a signed 64-bit seed
+  for (int64_t id : params.eos_token_ids) req.stop_token_ids.push_back(static_cast<int32_t>(id));
+  const auto deadline = Clock::now() + std::chrono::duration<double>(options_.timeout_seconds);
+  Result<std::vector<engine::Completion>> got = client_->Complete(req);
+  for (int attempt = 1; !got.ok() && Retryable(got.status()) && Clock::now() < deadline; ++attempt) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(std::min(1000 * attempt, 5000)));
+    got = client_->Complete(req);
+  }
+  if (!got.ok()) {
+    return got.status().WithContext("use_vllm: completions of " + std::to_string(prompts.size()) + " prompts x " +
+                                    std::to_string(n) + " under version " + proven_->Hex());
+  }
+  std::vector<runtime::Completion> out;
+  out.reserve(got->size());
+  for (auto& c : *got) {
+    runtime::Completion r;
+    r.prompt_index = static_cast<size_t>(c.prompt_index);
+    r.token_ids = std::move(c.token_ids);
+    r.logprobs.assign(c.logprobs.begin(), c.logprobs.end());
+    const bool eos = !r.token_ids.empty() && std::find(params.eos_token_ids.begin(), params.eos_token_ids.end(),
+                                                       r.token_ids.back()) != params.eos_token_ids.end();
+    r.finish =
+        c.finish_reason == "stop" && eos ? runtime::Completion::Finish::kEos : runtime::Completion::Finish::kLength;
+    out.push_back(std::move(r));
+  }
+  return out;
+}
+
+}  // namespace ferry::grpo

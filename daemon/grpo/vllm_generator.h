@@ -1,0 +1,95 @@
+// ferryd's rollouts from a running vLLM server (TRL's server mode: use_vllm = true,
+// vllm_mode = "server"), with every version proven on the server before it samples a step.
+//
+//   trainer:  optimizer.step() -> WeightPublisher::Publish (the merged snapshot, recorded in
+//             the store as with the co-located generator)
+//             -> VllmGenerator::Adopt(adapter, snapshot id):
+//                  the adapter written in PEFT's format, then as the converter's lora layout
+//                  (generator-ready names, one global scaling) into DIR/vllm/<name>;
+//                  POST /v1/load_lora_adapter under <name> = "ferry-<12 hex>-<n>" (never a name
+//                  reloaded in place: vllm#42125);
+//                  the probe (sync/engine/probe.h): the trainer's own model with this adapter
+//                  gives the reference prompt log-probabilities, the server is asked for them
+//                  under <name>; proven when within the tolerance and nearer to this version
+//                  than to the one before;
+//                  an `engine` store event (or an `engine_mismatch` anomaly, the name unloaded,
+//                  a retry under a new name until vllm_server_timeout runs out: then the step
+//                  fails naming the server).
+//   rollout:  VllmGenerator::Generate: one /v1/completions request of the step's prompt token
+//             ids (ferryd's tokenizer: both sides see the same ids), n = num_generations, the
+//             run's temperature, top_p, top_k and the step's seed, per-token log-probabilities
+//             and token ids back, under the proven name only.
+// A server that does not answer, answers malformed JSON or errs: the call waits and retries
+// within vllm_server_timeout, then fails naming the server and the request; the step applies
+// nothing (resume works as after any failure).
+#pragma once
+
+#include <deque>
+#include <filesystem>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "core/status.h"
+#include "daemon/runtime/generator.h"
+#include "daemon/runtime/lora.h"
+#include "daemon/runtime/model.h"
+#include "store/store.h"
+#include "sync/engine/probe.h"
+#include "sync/engine/vllm_client.h"
+
+namespace ferry::grpo {
+
+struct VllmGeneratorOptions {
+  std::string url;                   // the server. REQUIRED
+  double timeout_seconds = 240;      // vllm_server_timeout
+  std::filesystem::path work_dir;    // DIR/vllm: the adapters the server loads. REQUIRED
+  std::filesystem::path base_dir;    // the base model directory (the lora layout's base). REQUIRED
+  std::string receiver_id = "vllm";  // names the server in store events
+  double tolerance = 1e-4;           // the probe's (F32; sync/engine/probe.h)
+  engine::ProbeOptions probe;
+};
+
+class VllmGenerator {
+ public:
+  // Checks the server answers (/v1/models) within the timeout and takes its base model's name
+  // (the first it lists). kUnavailable naming the URL when it does not.
+  [[nodiscard]] static Result<std::unique_ptr<VllmGenerator>> Create(VllmGeneratorOptions options,
+                                                                     const runtime::CausalLM* model,
+                                                                     store::Store* store);
+  ~VllmGenerator();
+
+  // Makes the server serve `adapter` as it is now and proves it (see the top of this file);
+  // `version` is the merged snapshot's id the store records for it.
+  [[nodiscard]] Status Adopt(const runtime::LoraAdapter& adapter, const store::Digest& version);
+
+  // Samples n completions of each prompt under the proven version. kFailedPrecondition before
+  // the first Adopt.
+  [[nodiscard]] Result<std::vector<runtime::Completion>> Generate(const std::vector<std::vector<int32_t>>& prompts,
+                                                                  int n, const runtime::SamplingParams& params);
+
+  const std::string& served_name() const { return served_name_; }
+  const std::optional<store::Digest>& proven() const { return proven_; }
+  const std::string& url() const { return options_.url; }
+
+ private:
+  VllmGenerator(VllmGeneratorOptions options, std::unique_ptr<engine::VllmClient> client,
+                const runtime::CausalLM* model, store::Store* store);
+  Status Record(const store::Digest& version, const std::string& name, const engine::ProofFigures& proof,
+                double seconds);
+
+  VllmGeneratorOptions options_;
+  std::unique_ptr<engine::VllmClient> client_;
+  const runtime::CausalLM* model_;
+  store::Store* store_;
+  engine::Sequences probe_;
+  std::optional<engine::LogProbs> previous_;  // the proven version's reference
+  std::optional<store::Digest> proven_;
+  std::string served_name_;
+  std::deque<std::string> loaded_;  // oldest first
+  uint64_t loads_ = 0;
+  uint32_t instance_ = engine::NewInstanceTag();
+};
+
+}  // namespace ferry::grpo

@@ -1,6 +1,7 @@
 // Generation batches: prompts -> completions from the co-located generator -> rewards,
 // advantages, old/reference log-probabilities and the mismatch correction.
 #include <algorithm>
+#include <chrono>
 #include <map>
 #include <numeric>
 #include <random>
@@ -172,29 +173,78 @@ Result<MicroBatchLogps> MicroBatchLogProbs(const Trainer::State& s, const Rollou
   });
 }
 
+namespace {
+
+// Draws the next generation batch's prompts; `seed_step` picks the sampling seed.
+Result<DrawnPrompts> DrawPrompts(Trainer::State& s, int64_t seed_step) {
+  const run::RunConfig& c = s.config;
+  DrawnPrompts d;
+  d.examples = s.sampler->Next(static_cast<size_t>(c.prompts_per_generation()));
+  for (const run::Example* ex : d.examples) {
+    FERRY_ASSIGN_OR_RETURN(PreparedPrompt p, Prepare(s, *ex));
+    d.texts.push_back(std::move(p.text));
+    d.ids.push_back(std::move(p.ids));
+  }
+  d.sampling.temperature = c.temperature;
+  d.sampling.top_p = c.top_p;
+  d.sampling.top_k = c.top_k;
+  d.sampling.max_new_tokens = c.max_completion_length;
+  d.sampling.eos_token_ids = s.eos_ids;
+  d.sampling.seed = SamplingSeed(c.seed, seed_step);
+  return d;
+}
+
+// Starts sampling the next generation batch on the vLLM server under the version it serves
+// now, while this step trains (max_staleness 1). Its own client: the trainer's thread keeps
+// adopting versions meanwhile.
+Status StartNextGeneration(Trainer::State& s) {
+  InFlight f;
+  f.from = s.sampler->position();
+  FERRY_ASSIGN_OR_RETURN(f.prompts, DrawPrompts(s, s.step + 1));
+  f.version_step = s.generator_step;
+  f.version = s.generator_version;
+  VllmGenerator* vllm = s.vllm.get();
+  const int n = static_cast<int>(s.config.num_generations);
+  const std::string name = vllm->served_name();
+  f.completions = std::async(std::launch::async, [vllm, name, ids = f.prompts.ids, sp = f.prompts.sampling, n] {
+    return vllm->GenerateUnder(name, ids, n, sp);
+  });
+  s.inflight = std::move(f);
+  return Status::OK();
+}
+
+}  // namespace
+
 Result<Rollout> MakeRollout(Trainer::State& s) {
   const run::RunConfig& c = s.config;
   const int64_t G = c.num_generations;
-  const size_t np = static_cast<size_t>(c.prompts_per_generation());
-  std::vector<const run::Example*> examples = s.sampler->Next(np);
-  std::vector<PreparedPrompt> prompts;
-  for (const run::Example* ex : examples) {
-    FERRY_ASSIGN_OR_RETURN(PreparedPrompt p, Prepare(s, *ex));
-    prompts.push_back(std::move(p));
+  DrawnPrompts drawn;
+  std::vector<runtime::Completion> completions;
+  int64_t version_step = s.generator_step;
+  const auto wait_start = std::chrono::steady_clock::now();
+  if (s.inflight) {
+    // Sampled while the last step trained, by the version it held then.
+    InFlight f = std::move(*s.inflight);
+    s.inflight.reset();
+    drawn = std::move(f.prompts);
+    FERRY_ASSIGN_OR_RETURN(completions, f.completions.get());
+    version_step = f.version_step;
+  } else {
+    FERRY_ASSIGN_OR_RETURN(drawn, DrawPrompts(s, s.step));
+    FERRY_ASSIGN_OR_RETURN(completions, s.vllm ? s.vllm->Generate(drawn.ids, static_cast<int>(G), drawn.sampling)
+                                               : s.generator->Generate(drawn.ids, static_cast<int>(G), drawn.sampling));
   }
-  std::vector<std::vector<int32_t>> ids;
-  for (const auto& p : prompts) ids.push_back(p.ids);
-
-  runtime::SamplingParams sp;
-  sp.temperature = c.temperature;
-  sp.top_p = c.top_p;
-  sp.top_k = c.top_k;
-  sp.max_new_tokens = c.max_completion_length;
-  sp.eos_token_ids = s.eos_ids;
-  sp.seed = SamplingSeed(c.seed, s.step);
-  FERRY_ASSIGN_OR_RETURN(
-      std::vector<runtime::Completion> completions,
-      s.vllm ? s.vllm->Generate(ids, static_cast<int>(G), sp) : s.generator->Generate(ids, static_cast<int>(G), sp));
+  // Bounded staleness (AsyncGRPO): never train on completions of a version more than
+  // max_staleness steps older than the weights being trained.
+  const double generation_wait = std::chrono::duration<double>(std::chrono::steady_clock::now() - wait_start).count();
+  const int64_t staleness = s.step - version_step;
+  if (staleness < 0 || staleness > c.max_staleness) {
+    return Status::Internal("step " + std::to_string(s.step + 1) + ": completions of a version " +
+                            std::to_string(staleness) + " steps old (max_staleness " + std::to_string(c.max_staleness) +
+                            ")");
+  }
+  if (c.max_staleness > 0 && s.vllm) FERRY_RETURN_IF_ERROR(StartNextGeneration(s));
+  const std::vector<const run::Example*>& examples = drawn.examples;
   const size_t N = completions.size();
 
   // Rewards on the decoded texts (special tokens skipped, as TRL decodes completions).
@@ -203,7 +253,7 @@ Result<Rollout> MakeRollout(Trainer::State& s) {
     const size_t pi = i / static_cast<size_t>(G);
     FERRY_ASSIGN_OR_RETURN(inputs[i].completion,
                            s.tokenizer->Decode(completions[i].token_ids, {.skip_special_tokens = true}));
-    inputs[i].prompt = prompts[pi].text;
+    inputs[i].prompt = drawn.texts[pi];
     inputs[i].completion_tokens = static_cast<int64_t>(completions[i].token_ids.size());
     inputs[i].example = examples[pi];
     inputs[i].prompt_index = static_cast<int64_t>(pi);
@@ -218,7 +268,7 @@ Result<Rollout> MakeRollout(Trainer::State& s) {
     r.metrics = adv.metrics;
 
     int64_t P = 0, C = 1;
-    for (const auto& p : prompts) P = std::max<int64_t>(P, static_cast<int64_t>(p.ids.size()));
+    for (const auto& p : drawn.ids) P = std::max<int64_t>(P, static_cast<int64_t>(p.size()));
     for (const auto& cm : completions) C = std::max<int64_t>(C, static_cast<int64_t>(cm.token_ids.size()));
     r.prompt_ids = at::full({static_cast<int64_t>(N), P}, s.pad_id, at::kLong);
     r.prompt_mask = at::zeros({static_cast<int64_t>(N), P}, at::kLong);
@@ -234,7 +284,7 @@ Result<Rollout> MakeRollout(Trainer::State& s) {
     double prompt_tokens = 0;
     int64_t truncated = 0;
     for (size_t i = 0; i < N; ++i) {
-      const auto& p = prompts[i / static_cast<size_t>(G)].ids;
+      const auto& p = drawn.ids[i / static_cast<size_t>(G)];
       const int64_t lp = static_cast<int64_t>(p.size());
       for (int64_t t = 0; t < lp; ++t) {
         pid[static_cast<int64_t>(i)][P - lp + t] = p[static_cast<size_t>(t)];
@@ -261,6 +311,11 @@ Result<Rollout> MakeRollout(Trainer::State& s) {
     s.num_tokens += prompt_tokens + total_completion;
     // TRL's completion metrics (grpo_trainer.py _generate_and_score_completions).
     Add(r.metrics, "num_tokens", s.num_tokens);
+    if (s.vllm) {
+      Add(r.metrics, "sampling/staleness", static_cast<double>(staleness));
+      // Seconds the step waited for its completions (0 when sampled while the last step trained).
+      Add(r.metrics, "timing/generation_wait", generation_wait);
+    }
     Add(r.metrics, "completions/mean_length", total_completion / static_cast<double>(N));
     Add(r.metrics, "completions/min_length", *std::min_element(lengths.begin(), lengths.end()));
     Add(r.metrics, "completions/max_length", *std::max_element(lengths.begin(), lengths.end()));

@@ -399,6 +399,7 @@ Result<std::unique_ptr<Trainer::State>> CreateState(const TrainOptions& options,
     // The server serves the restored adapter (or the fresh one, whose merge is the base) proven.
     FERRY_RETURN_IF_ERROR(s->vllm->Adopt(*s->adapter, first.snapshot->manifest_id()));
     s->generator_version = first.snapshot->manifest_id().Hex();
+    s->generator_step = restored.step;
   } else {
     FERRY_ASSIGN_OR_RETURN(store::Digest acked, s->generator->Sync());
     if (acked != first.snapshot->manifest_id()) {
@@ -480,9 +481,20 @@ Result<StepResult> TakeStep(Trainer::State& s) {
   FERRY_ASSIGN_OR_RETURN(sync::Handoff h, s.publisher->Publish(*s.adapter));
   if (s.vllm) {
     // The next step samples from the server only once it has proven it serves this version.
-    FERRY_RETURN_IF_ERROR(
-        s.vllm->Adopt(*s.adapter, h.snapshot->manifest_id()).WithContext("step " + std::to_string(s.step)));
+    // The probe runs alone on the server: vLLM 0.32's CPU LoRA path crashes its engine when a
+    // prompt_logprobs request shares a batch with another request (docs/vllm.md), so a
+    // generation still in flight (max_staleness 1) ends first; the adapter is written, loaded
+    // and its reference computed meanwhile.
+    const auto adopt_start = std::chrono::steady_clock::now();
+    auto generation_done = [&s] {
+      if (s.inflight) s.inflight->completions.wait();
+    };
+    FERRY_RETURN_IF_ERROR(s.vllm->Adopt(*s.adapter, h.snapshot->manifest_id(), generation_done)
+                              .WithContext("step " + std::to_string(s.step)));
     s.generator_version = h.snapshot->manifest_id().Hex();
+    s.generator_step = s.step;
+    step_metrics["timing/adopt"] =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - adopt_start).count();
   } else {
     FERRY_ASSIGN_OR_RETURN(store::Digest acked, s.generator->Sync());
     if (acked != h.snapshot->manifest_id()) {
@@ -543,7 +555,9 @@ Result<StepResult> Trainer::Step() {
   // until the update; metrics.jsonl, the store and checkpoints only follow it).
   const int64_t step = s.step, micro_step = s.micro_step;
   const double num_tokens = s.num_tokens;
-  const run::DatasetPosition position = s.sampler->position();
+  // With a generation in flight (max_staleness 1) its prompts are drawn already: a failed step
+  // drops it and draws them again.
+  const run::DatasetPosition position = s.inflight ? s.inflight->from : s.sampler->position();
   std::optional<Rollout> buffer = s.buffer;
   at::Generator rng = at::detail::getDefaultCPUGenerator();
   at::Tensor rng_state;
@@ -557,6 +571,7 @@ Result<StepResult> Trainer::Step() {
     s.micro_step = micro_step;
     s.num_tokens = num_tokens;
     s.buffer = std::move(buffer);
+    s.inflight.reset();  // waits for its request to end
     // Gradients back to none, as after a step (AdamWStep): not zero-filled tensors.
     for (at::Tensor& p : s.adapter->parameters()) p.mutable_grad().reset();
     {

@@ -4,6 +4,7 @@
 #include <ATen/ATen.h>
 #include <torch/optim/adamw.h>
 
+#include <future>
 #include <map>
 #include <memory>
 #include <optional>
@@ -46,6 +47,24 @@ struct Rollout {
   std::vector<std::vector<int64_t>> rows_of_micro_batch;  // row indices of each micro-batch
 };
 
+// A generation batch's prompts, drawn from the dataset, with the sampling settings of its step.
+struct DrawnPrompts {
+  std::vector<const run::Example*> examples;
+  std::vector<std::string> texts;         // as the rewards see them
+  std::vector<std::vector<int32_t>> ids;  // as the generator and the trainer see them
+  runtime::SamplingParams sampling;
+};
+
+// use_vllm with max_staleness 1: the next generation batch being sampled by the server while
+// the trainer trains on the current one.
+struct InFlight {
+  DrawnPrompts prompts;
+  std::future<Result<std::vector<runtime::Completion>>> completions;
+  int64_t version_step = 0;   // optimizer steps of the version sampling it
+  std::string version;        // that version (hex)
+  run::DatasetPosition from;  // the sampler's position before these prompts were drawn
+};
+
 struct Trainer::State {
   TrainOptions options;
   run::RunConfig config;
@@ -83,6 +102,8 @@ struct Trainer::State {
   std::unique_ptr<ColocatedGenerator> generator;             // use_vllm = false
   std::unique_ptr<VllmGenerator> vllm;                       // use_vllm = true
   std::string generator_version;                             // hex id the generator acknowledged last
+  int64_t generator_step = 0;                                // optimizer steps of that version
+  std::optional<InFlight> inflight;                          // max_staleness 1
   std::shared_ptr<const sync::Snapshot> generator_snapshot;  // the snapshot of that id
 
   int64_t step = 0;        // optimizer steps taken

@@ -149,7 +149,8 @@ Result<fs::path> WriteCheckpoint(Trainer::State& s) {
     st.torch_rng_state = Hex(at::detail::getDefaultCPUGenerator().get_state());
     return Status::OK();
   }));
-  const run::DatasetPosition pos = s.sampler->position();
+  // Prompts drawn for a generation still in flight (max_staleness 1) are drawn again on resume.
+  const run::DatasetPosition pos = s.inflight ? s.inflight->from : s.sampler->position();
   st.global_step = s.step;
   st.micro_step = s.micro_step;
   st.num_tokens = s.num_tokens;

@@ -61,7 +61,10 @@ Result<std::unique_ptr<VllmGenerator>> VllmGenerator::Create(VllmGeneratorOption
   const int64_t positions = model->config().max_position_embeddings;
   if (positions > 2 && options.probe.length > positions - 1) options.probe.length = static_cast<int>(positions - 1);
   FERRY_ASSIGN_OR_RETURN(engine::Sequences probe, engine::ProbeSequences(model->config().vocab_size, options.probe));
+  FERRY_ASSIGN_OR_RETURN(std::unique_ptr<engine::VllmClient> gen_client,
+                         engine::VllmClient::Create({options.url, timeout_ms}));
   std::unique_ptr<VllmGenerator> g(new VllmGenerator(std::move(options), std::move(client), model, store));
+  g->gen_client_ = std::move(gen_client);
   g->probe_ = std::move(probe);
   return g;
 }
@@ -89,7 +92,8 @@ Status VllmGenerator::Record(const store::Digest& version, const std::string& na
   return store_->AddEvent(e);
 }
 
-Status VllmGenerator::Adopt(const runtime::LoraAdapter& adapter, const store::Digest& version) {
+Status VllmGenerator::Adopt(const runtime::LoraAdapter& adapter, const store::Digest& version,
+                            const std::function<void()>& before_probe) {
   const auto start = Clock::now();
   const auto deadline = start + std::chrono::duration<double>(options_.timeout_seconds);
   // The adapter as the trainer holds it now, in PEFT's format, then as the clean lora layout.
@@ -131,6 +135,7 @@ Status VllmGenerator::Adopt(const runtime::LoraAdapter& adapter, const store::Di
       continue;
     }
     loaded_.push_back(name);
+    if (before_probe) before_probe();
     auto answer = client_->PromptLogProbs(name, probe_);
     if (!answer.ok()) {
       last = answer.status();
@@ -171,8 +176,14 @@ Status VllmGenerator::Adopt(const runtime::LoraAdapter& adapter, const store::Di
 Result<std::vector<runtime::Completion>> VllmGenerator::Generate(const std::vector<std::vector<int32_t>>& prompts,
                                                                  int n, const runtime::SamplingParams& params) {
   if (!proven_) return Status::FailedPrecondition("use_vllm: no version is proven on the vLLM server yet");
+  return GenerateUnder(served_name_, prompts, n, params);
+}
+
+Result<std::vector<runtime::Completion>> VllmGenerator::GenerateUnder(const std::string& name,
+                                                                      const std::vector<std::vector<int32_t>>& prompts,
+                                                                      int n, const runtime::SamplingParams& params) {
   engine::CompletionRequest req;
-  req.model = served_name_;
+  req.model = name;
   req.prompts = prompts;
   req.n = n;
   req.max_tokens = static_cast<int>(params.max_new_tokens);
@@ -182,14 +193,14 @@ Result<std::vector<runtime::Completion>> VllmGenerator::Generate(const std::vect
   req.seed = params.seed & 0x7fffffffffffffffULL;  // vLLM takes a signed 64-bit seed
   for (int64_t id : params.eos_token_ids) req.stop_token_ids.push_back(static_cast<int32_t>(id));
   const auto deadline = Clock::now() + std::chrono::duration<double>(options_.timeout_seconds);
-  Result<std::vector<engine::Completion>> got = client_->Complete(req);
+  Result<std::vector<engine::Completion>> got = gen_client_->Complete(req);
   for (int attempt = 1; !got.ok() && Retryable(got.status()) && Clock::now() < deadline; ++attempt) {
     std::this_thread::sleep_for(std::chrono::milliseconds(std::min(1000 * attempt, 5000)));
-    got = client_->Complete(req);
+    got = gen_client_->Complete(req);
   }
   if (!got.ok()) {
     return got.status().WithContext("use_vllm: completions of " + std::to_string(prompts.size()) + " prompts x " +
-                                    std::to_string(n) + " under version " + proven_->Hex());
+                                    std::to_string(n) + " under " + Quote(name));
   }
   std::vector<runtime::Completion> out;
   out.reserve(got->size());

@@ -26,6 +26,7 @@
 
 #include <deque>
 #include <filesystem>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -61,13 +62,22 @@ class VllmGenerator {
   ~VllmGenerator();
 
   // Makes the server serve `adapter` as it is now and proves it (see the top of this file);
-  // `version` is the merged snapshot's id the store records for it.
-  [[nodiscard]] Status Adopt(const runtime::LoraAdapter& adapter, const store::Digest& version);
+  // `version` is the merged snapshot's id the store records for it. `before_probe`, when set,
+  // is called once the adapter is loaded and before the probe request: the probe must run
+  // alone on the server (vLLM 0.32's CPU LoRA path crashes its engine when a prompt_logprobs
+  // request shares a batch), so a caller with a generation in flight waits for it there.
+  [[nodiscard]] Status Adopt(const runtime::LoraAdapter& adapter, const store::Digest& version,
+                             const std::function<void()>& before_probe = {});
 
   // Samples n completions of each prompt under the proven version. kFailedPrecondition before
   // the first Adopt.
   [[nodiscard]] Result<std::vector<runtime::Completion>> Generate(const std::vector<std::vector<int32_t>>& prompts,
                                                                   int n, const runtime::SamplingParams& params);
+  // The same under the served name `name` (a version proven earlier and still loaded), from
+  // another thread than Adopt's (max_staleness 1): its own connection. One caller at a time.
+  [[nodiscard]] Result<std::vector<runtime::Completion>> GenerateUnder(const std::string& name,
+                                                                       const std::vector<std::vector<int32_t>>& prompts,
+                                                                       int n, const runtime::SamplingParams& params);
 
   const std::string& served_name() const { return served_name_; }
   const std::optional<store::Digest>& proven() const { return proven_; }
@@ -80,7 +90,8 @@ class VllmGenerator {
                 double seconds);
 
   VllmGeneratorOptions options_;
-  std::unique_ptr<engine::VllmClient> client_;
+  std::unique_ptr<engine::VllmClient> client_;      // adoption (the trainer's thread)
+  std::unique_ptr<engine::VllmClient> gen_client_;  // completions
   const runtime::CausalLM* model_;
   store::Store* store_;
   engine::Sequences probe_;

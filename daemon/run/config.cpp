@@ -89,6 +89,11 @@ Status Resolve(Parse& p) {
     FERRY_RETURN_IF_ERROR(ReadStore(p, *p.store));
   }
 
+  if (c.max_staleness > 0 && !c.use_vllm) {
+    Reader::Scope s(rd, "max_staleness");
+    return rd.Error("needs use_vllm = true (it overlaps the vLLM server's generation with training)");
+  }
+
   // Batch sizes (GRPOConfig.__post_init__, one process).
   const int64_t pdbs = c.per_device_train_batch_size;
   if (p.generation_batch_size && p.steps_per_generation) {

@@ -407,6 +407,7 @@ Result<std::unique_ptr<Trainer::State>> CreateState(const TrainOptions& options,
                                 first.snapshot->manifest_id().Hex());
     }
     s->generator_version = acked.Hex();
+    s->generator_step = restored.step;
   }
   s->generator_snapshot = first.snapshot;
   if (!had_run_config && dir_existed && !restored.snapshot) paths.created.push_back(s->dir / "run_config.json");
@@ -502,6 +503,7 @@ Result<StepResult> TakeStep(Trainer::State& s) {
                                 " but the snapshot after the update is " + h.snapshot->manifest_id().Hex());
     }
     s.generator_version = acked.Hex();
+    s.generator_step = s.step;
   }
   s.generator_snapshot = h.snapshot;
 

@@ -13,9 +13,12 @@
 
 #include <nlohmann/json.hpp>
 
+#include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <fstream>
 #include <random>
+#include <set>
 #include <span>
 #include <string>
 #include <vector>
@@ -447,6 +450,142 @@ TEST(VllmEngineTest, ClientNamesTheServerAndTheRequestInItsErrors) {
   auto bad = VllmClient::Create({"ftp://x", 1000});
   ASSERT_FALSE(bad.ok());
   EXPECT_EQ(bad.status().code(), StatusCode::kInvalidArgument);
+}
+
+// ---------------------------------------------------------------------------------------
+// ferryd generating its rollouts with the server (use_vllm = true, TRL's server mode).
+
+// The demo's config for a run in `dir`: `extra` lines appended to the top level.
+fs::path DemoConfig(const fs::path& dir, const std::string& extra) {
+  fs::create_directories(dir);
+  const fs::path demo = fs::path(FERRY_FIXTURES_DIR) / "demo";
+  std::ifstream in(demo / "grpo.toml");
+  std::string text((std::istreambuf_iterator<char>(in)), {});
+  auto set = [&](const std::string& key, const std::string& line) {
+    const size_t at = text.find("\n" + key + " = ");
+    ASSERT_NE(at, std::string::npos) << key;
+    text.replace(at + 1, text.find('\n', at + 1) - at - 1, line);
+  };
+  set("model_name_or_path", "model_name_or_path = \"" + Server::model().string() + "\"");
+  set("dataset", "dataset = \"" + (demo / "train.jsonl").string() + "\"");
+  set("output_dir", "output_dir = \"" + (dir / "run").string() + "\"");
+  set("threads", "threads = 1");
+  set("save_steps", "save_steps = 10");
+  set("logging_steps", "logging_steps = 1");
+  text.insert(text.find("\n[lora]"), "\n" + extra + "\n");
+  std::ofstream(dir / "grpo.toml") << text;
+  return dir / "grpo.toml";
+}
+
+struct RunResult {
+  int exit_code = -1;
+  std::string err;
+  std::vector<json> metrics;
+};
+
+RunResult Ferryd(const fs::path& config, const fs::path& dir, int max_steps) {
+  RunResult r;
+  const std::string log = (dir.parent_path() / (dir.filename().string() + ".log")).string();
+  const std::string cmd = std::string(FERRYD_PATH) + " train --config " + config.string() + " --dir " + dir.string() +
+                          " --max-steps " + std::to_string(max_steps) + " > " + log + " 2>&1";
+  const int rc = std::system(cmd.c_str());
+  r.exit_code = WIFEXITED(rc) ? WEXITSTATUS(rc) : -1;
+  std::ifstream err(log);
+  r.err.assign(std::istreambuf_iterator<char>(err), {});
+  std::ifstream m(dir / "metrics.jsonl");
+  for (std::string line; std::getline(m, line);) r.metrics.push_back(json::parse(line, nullptr, false));
+  return r;
+}
+
+double MeanReward(const std::vector<json>& metrics, size_t from, size_t to) {
+  double sum = 0;
+  for (size_t i = from; i < to; ++i) sum += metrics[i]["reward"].get<double>();
+  return sum / static_cast<double>(to - from);
+}
+
+// The demo for 150 steps with every step's completions from the server: the reward rises as
+// it does with ferryd's co-located generator; every step's version was proven on the server
+// (an engine event for it in the run's store) before it sampled; the sampling log-probs the
+// server returned agree with the trainer's (the importance-sampling metrics).
+TEST(VllmEngineTest, YFerrydDemoLearnsWithVllmGeneratingEveryVersionProven) {
+  testing::ScopedTempDir tmp;
+  const fs::path config = DemoConfig(tmp / "vllm", "use_vllm = true\nvllm_server_base_url = \"" + Server::url() + "\"");
+  RunResult v = Ferryd(config, tmp / "vllm" / "run", 150);
+  ASSERT_EQ(v.exit_code, 0) << v.err;
+  ASSERT_EQ(v.metrics.size(), 150u);
+  const fs::path colocated_config = DemoConfig(tmp / "colocated", "");
+  RunResult c = Ferryd(colocated_config, tmp / "colocated" / "run", 150);
+  ASSERT_EQ(c.exit_code, 0) << c.err;
+  ASSERT_EQ(c.metrics.size(), 150u);
+  const double v_first = MeanReward(v.metrics, 0, 10), v_last = MeanReward(v.metrics, 120, 150);
+  const double c_first = MeanReward(c.metrics, 0, 10), c_last = MeanReward(c.metrics, 120, 150);
+  std::printf("reward, steps 1-10 -> 121-150: vLLM %.3f -> %.3f, co-located %.3f -> %.3f\n", v_first, v_last, c_first,
+              c_last);
+  EXPECT_GT(v_last, v_first + 0.03);
+  EXPECT_GT(c_last, c_first + 0.03);
+  EXPECT_LT(std::fabs(v_last - c_last), 0.05);
+  std::set<std::string> proven;
+  auto audit = RunFerry({"audit", "--db", (tmp / "vllm" / "run" / "store").string(), "--json"});
+  ASSERT_EQ(audit.exit_code, 0) << audit.err;
+  const json report = json::parse(audit.out, nullptr, false);
+  ASSERT_TRUE(report.is_object());
+  for (const auto& e : report["engines"]) {
+    EXPECT_LE(e["max_diff"].get<double>(), 1e-4) << e.dump();
+    proven.insert(e["version"].get<std::string>());
+  }
+  EXPECT_EQ(report["engines"].size(), 151u);  // the first version, then one per step
+  for (const auto& m : v.metrics) {
+    EXPECT_EQ(proven.count(m["generator_version"].get<std::string>()), 1u) << m["step"];
+    EXPECT_EQ(m["sampling/staleness"], 0.0) << m["step"];
+    // vLLM's sampled-token log-probs (processed: under the temperature) against the trainer's.
+    EXPECT_LT(m["sampling/sampling_logp_difference/mean"].get<double>(), 1e-3) << m["step"];
+  }
+}
+
+// max_staleness = 1: the next batch is sampled while a step trains; no step trains on
+// completions of a version more than one step old, and the run still learns what it should.
+TEST(VllmEngineTest, YFerrydWithMaxStalenessOneNeverTrainsOnOlderCompletions) {
+  testing::ScopedTempDir tmp;
+  const fs::path config =
+      DemoConfig(tmp.path(), "use_vllm = true\nmax_staleness = 1\nvllm_server_base_url = \"" + Server::url() + "\"");
+  RunResult r = Ferryd(config, tmp / "run", 20);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  ASSERT_EQ(r.metrics.size(), 20u);
+  for (const auto& m : r.metrics) {
+    const int64_t step = m["step"].get<int64_t>();
+    EXPECT_EQ(m["sampling/staleness"].get<double>(), step == 1 ? 0.0 : 1.0) << step;
+    EXPECT_EQ(m["timing/generation_wait"].is_number(), true);
+  }
+}
+
+// A server that does not answer: the start fails within vllm_server_timeout naming it, and a
+// server that dies mid-run fails the step naming the server and the request; the same command
+// resumes once it is back.
+TEST(VllmEngineTest, YFerrydNamesAServerThatDoesNotAnswerAndResumesOnceItIsBack) {
+  testing::ScopedTempDir tmp;
+  const std::string nowhere = "http://127.0.0.1:" + std::to_string(FreePort());
+  const fs::path dead =
+      DemoConfig(tmp / "dead", "use_vllm = true\nvllm_server_timeout = 2\nvllm_server_base_url = \"" + nowhere + "\"");
+  RunResult d = Ferryd(dead, tmp / "dead" / "run", 5);
+  EXPECT_EQ(d.exit_code, 1);
+  EXPECT_NE(d.err.find("use_vllm: the vLLM server does not answer"), std::string::npos) << d.err;
+  EXPECT_NE(d.err.find(nowhere), std::string::npos) << d.err;
+
+  const fs::path config = DemoConfig(
+      tmp / "live", "use_vllm = true\nvllm_server_timeout = 3\nvllm_server_base_url = \"" + Server::url() + "\"");
+  RunResult first = Ferryd(config, tmp / "live" / "run", 10);
+  ASSERT_EQ(first.exit_code, 0) << first.err;
+  Server::Kill();
+  RunResult failed = Ferryd(config, tmp / "live" / "run", 20);
+  EXPECT_EQ(failed.exit_code, 1);
+  EXPECT_NE(failed.err.find(Server::url()), std::string::npos) << failed.err;
+  EXPECT_EQ(failed.metrics.size(), 10u) << "nothing of a failed step is applied";
+  Server::Restart();
+  RunResult resumed = Ferryd(config, tmp / "live" / "run", 20);
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.err;
+  EXPECT_NE(resumed.err.find("resumed from"), std::string::npos) << resumed.err;
+  ASSERT_EQ(resumed.metrics.size(), 20u);
+  EXPECT_EQ(resumed.metrics.back()["step"], 20);
 }
 
 // The whole path with the CLI: a trainer drops checkpoints (TRL's layout) into a directory

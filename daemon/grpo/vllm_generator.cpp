@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <chrono>
 #include <fstream>
+#include <future>
 #include <thread>
 #include <utility>
 
@@ -58,7 +59,9 @@ Result<std::unique_ptr<VllmGenerator>> VllmGenerator::Create(VllmGeneratorOption
   }
   if (!models.ok()) return models.status().WithContext("use_vllm: the vLLM server does not answer");
   if (models->empty()) return Status::FailedPrecondition("vLLM " + options.url + "/v1/models lists no model");
-  const int64_t positions = model->config().max_position_embeddings;
+  const runtime::ModelConfig& mc = model->config();
+  options.probe.length = std::min(options.probe.length, engine::ProbeLengthFor(mc.hidden_size, mc.num_hidden_layers));
+  const int64_t positions = mc.max_position_embeddings;
   if (positions > 2 && options.probe.length > positions - 1) options.probe.length = static_cast<int>(positions - 1);
   FERRY_ASSIGN_OR_RETURN(engine::Sequences probe, engine::ProbeSequences(model->config().vocab_size, options.probe));
   FERRY_ASSIGN_OR_RETURN(std::unique_ptr<engine::VllmClient> gen_client,
@@ -99,17 +102,28 @@ Status VllmGenerator::Adopt(const runtime::LoraAdapter& adapter, const store::Di
   // The adapter as the trainer holds it now, in PEFT's format, then as the clean lora layout.
   const fs::path peft = options_.work_dir / ("adapter-" + version.Hex().substr(0, 12));
   FERRY_RETURN_IF_ERROR(adapter.Save(peft, options_.base_dir.string(), /*force=*/true));
-  // The reference: the trainer's model with this adapter.
-  FERRY_ASSIGN_OR_RETURN(engine::LogProbs reference,
-                         runtime::GuardTorch("the probe's reference", [&]() -> Result<engine::LogProbs> {
-                           at::NoGradGuard no_grad;
-                           std::vector<std::vector<int64_t>> seqs;
-                           for (const auto& s : probe_) seqs.emplace_back(s.begin(), s.end());
-                           FERRY_ASSIGN_OR_RETURN(auto lp, runtime::PromptLogProbs(*model_, &adapter.binding(), seqs));
-                           engine::LogProbs out;
-                           for (const auto& row : lp) out.emplace_back(row.begin(), row.end());
-                           return out;
-                         }));
+  // The reference, the trainer's model with this adapter, computed while the adapter is
+  // written and loaded (both only read the adapter's parameters).
+  std::future<Result<engine::LogProbs>> reference_future =
+      std::async(std::launch::async, [this, &adapter]() -> Result<engine::LogProbs> {
+        return runtime::GuardTorch("the probe's reference", [&]() -> Result<engine::LogProbs> {
+          at::NoGradGuard no_grad;
+          std::vector<std::vector<int64_t>> seqs;
+          for (const auto& s : probe_) seqs.emplace_back(s.begin(), s.end());
+          FERRY_ASSIGN_OR_RETURN(auto lp, runtime::PromptLogProbs(*model_, &adapter.binding(), seqs));
+          engine::LogProbs out;
+          for (const auto& row : lp) out.emplace_back(row.begin(), row.end());
+          return out;
+        });
+      });
+  std::optional<engine::LogProbs> reference_holder;
+  auto reference = [&]() -> Result<const engine::LogProbs*> {
+    if (!reference_holder) {
+      FERRY_ASSIGN_OR_RETURN(engine::LogProbs r, reference_future.get());
+      reference_holder = std::move(r);
+    }
+    return &*reference_holder;
+  };
   Status last;
   for (int attempt = 0;; ++attempt) {
     if (attempt > 0) {
@@ -142,13 +156,14 @@ Status VllmGenerator::Adopt(const runtime::LoraAdapter& adapter, const store::Di
       if (!Retryable(last)) return last;
       continue;
     }
+    FERRY_ASSIGN_OR_RETURN(const engine::LogProbs* ref, reference());
     FERRY_ASSIGN_OR_RETURN(engine::ProofFigures proof,
-                           engine::Judge(*answer, reference, previous_ ? &*previous_ : nullptr, options_.tolerance));
+                           engine::Judge(*answer, *ref, previous_ ? &*previous_ : nullptr, options_.tolerance));
     FERRY_RETURN_IF_ERROR(Record(version, name, proof, SecondsSince(start)));
     if (proof.proven) {
       proven_ = version;
       served_name_ = name;
-      previous_ = std::move(reference);
+      previous_ = *ref;
       while (loaded_.size() > kKeepLoaded) {
         // A failed unload leaves the adapter to the server's LRU: not an error.
         (void)client_->UnloadLoraAdapter(loaded_.front());

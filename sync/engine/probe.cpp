@@ -2,12 +2,19 @@
 
 #include <xxhash.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 
 #include "core/text.h"
 
 namespace ferry::engine {
+
+int ProbeLengthFor(int64_t hidden, int64_t layers) {
+  if (hidden <= 0 || layers <= 0) return 64;
+  const double cost = static_cast<double>(hidden) * static_cast<double>(hidden) * static_cast<double>(layers);
+  return static_cast<int>(std::clamp(std::floor(268435456.0 / cost), 16.0, 64.0));
+}
 
 Result<Sequences> ProbeSequences(int64_t vocab_size, const ProbeOptions& options) {
   if (vocab_size < 2 || vocab_size > INT32_MAX) {

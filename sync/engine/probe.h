@@ -34,6 +34,12 @@ struct ProbeOptions {
   uint64_t seed = 0x5eed;  // Default: a constant, so every party draws the same probe
 };
 
+// The probe's length for a model of `layers` decoder layers of width `hidden`: 64 tokens for
+// small models, fewer (down to 16) as h^2 * L grows, so that the engine's forward over the
+// probe stays a fraction of a second on a CPU (the 0.5B shape: 16; its 64-token request took
+// 1.5-1.8 s on one vLLM CPU thread). Unknown sizes (<= 0): 64.
+int ProbeLengthFor(int64_t hidden, int64_t layers);
+
 // Deterministic pseudo-random token ids in [0, vocab_size): the same for the same options and
 // vocabulary on every machine. kInvalidArgument for vocab_size < 2 or bad options.
 [[nodiscard]] Result<Sequences> ProbeSequences(int64_t vocab_size, const ProbeOptions& options = {});

@@ -22,6 +22,7 @@ double SecondsSince(Clock::time_point t) { return std::chrono::duration<double>(
 struct ProbeShape {
   int64_t vocab_size = 0;
   int64_t max_positions = 0;  // 0: not given
+  int64_t hidden = 0, layers = 0;
 };
 
 Result<ProbeShape> ProbeShapeOf(const fs::path& model_dir) {
@@ -35,9 +36,12 @@ Result<ProbeShape> ProbeShapeOf(const fs::path& model_dir) {
   }
   ProbeShape shape;
   shape.vocab_size = j["vocab_size"].get<int64_t>();
-  if (j.contains("max_position_embeddings") && j["max_position_embeddings"].is_number_integer()) {
-    shape.max_positions = j["max_position_embeddings"].get<int64_t>();
-  }
+  auto integer = [&](const char* key) -> int64_t {
+    return j.contains(key) && j[key].is_number_integer() ? j[key].get<int64_t>() : 0;
+  };
+  shape.max_positions = integer("max_position_embeddings");
+  shape.hidden = integer("hidden_size");
+  shape.layers = integer("num_hidden_layers");
   return shape;
 }
 
@@ -80,6 +84,7 @@ Result<LogProbs> VllmFollower::ReferenceFor(const EngineVersion& v) {
     auto shape = ProbeShapeOf(v.merged_dir);
     if (!shape.ok()) return shape.status();
     ProbeOptions probe = options_.probe;
+    probe.length = std::min(probe.length, ProbeLengthFor(shape->hidden, shape->layers));
     // The prompt and the one token the engine generates after it must fit its positions.
     if (shape->max_positions > 2 && probe.length > shape->max_positions - 1) {
       probe.length = static_cast<int>(shape->max_positions - 1);

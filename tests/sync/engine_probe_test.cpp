@@ -89,6 +89,14 @@ TEST(ProbeJudgeTest, ProvesOnlyTheNearerVersionWithinTolerance) {
   EXPECT_FALSE(Judge({{std::nan(""), -2.0, -3.0}}, version, nullptr, 1e-4)->proven);
 }
 
+TEST(ProbeLengthTest, ShrinksWithTheModelsSizeWithinSixteenToSixtyFour) {
+  EXPECT_EQ(ProbeLengthFor(128, 2), 64);    // the demo
+  EXPECT_EQ(ProbeLengthFor(1024, 24), 16);  // the 0.5B shape: 2^28 / (1024^2 * 24) = 10.7
+  EXPECT_EQ(ProbeLengthFor(4096, 32), 16);  // 7B
+  EXPECT_EQ(ProbeLengthFor(512, 24), 42);   // 2^28 / (512^2 * 24) = 42.7
+  EXPECT_EQ(ProbeLengthFor(0, 0), 64);
+}
+
 TEST(ProbeToleranceTest, FollowsTheServersDtype) {
   EXPECT_DOUBLE_EQ(*ToleranceForDtype("float32"), 1e-4);
   EXPECT_DOUBLE_EQ(*ToleranceForDtype("bfloat16"), 1e-1);

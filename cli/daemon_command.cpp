@@ -148,17 +148,12 @@ std::string ValueText(const Json& v) { return v.is_string() ? v.get<std::string>
 
 // Known status fields first, in the protocol's order, then any others.
 void PrintStatusText(const Json& j) {
-  static const char* kOrder[] = {"state",
-                                 "pid",
-                                 "step",
-                                 "total_steps",
-                                 "epoch",
-                                 "generator_version",
-                                 "last_checkpoint",
-                                 "reward",
-                                 "reward_trend",
-                                 "learning_rate",
-                                 "steps_per_second",
+  static const char* kOrder[] = {"state",         "pid",
+                                 "step",          "total_steps",
+                                 "epoch",         "generator_version",
+                                 "generator",     "last_checkpoint",
+                                 "reward",        "reward_trend",
+                                 "learning_rate", "steps_per_second",
                                  "uptime_seconds"};
   std::vector<std::string> shown;
   for (const char* k : kOrder) {

@@ -25,7 +25,9 @@
 //
 // The command's fields (ferryd fills them; `ferry daemon` shows them):
 //   status    pid, state ("running" | "pausing" | "paused" | "stopping"), step, total_steps, epoch,
-//             generator_version (32 hex), last_checkpoint ("checkpoint-N" or null), reward,
+//             generator_version (32 hex), generator ({"engine": "colocated"}, or {"engine":
+//             "vllm", "url", "served_as"}: the server and the name it serves that version under),
+//             last_checkpoint ("checkpoint-N" or null), reward,
 //             reward_trend (mean reward of the last 10 logged steps minus the 10 before),
 //             learning_rate, steps_per_second, uptime_seconds
 //   pause     state: ferryd finishes the current step and holds

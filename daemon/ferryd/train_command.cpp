@@ -169,7 +169,7 @@ class RunControl {
     std::lock_guard<std::mutex> lock(mu_);
     step_ = r.step;
     generator_version_ = r.generator_version;
-    (void)trainer;
+    generator_ = trainer.generator_info();
     if (auto it = r.metrics.find("epoch"); it != r.metrics.end()) epoch_ = it->second;
     if (auto it = r.metrics.find("learning_rate"); it != r.metrics.end()) learning_rate_ = it->second;
     if (auto it = r.metrics.find("reward"); it != r.metrics.end() && std::isfinite(it->second)) {
@@ -184,6 +184,7 @@ class RunControl {
     std::lock_guard<std::mutex> lock(mu_);
     step_ = trainer.step();
     generator_version_ = trainer.generator_version();
+    generator_ = trainer.generator_info();
     last_checkpoint_ = last_checkpoint;
   }
 
@@ -228,6 +229,12 @@ class RunControl {
     j["total_steps"] = total_steps_;
     j["epoch"] = epoch_;
     j["generator_version"] = generator_version_;
+    // The generator serving generator_version: ferryd's own, or a vLLM server and the name it
+    // serves the version under (proven there: an engine event in the run's store).
+    j["generator"] =
+        generator_.engine == "vllm"
+            ? nlohmann::json{{"engine", "vllm"}, {"url", generator_.url}, {"served_as", generator_.served_as}}
+            : nlohmann::json{{"engine", generator_.engine}};
     j["last_checkpoint"] = last_checkpoint_.empty() ? nlohmann::json(nullptr) : nlohmann::json(last_checkpoint_);
     j["reward"] = rewards_.empty() ? nlohmann::json(nullptr) : nlohmann::json(rewards_.back());
     if (rewards_.size() >= 20) {
@@ -259,6 +266,7 @@ class RunControl {
   double epoch_ = 0;
   double learning_rate_ = 0;
   std::string generator_version_;
+  grpo::Trainer::GeneratorInfo generator_;
   std::string last_checkpoint_;
   std::deque<double> rewards_;  // reward per step, newest last (20 kept)
   std::deque<Clock::time_point> step_times_;

@@ -131,6 +131,10 @@ Trainer::~Trainer() {
 
 int64_t Trainer::step() const { return s_->step; }
 const std::string& Trainer::generator_version() const { return s_->generator_version; }
+Trainer::GeneratorInfo Trainer::generator_info() const {
+  if (!s_->vllm) return {"colocated", "", ""};
+  return {"vllm", s_->vllm->url(), s_->vllm->served_name()};
+}
 std::shared_ptr<const sync::Snapshot> Trainer::generator_snapshot() const { return s_->generator_snapshot; }
 int64_t Trainer::total_steps() const { return s_->total_steps; }
 const run::RunConfig& Trainer::config() const { return s_->config; }

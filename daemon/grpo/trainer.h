@@ -138,6 +138,14 @@ class Trainer {
   // The snapshot whose id generator_version() is (the generator runs its bytes): for a
   // resumed run, the rebuilt version of the step it resumed from.
   std::shared_ptr<const sync::Snapshot> generator_snapshot() const;
+  // Which generator samples the run: "colocated" (ferryd's own), or "vllm" with the server's
+  // URL and the name it serves generator_version() under (use_vllm).
+  struct GeneratorInfo {
+    std::string engine;
+    std::string url;
+    std::string served_as;
+  };
+  GeneratorInfo generator_info() const;
   int64_t total_steps() const;
   const run::RunConfig& config() const;
   const std::filesystem::path& dir() const;

@@ -191,7 +191,32 @@ Status VllmGenerator::Adopt(const runtime::LoraAdapter& adapter, const store::Di
 Result<std::vector<runtime::Completion>> VllmGenerator::Generate(const std::vector<std::vector<int32_t>>& prompts,
                                                                  int n, const runtime::SamplingParams& params) {
   if (!proven_) return Status::FailedPrecondition("use_vllm: no version is proven on the vLLM server yet");
+  auto got = GenerateUnder(served_name_, prompts, n, params);
+  if (got.ok() || got.status().code() != StatusCode::kNotFound) return got;
+  // A restarted server knows no adapter: the proven one again, proven again, then the request.
+  FERRY_RETURN_IF_ERROR(Readopt().WithContext(got.status().message()));
   return GenerateUnder(served_name_, prompts, n, params);
+}
+
+Status VllmGenerator::Readopt() {
+  const auto start = Clock::now();
+  const fs::path dir = options_.work_dir / served_name_;
+  const std::string name = engine::AdapterName(proven_->Hex(), instance_, ++loads_);
+  std::error_code ec;
+  fs::rename(dir, options_.work_dir / name, ec);
+  if (ec) return Status::IOError("use_vllm: cannot rename " + dir.string() + ": " + ec.message());
+  FERRY_RETURN_IF_ERROR(client_->LoadLoraAdapter(name, fs::absolute(options_.work_dir / name).string()));
+  loaded_.clear();
+  loaded_.push_back(name);
+  FERRY_ASSIGN_OR_RETURN(engine::LogProbs answer, client_->PromptLogProbs(name, probe_));
+  FERRY_ASSIGN_OR_RETURN(engine::ProofFigures proof, engine::Judge(answer, *previous_, nullptr, options_.tolerance));
+  FERRY_RETURN_IF_ERROR(Record(*proven_, name, proof, SecondsSince(start)));
+  if (!proof.proven) {
+    return Status::Corruption("vLLM " + options_.url + " did not answer as version " + proven_->Hex() +
+                              " loaded again under " + Quote(name) + ": " + proof.why);
+  }
+  served_name_ = name;
+  return Status::OK();
 }
 
 Result<std::vector<runtime::Completion>> VllmGenerator::GenerateUnder(const std::string& name,

@@ -86,6 +86,9 @@ class VllmGenerator {
  private:
   VllmGenerator(VllmGeneratorOptions options, std::unique_ptr<engine::VllmClient> client,
                 const runtime::CausalLM* model, store::Store* store);
+  // The server lost the proven version's adapter (it restarted): loads it again from
+  // DIR/vllm/<served name> under a new name and proves it against its kept reference.
+  Status Readopt();
   Status Record(const store::Digest& version, const std::string& name, const engine::ProofFigures& proof,
                 double seconds);
 

@@ -24,8 +24,12 @@
 #include <vector>
 
 #include "convert/converter.h"
+#include "convert/peft_config.h"
 #include "core/checkpoint.h"
 #include "core/safetensors.h"
+#include "daemon/grpo/vllm_generator.h"
+#include "daemon/runtime/lora.h"
+#include "daemon/runtime/model.h"
 #include "store/store.h"
 #include "sync/engine/probe.h"
 #include "sync/engine/reference.h"
@@ -540,6 +544,47 @@ TEST(VllmEngineTest, YFerrydDemoLearnsWithVllmGeneratingEveryVersionProven) {
     // vLLM's sampled-token log-probs (processed: under the temperature) against the trainer's.
     EXPECT_LT(m["sampling/sampling_logp_difference/mean"].get<double>(), 1e-3) << m["step"];
   }
+}
+
+// A server that lost the proven adapter (restarted, or unloaded behind ferryd's back): the
+// next generation loads it again under a new name, proves it against its kept reference, and
+// the request goes through.
+TEST(VllmEngineTest, YGeneratorLoadsTheProvenVersionAgainWhenTheServerLostIt) {
+  testing::ScopedTempDir tmp;
+  auto model = runtime::CausalLM::Load(Server::model(), {});
+  ASSERT_TRUE(model.ok()) << model.status().message();
+  auto peft = LoadPeftConfig(MakeVersion(tmp.path(), "cfg", 61, 16.0).adapter);
+  ASSERT_TRUE(peft.ok());
+  auto adapter = runtime::LoraAdapter::Create(**model, *peft, 7);
+  ASSERT_TRUE(adapter.ok()) << adapter.status().message();
+  auto store = store::Store::Open(tmp / "store", {.create_if_missing = true});
+  ASSERT_TRUE(store.ok());
+  grpo::VllmGeneratorOptions o;
+  o.url = Server::url();
+  o.timeout_seconds = 60;
+  o.work_dir = tmp / "vllm";
+  o.base_dir = Server::model();
+  auto g = grpo::VllmGenerator::Create(o, model->get(), store->get());
+  ASSERT_TRUE(g.ok()) << g.status().message();
+  const store::Digest version = *store::Digest::FromHex(std::string(32, 'a'));
+  ASSERT_TRUE((*g)->Adopt(**adapter, version).ok());
+  const std::string first = (*g)->served_name();
+  auto client = VllmClient::Create({Server::url(), 60000});
+  ASSERT_TRUE(client.ok());
+  ASSERT_TRUE((*client)->UnloadLoraAdapter(first).ok());
+  runtime::SamplingParams sp;
+  sp.max_new_tokens = 3;
+  sp.seed = 1;
+  auto got = (*g)->Generate({{12, 5, 6}}, 2, sp);
+  ASSERT_TRUE(got.ok()) << got.status().message();
+  EXPECT_EQ(got->size(), 2u);
+  EXPECT_NE((*g)->served_name(), first);
+  EXPECT_TRUE(Lists(**client, (*g)->served_name()));
+  auto events = (*store)->ListEvents(version);
+  ASSERT_TRUE(events.ok());
+  int proofs = 0;
+  for (const auto& e : *events) proofs += e.type == store::Event::Type::kEngine;
+  EXPECT_EQ(proofs, 2);  // adopted, then loaded again and proven again
 }
 
 // max_staleness = 1: the next batch is sampled while a step trains; no step trains on

@@ -31,6 +31,9 @@
 //
 // Usage: ferry_bench_vllm_adopt [--models demo,0.5b] [--reps 10] [--warmup 2] [--port P]
 //                               [--threads 2] [--work DIR] [--keep]
+//                               [--staleness-reps 2] [--staleness-steps 30]
+//   --staleness-*: (c) max_staleness 1 against 0, ferryd train on the demo with this server
+//           generating, the settings alternating (target: >= 1.3x the steps per second).
 //   --port: the first model's server port (the next model's is P+1). Default: free ports.
 //   --work: where the 0.5B model, adapters, store and server logs go. Default: a new
 //           directory under $TMPDIR, removed at the end unless --keep.
@@ -48,9 +51,11 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+
 #include <iterator>
 #include <map>
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <random>
 #include <sstream>
@@ -249,6 +254,8 @@ struct ModelSpec {
 };
 
 struct Flags {
+  int staleness_reps = 2;  // (c): alternating ferryd runs per setting (0: skip)
+  int staleness_steps = 30;
   std::vector<std::string> models = {"demo", "0.5b"};
   int reps = 10, warmup = 2, port = 0, threads = 2;
   fs::path work;
@@ -276,6 +283,60 @@ Status MakeHalfB(const fs::path& dir) {
 }
 
 ferry::store::Digest VersionDigest(std::mt19937_64& rng) { return {rng(), rng()}; }
+
+// (c) max_staleness 1 against 0: ferryd train on the demo (threads = 1, use_vllm against this
+// server, logging every step) for --staleness-steps steps, the two settings alternating
+// --staleness-reps times; the figure is each run's median step_time after its first 3 steps.
+Status RunStaleness(const Flags& flags, const std::string& url, const fs::path& work) {
+  std::printf("\n== max_staleness 1 vs 0: ferryd train on the demo with vLLM generating, %d steps, %d reps ==\n",
+              flags.staleness_steps, flags.staleness_reps);
+  const fs::path demo = kRoot / "fixtures" / "demo";
+  std::ifstream in(demo / "grpo.toml");
+  std::string base((std::istreambuf_iterator<char>(in)), {});
+  auto set = [&](std::string& text, const std::string& key, const std::string& line) {
+    const size_t at = text.find("\n" + key + " = ");
+    if (at != std::string::npos) text.replace(at + 1, text.find('\n', at + 1) - at - 1, line);
+  };
+  set(base, "model_name_or_path", "model_name_or_path = \"" + (demo / "model").string() + "\"");
+  set(base, "dataset", "dataset = \"" + (demo / "train.jsonl").string() + "\"");
+  set(base, "threads", "threads = 1");
+  set(base, "logging_steps", "logging_steps = 1");
+  set(base, "save_steps", "save_steps = 100000");
+  std::vector<double> s0, s1;
+  for (int rep = 0; rep < flags.staleness_reps; ++rep) {
+    for (int staleness : {0, 1}) {
+      const fs::path dir = work / ("staleness-" + std::to_string(staleness) + "-" + std::to_string(rep));
+      std::error_code ec;
+      fs::remove_all(dir, ec);
+      fs::create_directories(dir);
+      std::string text = base;
+      set(text, "output_dir", "output_dir = \"" + (dir / "run").string() + "\"");
+      text.insert(text.find("\n[lora]"), "\nuse_vllm = true\nvllm_server_base_url = \"" + url +
+                                             "\"\nmax_staleness = " + std::to_string(staleness) + "\n");
+      std::ofstream(dir / "grpo.toml") << text;
+      int rc = 0;
+      Shell(std::string(FERRYD_PATH) + " train --config " + (dir / "grpo.toml").string() + " --dir " +
+                (dir / "run").string() + " --max-steps " + std::to_string(flags.staleness_steps) + " > " +
+                (dir / "ferryd.log").string() + " 2>&1",
+            &rc);
+      if (rc != 0) return Status::Internal("ferryd train failed: see " + (dir / "ferryd.log").string());
+      std::ifstream m(dir / "run" / "metrics.jsonl");
+      std::vector<double> times;
+      for (std::string line; std::getline(m, line);) {
+        auto j = nlohmann::json::parse(line, nullptr, false);
+        if (j.is_object() && j.value("step", 0) > 3 && j.contains("step_time")) times.push_back(j["step_time"]);
+      }
+      if (times.empty()) return Status::Internal("no step_time in " + (dir / "run" / "metrics.jsonl").string());
+      (staleness == 0 ? s0 : s1).push_back(Median(times));
+      std::printf("  rep %d, max_staleness %d: median step %.3f s\n", rep + 1, staleness, Median(times));
+      std::fflush(stdout);
+    }
+  }
+  const double m0 = Median(s0), m1 = Median(s1);
+  std::printf("  steps per second: max_staleness 0 %.2f, 1 %.2f; ratio %.2fx (target >= 1.3x: %s)\n", 1 / m0, 1 / m1,
+              m0 / m1, m0 / m1 >= 1.3 ? "met" : "NOT MET");
+  return Status::OK();
+}
 
 Status RunModel(const ModelSpec& spec, const Flags& flags, int port, const fs::path& work) {
   namespace engine = ferry::engine;
@@ -324,6 +385,8 @@ Status RunModel(const ModelSpec& spec, const Flags& flags, int port, const fs::p
 
   // The probe VllmGenerator uses (Create caps its length below the model's positions).
   engine::ProbeOptions po;
+  po.length =
+      std::min(po.length, engine::ProbeLengthFor(model->config().hidden_size, model->config().num_hidden_layers));
   const int64_t positions = model->config().max_position_embeddings;
   if (positions > 2 && po.length > positions - 1) po.length = static_cast<int>(positions - 1);
   FERRY_ASSIGN_OR_RETURN(engine::Sequences probe, engine::ProbeSequences(model->config().vocab_size, po));
@@ -553,6 +616,9 @@ Status RunModel(const ModelSpec& spec, const Flags& flags, int port, const fs::p
         po.length, flags.threads, ref_s.median(), Median(one), flags.threads, Median(b));
   }
   std::fflush(stdout);
+  if (spec.key == "demo" && flags.staleness_reps > 0) {
+    FERRY_RETURN_IF_ERROR(RunStaleness(flags, server->url(), mwork));
+  }
   return Status::OK();
 }
 
@@ -566,7 +632,9 @@ int Usage(int rc) {
                "  --reps     measured versions per model, after --warmup ones\n"
                "  --port     the first server's port (the next model's is P+1); default: free ports\n"
                "  --threads  LibTorch threads of the trainer's side (the server runs vllm.sh's default)\n"
-               "  --work     working directory (default: a new one under $TMPDIR, removed unless --keep)\n");
+               "  --work     working directory (default: a new one under $TMPDIR, removed unless --keep)\n"
+               "  --staleness-reps N, --staleness-steps S   max_staleness 1 vs 0 (ferryd train on the demo with\n"
+               "             the server generating, S steps, the settings alternating N times; 0 reps: skip)\n");
   return rc;
 }
 
@@ -600,6 +668,8 @@ int main(int argc, char** argv) {
     } else if (a == "--reps") flags.reps = std::atoi(v.c_str());
     else if (a == "--warmup") flags.warmup = std::atoi(v.c_str());
     else if (a == "--port") flags.port = std::atoi(v.c_str());
+    else if (a == "--staleness-reps") flags.staleness_reps = std::atoi(v.c_str());
+    else if (a == "--staleness-steps") flags.staleness_steps = std::atoi(v.c_str());
     else if (a == "--threads") flags.threads = std::atoi(v.c_str());
     else if (a == "--work") flags.work = v;
     else {

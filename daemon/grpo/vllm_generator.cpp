@@ -101,7 +101,14 @@ Status VllmGenerator::Adopt(const runtime::LoraAdapter& adapter, const store::Di
   const auto deadline = start + std::chrono::duration<double>(options_.timeout_seconds);
   // The adapter as the trainer holds it now, in PEFT's format, then as the clean lora layout.
   const fs::path peft = options_.work_dir / ("adapter-" + version.Hex().substr(0, 12));
-  FERRY_RETURN_IF_ERROR(adapter.Save(peft, options_.base_dir.string(), /*force=*/true));
+  // A transient copy (removed once the version is proven): no fsync.
+  {
+    std::error_code ec;
+    fs::remove_all(peft, ec);
+    fs::create_directories(peft, ec);
+    if (ec) return Status::IOError("cannot create " + peft.string() + ": " + ec.message());
+  }
+  FERRY_RETURN_IF_ERROR(adapter.WriteFiles(peft, options_.base_dir.string(), /*sync=*/false));
   // The reference, the trainer's model with this adapter, computed while the adapter is
   // written and loaded (both only read the adapter's parameters).
   std::future<Result<engine::LogProbs>> reference_future =

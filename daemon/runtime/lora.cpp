@@ -225,14 +225,17 @@ std::string LoraAdapter::ConfigJson(const std::string& base_model_name_or_path) 
   return j.dump(2) + "\n";
 }
 
-Status LoraAdapter::WriteFiles(const std::filesystem::path& dir, const std::string& base_model_name_or_path) const {
+Status LoraAdapter::WriteFiles(const std::filesystem::path& dir, const std::string& base_model_name_or_path,
+                               bool sync) const {
   FERRY_ASSIGN_OR_RETURN(auto tensors, ExportTensors());
   std::vector<TensorSpec> specs;
   for (const auto& [name, t] : tensors) specs.push_back({name, t.dtype(), t.shape()});
-  FERRY_ASSIGN_OR_RETURN(auto writer, SafetensorsWriter::CreateFile(dir / "adapter_model.safetensors", specs));
+  WriterOptions wo;
+  wo.sync = sync;
+  FERRY_ASSIGN_OR_RETURN(auto writer, SafetensorsWriter::CreateFile(dir / "adapter_model.safetensors", specs, wo));
   for (const auto& [name, t] : tensors) FERRY_RETURN_IF_ERROR(writer->Write(name, t));
   FERRY_RETURN_IF_ERROR(writer->Finish());
-  return WriteFileAtomic(dir / "adapter_config.json", ConfigJson(base_model_name_or_path));
+  return WriteFileAtomic(dir / "adapter_config.json", ConfigJson(base_model_name_or_path), sync);
 }
 
 Status LoraAdapter::Save(const std::filesystem::path& dir, const std::string& base_model_name_or_path,

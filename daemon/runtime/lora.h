@@ -54,8 +54,10 @@ class LoraAdapter {
   // directory beside it, fsynced and renamed. `base_model_name_or_path` goes into the config.
   Status Save(const std::filesystem::path& dir, const std::string& base_model_name_or_path, bool force = false) const;
   // The two files of Save written into the existing directory `dir` (no staging: for callers
-  // that stage a bigger directory themselves, e.g. a training checkpoint).
-  Status WriteFiles(const std::filesystem::path& dir, const std::string& base_model_name_or_path) const;
+  // that stage a bigger directory themselves, e.g. a training checkpoint). `sync` false skips
+  // the fsyncs (a transient copy, e.g. the adapter a vLLM server loads once). Default: true
+  Status WriteFiles(const std::filesystem::path& dir, const std::string& base_model_name_or_path,
+                    bool sync = true) const;
   // Overwrites the parameters with an adapter directory's (as Load reads it), keeping the
   // tensors (an optimizer holding them stays valid). Errors as Load, and kInvalidArgument
   // when the directory's modules or ranks differ from this adapter's.

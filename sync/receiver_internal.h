@@ -180,6 +180,8 @@ class Session {
  private:
   Status Send(const Message& m, std::span<const std::byte> payload);
   Status SendWithId(MsgType type, const Message& base);
+  // Waits (timeout_ms) for the ACKED of `v`; the publisher's ERROR as its Status.
+  Status WaitForAcked(const store::Digest& v);
   // Waits (until `deadline`) for the next announcement or reply.
   Status Next(Clock::time_point deadline, Incoming* in);
   Status PublisherError(const Message& m) const;

@@ -246,14 +246,7 @@ Status Session::ReportEngine(const store::Digest& v, const std::string& report) 
   m.type = MsgType::kEngine;
   m.version = v;
   FERRY_RETURN_IF_ERROR(Send(m, {reinterpret_cast<const std::byte*>(report.data()), report.size()}));
-  const auto deadline = Deadline();
-  for (;;) {
-    Incoming in;
-    FERRY_RETURN_IF_ERROR(Next(deadline, &in));
-    if (in.announce) continue;
-    if (in.msg.type == MsgType::kError) return PublisherError(in.msg);
-    if (in.msg.type == MsgType::kAcked && in.msg.version == v) return Status::OK();
-  }
+  return WaitForAcked(v);
 }
 
 Status Session::Ack(const store::Digest& v, const store::Digest& computed, const std::optional<store::Digest>& proven) {
@@ -262,6 +255,10 @@ Status Session::Ack(const store::Digest& v, const store::Digest& computed, const
   m.computed = computed;
   m.proven = proven;
   FERRY_RETURN_IF_ERROR(SendWithId(MsgType::kAck, m));
+  return WaitForAcked(v);
+}
+
+Status Session::WaitForAcked(const store::Digest& v) {
   const auto deadline = Deadline();
   for (;;) {
     Incoming in;

@@ -17,4 +17,9 @@ void SetProbeCommand(CLI::App& app);
 // Prints "ferryd: error: <message>" to stderr and throws CLI::RuntimeError(exit_code).
 [[noreturn]] void Fail(const Status& status, int exit_code = 1);
 
+// LibTorch set up for a one-process command (`generate`, `probe`): `threads` compute threads
+// (0: one per core), freed tensor memory kept for reuse, and a warning on stderr when LibTorch
+// runs on the reference BLAS. Returns the thread count in use.
+int SetUpTorch(int threads);
+
 }  // namespace ferry::ferryd

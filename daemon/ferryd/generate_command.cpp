@@ -13,7 +13,6 @@
 #include "daemon/ferryd/commands.h"
 #include "daemon/runtime/generator.h"
 #include "daemon/runtime/lora.h"
-#include "daemon/runtime/torch_util.h"
 #include "daemon/text/chat_format.h"
 #include "daemon/text/tokenizer.h"
 
@@ -165,14 +164,7 @@ Result<std::vector<Prompt>> ReadPrompts(const GenerateFlags& f, const text::Toke
 }
 
 Status RunGenerate(const GenerateFlags& f) {
-  const int threads = runtime::SetTorchThreads(f.threads);
-  runtime::KeepFreedTensorMemory();
-  const runtime::BlasInfo blas = runtime::LoadedBlas();
-  if (blas.reference) {
-    std::fprintf(
-        stderr, "ferryd: warning: LibTorch runs on the reference BLAS (%s), ~15x slower; install libopenblas0-openmp\n",
-        blas.library.c_str());
-  }
+  const int threads = SetUpTorch(f.threads);
   FERRY_ASSIGN_OR_RETURN(text::Tokenizer tok, text::Tokenizer::FromDirectory(f.model));
   FERRY_ASSIGN_OR_RETURN(auto model, runtime::CausalLM::Load(f.model, {}));
   std::unique_ptr<runtime::LoraAdapter> adapter;

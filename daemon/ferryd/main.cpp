@@ -6,12 +6,25 @@
 #include <cstdio>
 
 #include "daemon/ferryd/commands.h"
+#include "daemon/runtime/torch_util.h"
 
 namespace ferry::ferryd {
 
 void Fail(const Status& status, int exit_code) {
   std::fprintf(stderr, "ferryd: error: %s\n", status.message().c_str());
   throw CLI::RuntimeError(exit_code);
+}
+
+int SetUpTorch(int threads) {
+  const int used = runtime::SetTorchThreads(threads);
+  runtime::KeepFreedTensorMemory();
+  const runtime::BlasInfo blas = runtime::LoadedBlas();
+  if (blas.reference) {
+    std::fprintf(
+        stderr, "ferryd: warning: LibTorch runs on the reference BLAS (%s), ~15x slower; install libopenblas0-openmp\n",
+        blas.library.c_str());
+  }
+  return used;
 }
 
 }  // namespace ferry::ferryd

@@ -22,7 +22,6 @@
 #include "daemon/runtime/lora.h"
 #include "daemon/runtime/model.h"
 #include "daemon/runtime/prompt_logprobs.h"
-#include "daemon/runtime/torch_util.h"
 
 namespace ferry::ferryd {
 namespace {
@@ -316,14 +315,7 @@ Status Serve() {
 }
 
 Status RunProbe(const ProbeFlags& f) {
-  const int threads = runtime::SetTorchThreads(f.threads);
-  runtime::KeepFreedTensorMemory();
-  const runtime::BlasInfo blas = runtime::LoadedBlas();
-  if (blas.reference) {
-    std::fprintf(
-        stderr, "ferryd: warning: LibTorch runs on the reference BLAS (%s), ~15x slower; install libopenblas0-openmp\n",
-        blas.library.c_str());
-  }
+  const int threads = SetUpTorch(f.threads);
   if (!f.serve) return RunOnce(f);
   std::fprintf(stderr, "ferryd: probe serving requests from stdin (%d threads)\n", threads);
   return Serve();

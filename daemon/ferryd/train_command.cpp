@@ -15,7 +15,12 @@
 //     other hosts by a sync publisher following the run from its own thread (remote.h); their
 //     acknowledgements show in status as remote_generators;
 //   - with [control] endpoint a second control socket (tcp:// with CURVE) serves the same
-//     commands beside DIR/.ferryd/control.
+//     commands beside DIR/.ferryd/control;
+//   - data-parallel: with torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, ...) this
+//     process is one rank of a c10d group ([distributed] backend and timeout); with
+//     --nproc-per-node N it starts N local ranks itself (local_ranks.h). Rank 0 alone takes the
+//     lock, serves the control socket (its status lists every rank) and publishes; the others
+//     follow its decisions between steps (daemon/grpo/data_parallel.h).
 #include <nlohmann/json.hpp>
 
 #include <signal.h>
@@ -35,6 +40,8 @@
 #include "daemon/control/protocol.h"
 #include "daemon/control/run_lock.h"
 #include "daemon/control/server.h"
+#include "daemon/dist/process_group.h"
+#include "daemon/ferryd/local_ranks.h"
 #include "daemon/ferryd/commands.h"
 #include "daemon/ferryd/remote.h"
 #include "daemon/grpo/trainer.h"
@@ -51,6 +58,7 @@ struct TrainFlags {
   int64_t max_steps = 0;
   bool json = false;
   std::string publish;  // overrides [publish] endpoint
+  int nproc_per_node = 0;
 };
 
 // "step 40/800  reward 0.612  loss 0.0031  kl -  len 4.0  0.07 s/step  eta 53 s"
@@ -168,6 +176,7 @@ class RunControl {
   void AfterStep(const grpo::Trainer& trainer, const grpo::StepResult& r) {
     std::lock_guard<std::mutex> lock(mu_);
     step_ = r.step;
+    rank_versions_ = r.rank_versions;
     generator_version_ = r.generator_version;
     generator_ = trainer.generator_info();
     if (auto it = r.metrics.find("epoch"); it != r.metrics.end()) epoch_ = it->second;
@@ -186,6 +195,14 @@ class RunControl {
     generator_version_ = trainer.generator_version();
     generator_ = trainer.generator_info();
     last_checkpoint_ = last_checkpoint;
+  }
+
+  // The data-parallel ranks the status lists (host and pid; each one's acknowledged version
+  // after every step).
+  void SetRanks(std::vector<dist::RankInfo> ranks, std::vector<std::string> versions) {
+    std::lock_guard<std::mutex> lock(mu_);
+    ranks_ = std::move(ranks);
+    rank_versions_ = std::move(versions);
   }
 
   // Adds remote_generators to every status (called with the current step, under the lock).
@@ -252,6 +269,20 @@ class RunControl {
                                 : 0.0;
     j["uptime_seconds"] = std::chrono::duration<double>(Clock::now() - started_).count();
     if (remote_) j["remote_generators"] = remote_(step_);
+    if (!ranks_.empty()) {
+      // Every rank of a data-parallel run: the steps are synchronous, so each is at step_.
+      nlohmann::json ranks = nlohmann::json::array();
+      for (const dist::RankInfo& r : ranks_) {
+        const size_t i = static_cast<size_t>(r.rank);
+        ranks.push_back({{"rank", r.rank},
+                         {"host", r.host},
+                         {"pid", r.pid},
+                         {"step", step_},
+                         {"generator_version", i < rank_versions_.size() ? nlohmann::json(rank_versions_[i])
+                                                                         : nlohmann::json(nullptr)}});
+      }
+      j["ranks"] = ranks;
+    }
     return j;
   }
 
@@ -271,6 +302,8 @@ class RunControl {
   std::deque<double> rewards_;  // reward per step, newest last (20 kept)
   std::deque<Clock::time_point> step_times_;
   std::function<nlohmann::json(int64_t)> remote_;
+  std::vector<dist::RankInfo> ranks_;
+  std::vector<std::string> rank_versions_;
 };
 
 // Everything of [publish] / --publish and [control] ferryd can check before the trainer
@@ -296,6 +329,41 @@ Result<Serving> CheckServing(const TrainFlags& f, const run::RunConfig& rc) {
   return e;
 }
 
+// The command line of one local rank: this command without --nproc-per-node.
+std::vector<std::string> RankArgv(const TrainFlags& f) {
+  std::vector<std::string> a = {"/proc/self/exe", "train", "--config", fs::absolute(f.config).string()};
+  if (!f.dir.empty()) {
+    a.push_back("--dir");
+    a.push_back(fs::absolute(f.dir).string());
+  }
+  if (f.max_steps > 0) {
+    a.push_back("--max-steps");
+    a.push_back(std::to_string(f.max_steps));
+  }
+  if (f.json) a.push_back("--json");
+  if (!f.publish.empty()) {
+    a.push_back("--publish");
+    a.push_back(f.publish);
+  }
+  return a;
+}
+
+// This process's rank of a data-parallel run (torchrun's environment), or null for one
+// process.
+Result<std::unique_ptr<dist::ProcessGroup>> JoinGroup(const run::RunConfig& config) {
+  FERRY_ASSIGN_OR_RETURN(dist::Launch launch, dist::LaunchFromEnv());
+  if (!launch.distributed()) return std::unique_ptr<dist::ProcessGroup>();
+  dist::GroupOptions go;
+  go.backend = !config.distributed.backend.empty() ? config.distributed.backend : config.device.cuda ? "nccl" : "gloo";
+  go.timeout = std::chrono::milliseconds(static_cast<int64_t>(config.distributed.timeout * 1000));
+  go.prefix = "ferry/" + config.store.run;
+  Result<std::unique_ptr<dist::ProcessGroup>> g = dist::ProcessGroup::Join(launch, go);
+  if (!g.ok()) return g.status().WithContext(config.source.string() + ": [distributed]");
+  std::fprintf(stderr, "ferryd: rank %d of %d (local rank %d), %s on %s:%d\n", launch.rank, launch.world_size,
+               launch.local_rank, go.backend.c_str(), launch.master_addr.c_str(), launch.master_port);
+  return g;
+}
+
 Status RunTrain(const TrainFlags& f) {
   InstallSignalHandlers();
   // Checked before anything is created: the config and the endpoints here, the rest by
@@ -303,12 +371,15 @@ Status RunTrain(const TrainFlags& f) {
   FERRY_ASSIGN_OR_RETURN(run::RunConfig config, run::LoadRunConfig(f.config));
   FERRY_ASSIGN_OR_RETURN(Serving serving, CheckServing(f, config));
   const fs::path dir = fs::absolute(f.dir.empty() ? config.output_dir : f.dir);
+  FERRY_ASSIGN_OR_RETURN(std::unique_ptr<dist::ProcessGroup> group, JoinGroup(config));
+  const int rank = group ? group->rank() : 0;
   std::optional<control::RunLock> lock;
   bool lock_file_created = false;
 
   grpo::TrainOptions o;
   o.config = config;
   o.dir = dir;
+  o.group = group.get();
   if (f.max_steps > 0) o.max_steps = f.max_steps;
   o.claim_dir = [&](const fs::path& d) -> Status {
     std::error_code ec;
@@ -320,7 +391,13 @@ Status RunTrain(const TrainFlags& f) {
   const auto start = std::chrono::steady_clock::now();
   int64_t total = 0;
   int64_t first_step = 0;
-  o.on_message = [](const std::string& m) { std::fprintf(stderr, "ferryd: %s\n", m.c_str()); };
+  o.on_message = [rank, &group](const std::string& m) {
+    if (group) {
+      std::fprintf(stderr, "ferryd[rank %d]: %s\n", rank, m.c_str());
+    } else {
+      std::fprintf(stderr, "ferryd: %s\n", m.c_str());
+    }
+  };
   o.on_log = [&](const std::string& line) {
     if (f.json) {
       std::printf("%s\n", line.c_str());
@@ -342,6 +419,9 @@ Status RunTrain(const TrainFlags& f) {
   if (!created.ok()) {
     // Create removed what it made; the lock file too, when this start made it.
     if (lock && lock_file_created) lock->Remove();
+    if (group && created.status().code() != StatusCode::kUnavailable) {
+      group->ReportFailure("starting: " + created.status().message());
+    }
     return created.status();
   }
   std::unique_ptr<grpo::Trainer> trainer = std::move(*created);
@@ -365,8 +445,21 @@ Status RunTrain(const TrainFlags& f) {
   }};
   total = trainer->total_steps();
   first_step = trainer->step();
+  if (rank != 0) {
+    // A rank other than 0 trains and follows rank 0's decisions; it serves nothing.
+    started = true;
+    const Status run = trainer->Run();
+    if (!run.ok() && run.code() != StatusCode::kUnavailable) group->ReportFailure(run.message());
+    FERRY_RETURN_IF_ERROR(run);
+    std::fprintf(stderr, "ferryd[rank %d]: done at step %lld\n", rank, static_cast<long long>(trainer->step()));
+    return Status::OK();
+  }
   RunControl control(total);
   control.Started(*trainer, first_step > 0 ? "checkpoint-" + std::to_string(first_step) : "");
+  if (group) {
+    control.SetRanks(group->ranks(), std::vector<std::string>(static_cast<size_t>(group->size()),
+                                                              trainer->generator_version()));
+  }
   const run::RunConfig& rc = config;
   if (!serving.publish.empty()) {
     RemotePublisherOptions ro;
@@ -416,6 +509,7 @@ Status RunTrain(const TrainFlags& f) {
   hooks.after_step = [&](const grpo::StepResult& r) { control.AfterStep(*trainer, r); };
   hooks.on_checkpoint = [&](const fs::path& p) { control.Checkpointed(p); };
   const Status run = trainer->Run(hooks);
+  if (group && !run.ok() && run.code() != StatusCode::kUnavailable) group->ReportFailure(run.message());
   control.Finish(run);
   if (extra) extra->Stop();
   server->Stop();
@@ -444,7 +538,26 @@ void SetTrainCommand(CLI::App& app) {
   cmd->add_option("--publish", f->publish,
                   "also serve each step's version to remote generators (`ferry sync receive`): ipc://DIR or "
                   "tcp://HOST:PORT (needs [publish] key and allow); overrides [publish] endpoint");
+  cmd->add_option("--nproc-per-node", f->nproc_per_node,
+                  "start this many local data-parallel ranks (as torchrun --nproc-per-node; each a ferryd process "
+                  "with torchrun's environment). Without it, torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, "
+                  "MASTER_PORT, LOCAL_RANK) is honoured")
+      ->check(CLI::Range(1, 1024));
   cmd->callback([f] {
+    if (f->nproc_per_node > 1) {
+      if (const char* w = std::getenv("WORLD_SIZE"); w != nullptr && *w != '\0') {
+        Fail(Status::InvalidArgument("--nproc-per-node with torchrun's environment (WORLD_SIZE=" + std::string(w) +
+                                     "): use one or the other"));
+      }
+      // How long the others may take to end (naming the failed rank) before they are killed.
+      auto config = run::LoadRunConfig(f->config);
+      if (!config.ok()) Fail(config.status());
+      const auto grace = std::chrono::seconds(static_cast<int64_t>(config->distributed.timeout) + 30);
+      Result<int> code = RunLocalRanks(f->nproc_per_node, RankArgv(*f), grace);
+      if (!code.ok()) Fail(code.status());
+      if (*code != 0) throw CLI::RuntimeError(*code);
+      return;
+    }
     Status s = RunTrain(*f);
     if (!s.ok()) Fail(s);
   });

@@ -284,6 +284,7 @@ Result<Loss> ComputeLoss(const LossInputs& in, const LossOptions& options) {
       {options.gradient_accumulation_steps, "gradient_accumulation_steps"},
       {options.steps_per_generation, "steps_per_generation"},
       {options.max_completion_length, "max_completion_length"},
+      {options.num_processes, "num_processes"},
   };
   for (const auto& [value, name] : at_least_one) {
     if (value < 1) {
@@ -332,7 +333,15 @@ Result<Loss> ComputeLoss(const LossInputs& in, const LossOptions& options) {
       case LossType::kGrpo:
         loss = ((per_token_loss * mask).sum(-1) / ClampedCount(mask.sum(-1))).mean() / normalizer;
         break;
-      case LossType::kBnpo: loss = (per_token_loss * mask).sum() / ClampedCount(mask.sum()) / normalizer; break;
+      case LossType::kBnpo:
+        if (in.micro_batch_items >= 0) {
+          const double items = static_cast<double>(std::max<int64_t>(in.micro_batch_items, 1)) /
+                               static_cast<double>(options.num_processes);
+          loss = (per_token_loss * mask).sum() / items / normalizer;
+        } else {
+          loss = (per_token_loss * mask).sum() / ClampedCount(mask.sum()) / normalizer;
+        }
+        break;
       case LossType::kDrGrpo:
         loss = (per_token_loss * mask).sum() /
                static_cast<double>(per_token_loss.size(0) * options.max_completion_length) / normalizer;
@@ -340,6 +349,7 @@ Result<Loss> ComputeLoss(const LossInputs& in, const LossOptions& options) {
       case LossType::kDapo: {
         // TRL: num_items_in_batch.clamp(min=1.0) / num_processes [* accumulation / steps_per_generation], in fp32.
         float items = static_cast<float>(std::max<int64_t>(in.num_items_in_batch, 1));
+        items = items / static_cast<float>(options.num_processes);
         if (options.training) {
           items = items * static_cast<float>(options.gradient_accumulation_steps);
           items = items / static_cast<float>(options.steps_per_generation);

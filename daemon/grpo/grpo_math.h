@@ -14,7 +14,8 @@
 // dapo's normaliser is computed in fp32. Everything runs on the tensors' device (CPU or CUDA);
 // fp32 and fp64 inputs are computed in their own dtype.
 //
-// Metrics are keyed by TRL's names. One process: TRL's gather/reduce are the identity.
+// Metrics are keyed by TRL's names. Several ranks: the trainer gathers what TRL gathers
+// (rewards, token counts) and passes the global values in.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -139,6 +140,9 @@ struct LossOptions {
   int64_t steps_per_generation = 1;
   // false: TRL's eval normalisers (no accumulation). Default: true
   bool training = true;
+  // Data-parallel ranks whose gradients are averaged (TRL's num_processes): dapo divides
+  // num_items_in_batch by it, bnpo LossInputs::micro_batch_items. Default: 1
+  int64_t num_processes = 1;
 };
 
 struct LossInputs {
@@ -158,8 +162,14 @@ struct LossInputs {
   at::Tensor ref_per_token_logps;
   // MismatchCorrection::ratio ([B, T] or [B, 1]); undefined: no mismatch correction.
   at::Tensor importance_sampling_ratio;
-  // dapo: real tokens in the whole generation batch (all steps_per_generation micro-batches).
+  // dapo: real tokens in the whole generation batch (all steps_per_generation micro-batches,
+  // every rank's).
   int64_t num_items_in_batch = 0;
+  // bnpo with several ranks: real tokens of this micro-batch over every rank; the loss is
+  // divided by max(it, 1) / num_processes, so that the ranks' averaged gradients are those of
+  // one process over the whole micro-batch (TRL's DDP divides by each rank's own count).
+  // Negative: this micro-batch's own count. Default: -1
+  int64_t micro_batch_items = -1;
 };
 
 struct Loss {
@@ -173,10 +183,11 @@ struct Loss {
 // clamped to delta when set), times the mismatch ratio when given, plus
 // beta * (exp(ref - logp) - (ref - logp) - 1) [* coef_1]. Aggregated as
 //   grpo:    mean over sequences of sum(l * m) / max(sum m, 1), / gradient_accumulation_steps
-//   bnpo:    sum(l * m) / max(sum m, 1), / gradient_accumulation_steps
+//   bnpo:    sum(l * m) / max(sum m, 1), / gradient_accumulation_steps (micro_batch_items:
+//            / (max(micro_batch_items, 1) / num_processes) for sum m)
 //   dr_grpo: sum(l * m) / (B * max_completion_length), / gradient_accumulation_steps
-//   dapo:    sum(l * m) / (max(num_items_in_batch, 1) * gradient_accumulation_steps
-//            / steps_per_generation)
+//   dapo:    sum(l * m) / (max(num_items_in_batch, 1) / num_processes
+//            * gradient_accumulation_steps / steps_per_generation)
 // (eval, training = false: no accumulation terms). Metrics are computed without gradients.
 // Errors (kInvalidArgument, naming the input): a REQUIRED tensor undefined, shapes that do
 // not match [B, T] / [B] / [B, 1], non-floating log-probs, tensors on different devices,

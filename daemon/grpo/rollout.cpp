@@ -6,6 +6,7 @@
 #include <numeric>
 #include <random>
 
+#include "daemon/grpo/data_parallel.h"
 #include "daemon/grpo/grpo_logprobs.h"
 #include "daemon/grpo/trainer_internal.h"
 #include "daemon/runtime/torch_util.h"
@@ -62,8 +63,9 @@ void Add(Metrics& m, const std::string& name, double value) { m[name] = value; }
 
 }  // namespace
 
-uint64_t SamplingSeed(int64_t run_seed, int64_t step) {
-  return SplitMix64(SplitMix64(static_cast<uint64_t>(run_seed)) ^ static_cast<uint64_t>(step));
+uint64_t SamplingSeed(int64_t run_seed, int64_t step, int rank) {
+  const uint64_t seed = SplitMix64(SplitMix64(static_cast<uint64_t>(run_seed)) ^ static_cast<uint64_t>(step));
+  return rank == 0 ? seed : SplitMix64(seed ^ SplitMix64(static_cast<uint64_t>(rank)));
 }
 
 namespace {
@@ -179,7 +181,14 @@ namespace {
 Result<DrawnPrompts> DrawPrompts(Trainer::State& s, int64_t seed_step) {
   const run::RunConfig& c = s.config;
   DrawnPrompts d;
+  // Every rank draws the whole generation's prompts (the position stays global) and keeps its
+  // share of whole groups.
   d.examples = s.sampler->Next(static_cast<size_t>(c.prompts_per_generation()));
+  if (s.world > 1) {
+    const size_t per_rank = d.examples.size() / static_cast<size_t>(s.world);
+    const auto first = d.examples.begin() + static_cast<long>(per_rank * static_cast<size_t>(s.rank));
+    d.examples = std::vector<const run::Example*>(first, first + static_cast<long>(per_rank));
+  }
   for (const run::Example* ex : d.examples) {
     FERRY_ASSIGN_OR_RETURN(PreparedPrompt p, Prepare(s, *ex));
     d.texts.push_back(std::move(p.text));
@@ -190,7 +199,7 @@ Result<DrawnPrompts> DrawPrompts(Trainer::State& s, int64_t seed_step) {
   d.sampling.top_k = c.top_k;
   d.sampling.max_new_tokens = c.max_completion_length;
   d.sampling.eos_token_ids = s.eos_ids;
-  d.sampling.seed = SamplingSeed(c.seed, seed_step);
+  d.sampling.seed = SamplingSeed(c.seed, seed_step, s.rank);
   return d;
 }
 
@@ -231,8 +240,17 @@ Result<Rollout> MakeRollout(Trainer::State& s) {
     version_step = f.version_step;
   } else {
     FERRY_ASSIGN_OR_RETURN(drawn, DrawPrompts(s, s.step));
-    FERRY_ASSIGN_OR_RETURN(completions, s.vllm ? s.vllm->Generate(drawn.ids, static_cast<int>(G), drawn.sampling)
-                                               : s.generator->Generate(drawn.ids, static_cast<int>(G), drawn.sampling));
+    if (s.options.completions_for_testing) {
+      completions = s.options.completions_for_testing(drawn.ids, s.step);
+      if (completions.size() != drawn.ids.size() * static_cast<size_t>(G)) {
+        return Status::Internal("completions_for_testing gave " + std::to_string(completions.size()) +
+                                " completions for " + std::to_string(drawn.ids.size()) + " prompts");
+      }
+    } else {
+      FERRY_ASSIGN_OR_RETURN(completions, s.vllm
+                                              ? s.vllm->Generate(drawn.ids, static_cast<int>(G), drawn.sampling)
+                                              : s.generator->Generate(drawn.ids, static_cast<int>(G), drawn.sampling));
+    }
   }
   // Bounded staleness (AsyncGRPO): never train on completions of a version more than
   // max_staleness steps older than the weights being trained.
@@ -263,8 +281,11 @@ Result<Rollout> MakeRollout(Trainer::State& s) {
   Rollout r;
   FERRY_RETURN_IF_ERROR(runtime::GuardTorch("building the generation batch", [&]() -> Status {
     at::Tensor rpf = at::tensor(matrix.values, at::kDouble).to(at::kFloat).view({static_cast<int64_t>(N), -1});
-    FERRY_ASSIGN_OR_RETURN(Advantages adv, ComputeAdvantages(rpf, s.advantage_options));
-    r.advantages = adv.advantages;
+    // Advantages and their statistics over every rank's rewards (TRL gathers them); this
+    // rank keeps its rows.
+    FERRY_ASSIGN_OR_RETURN(at::Tensor all_rewards, GatherRows(s, rpf, "gathering the rewards"));
+    FERRY_ASSIGN_OR_RETURN(Advantages adv, ComputeAdvantages(all_rewards, s.advantage_options));
+    r.advantages = adv.advantages.narrow(0, static_cast<int64_t>(N) * s.rank, static_cast<int64_t>(N)).clone();
     r.metrics = adv.metrics;
 
     int64_t P = 0, C = 1;
@@ -280,9 +301,8 @@ Result<Rollout> MakeRollout(Trainer::State& s) {
     auto cid = r.completion_ids.accessor<int64_t, 2>();
     auto cm = r.completion_mask.accessor<int64_t, 2>();
     auto sl = r.sampling_logps.accessor<float, 2>();
-    std::vector<double> lengths, terminated;
-    double prompt_tokens = 0;
-    int64_t truncated = 0;
+    at::Tensor stats = at::zeros({static_cast<int64_t>(N), 3}, at::kDouble);  // length, truncated, prompt length
+    auto st = stats.accessor<double, 2>();
     for (size_t i = 0; i < N; ++i) {
       const auto& p = drawn.ids[i / static_cast<size_t>(G)];
       const int64_t lp = static_cast<int64_t>(p.size());
@@ -290,7 +310,7 @@ Result<Rollout> MakeRollout(Trainer::State& s) {
         pid[static_cast<int64_t>(i)][P - lp + t] = p[static_cast<size_t>(t)];
         pm[static_cast<int64_t>(i)][P - lp + t] = 1;
       }
-      prompt_tokens += static_cast<double>(lp);
+      st[static_cast<int64_t>(i)][2] = static_cast<double>(lp);
       const runtime::Completion& comp = completions[i];
       const bool is_truncated = comp.finish != runtime::Completion::Finish::kEos;
       const int64_t lc = static_cast<int64_t>(comp.token_ids.size());
@@ -299,14 +319,27 @@ Result<Rollout> MakeRollout(Trainer::State& s) {
         cm[static_cast<int64_t>(i)][t] = (is_truncated && c.mask_truncated_completions) ? 0 : 1;
         sl[static_cast<int64_t>(i)][t] = comp.logprobs[static_cast<size_t>(t)];
       }
-      lengths.push_back(static_cast<double>(lc));
-      if (is_truncated) {
+      st[static_cast<int64_t>(i)][0] = static_cast<double>(lc);
+      st[static_cast<int64_t>(i)][1] = is_truncated ? 1.0 : 0.0;
+    }
+    // The completion metrics and token counts over every rank's completions (TRL gathers them).
+    FERRY_ASSIGN_OR_RETURN(at::Tensor all_stats, GatherRows(s, stats, "gathering the completion lengths"));
+    FERRY_ASSIGN_OR_RETURN(r.num_items,
+                           SumOverRanks(s, r.completion_mask.sum().item<int64_t>(), "counting the completion tokens"));
+    std::vector<double> lengths, terminated;
+    double prompt_tokens = 0;
+    int64_t truncated = 0;
+    auto all_st = all_stats.accessor<double, 2>();
+    for (int64_t i = 0; i < all_stats.size(0); ++i) {
+      lengths.push_back(all_st[i][0]);
+      prompt_tokens += all_st[i][2];
+      if (all_st[i][1] != 0) {
         ++truncated;
       } else {
-        terminated.push_back(static_cast<double>(lc));
+        terminated.push_back(all_st[i][0]);
       }
     }
-    r.num_items = r.completion_mask.sum().item<int64_t>();
+    const size_t all_n = lengths.size();
     const double total_completion = std::accumulate(lengths.begin(), lengths.end(), 0.0);
     s.num_tokens += prompt_tokens + total_completion;
     // TRL's completion metrics (grpo_trainer.py _generate_and_score_completions).
@@ -316,10 +349,10 @@ Result<Rollout> MakeRollout(Trainer::State& s) {
       // Seconds the step waited for its completions (0 when sampled while the last step trained).
       Add(r.metrics, "timing/generation_wait", generation_wait);
     }
-    Add(r.metrics, "completions/mean_length", total_completion / static_cast<double>(N));
+    Add(r.metrics, "completions/mean_length", total_completion / static_cast<double>(all_n));
     Add(r.metrics, "completions/min_length", *std::min_element(lengths.begin(), lengths.end()));
     Add(r.metrics, "completions/max_length", *std::max_element(lengths.begin(), lengths.end()));
-    Add(r.metrics, "completions/clipped_ratio", static_cast<double>(truncated) / static_cast<double>(N));
+    Add(r.metrics, "completions/clipped_ratio", static_cast<double>(truncated) / static_cast<double>(all_n));
     if (terminated.empty()) terminated.push_back(0.0);
     Add(r.metrics, "completions/mean_terminated_length",
         std::accumulate(terminated.begin(), terminated.end(), 0.0) / static_cast<double>(terminated.size()));
@@ -334,7 +367,7 @@ Result<Rollout> MakeRollout(Trainer::State& s) {
   std::iota(order.begin(), order.end(), 0);
   const int64_t S = c.steps_per_generation;
   if (S > 1) {
-    std::mt19937_64 rng(SamplingSeed(c.seed, s.step) ^ 0x5bd1e995ULL);
+    std::mt19937_64 rng(SamplingSeed(c.seed, s.step, s.rank) ^ 0x5bd1e995ULL);
     for (size_t i = N - 1; i > 0; --i) std::swap(order[i], order[rng() % (i + 1)]);
   }
   const size_t per = N / static_cast<size_t>(S);

@@ -19,6 +19,8 @@
 #include "core/aux_files.h"
 #include "core/checkpoint.h"
 #include "core/mapped_file.h"
+#include "daemon/dist/process_group.h"
+#include "daemon/grpo/data_parallel.h"
 #include "daemon/grpo/optimizer.h"
 #include "daemon/grpo/trainer_internal.h"
 #include "daemon/runtime/torch_util.h"
@@ -59,6 +61,7 @@ void Configure(Trainer::State& s) {
   s.loss_options.max_completion_length = c.max_completion_length;
   s.loss_options.gradient_accumulation_steps = c.gradient_accumulation_steps;
   s.loss_options.steps_per_generation = c.steps_per_generation;
+  s.loss_options.num_processes = s.world;
   s.advantage_options.num_generations = c.num_generations;
   s.advantage_options.scale_rewards = c.scale_rewards;
   for (const auto& r : c.rewards) {
@@ -228,6 +231,27 @@ Status CheckBaseObjects(store::Store& st, const store::VersionRecord& base, cons
   return Status::OK();
 }
 
+// What a data-parallel run does not do yet: the vLLM server mode (TRL's main rank gathers every
+// rank's prompts for one request) and a generation buffered across steps (its rollout is each
+// rank's own, and a checkpoint holds rank 0's).
+Status CheckDataParallel(const run::RunConfig& c, int world) {
+  const std::string src = c.source.string();
+  const std::string ranks = " with " + std::to_string(world) + " ranks";
+  if (c.use_vllm) {
+    return Status::Unsupported(src + ": key 'use_vllm': a vLLM server generating for several ranks is not supported"
+                                     " yet" + ranks + "; each rank's co-located generator is used without it");
+  }
+  if (c.num_iterations > 1 || c.steps_per_generation != c.gradient_accumulation_steps) {
+    return Status::Unsupported(src + ": key '" + std::string(c.num_iterations > 1 ? "num_iterations" : "steps_per_generation") +
+                               "': a generation used across several steps (num_iterations " +
+                               std::to_string(c.num_iterations) + ", steps_per_generation " +
+                               std::to_string(c.steps_per_generation) + ", gradient_accumulation_steps " +
+                               std::to_string(c.gradient_accumulation_steps) + ") is not supported" + ranks +
+                               " yet: one generation per step");
+  }
+  return Status::OK();
+}
+
 Result<std::unique_ptr<Trainer::State>> CreateState(const TrainOptions& options, StartPaths& paths);
 
 }  // namespace
@@ -253,7 +277,15 @@ Result<std::unique_ptr<Trainer::State>> CreateState(const TrainOptions& options,
   };
   // 1. Everything that can be checked without writing anything.
   s->config = options.config;
+  if (options.group) {
+    s->group = options.group;
+    s->rank = options.group->rank();
+    s->world = options.group->size();
+    FERRY_ASSIGN_OR_RETURN(s->config, run::ForWorldSize(options.config, s->world));
+    FERRY_RETURN_IF_ERROR(CheckDataParallel(s->config, s->world));
+  }
   const run::RunConfig& c = s->config;
+  const bool writer = s->rank == 0;  // rank 0 alone writes the run directory
   for (const auto& w : c.warnings) say("warning: " + w);
   std::error_code ec;
   s->dir = fs::absolute(options.dir.empty() ? c.output_dir : options.dir, ec);
@@ -266,7 +298,11 @@ Result<std::unique_ptr<Trainer::State>> CreateState(const TrainOptions& options,
     say("warning: LibTorch runs on the reference BLAS (" + blas.library +
         "), ~15x slower; install libopenblas0-openmp");
   }
-  FERRY_ASSIGN_OR_RETURN(at::Device device, TorchDevice(c.device, c.source.string()));
+  run::DeviceSpec device_spec = c.device;
+  if (device_spec.cuda && !device_spec.index && options.group) {
+    device_spec.index = options.group->local_rank();  // one device per rank
+  }
+  FERRY_ASSIGN_OR_RETURN(at::Device device, TorchDevice(device_spec, c.source.string()));
 
   // Tokenizer, chat format, special ids.
   FERRY_ASSIGN_OR_RETURN(s->tokenizer, text::Tokenizer::FromDirectory(c.model_name_or_path));
@@ -305,14 +341,17 @@ Result<std::unique_ptr<Trainer::State>> CreateState(const TrainOptions& options,
   const bool default_store = c.store.path.empty() || c.store.path == (c.output_dir / "store").lexically_normal();
   s->store_dir = default_store ? s->dir / "store" : c.store.path;
 
-  // 2. The run directory and its store; from here a failure removes what this start created.
+  // 2. The run directory and its store (rank 0's); from here a failure removes what this
+  // start created.
   const bool dir_existed = fs::exists(s->dir, ec);
   const bool store_existed = fs::exists(s->store_dir, ec);
-  if (options.claim_dir) FERRY_RETURN_IF_ERROR(options.claim_dir(s->dir));
-  if (!dir_existed) paths.created.push_back(s->dir);
-  fs::create_directories(s->dir, ec);
-  if (ec) return Status::IOError(s->dir.string() + ": " + ec.message());
-  if (!store_existed && (dir_existed || !default_store)) paths.created.push_back(s->store_dir);
+  if (writer) {
+    if (options.claim_dir) FERRY_RETURN_IF_ERROR(options.claim_dir(s->dir));
+    if (!dir_existed) paths.created.push_back(s->dir);
+    fs::create_directories(s->dir, ec);
+    if (ec) return Status::IOError(s->dir.string() + ": " + ec.message());
+    if (!store_existed && (dir_existed || !default_store)) paths.created.push_back(s->store_dir);
+  }
   const bool had_run_config = fs::exists(s->dir / "run_config.json", ec);
 
   // The store (the base recorded, its objects re-hashed) on another thread while this one
@@ -322,6 +361,7 @@ Result<std::unique_ptr<Trainer::State>> CreateState(const TrainOptions& options,
     store::Digest base_version;
   };
   std::future<Result<Opened>> opened = std::async(std::launch::async, [&]() -> Result<Opened> {
+    if (!writer) return Opened{};
     store::StoreOptions so;
     so.create_if_missing = true;
     Opened o;
@@ -378,7 +418,7 @@ Result<std::unique_ptr<Trainer::State>> CreateState(const TrainOptions& options,
     case run::GenerationDtype::kFloat32: go.model.dtype = at::kFloat; break;
     case run::GenerationDtype::kBFloat16: go.model.dtype = at::kBFloat16; break;
   }
-  go.generator.max_batch = std::max<int64_t>(c.generation_batch_size, 1);
+  go.generator.max_batch = std::max<int64_t>(c.generation_batch_size / s->world, 1);  // this rank's share
   if (c.use_vllm) {
     VllmGeneratorOptions vo;
     vo.url = c.VllmServerUrl();
@@ -391,11 +431,22 @@ Result<std::unique_ptr<Trainer::State>> CreateState(const TrainOptions& options,
     s->generator = std::make_unique<ColocatedGenerator>(s->channel.get(), go);
   }
 
-  FERRY_ASSIGN_OR_RETURN(Restored restored, RestoreNewestCheckpoint(*s));
-  if (restored.snapshot) {
-    // A run with earlier steps: nothing of it is removed if the start fails from here.
-    paths.created.clear();
-    say("resumed from " + (s->dir / ("checkpoint-" + std::to_string(restored.step))).string());
+  Restored restored;
+  if (writer) {
+    FERRY_ASSIGN_OR_RETURN(restored, RestoreNewestCheckpoint(*s));
+    if (restored.snapshot) {
+      // A run with earlier steps: nothing of it is removed if the start fails from here.
+      paths.created.clear();
+      say("resumed from " + (s->dir / ("checkpoint-" + std::to_string(restored.step))).string());
+    }
+  }
+  if (s->group) {
+    // Every rank starts from rank 0's state: its restored checkpoint, or its fresh adapter.
+    FERRY_RETURN_IF_ERROR(ShareStartState(*s));
+    if (!writer && s->step > 0) {
+      FERRY_ASSIGN_OR_RETURN(restored.snapshot, s->publisher->Build(s->adapter.get()));
+      restored.step = s->step;
+    }
   }
   FERRY_ASSIGN_OR_RETURN(sync::Handoff first,
                          restored.snapshot ? s->publisher->Publish(restored.snapshot) : s->publisher->PublishBase());
@@ -412,10 +463,14 @@ Result<std::unique_ptr<Trainer::State>> CreateState(const TrainOptions& options,
     }
     s->generator_version = acked.Hex();
     s->generator_step = restored.step;
+    FERRY_RETURN_IF_ERROR(CheckRanksAgree(*s, acked, /*check_adapter=*/s->group != nullptr));
   }
   s->generator_snapshot = first.snapshot;
-  if (!had_run_config && dir_existed && !restored.snapshot) paths.created.push_back(s->dir / "run_config.json");
-  FERRY_RETURN_IF_ERROR(WriteFileAtomic(s->dir / "run_config.json", c.ToJson()));
+  if (writer) {
+    if (!had_run_config && dir_existed && !restored.snapshot) paths.created.push_back(s->dir / "run_config.json");
+    // The run's config as written (one process): a resume under another world size matches it.
+    FERRY_RETURN_IF_ERROR(WriteFileAtomic(s->dir / "run_config.json", options.config.ToJson()));
+  }
   return s;
 }
 
@@ -447,6 +502,10 @@ Result<StepResult> TakeStep(Trainer::State& s) {
       in.advantages = r.advantages.index_select(0, mb.rows);
       in.entropies = mb.entropy;
       in.num_items_in_batch = r.num_items;
+      if (s.group && c.loss_type == run::LossType::kBnpo) {
+        FERRY_ASSIGN_OR_RETURN(in.micro_batch_items,
+                               SumOverRanks(s, mb.mask.sum().item<int64_t>(), "counting the micro-batch's tokens"));
+      }
       if (r.old_logps.defined()) in.old_per_token_logps = r.old_logps.index_select(0, mb.rows);
       if (r.ref_logps.defined()) in.ref_per_token_logps = r.ref_logps.index_select(0, mb.rows);
       if (r.is_ratio.defined()) {
@@ -469,6 +528,9 @@ Result<StepResult> TakeStep(Trainer::State& s) {
   }
   // The optimizer step.
   double grad_norm = 0;
+  const auto reduce_start = std::chrono::steady_clock::now();
+  FERRY_RETURN_IF_ERROR(AverageGradients(s));
+  double communication = std::chrono::duration<double>(std::chrono::steady_clock::now() - reduce_start).count();
   FERRY_RETURN_IF_ERROR(runtime::GuardTorch("optimizer step", [&]() -> Status {
     std::vector<at::Tensor> params = s.adapter->parameters();
     grad_norm = ClipGradNorm(params, c.max_grad_norm);
@@ -508,6 +570,9 @@ Result<StepResult> TakeStep(Trainer::State& s) {
     }
     s.generator_version = acked.Hex();
     s.generator_step = s.step;
+    const auto check_start = std::chrono::steady_clock::now();
+    FERRY_RETURN_IF_ERROR(CheckRanksAgree(s, acked, AdapterCheckDue(s, s.step)));
+    communication += std::chrono::duration<double>(std::chrono::steady_clock::now() - check_start).count();
   }
   s.generator_snapshot = h.snapshot;
 
@@ -523,13 +588,20 @@ Result<StepResult> TakeStep(Trainer::State& s) {
   step_metrics["epoch"] =
       static_cast<double>(pos.epoch) + static_cast<double>(pos.index) / static_cast<double>(s.dataset->size());
   step_metrics["step_time"] = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  if (s.options.on_snapshot) s.options.on_snapshot(h.snapshot->manifest_id(), h.snapshot);
-  FERRY_RETURN_IF_ERROR(RecordStep(s, h, step_metrics));
-
+  if (s.group) {
+    // Seconds this rank spent in the gradient all-reduce and the id gather.
+    step_metrics["timing/communication"] = communication;
+    FERRY_ASSIGN_OR_RETURN(step_metrics, CombineMetrics(s, step_metrics));
+  }
   StepResult out;
   out.step = s.step;
   out.metrics = step_metrics;
   out.generator_version = s.generator_version;
+  out.rank_versions = s.rank_versions;
+  if (s.rank != 0) return out;  // rank 0 alone records and logs
+
+  if (s.options.on_snapshot) s.options.on_snapshot(h.snapshot->manifest_id(), h.snapshot);
+  FERRY_RETURN_IF_ERROR(RecordStep(s, h, step_metrics));
   for (const auto& [k, v] : step_metrics) s.pending[k].push_back(v);
   const int64_t every = Interval(c.logging_steps, s.total_steps);
   if ((every > 0 && s.step % every == 0) || s.step == s.total_steps) {
@@ -555,6 +627,10 @@ Result<StepResult> TakeStep(Trainer::State& s) {
 
 Result<StepResult> Trainer::Step() {
   State& s = *s_;
+  if (s.broken) {
+    return Status::FailedPrecondition("step " + std::to_string(s.step + 1) +
+                                      ": an earlier step failed on this rank, so the ranks are out of step");
+  }
   // What a step changes before its optimizer update: a failure there (a reward command that
   // crashed or wrote a malformed line, a forward that failed) puts it back, so nothing of the
   // failed step is applied (parameters, optimizer state and the step counter are untouched
@@ -573,6 +649,15 @@ Result<StepResult> Trainer::Step() {
   }
   Result<StepResult> r = TakeStep(s);
   if (r.ok()) return r;
+  if (s.group) {
+    // The others are waiting in a collective: they name this rank and its error (a failure
+    // that is itself a peer's, kUnavailable, names that peer already).
+    s.broken = true;
+    if (r.status().code() != StatusCode::kUnavailable) {
+      s.group->ReportFailure("step " + std::to_string(step + 1) + ": " + r.status().message());
+    }
+    return r.status().WithContext("step " + std::to_string(step + 1));
+  }
   if (s.step == step) {
     s.micro_step = micro_step;
     s.num_tokens = num_tokens;
@@ -599,20 +684,38 @@ Status Trainer::Run(const RunHooks& hooks) {
     return Status::OK();
   };
   while (s.step < s.total_steps) {
-    if (hooks.before_step && !hooks.before_step()) break;
+    if (s.group) {
+      // Rank 0 decides for every rank (it may block there: a paused run); the others wait for
+      // its word without a collective's timeout, for as long as rank 0 is alive.
+      const std::string key = "go/" + std::to_string(s.step);
+      if (s.rank == 0) {
+        const bool go = !hooks.before_step || hooks.before_step();
+        FERRY_RETURN_IF_ERROR(s.group->Post(key, go ? "1" : "0"));
+        if (!go) break;
+      } else {
+        FERRY_ASSIGN_OR_RETURN(std::string go,
+                               s.group->Await(key, 0, "before step " + std::to_string(s.step + 1)));
+        if (go != "1") break;
+      }
+    } else if (hooks.before_step && !hooks.before_step()) {
+      break;
+    }
     FERRY_ASSIGN_OR_RETURN(StepResult r, Step());
     if (hooks.after_step) hooks.after_step(r);
-    if (save_every > 0 && s.step % save_every == 0) {
+    if (s.rank == 0 && save_every > 0 && s.step % save_every == 0) {
       FERRY_RETURN_IF_ERROR(save());
     }
   }
-  if (s.last_saved != s.step) {
+  if (s.rank == 0 && s.last_saved != s.step) {
     FERRY_RETURN_IF_ERROR(save());
   }
   return Status::OK();
 }
 
 Result<fs::path> Trainer::SaveCheckpoint() {
+  if (s_->rank != 0) {
+    return Status::FailedPrecondition("rank " + std::to_string(s_->rank) + " writes no checkpoints (rank 0 does)");
+  }
   const fs::path existing = s_->dir / ("checkpoint-" + std::to_string(s_->step));
   if (s_->last_saved == s_->step && s_->step > 0 && fs::exists(existing)) return existing;
   FERRY_ASSIGN_OR_RETURN(fs::path p, WriteCheckpoint(*s_));

@@ -49,6 +49,12 @@
 namespace ferry::sync {
 class Snapshot;
 }  // namespace ferry::sync
+namespace ferry::dist {
+class ProcessGroup;
+}  // namespace ferry::dist
+namespace ferry::runtime {
+struct Completion;
+}  // namespace ferry::runtime
 
 namespace ferry::grpo {
 
@@ -74,6 +80,18 @@ struct TrainOptions {
   // writing has been (ferryd takes the run lock here); an error ends Create with nothing
   // created. Default: none.
   std::function<Status(const std::filesystem::path& dir)> claim_dir;
+  // The data-parallel group this trainer is one rank of (data_parallel.h says what the ranks
+  // share); must outlive the trainer. The config is then resolved for the group's size
+  // (run::ForWorldSize). Rank 0 alone claims and writes the run directory (store,
+  // metrics.jsonl, checkpoints, run_config.json), calls on_log and on_snapshot, and decides
+  // for every rank whether Run goes on (hooks.before_step); the others only train. Default:
+  // none (one process).
+  dist::ProcessGroup* group = nullptr;
+  // Tests only: each generation's completions (num_generations per prompt of `prompts`, this
+  // rank's), in place of the generator's samples; `step` is the step they are drawn for.
+  // Default: none.
+  std::function<std::vector<runtime::Completion>(const std::vector<std::vector<int32_t>>& prompts, int64_t step)>
+      completions_for_testing;
 };
 
 struct StepResult;
@@ -95,6 +113,9 @@ struct StepResult {
   std::map<std::string, double> metrics;  // this step's, TRL's names
   std::string generator_version;          // the id the generator acknowledged after it
   bool logged = false;                    // a metrics.jsonl line was written
+  // With a group: the id each rank's generator acknowledged, by rank (all equal, or the step
+  // failed). Otherwise generator_version alone.
+  std::vector<std::string> rank_versions;
 };
 
 class Trainer {

@@ -16,6 +16,7 @@
 #include "daemon/grpo/lr_schedule.h"
 #include "daemon/grpo/trainer.h"
 #include "daemon/grpo/vllm_generator.h"
+#include "daemon/runtime/generator.h"
 #include "daemon/run/config.h"
 #include "daemon/run/dataset.h"
 #include "daemon/run/rewards.h"
@@ -114,11 +115,19 @@ struct Trainer::State {
   int64_t last_logged = 0;
   int64_t last_saved = 0;
   std::vector<std::filesystem::path> created_by_start;  // Trainer::created_by_start
+
+  // Data-parallel ranks (data_parallel.h); null: one process.
+  dist::ProcessGroup* group = nullptr;
+  int rank = 0;
+  int world = 1;
+  std::vector<std::string> rank_versions;  // the last ids the ranks acknowledged
+  bool broken = false;                     // a step failed with a group: the ranks are out of step
 };
 
 // The seed of step `step`'s sampling (SplitMix64 of the run seed and the step): a resumed run
 // samples exactly what an uninterrupted one does, with no generator state to save.
-uint64_t SamplingSeed(int64_t run_seed, int64_t step);
+// Rank r > 0 of a data-parallel run mixes its rank in.
+uint64_t SamplingSeed(int64_t run_seed, int64_t step, int rank = 0);
 
 // Draws the next generation batch: prompts, completions, rewards, advantages, the mismatch
 // correction, old/ref log-probs where needed.

@@ -157,7 +157,7 @@ Result<fs::path> WriteCheckpoint(Trainer::State& s) {
   st.dataset_epoch = pos.epoch;
   st.dataset_index = pos.index;
   st.dataset_digest = s.dataset->digest();
-  st.config_fingerprint = s.config.Fingerprint();
+  st.config_fingerprint = s.options.config.Fingerprint();  // the run's (one process), whatever the world size
   st.pending_metrics = s.pending;
   st.last_logged = s.last_logged;
   st.generator_version = s.generator_version;
@@ -259,10 +259,10 @@ Result<run::TrainerState> VerifyCheckpoint(const Trainer::State& s, int64_t step
     return Status::Corruption(where + ": the store " + s.store_dir.string() + " has no record of " +
                               d.filename().string() + " (ferryd records each checkpoint before it appears)");
   }
-  if (st.config_fingerprint != s.config.Fingerprint()) {
+  if (st.config_fingerprint != s.options.config.Fingerprint()) {
     return Status::FailedPrecondition(s.config.source.string() + " differs from the configuration " +
                                       d.filename().string() + " was trained with (fingerprint " +
-                                      st.config_fingerprint + ", now " + s.config.Fingerprint() +
+                                      st.config_fingerprint + ", now " + s.options.config.Fingerprint() +
                                       "); resume with the same configuration or use another output_dir");
   }
   if (st.dataset_digest != s.dataset->digest()) {

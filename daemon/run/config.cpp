@@ -107,6 +107,7 @@ Status Resolve(Parse& p) {
                       std::to_string(pdbs) + ")");
     }
     c.generation_batch_size = *p.generation_batch_size;
+    c.generation_batch_size_set = true;
     c.steps_per_generation = c.generation_batch_size / pdbs;
   } else {
     c.steps_per_generation = p.steps_per_generation.value_or(c.gradient_accumulation_steps);

@@ -255,6 +255,20 @@ struct ControlSettings {
   std::filesystem::path allow;
 };
 
+// [distributed]: how data-parallel ranks (torchrun's environment, or `ferryd train
+// --nproc-per-node N`) meet and check each other. Operational, like [publish]: left out of
+// ToJson() and Fingerprint(), so a run resumes under another world size or timeout.
+struct DistributedSettings {
+  // "gloo" or "nccl"; empty: by device (gloo on the CPU, nccl on CUDA). Default: ""
+  std::string backend;
+  // Seconds a collective waits for the slowest rank before the run stops, naming it.
+  // Default: 1800 (torch's default_pg_timeout)
+  double timeout = 1800;
+  // Every this many steps the ranks compare a digest of their adapter parameters (0: never;
+  // the acknowledged snapshot ids are compared every step). Default: 10
+  int64_t check_every = 10;
+};
+
 // `device`: where the trainer and its generator compute: "cpu", "cuda" (the current CUDA
 // device) or "cuda:N" (N < 128).
 struct DeviceSpec {
@@ -279,6 +293,7 @@ struct RunConfig {
   StoreSettings store;
   PublishSettings publish;
   ControlSettings control;
+  DistributedSettings distributed;
 
   // --- TrainingArguments (as GRPOConfig overrides them).
   double learning_rate = 1e-6;                         // Default: 1e-6 (GRPOConfig)
@@ -308,6 +323,9 @@ struct RunConfig {
   int64_t max_completion_length = 512;       // Default: 512
   int64_t generation_batch_size = 0;         // resolved (see the top of this file)
   int64_t steps_per_generation = 0;          // resolved
+  // generation_batch_size was set in the file (TRL then keeps it as the global batch when the
+  // run has several ranks; see ForWorldSize). Not a key of its own.
+  bool generation_batch_size_set = false;
   double temperature = 1.0;                  // > 0. Default: 1.0
   double top_p = 1.0;                        // (0, 1]. Default: 1.0
   int64_t top_k = 0;                         // 0: off. Default: 0
@@ -385,6 +403,17 @@ struct RunConfig {
 // Warmup steps for a run of `total_steps`: warmup_steps when >= 1, else
 // ceil(total_steps * warmup_steps) when warmup_steps > 0, else ceil(total_steps * warmup_ratio).
 [[nodiscard]] int64_t WarmupSteps(const RunConfig& config, int64_t total_steps);
+
+// The config of one rank of `world_size` data-parallel ranks, as TRL resolves GRPOConfig with
+// num_processes = world_size: per_device_train_batch_size stays each rank's;
+// generation_batch_size (the global batch of a generation) becomes per_device_train_batch_size
+// * world_size * steps_per_generation, or, when the file set it, stays as set and
+// steps_per_generation becomes generation_batch_size / (per_device_train_batch_size *
+// world_size). Each rank takes whole groups, so generation_batch_size / world_size must be a
+// multiple of num_generations. ToJson() and Fingerprint() of the result are not the run's:
+// those of `config` (world size 1) are, so a run resumes under another world size. Errors
+// (kInvalidArgument) name the key and the world size. world_size 1: `config` unchanged.
+[[nodiscard]] Result<RunConfig> ForWorldSize(const RunConfig& config, int world_size);
 
 // `threads`, or the hardware threads when it is 0 (at least 1).
 [[nodiscard]] int64_t ResolvedThreads(const RunConfig& config);

@@ -71,6 +71,39 @@ Result<int64_t> TotalSteps(const RunConfig& c, uint64_t dataset_size) {
   return total >= 9.2e18L ? std::numeric_limits<int64_t>::max() : static_cast<int64_t>(total);
 }
 
+Result<RunConfig> ForWorldSize(const RunConfig& config, int world_size) {
+  if (world_size < 1) return Status::InvalidArgument("world size " + std::to_string(world_size) + " is below 1");
+  RunConfig c = config;
+  if (world_size == 1) return c;
+  const int64_t w = world_size, pdbs = c.per_device_train_batch_size;
+  const std::string src = c.source.string();
+  const std::string ranks = " with " + std::to_string(w) + " ranks";
+  if (c.generation_batch_size_set) {
+    if (c.generation_batch_size % (pdbs * w) != 0) {
+      return Status::InvalidArgument(src + ": key 'generation_batch_size': " + std::to_string(c.generation_batch_size) +
+                                     " must be divisible by per_device_train_batch_size * world size (" +
+                                     std::to_string(pdbs) + " * " + std::to_string(w) + ")" + ranks);
+    }
+    c.steps_per_generation = c.generation_batch_size / (pdbs * w);
+  } else {
+    c.generation_batch_size = pdbs * w * c.steps_per_generation;
+    if (c.generation_batch_size > kMaxGenerationBatchSize) {
+      return Status::InvalidArgument(src + ": key 'per_device_train_batch_size': times steps_per_generation and the "
+                                     "world size is " + std::to_string(c.generation_batch_size) +
+                                     " completions per generation, above the limit of " +
+                                     std::to_string(kMaxGenerationBatchSize) + ranks);
+    }
+  }
+  if ((c.generation_batch_size / w) % c.num_generations != 0) {
+    return Status::InvalidArgument(
+        src + ": key '" + (c.generation_batch_size_set ? "generation_batch_size" : "per_device_train_batch_size") +
+        "': each rank takes whole groups of num_generations (" + std::to_string(c.num_generations) +
+        ") completions, but generation_batch_size / world size is " + std::to_string(c.generation_batch_size / w) +
+        ranks);
+  }
+  return c;
+}
+
 int64_t WarmupSteps(const RunConfig& c, int64_t total_steps) {
   if (c.warmup_steps >= 1) return static_cast<int64_t>(c.warmup_steps);
   const double ratio = c.warmup_steps > 0 ? c.warmup_steps : c.warmup_ratio;

@@ -118,6 +118,15 @@ Status ReadEndpointTable(Parse& p, const toml::node& v, std::string_view table, 
   return Status::OK();
 }
 
+// [distributed]: operational, like [publish] and [control].
+std::span<const KeyInfoT<DistributedSettings>> DistributedKeys() {
+  static const auto* keys = new std::vector<KeyInfoT<DistributedSettings>>{
+      ChoiceKey("backend", &DistributedSettings::backend, {"gloo", "nccl"}),
+      FloatKey("timeout", &DistributedSettings::timeout, {.min = 0, .min_open = true, .max = 7 * 24 * 3600}),
+      IntKey("check_every", &DistributedSettings::check_every, 0, int64_t{1} << 40)};
+  return *keys;
+}
+
 // Operational tables ([publish], [control]): left out of the resolved JSON and the
 // fingerprint, so a run resumes under another endpoint or key.
 template <typename T>
@@ -181,6 +190,16 @@ std::vector<KeyInfo> MakeKeys() {
   k.push_back(std::move(store));
   k.push_back(Operational("publish", &RunConfig::publish, PublishKeys()));
   k.push_back(Operational("control", &RunConfig::control, ControlKeys()));
+  k.push_back({"distributed",
+               Record::kNever,
+               NamesOf(DistributedKeys()),
+               [](Parse& p, RunConfig& c, const toml::node& v) -> Status {
+                 if (!v.is_table()) return p.rd.Error("must be a table ([distributed]), got " + Reader::TypeName(v));
+                 return ReadRows(p, *v.as_table(), "distributed", DistributedKeys(), c.distributed,
+                                 UnknownIn(p, "distributed", DistributedKeys()));
+               },
+               [](const RunConfig&) { return OJson(nullptr); },
+               [](const RunConfig&) { return true; }});
 
   // --- TrainingArguments (as GRPOConfig overrides them).
   k.push_back(FloatKey("learning_rate", &RunConfig::learning_rate, {.min = 0, .max = 1e6}));

@@ -1,0 +1,371 @@
+#include "daemon/dist/process_group.h"
+
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
+#include <arpa/inet.h>
+#include <netdb.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+#include <optional>
+#include <thread>
+
+namespace ferry::dist {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+std::string FirstLine(const std::string& s) {
+  const size_t nl = s.find('\n');
+  return nl == std::string::npos ? s : s.substr(0, nl);
+}
+
+Result<int> IntVar(const std::function<const char*(const char*)>& getenv, const char* name, int lo, int hi,
+                   std::optional<int> fallback) {
+  const char* v = getenv(name);
+  if (v == nullptr || *v == '\0') {
+    if (fallback) return *fallback;
+    return Status::InvalidArgument(std::string("environment variable ") + name + " is not set (torchrun sets it)");
+  }
+  char* end = nullptr;
+  errno = 0;
+  const long x = std::strtol(v, &end, 10);
+  if (errno != 0 || end == v || *end != '\0' || x < lo || x > hi) {
+    return Status::InvalidArgument(std::string("environment variable ") + name + "=\"" + v +
+                                   "\": not a whole number in " + std::to_string(lo) + ".." + std::to_string(hi));
+  }
+  return static_cast<int>(x);
+}
+
+std::string HostName() {
+  char buf[256] = {};
+  if (::gethostname(buf, sizeof(buf) - 1) != 0) return "?";
+  return buf;
+}
+
+// The local address this host reaches `master` from (a UDP socket "connected" to it sends
+// nothing): the address Gloo binds, so that ranks on other hosts can reach it.
+Result<std::string> AddressTowards(const std::string& master, int port) {
+  addrinfo hints{};
+  hints.ai_family = AF_INET;
+  hints.ai_socktype = SOCK_DGRAM;
+  addrinfo* res = nullptr;
+  const std::string service = std::to_string(port);
+  if (int rc = ::getaddrinfo(master.c_str(), service.c_str(), &hints, &res); rc != 0 || res == nullptr) {
+    return Status::InvalidArgument("MASTER_ADDR \"" + master + "\": " + ::gai_strerror(rc));
+  }
+  const int fd = ::socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+  std::string out;
+  if (fd >= 0 && ::connect(fd, res->ai_addr, res->ai_addrlen) == 0) {
+    sockaddr_in local{};
+    socklen_t len = sizeof(local);
+    char text[INET_ADDRSTRLEN] = {};
+    if (::getsockname(fd, reinterpret_cast<sockaddr*>(&local), &len) == 0 &&
+        ::inet_ntop(AF_INET, &local.sin_addr, text, sizeof(text)) != nullptr) {
+      out = text;
+    }
+  }
+  if (fd >= 0) ::close(fd);
+  ::freeaddrinfo(res);
+  if (out.empty()) return Status::Unavailable("no route from this host to MASTER_ADDR \"" + master + "\"");
+  return out;
+}
+
+c10::intrusive_ptr<c10d::TCPStore> ConnectStore(const Launch& l, bool server, std::chrono::milliseconds timeout) {
+  c10d::TCPStoreOptions so;
+  so.port = static_cast<uint16_t>(l.master_port);
+  so.isServer = server;
+  so.numWorkers = server ? c10::optional<std::size_t>(static_cast<size_t>(l.world_size)) : c10::nullopt;
+  so.waitWorkers = false;
+  so.timeout = timeout;
+  return c10::make_intrusive<c10d::TCPStore>(l.master_addr, so);
+}
+
+std::vector<uint8_t> Bytes(const std::string& s) { return {s.begin(), s.end()}; }
+std::string String(const std::vector<uint8_t>& b) { return {b.begin(), b.end()}; }
+
+}  // namespace
+
+Result<Launch> LaunchFromEnv(const std::function<const char*(const char*)>& getenv_fn) {
+  const std::function<const char*(const char*)> getenv =
+      getenv_fn ? getenv_fn : [](const char* name) -> const char* { return std::getenv(name); };
+  Launch l;
+  const char* rank = getenv("RANK");
+  const char* world = getenv("WORLD_SIZE");
+  if ((rank == nullptr || *rank == '\0') && (world == nullptr || *world == '\0')) return l;
+  FERRY_ASSIGN_OR_RETURN(l.world_size, IntVar(getenv, "WORLD_SIZE", 1, 1 << 16, std::nullopt));
+  FERRY_ASSIGN_OR_RETURN(l.rank, IntVar(getenv, "RANK", 0, l.world_size - 1, std::nullopt));
+  FERRY_ASSIGN_OR_RETURN(l.local_world_size, IntVar(getenv, "LOCAL_WORLD_SIZE", 1, l.world_size, 1));
+  FERRY_ASSIGN_OR_RETURN(l.local_rank, IntVar(getenv, "LOCAL_RANK", 0, l.world_size - 1, 0));
+  if (!l.distributed()) return l;
+  const char* addr = getenv("MASTER_ADDR");
+  if (addr == nullptr || *addr == '\0') {
+    return Status::InvalidArgument("environment variable MASTER_ADDR is not set (WORLD_SIZE=" +
+                                   std::to_string(l.world_size) + "; torchrun sets it)");
+  }
+  l.master_addr = addr;
+  FERRY_ASSIGN_OR_RETURN(l.master_port, IntVar(getenv, "MASTER_PORT", 1, 65535, std::nullopt));
+  return l;
+}
+
+struct ProcessGroup::Impl {
+  Launch launch;
+  GroupOptions options;
+  c10::intrusive_ptr<c10d::TCPStore> store;  // the main thread's connection
+  c10::intrusive_ptr<c10d::Store> keys;      // store under "<prefix>/ferry/"
+  c10::intrusive_ptr<c10d::ProcessGroupGloo> pg;
+  std::vector<RankInfo> ranks;
+
+  std::thread heartbeat;
+  std::mutex mu;
+  std::condition_variable cv;
+  bool stopping = false;
+
+  c10::intrusive_ptr<c10d::Store> Prefixed(const c10::intrusive_ptr<c10d::TCPStore>& s) const {
+    return c10::make_intrusive<c10d::PrefixStore>(options.prefix + "/ferry", s);
+  }
+
+  void StartHeartbeat() {
+    heartbeat = std::thread([this] {
+      c10::intrusive_ptr<c10d::Store> beat;
+      try {
+        beat = Prefixed(ConnectStore(launch, /*server=*/false, std::chrono::seconds(10)));
+      } catch (const std::exception&) {
+        return;  // the others will see no heartbeat
+      }
+      const std::string key = "hb/" + std::to_string(launch.rank);
+      std::unique_lock<std::mutex> lock(mu);
+      while (!stopping) {
+        lock.unlock();
+        try {
+          beat->add(key, 1);
+        } catch (const std::exception&) {
+          // The store (rank 0) is gone: the collectives will say so.
+        }
+        lock.lock();
+        cv.wait_for(lock, kHeartbeatInterval, [this] { return stopping; });
+      }
+    });
+  }
+
+  std::string DescribeRank(int r) const {
+    if (r >= 0 && static_cast<size_t>(r) < ranks.size()) {
+      return "rank " + std::to_string(r) + " (host " + ranks[static_cast<size_t>(r)].host + ", pid " +
+             std::to_string(ranks[static_cast<size_t>(r)].pid) + ")";
+    }
+    return "rank " + std::to_string(r);
+  }
+
+  // Why a collective failed, from the store: a posted error, a heartbeat that stopped, or the
+  // store itself gone. Empty when nothing points at a rank.
+  std::string Diagnose() const {
+    try {
+      c10::intrusive_ptr<c10d::Store> s = Prefixed(ConnectStore(launch, false, std::chrono::seconds(5)));
+      auto posted = [&]() -> std::string {
+        for (int r = 0; r < launch.world_size; ++r) {
+          if (r == launch.rank) continue;
+          const std::string k = "err/" + std::to_string(r);
+          if (s->check({k})) return DescribeRank(r) + " failed: " + String(s->get(k));
+        }
+        return "";
+      };
+      if (std::string p = posted(); !p.empty()) return p;
+      std::vector<int64_t> before(static_cast<size_t>(launch.world_size));
+      for (int r = 0; r < launch.world_size; ++r) before[static_cast<size_t>(r)] = s->add("hb/" + std::to_string(r), 0);
+      std::this_thread::sleep_for(kHeartbeatInterval * 5);
+      if (std::string p = posted(); !p.empty()) return p;
+      std::string stopped;
+      for (int r = 0; r < launch.world_size; ++r) {
+        if (r == launch.rank || s->add("hb/" + std::to_string(r), 0) != before[static_cast<size_t>(r)]) continue;
+        stopped += (stopped.empty() ? "" : ", ") + DescribeRank(r);
+      }
+      if (!stopped.empty()) return stopped + " stopped answering (killed, crashed or hung)";
+      return "";
+    } catch (const std::exception&) {
+      return DescribeRank(0) + " is gone (the rendezvous store it hosts at " + launch.master_addr + ":" +
+             std::to_string(launch.master_port) + " no longer answers)";
+    }
+  }
+
+  Status Failed(const std::string& what, const std::exception& e) const {
+    const std::string why = Diagnose();
+    const std::string cause = FirstLine(e.what());
+    if (why.empty()) {
+      return Status::Unavailable(what + ": the ranks did not meet within " +
+                             std::to_string(options.timeout.count() / 1000) + " s (" + cause + ")");
+    }
+    return Status::Unavailable(what + ": " + why + " (" + DescribeRank(launch.rank) + " saw: " + cause + ")");
+  }
+
+  template <typename Fn>
+  Status Run(const std::string& what, Fn&& fn) {
+    try {
+      fn();
+      return Status::OK();
+    } catch (const std::exception& e) {
+      return Failed(what, e);
+    }
+  }
+};
+
+ProcessGroup::ProcessGroup(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+
+ProcessGroup::~ProcessGroup() {
+  {
+    std::lock_guard<std::mutex> lock(impl_->mu);
+    impl_->stopping = true;
+  }
+  impl_->cv.notify_all();
+  if (impl_->heartbeat.joinable()) impl_->heartbeat.join();
+}
+
+Result<std::unique_ptr<ProcessGroup>> ProcessGroup::Join(const Launch& launch, const GroupOptions& options) {
+  if (options.backend != "gloo") {
+    if (options.backend == "nccl") {
+      return Status::Unsupported(
+          "backend \"nccl\": this build's LibTorch has no NCCL process group (Debian's libtorch-dev is a CPU "
+          "build); use \"gloo\"");
+    }
+    return Status::InvalidArgument("backend \"" + options.backend + "\": not \"gloo\" or \"nccl\"");
+  }
+  auto impl = std::make_unique<Impl>();
+  impl->launch = launch;
+  impl->options = options;
+  const std::string where = launch.master_addr + ":" + std::to_string(launch.master_port);
+  std::string bind;
+  if (const char* ifname = std::getenv("GLOO_SOCKET_IFNAME"); ifname == nullptr || *ifname == '\0') {
+    FERRY_ASSIGN_OR_RETURN(bind, AddressTowards(launch.master_addr, launch.master_port));
+  }
+  try {
+    impl->store = ConnectStore(launch, launch.rank == 0, options.timeout);
+    impl->keys = impl->Prefixed(impl->store);
+    auto opts = c10d::ProcessGroupGloo::Options::create(options.timeout);
+    const char* ifname = std::getenv("GLOO_SOCKET_IFNAME");
+    opts->devices.push_back(bind.empty() ? c10d::ProcessGroupGloo::createDeviceForInterface(ifname)
+                                         : c10d::ProcessGroupGloo::createDeviceForHostname(bind));
+    opts->threads = 1;
+    auto prefixed = c10::make_intrusive<c10d::PrefixStore>(options.prefix + "/pg", impl->store);
+    impl->pg = c10::make_intrusive<c10d::ProcessGroupGloo>(prefixed, launch.rank, launch.world_size, opts);
+  } catch (const std::exception& e) {
+    return Status::Unavailable("rank " + std::to_string(launch.rank) + " of " + std::to_string(launch.world_size) +
+                               ": the rendezvous at MASTER_ADDR:MASTER_PORT " + where + " did not complete (" +
+                               FirstLine(e.what()) + ")");
+  }
+  impl->StartHeartbeat();
+  auto group = std::unique_ptr<ProcessGroup>(new ProcessGroup(std::move(impl)));
+  FERRY_ASSIGN_OR_RETURN(std::vector<std::string> who,
+                         group->AllGatherBytes(HostName() + " " + std::to_string(::getpid()), "the rendezvous"));
+  for (int r = 0; r < launch.world_size; ++r) {
+    const std::string& w = who[static_cast<size_t>(r)];
+    const size_t sp = w.rfind(' ');
+    RankInfo info;
+    info.rank = r;
+    info.host = w.substr(0, sp);
+    info.pid = sp == std::string::npos ? 0 : std::atoll(w.c_str() + sp + 1);
+    group->impl_->ranks.push_back(info);
+  }
+  return group;
+}
+
+int ProcessGroup::rank() const { return impl_->launch.rank; }
+int ProcessGroup::size() const { return impl_->launch.world_size; }
+int ProcessGroup::local_rank() const { return impl_->launch.local_rank; }
+const std::string& ProcessGroup::backend() const { return impl_->options.backend; }
+const std::vector<RankInfo>& ProcessGroup::ranks() const { return impl_->ranks; }
+std::string ProcessGroup::Describe(int r) const { return impl_->DescribeRank(r); }
+
+Status ProcessGroup::AllReduceSum(at::Tensor& t, const std::string& what) {
+  return impl_->Run(what, [&] {
+    std::vector<at::Tensor> v{t};
+    impl_->pg->allreduce(v)->wait();
+  });
+}
+
+Result<at::Tensor> ProcessGroup::AllGather(const at::Tensor& t, const std::string& what) {
+  std::vector<std::vector<at::Tensor>> out(1);
+  for (int r = 0; r < size(); ++r) out[0].push_back(at::empty_like(t));
+  std::vector<at::Tensor> in{t.contiguous()};
+  FERRY_RETURN_IF_ERROR(impl_->Run(what, [&] { impl_->pg->allgather(out, in)->wait(); }));
+  return at::stack(out[0]);
+}
+
+Status ProcessGroup::Broadcast(at::Tensor& t, int root, const std::string& what) {
+  return impl_->Run(what, [&] {
+    std::vector<at::Tensor> v{t};
+    c10d::BroadcastOptions o;
+    o.rootRank = root;
+    impl_->pg->broadcast(v, o)->wait();
+  });
+}
+
+Result<std::vector<std::string>> ProcessGroup::AllGatherBytes(const std::string& bytes, const std::string& what) {
+  at::Tensor len = at::full({1}, static_cast<int64_t>(bytes.size()), at::kLong);
+  FERRY_ASSIGN_OR_RETURN(at::Tensor lens, AllGather(len, what));
+  const int64_t longest = std::max<int64_t>(lens.max().item<int64_t>(), 1);
+  at::Tensor buf = at::zeros({longest}, at::kByte);
+  std::memcpy(buf.data_ptr<uint8_t>(), bytes.data(), bytes.size());
+  FERRY_ASSIGN_OR_RETURN(at::Tensor all, AllGather(buf, what));
+  std::vector<std::string> out;
+  for (int r = 0; r < size(); ++r) {
+    const auto* p = all[r].data_ptr<uint8_t>();
+    out.emplace_back(reinterpret_cast<const char*>(p), static_cast<size_t>(lens[r][0].item<int64_t>()));
+  }
+  return out;
+}
+
+Result<std::string> ProcessGroup::BroadcastBytes(const std::string& bytes, int root, const std::string& what) {
+  at::Tensor len = at::full({1}, static_cast<int64_t>(bytes.size()), at::kLong);
+  FERRY_RETURN_IF_ERROR(Broadcast(len, root, what));
+  const int64_t n = len.item<int64_t>();
+  at::Tensor buf = at::zeros({std::max<int64_t>(n, 1)}, at::kByte);
+  if (rank() == root) std::memcpy(buf.data_ptr<uint8_t>(), bytes.data(), bytes.size());
+  FERRY_RETURN_IF_ERROR(Broadcast(buf, root, what));
+  return std::string(reinterpret_cast<const char*>(buf.data_ptr<uint8_t>()), static_cast<size_t>(n));
+}
+
+Status ProcessGroup::Post(const std::string& key, const std::string& value) {
+  return impl_->Run("posting " + key, [&] { impl_->keys->set("post/" + key, Bytes(value)); });
+}
+
+Result<std::string> ProcessGroup::Await(const std::string& key, int poster, const std::string& what) {
+  const std::string k = "post/" + key;
+  const std::string hb = "hb/" + std::to_string(poster);
+  int64_t last_beat = -1;
+  Clock::time_point last_change = Clock::now();
+  try {
+    for (;;) {
+      try {
+        impl_->keys->wait({k}, std::chrono::milliseconds(1000));
+        return String(impl_->keys->get(k));
+      } catch (const c10::Error&) {
+        // Not posted within a second: still waiting, as long as the poster's heartbeat goes on.
+      }
+      const int64_t beat = impl_->keys->add(hb, 0);
+      if (beat != last_beat) {
+        last_beat = beat;
+        last_change = Clock::now();
+      } else if (Clock::now() - last_change > kHeartbeatInterval * 20) {
+        return Status::Unavailable(what + ": " + impl_->DescribeRank(poster) +
+                               " stopped answering (killed, crashed or hung)");
+      }
+    }
+  } catch (const std::exception& e) {
+    return impl_->Failed(what, e);
+  }
+}
+
+void ProcessGroup::ReportFailure(const std::string& message) {
+  try {
+    impl_->keys->set("err/" + std::to_string(rank()), Bytes(FirstLine(message)));
+  } catch (const std::exception&) {
+  }
+}
+
+}  // namespace ferry::dist

@@ -1,0 +1,120 @@
+// Data-parallel ranks on PyTorch's c10d: torchrun's environment, the rendezvous through c10d's
+// TCPStore, and a Gloo (CPU) or NCCL (CUDA, where the LibTorch has it) process group, with the
+// few collectives the trainer needs. Whatever the backend, a collective that fails because a
+// peer died, hung or gave up is turned into an error that names the rank, its host and pid.
+//
+// How a failed peer is named: every rank keeps a heartbeat in the store (a counter it adds to
+// from a thread of its own, every kHeartbeatInterval) and, when it fails cleanly, posts its
+// error there (ReportFailure) before it exits. A collective that throws then looks for a
+// posted error, else for a heartbeat that stopped (killed, or hung: SIGSTOP stops every thread
+// of a process); a store that no longer answers means rank 0, which hosts it, is gone.
+//
+// Store keys (under GroupOptions::prefix): rank/<r> = "<host> <pid>", hb/<r> the heartbeat,
+// err/<r> a posted failure, and what Post writes. The store and Gloo's connections are
+// torch's own: unauthenticated TCP, as every torchrun job has; run ranks on a private network.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "core/status.h"
+
+namespace ferry::dist {
+
+// torchrun's environment: RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR,
+// MASTER_PORT (the names every PyTorch launcher sets).
+struct Launch {
+  int rank = 0;
+  int world_size = 1;
+  int local_rank = 0;
+  int local_world_size = 1;
+  std::string master_addr = "127.0.0.1";
+  int master_port = 29500;
+  bool distributed() const { return world_size > 1; }
+};
+
+// Reads torchrun's variables through `getenv` (::getenv by default). With none of RANK and
+// WORLD_SIZE set: one process (world size 1). Errors (kInvalidArgument) name the variable: a
+// value that is not a number, a rank outside [0, WORLD_SIZE), WORLD_SIZE > 1 without
+// MASTER_ADDR or MASTER_PORT, a port outside 1..65535.
+Result<Launch> LaunchFromEnv(const std::function<const char*(const char*)>& getenv = nullptr);
+
+struct GroupOptions {
+  // "gloo" or "nccl". Default: gloo.
+  std::string backend = "gloo";
+  // How long a collective (and the rendezvous) may wait for the slowest rank. Default: 30
+  // minutes, torch's default_pg_timeout.
+  std::chrono::milliseconds timeout{std::chrono::minutes(30)};
+  // The store keys' prefix (the run's name). Default: "ferry".
+  std::string prefix = "ferry";
+};
+
+// A rank as the others see it.
+struct RankInfo {
+  int rank = 0;
+  std::string host;
+  int64_t pid = 0;
+};
+
+class ProcessGroup {
+ public:
+  static constexpr std::chrono::milliseconds kHeartbeatInterval{250};
+
+  // Joins the job `launch` describes: rank 0 hosts the TCPStore on MASTER_PORT, every rank
+  // connects to MASTER_ADDR:MASTER_PORT, the process group is built, and the ranks exchange
+  // host and pid. Gloo binds the address this host reaches MASTER_ADDR from (127.0.0.1 for
+  // a loopback MASTER_ADDR), or the interface GLOO_SOCKET_IFNAME names, as torch does.
+  // Errors: kInvalidArgument for an unknown backend; kUnsupported for NCCL (this LibTorch has none); kUnavailable
+  // naming MASTER_ADDR:MASTER_PORT when the rendezvous does not complete within the timeout.
+  static Result<std::unique_ptr<ProcessGroup>> Join(const Launch& launch, const GroupOptions& options);
+  ~ProcessGroup();
+  ProcessGroup(const ProcessGroup&) = delete;
+  ProcessGroup& operator=(const ProcessGroup&) = delete;
+
+  int rank() const;
+  int size() const;
+  int local_rank() const;
+  const std::string& backend() const;
+  // Every rank's host and pid, by rank.
+  const std::vector<RankInfo>& ranks() const;
+  // "rank R (host H, pid P)".
+  std::string Describe(int rank) const;
+
+  // The collectives. `what` names the operation in errors ("step 3: the gradients"). Each
+  // returns kUnavailable naming the rank that failed (see the top of this file) when a peer died,
+  // hung past the timeout or reported a failure. Tensors: contiguous, on the group's device.
+  // Sums `t` over the ranks, in place.
+  [[nodiscard]] Status AllReduceSum(at::Tensor& t, const std::string& what);
+  // Every rank's `t` (equal shapes), stacked: [world, ...t's shape].
+  [[nodiscard]] Result<at::Tensor> AllGather(const at::Tensor& t, const std::string& what);
+  // `t` from `root` into every rank's `t` (equal shapes and dtypes).
+  [[nodiscard]] Status Broadcast(at::Tensor& t, int root, const std::string& what);
+  // Every rank's bytes (any lengths), by rank.
+  [[nodiscard]] Result<std::vector<std::string>> AllGatherBytes(const std::string& bytes, const std::string& what);
+  // `bytes` of `root` on every rank.
+  [[nodiscard]] Result<std::string> BroadcastBytes(const std::string& bytes, int root, const std::string& what);
+
+  // Outside the collectives: one rank posts `value` under `key`; the others Await it for as
+  // long as the poster's heartbeat goes on (a paused run waits without a timeout), failing
+  // with kUnavailable naming the poster when it stops.
+  [[nodiscard]] Status Post(const std::string& key, const std::string& value);
+  [[nodiscard]] Result<std::string> Await(const std::string& key, int poster, const std::string& what);
+
+  // This rank is failing with `message`: the others name it with that message. Best effort;
+  // call before exiting.
+  void ReportFailure(const std::string& message);
+
+  struct Impl;
+
+ private:
+  explicit ProcessGroup(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace ferry::dist

@@ -1,0 +1,124 @@
+#include "daemon/ferryd/local_ranks.h"
+
+#include <netinet/in.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <thread>
+
+namespace ferry::ferryd {
+namespace {
+
+std::atomic<int> g_forward_signal{0};
+
+void OnSignal(int sig) { g_forward_signal.store(sig); }
+
+// A TCP port nobody listens on now (the kernel's choice), for MASTER_PORT.
+Result<int> FreePort() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return Status::IOError(std::string("socket: ") + std::strerror(errno));
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(a);
+  const bool ok = ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0 &&
+                  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) == 0;
+  ::close(fd);
+  if (!ok) return Status::IOError(std::string("choosing MASTER_PORT: ") + std::strerror(errno));
+  return static_cast<int>(ntohs(a.sin_port));
+}
+
+int ExitCode(int status) {
+  if (WIFEXITED(status)) return WEXITSTATUS(status);
+  if (WIFSIGNALED(status)) return 128 + WTERMSIG(status);
+  return 1;
+}
+
+}  // namespace
+
+Result<int> RunLocalRanks(int nproc, const std::vector<std::string>& argv, std::chrono::seconds grace) {
+  FERRY_ASSIGN_OR_RETURN(int port, FreePort());
+  struct sigaction sa {};
+  sa.sa_handler = OnSignal;
+  sigemptyset(&sa.sa_mask);
+  ::sigaction(SIGTERM, &sa, nullptr);
+  ::sigaction(SIGINT, &sa, nullptr);
+  std::fprintf(stderr, "ferryd: starting %d local ranks (MASTER_ADDR 127.0.0.1, MASTER_PORT %d)\n", nproc, port);
+  std::fflush(nullptr);
+  std::vector<pid_t> pids;
+  for (int r = 0; r < nproc; ++r) {
+    const pid_t pid = ::fork();
+    if (pid < 0) {
+      const int err = errno;
+      for (pid_t p : pids) ::kill(p, SIGKILL);
+      for (pid_t p : pids) ::waitpid(p, nullptr, 0);
+      return Status::IOError(std::string("starting rank ") + std::to_string(r) + ": fork: " + std::strerror(err));
+    }
+    if (pid == 0) {
+      const std::string n = std::to_string(nproc), rank = std::to_string(r), p = std::to_string(port);
+      ::setenv("RANK", rank.c_str(), 1);
+      ::setenv("LOCAL_RANK", rank.c_str(), 1);
+      ::setenv("WORLD_SIZE", n.c_str(), 1);
+      ::setenv("LOCAL_WORLD_SIZE", n.c_str(), 1);
+      ::setenv("MASTER_ADDR", "127.0.0.1", 1);
+      ::setenv("MASTER_PORT", p.c_str(), 1);
+      ::signal(SIGTERM, SIG_DFL);
+      ::signal(SIGINT, SIG_DFL);
+      std::vector<char*> args;
+      for (const std::string& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+      args.push_back(nullptr);
+      ::execv(args[0], args.data());
+      std::fprintf(stderr, "ferryd: rank %d: cannot run %s: %s\n", r, args[0], std::strerror(errno));
+      ::_exit(127);
+    }
+    pids.push_back(pid);
+  }
+  int exit_code = 0;
+  int failed_rank = -1;
+  size_t running = pids.size();
+  std::chrono::steady_clock::time_point deadline{};
+  bool killed = false;
+  while (running > 0) {
+    if (const int sig = g_forward_signal.exchange(0); sig != 0) {
+      for (pid_t p : pids) {
+        if (p > 0) ::kill(p, sig);
+      }
+    }
+    int status = 0;
+    const pid_t done = ::waitpid(-1, &status, WNOHANG);
+    if (done > 0) {
+      for (size_t r = 0; r < pids.size(); ++r) {
+        if (pids[r] != done) continue;
+        pids[r] = -1;
+        --running;
+        const int code = ExitCode(status);
+        if (code != 0 && failed_rank < 0) {
+          failed_rank = static_cast<int>(r);
+          exit_code = code;
+          deadline = std::chrono::steady_clock::now() + grace;
+          std::fprintf(stderr, "ferryd: rank %zu (pid %d) ended with %s %d; the others get %lld s to end\n", r,
+                       static_cast<int>(done), WIFSIGNALED(status) ? "signal" : "exit code",
+                       WIFSIGNALED(status) ? WTERMSIG(status) : code, static_cast<long long>(grace.count()));
+        }
+      }
+      continue;
+    }
+    if (failed_rank >= 0 && !killed && std::chrono::steady_clock::now() > deadline) {
+      std::fprintf(stderr, "ferryd: killing the ranks still running after rank %d failed\n", failed_rank);
+      for (pid_t p : pids) {
+        if (p > 0) ::kill(p, SIGKILL);
+      }
+      killed = true;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  return exit_code;
+}
+
+}  // namespace ferry::ferryd

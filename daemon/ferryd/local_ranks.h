@@ -1,0 +1,23 @@
+// `ferryd train --nproc-per-node N`: ferryd starts N local ranks itself, as torchrun does: N
+// children of this executable, each with torchrun's environment (RANK = LOCAL_RANK = i,
+// WORLD_SIZE = LOCAL_WORLD_SIZE = N, MASTER_ADDR 127.0.0.1, MASTER_PORT a free port), and
+// waits for them. SIGTERM and SIGINT are passed on to every rank (rank 0 then stops them all at
+// a step boundary). When a rank fails, the others are given `grace` to end on their own (they
+// name the failed rank), then killed. The exit code is the first failed rank's (128 + signal
+// for one killed by a signal), or 0.
+#pragma once
+
+#include <chrono>
+#include <string>
+#include <vector>
+
+#include "core/status.h"
+
+namespace ferry::ferryd {
+
+// `argv` is the command each rank runs (argv[0] an executable path), without
+// --nproc-per-node. Errors: kIOError when a rank cannot be started (those started are
+// stopped).
+[[nodiscard]] Result<int> RunLocalRanks(int nproc, const std::vector<std::string>& argv, std::chrono::seconds grace);
+
+}  // namespace ferry::ferryd

@@ -1,0 +1,262 @@
+#include "daemon/grpo/data_parallel.h"
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <nlohmann/json.hpp>
+
+#include <cstring>
+#include <mutex>
+
+#include "daemon/dist/process_group.h"
+#include "daemon/grpo/optimizer.h"
+#include "daemon/runtime/torch_util.h"
+
+namespace ferry::grpo {
+namespace {
+
+using json = nlohmann::json;
+
+std::string StepWhat(const Trainer::State& s, const std::string& what) {
+  return "step " + std::to_string(s.step + 1) + ": " + what;
+}
+
+at::Tensor DigestTensor(const store::Digest& d) {
+  at::Tensor t = at::empty({16}, at::kByte);
+  std::memcpy(t.data_ptr<uint8_t>(), &d.hi, 8);
+  std::memcpy(t.data_ptr<uint8_t>() + 8, &d.lo, 8);
+  return t;
+}
+
+store::Digest DigestOf(const at::Tensor& t) {
+  store::Digest d;
+  const at::Tensor c = t.contiguous();
+  std::memcpy(&d.hi, c.data_ptr<uint8_t>(), 8);
+  std::memcpy(&d.lo, c.data_ptr<uint8_t>() + 8, 8);
+  return d;
+}
+
+// A digest of the adapter's parameters: each tensor's store digest, by name.
+Result<store::Digest> AdapterDigest(const Trainer::State& s) {
+  std::string all;
+  for (const auto& [name, p] : s.adapter->named_parameters()) {
+    FERRY_ASSIGN_OR_RETURN(Tensor t, runtime::ToCore(p.detach()));
+    all += name;
+    all.push_back('\0');
+    all += store::TensorDigest(t).Hex();
+  }
+  return store::AuxDigest(all);
+}
+
+bool IsMin(const std::string& key) {
+  const std::string last = key.substr(key.rfind('/') + 1);
+  return last == "min" || last.starts_with("min_") || last.ends_with("_min");
+}
+bool IsMax(const std::string& key) {
+  const std::string last = key.substr(key.rfind('/') + 1);
+  return last == "max" || last.starts_with("max_") || last.ends_with("_max");
+}
+
+}  // namespace
+
+Status ShareStartState(Trainer::State& s) {
+  dist::ProcessGroup& g = *s.group;
+  const std::string what = "sharing rank 0's start state";
+  std::string header;
+  if (g.rank() == 0) {
+    json h;
+    const run::DatasetPosition pos = s.sampler->position();
+    h["step"] = s.step;
+    h["micro_step"] = s.micro_step;
+    h["num_tokens"] = s.num_tokens;
+    h["epoch"] = pos.epoch;
+    h["index"] = pos.index;
+    json steps = json::object();
+    for (const auto& [key, p] : s.adapter->named_parameters()) {
+      auto it = s.optimizer->state().find(StateKey(p));
+      if (it != s.optimizer->state().end()) {
+        steps[key] = static_cast<torch::optim::AdamWParamState&>(*it->second).step();
+      }
+    }
+    h["optimizer_steps"] = steps;
+    header = h.dump();
+  }
+  FERRY_ASSIGN_OR_RETURN(std::string text, g.BroadcastBytes(header, 0, what));
+  json h;
+  std::map<std::string, int64_t> steps;
+  try {
+    h = json::parse(text);
+    if (g.rank() != 0) {
+      s.step = h.at("step").get<int64_t>();
+      s.micro_step = h.at("micro_step").get<int64_t>();
+      s.num_tokens = h.at("num_tokens").get<double>();
+      FERRY_RETURN_IF_ERROR(s.sampler->Seek({h.at("epoch").get<uint64_t>(), h.at("index").get<uint64_t>()}));
+    }
+    for (const auto& [key, v] : h.at("optimizer_steps").items()) steps[key] = v.get<int64_t>();
+  } catch (const json::exception& e) {
+    return Status::Corruption(what + ": " + e.what());
+  }
+  s.generator_step = s.step;
+  const auto& params = s.adapter->named_parameters();
+  for (const auto& [key, n] : steps) {
+    if (!params.contains(key)) {
+      return Status::FailedPrecondition(what + ": rank 0's adapter has '" + key + "', which this rank's has not");
+    }
+  }
+  // The tensors, in name order on every rank.
+  return runtime::GuardTorch(what, [&]() -> Status {
+    at::NoGradGuard no_grad;
+    if (g.rank() != 0) s.optimizer->state().clear();
+    for (const auto& [key, p] : params) {
+      at::Tensor data = p.detach();
+      FERRY_RETURN_IF_ERROR(g.Broadcast(data, 0, what + " (" + key + ")"));
+      auto n = steps.find(key);
+      if (n == steps.end()) continue;
+      if (g.rank() != 0) {
+        auto ps = std::make_unique<torch::optim::AdamWParamState>();
+        ps->step(n->second);
+        ps->exp_avg(at::zeros_like(p));
+        ps->exp_avg_sq(at::zeros_like(p));
+        s.optimizer->state()[StateKey(p)] = std::move(ps);
+      }
+      auto& os = static_cast<torch::optim::AdamWParamState&>(*s.optimizer->state().at(StateKey(p)));
+      at::Tensor m = os.exp_avg(), v = os.exp_avg_sq();
+      FERRY_RETURN_IF_ERROR(g.Broadcast(m, 0, what + " (exp_avg of " + key + ")"));
+      FERRY_RETURN_IF_ERROR(g.Broadcast(v, 0, what + " (exp_avg_sq of " + key + ")"));
+    }
+    at::Generator gen = at::detail::getDefaultCPUGenerator();
+    at::Tensor rng;
+    {
+      std::lock_guard<std::mutex> lock(gen.mutex());
+      rng = gen.get_state();
+    }
+    FERRY_RETURN_IF_ERROR(g.Broadcast(rng, 0, what + " (random state)"));
+    if (g.rank() != 0) {
+      std::lock_guard<std::mutex> lock(gen.mutex());
+      gen.set_state(rng);
+    }
+    return Status::OK();
+  });
+}
+
+Result<at::Tensor> GatherRows(Trainer::State& s, const at::Tensor& local, const std::string& what) {
+  if (!s.group) return local;
+  FERRY_ASSIGN_OR_RETURN(at::Tensor all, s.group->AllGather(local.contiguous(), StepWhat(s, what)));
+  std::vector<int64_t> shape = local.sizes().vec();
+  shape[0] *= s.group->size();
+  return all.reshape(shape);
+}
+
+Result<int64_t> SumOverRanks(Trainer::State& s, int64_t value, const std::string& what) {
+  if (!s.group) return value;
+  at::Tensor t = at::full({1}, value, at::kLong);
+  FERRY_RETURN_IF_ERROR(s.group->AllReduceSum(t, StepWhat(s, what)));
+  return t.item<int64_t>();
+}
+
+Status AverageGradients(Trainer::State& s) {
+  if (!s.group) return Status::OK();
+  const std::string what = StepWhat(s, "averaging the LoRA gradients");
+  return runtime::GuardTorch(what, [&]() -> Status {
+    at::NoGradGuard no_grad;
+    std::vector<at::Tensor> params = s.adapter->parameters();
+    for (at::Tensor& p : params) {
+      if (!p.grad().defined()) p.mutable_grad() = at::zeros_like(p);
+    }
+    const double world = static_cast<double>(s.group->size());
+    size_t i = 0;
+    while (i < params.size()) {
+      // One bucket: consecutive gradients of one dtype up to kGradientBucketBytes.
+      std::vector<at::Tensor> bucket;
+      int64_t bytes = 0;
+      const at::ScalarType type = params[i].grad().scalar_type();
+      while (i < params.size() && params[i].grad().scalar_type() == type &&
+             (bucket.empty() || bytes + params[i].grad().nbytes() <= static_cast<size_t>(kGradientBucketBytes))) {
+        bucket.push_back(params[i].grad());
+        bytes += static_cast<int64_t>(params[i].grad().nbytes());
+        ++i;
+      }
+      std::vector<at::Tensor> flat_views;
+      for (const at::Tensor& gr : bucket) flat_views.push_back(gr.reshape({-1}));
+      at::Tensor flat = at::cat(flat_views);
+      FERRY_RETURN_IF_ERROR(s.group->AllReduceSum(flat, what));
+      flat.div_(world);
+      int64_t offset = 0;
+      for (at::Tensor& gr : bucket) {
+        gr.copy_(flat.narrow(0, offset, gr.numel()).view(gr.sizes()));
+        offset += gr.numel();
+      }
+    }
+    return Status::OK();
+  });
+}
+
+Result<Metrics> CombineMetrics(Trainer::State& s, const Metrics& m) {
+  if (!s.group) return m;
+  std::vector<double> values;
+  for (const auto& [k, v] : m) values.push_back(v);
+  at::Tensor local = at::tensor(values, at::kDouble);
+  // The keys must be the same on every rank (the same config): compared by a digest.
+  std::string names;
+  for (const auto& [k, v] : m) names += k + '\n';
+  FERRY_ASSIGN_OR_RETURN(at::Tensor keys, s.group->AllGather(DigestTensor(store::AuxDigest(names)),
+                                                             StepWhat(s, "comparing the metrics' names")));
+  for (int r = 0; r < s.group->size(); ++r) {
+    if (!keys[r].equal(keys[s.group->rank()])) {
+      return Status::Internal(StepWhat(s, "the metrics of " + s.group->Describe(r) + " have other names than " +
+                                              s.group->Describe(s.group->rank()) + "'s"));
+    }
+  }
+  FERRY_ASSIGN_OR_RETURN(at::Tensor all, s.group->AllGather(local, StepWhat(s, "averaging the metrics")));
+  Metrics out;
+  int64_t j = 0;
+  for (const auto& [k, v] : m) {
+    const at::Tensor col = all.select(1, j++);
+    // NaN (a metric TRL logs as NaN on a rank) stays NaN when every rank has it.
+    const at::Tensor finite = col.isnan().logical_not();
+    if (!finite.any().item<bool>()) {
+      out[k] = v;
+      continue;
+    }
+    const at::Tensor vals = col.masked_select(finite);
+    out[k] = IsMin(k) ? vals.min().item<double>() : IsMax(k) ? vals.max().item<double>() : vals.mean().item<double>();
+  }
+  return out;
+}
+
+bool AdapterCheckDue(const Trainer::State& s, int64_t step) {
+  const int64_t every = s.config.distributed.check_every;
+  return s.group && every > 0 && (step == 1 || step % every == 0);
+}
+
+Status CheckRanksAgree(Trainer::State& s, const store::Digest& acked, bool check_adapter) {
+  if (!s.group) {
+    s.rank_versions = {acked.Hex()};
+    return Status::OK();
+  }
+  dist::ProcessGroup& g = *s.group;
+  const std::string when = s.step == 0 ? "at the start" : "step " + std::to_string(s.step);
+  FERRY_ASSIGN_OR_RETURN(at::Tensor ids, g.AllGather(DigestTensor(acked), when + ": gathering the acknowledged ids"));
+  s.rank_versions.clear();
+  for (int r = 0; r < g.size(); ++r) s.rank_versions.push_back(DigestOf(ids[r]).Hex());
+  for (int r = 1; r < g.size(); ++r) {
+    if (s.rank_versions[static_cast<size_t>(r)] != s.rank_versions[0]) {
+      return Status::Corruption(when + ": the generator of " + g.Describe(r) + " acknowledged " +
+                                s.rank_versions[static_cast<size_t>(r)] + " but that of " + g.Describe(0) +
+                                " acknowledged " + s.rank_versions[0] +
+                                ": the ranks do not hold the same weights (a base that differs between hosts, or "
+                                "corrupted memory); the run stops");
+    }
+  }
+  if (!check_adapter) return Status::OK();
+  FERRY_ASSIGN_OR_RETURN(store::Digest mine, AdapterDigest(s));
+  FERRY_ASSIGN_OR_RETURN(at::Tensor all, g.AllGather(DigestTensor(mine), when + ": comparing the adapters"));
+  for (int r = 1; r < g.size(); ++r) {
+    if (!all[r].equal(all[0])) {
+      return Status::Corruption(when + ": the adapter parameters of " + g.Describe(r) + " (digest " +
+                                DigestOf(all[r]).Hex() + ") differ from those of " + g.Describe(0) + " (digest " +
+                                DigestOf(all[0]).Hex() + "); the run stops");
+    }
+  }
+  return Status::OK();
+}
+
+}  // namespace ferry::grpo

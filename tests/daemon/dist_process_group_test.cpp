@@ -1,0 +1,191 @@
+// daemon/dist: torchrun's environment, and a real two-rank Gloo group (two threads of this
+// process, each with its own TCPStore connection and process group, over loopback TCP).
+#include <gtest/gtest.h>
+
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <future>
+#include <map>
+#include <string>
+#include <thread>
+
+#include "daemon/dist/process_group.h"
+
+namespace ferry::dist {
+namespace {
+
+int FreePort() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(a);
+  EXPECT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)), 0);
+  EXPECT_EQ(::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len), 0);
+  ::close(fd);
+  return ntohs(a.sin_port);
+}
+
+Result<Launch> FromMap(const std::map<std::string, std::string>& env) {
+  return LaunchFromEnv([&env](const char* name) -> const char* {
+    auto it = env.find(name);
+    return it == env.end() ? nullptr : it->second.c_str();
+  });
+}
+
+TEST(LaunchFromEnvTest, NoneSetIsOneProcess) {
+  auto l = FromMap({});
+  ASSERT_TRUE(l.ok()) << l.status().ToString();
+  EXPECT_EQ(l->world_size, 1);
+  EXPECT_EQ(l->rank, 0);
+  EXPECT_FALSE(l->distributed());
+}
+
+TEST(LaunchFromEnvTest, ReadsTorchrunsVariables) {
+  auto l = FromMap({{"RANK", "3"},
+                    {"WORLD_SIZE", "4"},
+                    {"LOCAL_RANK", "1"},
+                    {"LOCAL_WORLD_SIZE", "2"},
+                    {"MASTER_ADDR", "10.0.0.7"},
+                    {"MASTER_PORT", "29501"}});
+  ASSERT_TRUE(l.ok()) << l.status().ToString();
+  EXPECT_EQ(l->rank, 3);
+  EXPECT_EQ(l->world_size, 4);
+  EXPECT_EQ(l->local_rank, 1);
+  EXPECT_EQ(l->local_world_size, 2);
+  EXPECT_EQ(l->master_addr, "10.0.0.7");
+  EXPECT_EQ(l->master_port, 29501);
+}
+
+TEST(LaunchFromEnvTest, ErrorsNameTheVariable) {
+  auto bad_rank = FromMap({{"RANK", "2"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "h"}, {"MASTER_PORT", "1"}});
+  ASSERT_FALSE(bad_rank.ok());
+  EXPECT_EQ(bad_rank.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(bad_rank.status().message().find("RANK=\"2\": not a whole number in 0..1"), std::string::npos)
+      << bad_rank.status().message();
+
+  auto no_addr = FromMap({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_PORT", "29500"}});
+  ASSERT_FALSE(no_addr.ok());
+  EXPECT_NE(no_addr.status().message().find("MASTER_ADDR is not set"), std::string::npos)
+      << no_addr.status().message();
+
+  auto bad_port = FromMap({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "h"}, {"MASTER_PORT", "70000"}});
+  ASSERT_FALSE(bad_port.ok());
+  EXPECT_NE(bad_port.status().message().find("MASTER_PORT=\"70000\""), std::string::npos)
+      << bad_port.status().message();
+
+  auto not_number = FromMap({{"RANK", "x"}, {"WORLD_SIZE", "2"}});
+  ASSERT_FALSE(not_number.ok());
+  EXPECT_NE(not_number.status().message().find("RANK=\"x\""), std::string::npos) << not_number.status().message();
+}
+
+TEST(ProcessGroupTest, NcclIsRefusedOnThisLibTorch) {
+  Launch l;
+  GroupOptions o;
+  o.backend = "nccl";
+  auto g = ProcessGroup::Join(l, o);
+  ASSERT_FALSE(g.ok());
+  EXPECT_EQ(g.status().code(), StatusCode::kUnsupported);
+  EXPECT_NE(g.status().message().find("no NCCL"), std::string::npos) << g.status().message();
+}
+
+// Two ranks in threads; `body(rank, group)` runs on each.
+template <typename Fn>
+void RunTwoRanks(Fn body, std::chrono::milliseconds timeout = std::chrono::seconds(20)) {
+  const int port = FreePort();
+  auto rank = [&](int r) {
+    Launch l;
+    l.rank = r;
+    l.world_size = 2;
+    l.master_addr = "127.0.0.1";
+    l.master_port = port;
+    GroupOptions o;
+    o.timeout = timeout;
+    o.prefix = "test";
+    auto g = ProcessGroup::Join(l, o);
+    EXPECT_TRUE(g.ok()) << g.status().ToString();
+    if (g.ok()) body(r, **g);
+  };
+  std::thread t1(rank, 1);
+  rank(0);
+  t1.join();
+}
+
+TEST(ProcessGroupTest, CollectivesOverTwoRanks) {
+  RunTwoRanks([](int r, ProcessGroup& g) {
+    EXPECT_EQ(g.rank(), r);
+    EXPECT_EQ(g.size(), 2);
+    ASSERT_EQ(g.ranks().size(), 2u);
+    EXPECT_EQ(g.ranks()[1].pid, ::getpid());  // both threads of this process
+
+    at::Tensor t = at::full({3}, static_cast<float>(r + 1));
+    ASSERT_TRUE(g.AllReduceSum(t, "sum").ok());
+    EXPECT_TRUE(t.equal(at::full({3}, 3.0f))) << t;
+
+    auto all = g.AllGather(at::full({2}, static_cast<int64_t>(10 * r), at::kLong), "gather");
+    ASSERT_TRUE(all.ok()) << all.status().ToString();
+    EXPECT_EQ(all->sizes(), (std::vector<int64_t>{2, 2}));
+    EXPECT_EQ((*all)[1][0].item<int64_t>(), 10);
+
+    at::Tensor b = at::full({4}, static_cast<double>(r == 1 ? 7 : 0), at::kDouble);
+    ASSERT_TRUE(g.Broadcast(b, 1, "broadcast").ok());
+    EXPECT_TRUE(b.equal(at::full({4}, 7.0, at::kDouble)));
+
+    auto bytes = g.AllGatherBytes(std::string(static_cast<size_t>(r * 5 + 1), static_cast<char>('a' + r)), "bytes");
+    ASSERT_TRUE(bytes.ok());
+    EXPECT_EQ((*bytes)[0], "a");
+    EXPECT_EQ((*bytes)[1], "bbbbbb");
+    auto text = g.BroadcastBytes(r == 0 ? "from rank 0" : "", 0, "text");
+    ASSERT_TRUE(text.ok());
+    EXPECT_EQ(*text, "from rank 0");
+
+    if (r == 0) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1500));  // longer than one Await poll
+      ASSERT_TRUE(g.Post("go/0", "1").ok());
+    } else {
+      auto go = g.Await("go/0", 0, "waiting");
+      ASSERT_TRUE(go.ok()) << go.status().ToString();
+      EXPECT_EQ(*go, "1");
+    }
+  });
+}
+
+TEST(ProcessGroupTest, AFailedRankIsNamedWithItsError) {
+  std::promise<Status> seen;
+  RunTwoRanks([&](int r, ProcessGroup& g) {
+    if (r == 1) {
+      g.ReportFailure("step 4: reward command 'score.sh' exited with code 3");
+      return;  // the group is destroyed: its connections close
+    }
+    at::Tensor t = at::ones({8});
+    seen.set_value(g.AllReduceSum(t, "step 4: averaging the LoRA gradients"));
+  });
+  const Status s = seen.get_future().get();
+  ASSERT_FALSE(s.ok());
+  EXPECT_EQ(s.code(), StatusCode::kUnavailable);
+  EXPECT_NE(s.message().find("step 4: averaging the LoRA gradients: rank 1 (host "), std::string::npos) << s.message();
+  EXPECT_NE(s.message().find("failed: step 4: reward command 'score.sh' exited with code 3"), std::string::npos)
+      << s.message();
+}
+
+TEST(ProcessGroupTest, ARankThatStopsAnsweringIsNamed) {
+  std::promise<Status> seen;
+  RunTwoRanks(
+      [&](int r, ProcessGroup& g) {
+        if (r == 1) return;  // gone without a word (as a killed process)
+        std::this_thread::sleep_for(std::chrono::milliseconds(100));
+        at::Tensor t = at::ones({8});
+        seen.set_value(g.AllReduceSum(t, "step 2: gathering the rewards"));
+      },
+      std::chrono::seconds(5));
+  const Status s = seen.get_future().get();
+  ASSERT_FALSE(s.ok());
+  EXPECT_EQ(s.code(), StatusCode::kUnavailable);
+  EXPECT_NE(s.message().find("step 2: gathering the rewards: rank 1 (host "), std::string::npos) << s.message();
+  EXPECT_NE(s.message().find("stopped answering"), std::string::npos) << s.message();
+}
+
+}  // namespace
+}  // namespace ferry::dist

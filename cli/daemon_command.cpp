@@ -1,6 +1,6 @@
 // `ferry daemon ...`: operating ferryd (the GRPO daemon) over its control socket
 // (daemon/control/protocol.h) and from its run directory's files (daemon/control/run_dir.h).
-//   start    --config FILE [--dir DIR] [--max-steps N] [--publish EP] [--detach [--wait-s S]] [--json]
+//   start    --config FILE [--dir DIR] [--max-steps N] [--publish EP] [--nproc-per-node N] [--detach [--wait-s S]] [--json]
 //            runs `ferryd train --config FILE --dir DIR [--max-steps N] [--publish EP]` (ferryd next to this
 //            executable, or $FERRY_FERRYD) through daemon/control/launcher.h: in the foreground
 //            (its exit code is ferry's), or detached (new session, output appended to
@@ -64,6 +64,7 @@ struct Flags {
   bool detach = false;
   int64_t max_steps = 0;
   std::string publish;
+  int nproc_per_node = 0;
   int wait_s = 120;
   // stop
   bool no_wait = false;
@@ -163,6 +164,17 @@ void PrintStatusText(const Json& j) {
     }
   }
   for (const auto& [k, v] : j.items()) {
+    if (k == "ranks" && v.is_array()) {
+      // A data-parallel run: one line per rank.
+      std::printf("ranks:\n");
+      for (const Json& r : v) {
+        std::printf("  rank %s  host %s  pid %s  step %s  generator_version %s\n",
+                    ValueText(r.value("rank", Json())).c_str(), ValueText(r.value("host", Json())).c_str(),
+                    ValueText(r.value("pid", Json())).c_str(), ValueText(r.value("step", Json())).c_str(),
+                    ValueText(r.value("generator_version", Json())).c_str());
+      }
+      continue;
+    }
     if (std::find(shown.begin(), shown.end(), k) == shown.end()) {
       std::printf("%-18s %s\n", (k + ":").c_str(), ValueText(v).c_str());
     }
@@ -333,6 +345,7 @@ void RunStart(const Flags& f) {
   train.run_dir = fs::absolute(f.dir).lexically_normal();
   train.max_steps = f.max_steps;
   train.publish = f.publish;
+  train.nproc_per_node = f.nproc_per_node;
   if (!f.detach) Fail(control::ExecFerrydTrain(train));
 
   control::DetachOptions detach;
@@ -515,6 +528,10 @@ void SetDaemonCommand(CLI::App& app) {
   start->add_option("--publish", flags->publish,
                     "Passed to ferryd: also serve each step's version to remote generators (ipc://DIR or "
                     "tcp://HOST:PORT; overrides [publish] endpoint)");
+  start->add_option("--nproc-per-node", flags->nproc_per_node,
+                    "Passed to ferryd: start this many local data-parallel ranks (rank 0 serves the control socket; "
+                    "status lists every rank)")
+      ->check(CLI::Range(1, 1024));
   start->add_flag("--detach", flags->detach,
                   "Run as a daemon (new session, output appended to DIR/ferryd.log); print its pid once its control "
                   "socket answers");

@@ -14,6 +14,8 @@ PACKAGES=(
   libtomlplusplus-dev                 # ferryd's TOML configuration
   libcurl4-openssl-dev                # HTTP to a vLLM server (sync/engine)
   python3 python3-venv curl           # scripts/vllm.sh: the real vLLM the engine tests run against
+  libgloo-dev                         # Gloo's headers for c10d's ProcessGroupGloo (ferryd data-parallel)
+  iproute2                            # tests: data-parallel ranks in network namespaces of their own
   libonig-dev libicu-dev              # tokenizer.json pre-tokenizer regexes (as HF tokenizers) and NFC
   clang-format                        # scripts/format.sh --check
 )

@@ -111,6 +111,10 @@ std::vector<std::string> FerrydTrainArgv(const FerrydTrainOptions& o) {
     args.push_back("--publish");
     args.push_back(o.publish);
   }
+  if (o.nproc_per_node > 1) {
+    args.push_back("--nproc-per-node");
+    args.push_back(std::to_string(o.nproc_per_node));
+  }
   return args;
 }
 

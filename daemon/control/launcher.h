@@ -32,13 +32,14 @@
 
 namespace ferry::control {
 
-// `ferryd train --config FILE --dir DIR [--max-steps N] [--publish EP]`.
+// `ferryd train --config FILE --dir DIR [--max-steps N] [--publish EP] [--nproc-per-node N]`.
 struct FerrydTrainOptions {
   std::filesystem::path ferryd;   // the ferryd executable. REQUIRED
   std::filesystem::path config;   // --config: the run's TOML config. REQUIRED
   std::filesystem::path run_dir;  // --dir: the run directory. REQUIRED
   int64_t max_steps = 0;          // --max-steps N, passed when > 0. Default: 0 (not passed)
   std::string publish;            // --publish EP, passed when not empty. Default: "" (not passed)
+  int nproc_per_node = 0;         // --nproc-per-node N, passed when > 1. Default: 0 (not passed)
 };
 
 // The command line of `options`, argv[0] being options.ferryd; paths are passed as given.

@@ -1,0 +1,187 @@
+#!/usr/bin/env bash
+# ferryd data-parallel (c10d, Gloo) as people launch it, on the bundled demo (fixtures/demo):
+#   ranks   1. the demo with 2 ranks (one thread each, `--nproc-per-node 2`, 64 completions per
+#              rank) learns as one process with the same 128 completions per step does; the
+#              store holds each step once; `ferry convert` of the last checkpoint is the version
+#              the ranks acknowledged
+#           2. `ferry daemon start --nproc-per-node 2 --detach`: status lists both ranks (host,
+#              pid, step, the same generator version); pause, stop
+#           3. kill -9 of rank 1 (launched through torchrun's environment): rank 0 exits within
+#              the [distributed] timeout naming rank 1; the same start command resumes both from
+#              rank 0's newest checkpoint, and metrics.jsonl ends with every step once
+#           4. a base corrupted on one rank's "host" (a flipped weight byte) is caught by the
+#              acknowledged-id comparison, naming the rank and both ids
+#   hosts   two "hosts": each rank in a network namespace of its own (a veth pair, addresses
+#           10.231.0.1/2, its own host name) made by the test, launched through torchrun's
+#           environment with MASTER_ADDR the first namespace's address. Exit 77 (skipped) when
+#           namespaces cannot be made here.
+# Usage: ferryd_dp_test.sh FERRY FERRYD FIXTURES_DIR ranks|hosts
+set -euo pipefail
+FERRY=$1
+FERRYD=$2
+FIXTURES=$3
+MODE=${4:-ranks}
+WORK=$(mktemp -d "${TMPDIR:-/tmp}/ferry_ferryd_dp_XXXXXX")
+NS0=ferrydp0-$$
+NS1=ferrydp1-$$
+cleanup() {
+  pkill -9 -f "$WORK" 2>/dev/null || true
+  ip netns del "$NS0" 2>/dev/null || true
+  ip netns del "$NS1" 2>/dev/null || true
+  rm -rf "$WORK"
+}
+trap cleanup EXIT
+
+fail() { echo "FAIL: $*" >&2; exit 1; }
+free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])' 2>/dev/null ||
+  echo $((20000 + RANDOM % 20000)); }
+# The mean of `field` over metrics.jsonl lines FIRST..LAST (1-based).
+mean_of() { sed -n "$2,$3p" "$1" | grep -o "\"$4\":[-0-9.e]*" | cut -d: -f2 | awk '{s += $1; n++} END {printf "%.4f", s / n}'; }
+
+# The demo on one thread per rank, a line every 10 steps, a checkpoint every 50.
+cp -r "$FIXTURES/demo/model" "$WORK/model"
+cp "$FIXTURES/demo/train.jsonl" "$WORK/train.jsonl"
+demo_config() {  # demo_config OUT PER_RANK_BATCH STEPS [extra sed]
+  sed -e "s/^max_steps = .*/max_steps = $3/" -e 's/^save_steps = .*/save_steps = 50/' -e 's/^threads = .*/threads = 1/' \
+      -e "s/^per_device_train_batch_size = .*/per_device_train_batch_size = $2/" ${5:+-e "$5"} \
+      "$FIXTURES/demo/grpo.toml" > "$1"
+  printf '\n[distributed]\ntimeout = %s\n' "${4:-60}" >> "$1"
+  grep -q "^per_device_train_batch_size = $2\$" "$1" || fail "could not edit the demo config"
+}
+
+# ranks_env RANK WORLD PORT: torchrun's environment for one rank on loopback.
+ranks_env() { echo "RANK=$1 LOCAL_RANK=$1 WORLD_SIZE=$2 LOCAL_WORLD_SIZE=$2 MASTER_ADDR=127.0.0.1 MASTER_PORT=$3"; }
+
+if [ "$MODE" = hosts ]; then
+  echo "== two hosts: a network namespace per rank"
+  if ! ip netns add "$NS0" 2>/dev/null || ! ip netns add "$NS1" 2>/dev/null; then
+    echo "SKIP: cannot create network namespaces here (needs root and iproute2)"
+    exit 77
+  fi
+  ip link add "v0-$$" type veth peer name "v1-$$"
+  ip link set "v0-$$" netns "$NS0"
+  ip link set "v1-$$" netns "$NS1"
+  ip -n "$NS0" addr add 10.231.0.1/24 dev "v0-$$"
+  ip -n "$NS1" addr add 10.231.0.2/24 dev "v1-$$"
+  for ns in "$NS0" "$NS1"; do ip -n "$ns" link set lo up; done
+  ip -n "$NS0" link set "v0-$$" up
+  ip -n "$NS1" link set "v1-$$" up
+  demo_config "$WORK/hosts.toml" 64 20 60
+  RUN="$WORK/hosts"
+  for r in 0 1; do
+    ns=$([ $r = 0 ] && echo "$NS0" || echo "$NS1")
+    ip netns exec "$ns" unshare --uts sh -c "hostname host$r; exec env RANK=$r LOCAL_RANK=0 WORLD_SIZE=2 \
+      LOCAL_WORLD_SIZE=1 MASTER_ADDR=10.231.0.1 MASTER_PORT=29517 '$FERRYD' train --config '$WORK/hosts.toml' \
+      --dir '$RUN'" >"$WORK/host$r.log" 2>&1 &
+    eval "PID$r=\$!"
+  done
+  wait "$PID0" || fail "rank 0 (host0) failed: $(tail -5 "$WORK/host0.log")"
+  wait "$PID1" || fail "rank 1 (host1) failed: $(tail -5 "$WORK/host1.log")"
+  grep -q "rank 1 of 2 (local rank 0), gloo on 10.231.0.1:29517" "$WORK/host1.log" || fail "rank 1: $(head -3 "$WORK/host1.log")"
+  [ "$(wc -l < "$RUN/metrics.jsonl")" = 2 ] || fail "metrics.jsonl: $(wc -l < "$RUN/metrics.jsonl") lines, not 2"
+  [ -d "$RUN/checkpoint-20" ] || fail "no checkpoint-20 from rank 0"
+  echo "PASS (two namespaces, hosts host0 and host1)"
+  exit 0
+fi
+
+echo "== 1. the demo: 2 ranks x 64 completions against 1 process x 128"
+demo_config "$WORK/one.toml" 128 150
+demo_config "$WORK/two.toml" 64 150
+"$FERRYD" train --config "$WORK/one.toml" --dir "$WORK/one" 2>"$WORK/one.log" || fail "1 rank: $(tail -3 "$WORK/one.log")"
+"$FERRYD" train --config "$WORK/two.toml" --dir "$WORK/two" --nproc-per-node 2 2>"$WORK/two.log" \
+  || fail "2 ranks: $(tail -5 "$WORK/two.log")"
+grep -q "rank 1 of 2" "$WORK/two.log" || fail "no rank 1 in the log"
+ONE_START=$(mean_of "$WORK/one/metrics.jsonl" 1 2 reward)
+ONE_END=$(mean_of "$WORK/one/metrics.jsonl" 13 15 reward)
+TWO_START=$(mean_of "$WORK/two/metrics.jsonl" 1 2 reward)
+TWO_END=$(mean_of "$WORK/two/metrics.jsonl" 13 15 reward)
+echo "reward: 1 rank $ONE_START -> $ONE_END, 2 ranks $TWO_START -> $TWO_END"
+awk -v s="$TWO_START" -v e="$TWO_END" 'BEGIN {exit !(e - s >= 0.03)}' || fail "2 ranks did not learn: $TWO_START -> $TWO_END"
+awk -v s="$ONE_START" -v e="$ONE_END" 'BEGIN {exit !(e - s >= 0.03)}' || fail "1 rank did not learn: $ONE_START -> $ONE_END"
+awk -v a="$ONE_END" -v b="$TWO_END" 'BEGIN {exit !(b >= a - 0.04)}' || fail "2 ranks end at $TWO_END, 1 rank at $ONE_END"
+# 128 completions per step on both: the same token counts per step.
+grep -q '"completions/mean_length"' "$WORK/two/metrics.jsonl" || fail "no completion metrics"
+# The store holds each step once (one merged version per step, written by rank 0 alone).
+MERGED_STEPS=$("$FERRY" versions list --db "$WORK/two/store" --json |
+  awk '/"kind":/ {kind = $2} /"step":/ {step = $2} /^  }/ {if (kind ~ /merged/) print step + 0; kind = ""; step = ""}')
+[ "$(sort -n <<<"$MERGED_STEPS" | tr '\n' ' ')" = "$(seq 1 150 | tr '\n' ' ')" ] \
+  || fail "merged versions recorded for steps: $(sort -n <<<"$MERGED_STEPS" | uniq -c | awk '$1 != 1' | head -3)"
+LAST=$(tail -1 "$WORK/two/metrics.jsonl" | grep -o '"generator_version":"[0-9a-f]*"' | cut -d'"' -f4)
+"$FERRY" convert --base "$WORK/model" --adapter "$WORK/two/checkpoint-150" --out "$WORK/merged-150" >/dev/null
+"$FERRY" verify "$WORK/merged-150" --db "$WORK/two/store" --version "$LAST" >/dev/null \
+  || fail "checkpoint-150 merged by ferry convert is not $LAST, the version the ranks acknowledged"
+
+echo "== 2. ferry daemon start --nproc-per-node 2: status lists every rank"
+demo_config "$WORK/ops.toml" 64 100000
+RUN="$WORK/ops"
+"$FERRY" daemon start --config "$WORK/ops.toml" --dir "$RUN" --nproc-per-node 2 --detach >/dev/null \
+  || fail "daemon start --nproc-per-node 2 --detach: $(tail -5 "$RUN/ferryd.log")"
+[ "$("$FERRY" daemon pause --dir "$RUN")" = paused ] || fail "daemon pause did not end paused"
+STATUS=$("$FERRY" daemon status --dir "$RUN" --json)
+VERSION=$(python3 -c 'import json,sys; print(json.loads(sys.argv[1])["generator_version"])' "$STATUS")
+python3 - "$STATUS" <<'EOF' || fail "status: $STATUS"
+import json, sys
+j = json.loads(sys.argv[1])
+ranks = j["ranks"]
+assert [r["rank"] for r in ranks] == [0, 1], ranks
+assert all(r["generator_version"] == j["generator_version"] for r in ranks), ranks
+assert all(r["step"] == j["step"] for r in ranks), ranks
+assert ranks[0]["pid"] == j["pid"] and ranks[1]["pid"] != j["pid"], ranks
+EOF
+"$FERRY" daemon status --dir "$RUN" | grep -q "^  rank 1  host .*generator_version $VERSION" \
+  || fail "status text: $("$FERRY" daemon status --dir "$RUN")"
+PIDS=$(python3 -c 'import json,sys; print(" ".join(str(r["pid"]) for r in json.loads(sys.argv[1])["ranks"]))' "$STATUS")
+"$FERRY" daemon stop --dir "$RUN" >/dev/null || fail "daemon stop"
+for _ in $(seq 100); do
+  alive=0; for p in $PIDS; do kill -0 "$p" 2>/dev/null && alive=1; done
+  [ $alive = 0 ] && break; sleep 0.1
+done
+[ $alive = 0 ] || fail "ranks $PIDS still run 10 s after stop"
+
+echo "== 3. kill -9 of rank 1: rank 0 names it; the same command resumes both"
+demo_config "$WORK/kill.toml" 64 60 10
+sed -i 's/^save_steps = .*/save_steps = 10/; s/^logging_steps = .*/logging_steps = 1/' "$WORK/kill.toml"
+RUN="$WORK/kill"
+start_ranks() {  # start_ranks CONFIG1: both ranks through torchrun's environment
+  PORT=$(free_port)
+  env $(ranks_env 0 2 "$PORT") "$FERRYD" train --config "$WORK/kill.toml" --dir "$RUN" >"$WORK/rank0.log" 2>&1 &
+  R0=$!
+  env $(ranks_env 1 2 "$PORT") "$FERRYD" train --config "${1:-$WORK/kill.toml}" --dir "$RUN" >"$WORK/rank1.log" 2>&1 &
+  R1=$!
+}
+start_ranks
+for _ in $(seq 300); do [ -f "$RUN/metrics.jsonl" ] && [ "$(wc -l < "$RUN/metrics.jsonl")" -ge 25 ] && break; sleep 0.1; done
+[ "$(wc -l < "$RUN/metrics.jsonl")" -ge 25 ] || fail "the run did not reach step 25: $(tail -3 "$WORK/rank0.log")"
+kill -9 "$R1"
+T0=$(date +%s)
+set +e; wait "$R0"; RC=$?; set -e
+T1=$(date +%s)
+[ $RC -ne 0 ] || fail "rank 0 exited 0 after rank 1 was killed"
+[ $((T1 - T0)) -le 15 ] || fail "rank 0 took $((T1 - T0)) s to notice (timeout 10 s)"
+grep -q "error: .*rank 1 (host .*, pid $R1) stopped answering" "$WORK/rank0.log" \
+  || fail "rank 0's error does not name rank 1 (pid $R1): $(tail -2 "$WORK/rank0.log")"
+start_ranks
+wait "$R0" || fail "the resumed rank 0 failed: $(tail -3 "$WORK/rank0.log")"
+wait "$R1" || fail "the resumed rank 1 failed: $(tail -3 "$WORK/rank1.log")"
+grep -q "resumed from .*checkpoint-" "$WORK/rank0.log" || fail "rank 0 did not resume: $(head -5 "$WORK/rank0.log")"
+STEPS=$(grep -o '"step":[0-9]*' "$RUN/metrics.jsonl" | cut -d: -f2 | tr '\n' ' ')
+[ "$STEPS" = "$(seq 1 60 | tr '\n' ' ')" ] || fail "metrics.jsonl steps after the resume: $STEPS"
+
+echo "== 4. a base that differs on one rank's host is caught by the id comparison"
+cp -r "$WORK/model" "$WORK/model-bad"
+python3 - "$WORK/model-bad/model.safetensors" <<'EOF'
+import struct, sys
+p = sys.argv[1]
+with open(p, "r+b") as f:
+    n = struct.unpack("<Q", f.read(8))[0]
+    f.seek(8 + n + 1000)          # a byte of the first tensors' data, past the header
+    b = f.read(1); f.seek(-1, 1); f.write(bytes([b[0] ^ 0x40]))
+EOF
+sed "s|^model_name_or_path = .*|model_name_or_path = \"$WORK/model-bad\"|" "$WORK/kill.toml" > "$WORK/bad.toml"
+RUN="$WORK/bad"
+start_ranks "$WORK/bad.toml"
+set +e; wait "$R0"; RC0=$?; wait "$R1"; RC1=$?; set -e
+[ $RC0 -ne 0 ] && [ $RC1 -ne 0 ] || fail "the ranks ran on different bases (exit codes $RC0, $RC1)"
+grep -q "at the start: the generator of rank 1 (host .*) acknowledged [0-9a-f]\{32\} but that of rank 0 (host .*) acknowledged [0-9a-f]\{32\}" \
+  "$WORK/rank0.log" || fail "rank 0's error: $(tail -2 "$WORK/rank0.log")"
+echo PASS

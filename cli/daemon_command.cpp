@@ -1,6 +1,7 @@
 // `ferry daemon ...`: operating ferryd (the GRPO daemon) over its control socket
 // (daemon/control/protocol.h) and from its run directory's files (daemon/control/run_dir.h).
-//   start    --config FILE [--dir DIR] [--max-steps N] [--publish EP] [--nproc-per-node N] [--detach [--wait-s S]] [--json]
+//   start    --config FILE [--dir DIR] [--max-steps N] [--publish EP] [--nproc-per-node N] [--detach [--wait-s S]]
+//   [--json]
 //            runs `ferryd train --config FILE --dir DIR [--max-steps N] [--publish EP]` (ferryd next to this
 //            executable, or $FERRY_FERRYD) through daemon/control/launcher.h: in the foreground
 //            (its exit code is ferry's), or detached (new session, output appended to
@@ -528,9 +529,10 @@ void SetDaemonCommand(CLI::App& app) {
   start->add_option("--publish", flags->publish,
                     "Passed to ferryd: also serve each step's version to remote generators (ipc://DIR or "
                     "tcp://HOST:PORT; overrides [publish] endpoint)");
-  start->add_option("--nproc-per-node", flags->nproc_per_node,
-                    "Passed to ferryd: start this many local data-parallel ranks (rank 0 serves the control socket; "
-                    "status lists every rank)")
+  start
+      ->add_option("--nproc-per-node", flags->nproc_per_node,
+                   "Passed to ferryd: start this many local data-parallel ranks (rank 0 serves the control socket; "
+                   "status lists every rank)")
       ->check(CLI::Range(1, 1024));
   start->add_flag("--detach", flags->detach,
                   "Run as a daemon (new session, output appended to DIR/ferryd.log); print its pid once its control "

@@ -199,7 +199,7 @@ struct ProcessGroup::Impl {
     const std::string cause = FirstLine(e.what());
     if (why.empty()) {
       return Status::Unavailable(what + ": the ranks did not meet within " +
-                             std::to_string(options.timeout.count() / 1000) + " s (" + cause + ")");
+                                 std::to_string(options.timeout.count() / 1000) + " s (" + cause + ")");
     }
     return Status::Unavailable(what + ": " + why + " (" + DescribeRank(launch.rank) + " saw: " + cause + ")");
   }
@@ -353,7 +353,7 @@ Result<std::string> ProcessGroup::Await(const std::string& key, int poster, cons
         last_change = Clock::now();
       } else if (Clock::now() - last_change > kHeartbeatInterval * 20) {
         return Status::Unavailable(what + ": " + impl_->DescribeRank(poster) +
-                               " stopped answering (killed, crashed or hung)");
+                                   " stopped answering (killed, crashed or hung)");
       }
     }
   } catch (const std::exception& e) {

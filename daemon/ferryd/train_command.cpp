@@ -41,8 +41,8 @@
 #include "daemon/control/run_lock.h"
 #include "daemon/control/server.h"
 #include "daemon/dist/process_group.h"
-#include "daemon/ferryd/local_ranks.h"
 #include "daemon/ferryd/commands.h"
+#include "daemon/ferryd/local_ranks.h"
 #include "daemon/ferryd/remote.h"
 #include "daemon/grpo/trainer.h"
 #include "daemon/run/config.h"
@@ -278,8 +278,8 @@ class RunControl {
                          {"host", r.host},
                          {"pid", r.pid},
                          {"step", step_},
-                         {"generator_version", i < rank_versions_.size() ? nlohmann::json(rank_versions_[i])
-                                                                         : nlohmann::json(nullptr)}});
+                         {"generator_version",
+                          i < rank_versions_.size() ? nlohmann::json(rank_versions_[i]) : nlohmann::json(nullptr)}});
       }
       j["ranks"] = ranks;
     }
@@ -457,8 +457,8 @@ Status RunTrain(const TrainFlags& f) {
   RunControl control(total);
   control.Started(*trainer, first_step > 0 ? "checkpoint-" + std::to_string(first_step) : "");
   if (group) {
-    control.SetRanks(group->ranks(), std::vector<std::string>(static_cast<size_t>(group->size()),
-                                                              trainer->generator_version()));
+    control.SetRanks(group->ranks(),
+                     std::vector<std::string>(static_cast<size_t>(group->size()), trainer->generator_version()));
   }
   const run::RunConfig& rc = config;
   if (!serving.publish.empty()) {

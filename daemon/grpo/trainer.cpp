@@ -238,16 +238,17 @@ Status CheckDataParallel(const run::RunConfig& c, int world) {
   const std::string src = c.source.string();
   const std::string ranks = " with " + std::to_string(world) + " ranks";
   if (c.use_vllm) {
-    return Status::Unsupported(src + ": key 'use_vllm': a vLLM server generating for several ranks is not supported"
-                                     " yet" + ranks + "; each rank's co-located generator is used without it");
+    return Status::Unsupported(src +
+                               ": key 'use_vllm': a vLLM server generating for several ranks is not supported"
+                               " yet" +
+                               ranks + "; each rank's co-located generator is used without it");
   }
   if (c.num_iterations > 1 || c.steps_per_generation != c.gradient_accumulation_steps) {
-    return Status::Unsupported(src + ": key '" + std::string(c.num_iterations > 1 ? "num_iterations" : "steps_per_generation") +
-                               "': a generation used across several steps (num_iterations " +
-                               std::to_string(c.num_iterations) + ", steps_per_generation " +
-                               std::to_string(c.steps_per_generation) + ", gradient_accumulation_steps " +
-                               std::to_string(c.gradient_accumulation_steps) + ") is not supported" + ranks +
-                               " yet: one generation per step");
+    return Status::Unsupported(
+        src + ": key '" + std::string(c.num_iterations > 1 ? "num_iterations" : "steps_per_generation") +
+        "': a generation used across several steps (num_iterations " + std::to_string(c.num_iterations) +
+        ", steps_per_generation " + std::to_string(c.steps_per_generation) + ", gradient_accumulation_steps " +
+        std::to_string(c.gradient_accumulation_steps) + ") is not supported" + ranks + " yet: one generation per step");
   }
   return Status::OK();
 }
@@ -693,8 +694,7 @@ Status Trainer::Run(const RunHooks& hooks) {
         FERRY_RETURN_IF_ERROR(s.group->Post(key, go ? "1" : "0"));
         if (!go) break;
       } else {
-        FERRY_ASSIGN_OR_RETURN(std::string go,
-                               s.group->Await(key, 0, "before step " + std::to_string(s.step + 1)));
+        FERRY_ASSIGN_OR_RETURN(std::string go, s.group->Await(key, 0, "before step " + std::to_string(s.step + 1)));
         if (go != "1") break;
       }
     } else if (hooks.before_step && !hooks.before_step()) {

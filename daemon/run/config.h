@@ -326,14 +326,14 @@ struct RunConfig {
   // generation_batch_size was set in the file (TRL then keeps it as the global batch when the
   // run has several ranks; see ForWorldSize). Not a key of its own.
   bool generation_batch_size_set = false;
-  double temperature = 1.0;                  // > 0. Default: 1.0
-  double top_p = 1.0;                        // (0, 1]. Default: 1.0
-  int64_t top_k = 0;                         // 0: off. Default: 0
-  double beta = 0.0;                         // KL coefficient. Default: 0.0
-  int64_t num_iterations = 1;                // Default: 1
-  double epsilon = 0.2;                      // [0, 1]. Default: 0.2
-  double epsilon_high = 0.2;                 // resolved; Default: epsilon
-  std::optional<double> delta;               // two-sided clipping bound. Default: none
+  double temperature = 1.0;     // > 0. Default: 1.0
+  double top_p = 1.0;           // (0, 1]. Default: 1.0
+  int64_t top_k = 0;            // 0: off. Default: 0
+  double beta = 0.0;            // KL coefficient. Default: 0.0
+  int64_t num_iterations = 1;   // Default: 1
+  double epsilon = 0.2;         // [0, 1]. Default: 0.2
+  double epsilon_high = 0.2;    // resolved; Default: epsilon
+  std::optional<double> delta;  // two-sided clipping bound. Default: none
   ImportanceSamplingLevel importance_sampling_level = ImportanceSamplingLevel::kToken;  // Default: "token"
   ScaleRewards scale_rewards = ScaleRewards::kGroup;                                    // Default: "group"
   LossType loss_type = LossType::kDapo;                                                 // Default: "dapo"

@@ -88,8 +88,10 @@ Result<RunConfig> ForWorldSize(const RunConfig& config, int world_size) {
   } else {
     c.generation_batch_size = pdbs * w * c.steps_per_generation;
     if (c.generation_batch_size > kMaxGenerationBatchSize) {
-      return Status::InvalidArgument(src + ": key 'per_device_train_batch_size': times steps_per_generation and the "
-                                     "world size is " + std::to_string(c.generation_batch_size) +
+      return Status::InvalidArgument(src +
+                                     ": key 'per_device_train_batch_size': times steps_per_generation and the "
+                                     "world size is " +
+                                     std::to_string(c.generation_batch_size) +
                                      " completions per generation, above the limit of " +
                                      std::to_string(kMaxGenerationBatchSize) + ranks);
     }

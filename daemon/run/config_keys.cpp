@@ -190,16 +190,13 @@ std::vector<KeyInfo> MakeKeys() {
   k.push_back(std::move(store));
   k.push_back(Operational("publish", &RunConfig::publish, PublishKeys()));
   k.push_back(Operational("control", &RunConfig::control, ControlKeys()));
-  k.push_back({"distributed",
-               Record::kNever,
-               NamesOf(DistributedKeys()),
+  k.push_back({"distributed", Record::kNever, NamesOf(DistributedKeys()),
                [](Parse& p, RunConfig& c, const toml::node& v) -> Status {
                  if (!v.is_table()) return p.rd.Error("must be a table ([distributed]), got " + Reader::TypeName(v));
                  return ReadRows(p, *v.as_table(), "distributed", DistributedKeys(), c.distributed,
                                  UnknownIn(p, "distributed", DistributedKeys()));
                },
-               [](const RunConfig&) { return OJson(nullptr); },
-               [](const RunConfig&) { return true; }});
+               [](const RunConfig&) { return OJson(nullptr); }, [](const RunConfig&) { return true; }});
 
   // --- TrainingArguments (as GRPOConfig overrides them).
   k.push_back(FloatKey("learning_rate", &RunConfig::learning_rate, {.min = 0, .max = 1e6}));

@@ -68,8 +68,7 @@ TEST(LaunchFromEnvTest, ErrorsNameTheVariable) {
 
   auto no_addr = FromMap({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_PORT", "29500"}});
   ASSERT_FALSE(no_addr.ok());
-  EXPECT_NE(no_addr.status().message().find("MASTER_ADDR is not set"), std::string::npos)
-      << no_addr.status().message();
+  EXPECT_NE(no_addr.status().message().find("MASTER_ADDR is not set"), std::string::npos) << no_addr.status().message();
 
   auto bad_port = FromMap({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "h"}, {"MASTER_PORT", "70000"}});
   ASSERT_FALSE(bad_port.ok());

@@ -139,6 +139,7 @@ Status ShareStartState(Trainer::State& s) {
 
 Result<at::Tensor> GatherRows(Trainer::State& s, const at::Tensor& local, const std::string& what) {
   if (!s.group) return local;
+  PhaseTimer timer(s, "communication");
   FERRY_ASSIGN_OR_RETURN(at::Tensor all, s.group->AllGather(local.contiguous(), StepWhat(s, what)));
   std::vector<int64_t> shape = local.sizes().vec();
   shape[0] *= s.group->size();
@@ -147,6 +148,7 @@ Result<at::Tensor> GatherRows(Trainer::State& s, const at::Tensor& local, const 
 
 Result<int64_t> SumOverRanks(Trainer::State& s, int64_t value, const std::string& what) {
   if (!s.group) return value;
+  PhaseTimer timer(s, "communication");
   at::Tensor t = at::full({1}, value, at::kLong);
   FERRY_RETURN_IF_ERROR(s.group->AllReduceSum(t, StepWhat(s, what)));
   return t.item<int64_t>();
@@ -154,6 +156,7 @@ Result<int64_t> SumOverRanks(Trainer::State& s, int64_t value, const std::string
 
 Status AverageGradients(Trainer::State& s) {
   if (!s.group) return Status::OK();
+  PhaseTimer timer(s, "communication");
   const std::string what = StepWhat(s, "averaging the LoRA gradients");
   return runtime::GuardTorch(what, [&]() -> Status {
     at::NoGradGuard no_grad;
@@ -189,54 +192,42 @@ Status AverageGradients(Trainer::State& s) {
   });
 }
 
-Result<Metrics> CombineMetrics(Trainer::State& s, const Metrics& m) {
-  if (!s.group) return m;
-  std::vector<double> values;
-  for (const auto& [k, v] : m) values.push_back(v);
-  at::Tensor local = at::tensor(values, at::kDouble);
-  // The keys must be the same on every rank (the same config): compared by a digest.
-  std::string names;
-  for (const auto& [k, v] : m) names += k + '\n';
-  FERRY_ASSIGN_OR_RETURN(at::Tensor keys, s.group->AllGather(DigestTensor(store::AuxDigest(names)),
-                                                             StepWhat(s, "comparing the metrics' names")));
-  for (int r = 0; r < s.group->size(); ++r) {
-    if (!keys[r].equal(keys[s.group->rank()])) {
-      return Status::Internal(StepWhat(s, "the metrics of " + s.group->Describe(r) + " have other names than " +
-                                              s.group->Describe(s.group->rank()) + "'s"));
-    }
-  }
-  FERRY_ASSIGN_OR_RETURN(at::Tensor all, s.group->AllGather(local, StepWhat(s, "averaging the metrics")));
-  Metrics out;
-  int64_t j = 0;
-  for (const auto& [k, v] : m) {
-    const at::Tensor col = all.select(1, j++);
-    // NaN (a metric TRL logs as NaN on a rank) stays NaN when every rank has it.
-    const at::Tensor finite = col.isnan().logical_not();
-    if (!finite.any().item<bool>()) {
-      out[k] = v;
-      continue;
-    }
-    const at::Tensor vals = col.masked_select(finite);
-    out[k] = IsMin(k) ? vals.min().item<double>() : IsMax(k) ? vals.max().item<double>() : vals.mean().item<double>();
-  }
-  return out;
-}
-
 bool AdapterCheckDue(const Trainer::State& s, int64_t step) {
   const int64_t every = s.config.distributed.check_every;
   return s.group && every > 0 && (step == 1 || step % every == 0);
 }
 
-Status CheckRanksAgree(Trainer::State& s, const store::Digest& acked, bool check_adapter) {
+// A digest as 4 doubles (32 bits each: exact), to travel in a gather of doubles.
+void PutDigest(std::vector<double>& out, const store::Digest& d) {
+  out.push_back(static_cast<double>(d.hi >> 32));
+  out.push_back(static_cast<double>(d.hi & 0xffffffffULL));
+  out.push_back(static_cast<double>(d.lo >> 32));
+  out.push_back(static_cast<double>(d.lo & 0xffffffffULL));
+}
+store::Digest GetDigest(const at::Tensor& row, int64_t at) {
+  auto v = [&](int64_t i) { return static_cast<uint64_t>(row[at + i].item<double>()); };
+  return store::Digest{(v(0) << 32) | v(1), (v(2) << 32) | v(3)};
+}
+
+Status ShareStepEnd(Trainer::State& s, const store::Digest& acked, Metrics& metrics, bool check_adapter) {
   if (!s.group) {
     s.rank_versions = {acked.Hex()};
     return Status::OK();
   }
+  PhaseTimer timer(s, "communication");
   dist::ProcessGroup& g = *s.group;
   const std::string when = s.step == 0 ? "at the start" : "step " + std::to_string(s.step);
-  FERRY_ASSIGN_OR_RETURN(at::Tensor ids, g.AllGather(DigestTensor(acked), when + ": gathering the acknowledged ids"));
+  // [acked id (4), the metrics' names (4), the metrics' values]
+  std::vector<double> values;
+  PutDigest(values, acked);
+  std::string names;
+  for (const auto& [k, v] : metrics) names += k + '\n';
+  PutDigest(values, store::AuxDigest(names));
+  for (const auto& [k, v] : metrics) values.push_back(v);
+  FERRY_ASSIGN_OR_RETURN(at::Tensor all, g.AllGather(at::tensor(values, at::kDouble),
+                                                     when + ": gathering the acknowledged ids and the metrics"));
   s.rank_versions.clear();
-  for (int r = 0; r < g.size(); ++r) s.rank_versions.push_back(DigestOf(ids[r]).Hex());
+  for (int r = 0; r < g.size(); ++r) s.rank_versions.push_back(GetDigest(all[r], 0).Hex());
   for (int r = 1; r < g.size(); ++r) {
     if (s.rank_versions[static_cast<size_t>(r)] != s.rank_versions[0]) {
       return Status::Corruption(when + ": the generator of " + g.Describe(r) + " acknowledged " +
@@ -246,14 +237,29 @@ Status CheckRanksAgree(Trainer::State& s, const store::Digest& acked, bool check
                                 "corrupted memory); the run stops");
     }
   }
+  for (int r = 0; r < g.size(); ++r) {
+    if (GetDigest(all[r], 4) != GetDigest(all[g.rank()], 4)) {
+      return Status::Internal(when + ": the metrics of " + g.Describe(r) + " have other names than " +
+                              g.Describe(g.rank()) + "'s");
+    }
+  }
+  int64_t j = 8;
+  for (auto& [k, v] : metrics) {
+    const at::Tensor col = all.select(1, j++);
+    // NaN (a metric TRL logs as NaN on a rank) stays NaN when every rank has it.
+    const at::Tensor finite = col.isnan().logical_not();
+    if (!finite.any().item<bool>()) continue;
+    const at::Tensor vals = col.masked_select(finite);
+    v = IsMin(k) ? vals.min().item<double>() : IsMax(k) ? vals.max().item<double>() : vals.mean().item<double>();
+  }
   if (!check_adapter) return Status::OK();
   FERRY_ASSIGN_OR_RETURN(store::Digest mine, AdapterDigest(s));
-  FERRY_ASSIGN_OR_RETURN(at::Tensor all, g.AllGather(DigestTensor(mine), when + ": comparing the adapters"));
+  FERRY_ASSIGN_OR_RETURN(at::Tensor adapters, g.AllGather(DigestTensor(mine), when + ": comparing the adapters"));
   for (int r = 1; r < g.size(); ++r) {
-    if (!all[r].equal(all[0])) {
+    if (!adapters[r].equal(adapters[0])) {
       return Status::Corruption(when + ": the adapter parameters of " + g.Describe(r) + " (digest " +
-                                DigestOf(all[r]).Hex() + ") differ from those of " + g.Describe(0) + " (digest " +
-                                DigestOf(all[0]).Hex() + "); the run stops");
+                                DigestOf(adapters[r]).Hex() + ") differ from those of " + g.Describe(0) + " (digest " +
+                                DigestOf(adapters[0]).Hex() + "); the run stops");
     }
   }
   return Status::OK();

@@ -50,14 +50,14 @@ inline constexpr int64_t kGradientBucketBytes = int64_t{32} << 20;
 // then defined). Without a group: nothing.
 [[nodiscard]] Status AverageGradients(Trainer::State& s);
 
-// The step's metrics combined over the ranks: the mean, or the min / max of those whose last
-// name part starts or ends with min / max. Without a group: `m`.
-[[nodiscard]] Result<Metrics> CombineMetrics(Trainer::State& s, const Metrics& m);
-
-// Gathers the snapshot id each rank's generator acknowledged (`acked`, this rank's) into
-// s.rank_versions; kCorruption naming the rank, its host and both ids when one differs from
-// rank 0's. With check_adapter, also the ranks' adapter digests (kCorruption likewise).
-[[nodiscard]] Status CheckRanksAgree(Trainer::State& s, const store::Digest& acked, bool check_adapter);
+// The end of a step (or the start, with no metrics), in one gather: the snapshot id each
+// rank's generator acknowledged (`acked`, this rank's) into s.rank_versions, kCorruption naming
+// the rank, its host and both ids when one differs from rank 0's; the names of the metrics
+// (kInternal when they differ); and `metrics` combined over the ranks: the mean, or the min /
+// max of those whose last name part starts or ends with min / max. With check_adapter, a
+// second gather compares the ranks' adapter digests (kCorruption likewise). Without a group:
+// s.rank_versions = {acked}, `metrics` unchanged.
+[[nodiscard]] Status ShareStepEnd(Trainer::State& s, const store::Digest& acked, Metrics& metrics, bool check_adapter);
 
 // Whether the run's step `step` is one whose adapter digests the ranks compare.
 bool AdapterCheckDue(const Trainer::State& s, int64_t step);

@@ -247,6 +247,7 @@ Result<Rollout> MakeRollout(Trainer::State& s) {
                                 " completions for " + std::to_string(drawn.ids.size()) + " prompts");
       }
     } else {
+      PhaseTimer timer(s, "generation");
       FERRY_ASSIGN_OR_RETURN(completions, s.vllm
                                               ? s.vllm->Generate(drawn.ids, static_cast<int>(G), drawn.sampling)
                                               : s.generator->Generate(drawn.ids, static_cast<int>(G), drawn.sampling));
@@ -276,18 +277,20 @@ Result<Rollout> MakeRollout(Trainer::State& s) {
     inputs[i].example = examples[pi];
     inputs[i].prompt_index = static_cast<int64_t>(pi);
   }
-  FERRY_ASSIGN_OR_RETURN(run::RewardMatrix matrix, s.rewards->ScoreAll(inputs));
+  run::RewardMatrix matrix;
+  {
+    PhaseTimer timer(s, "rewards");
+    FERRY_ASSIGN_OR_RETURN(matrix, s.rewards->ScoreAll(inputs));
+  }
 
   Rollout r;
   FERRY_RETURN_IF_ERROR(runtime::GuardTorch("building the generation batch", [&]() -> Status {
+    // Per completion, what the statistics over every rank's completions need (TRL gathers
+    // them): its rewards (fp32, as TRL keeps them), then its length, whether it was truncated,
+    // its prompt's length and its tokens the loss counts. Gathered in one collective.
     at::Tensor rpf = at::tensor(matrix.values, at::kDouble).to(at::kFloat).view({static_cast<int64_t>(N), -1});
-    // Advantages and their statistics over every rank's rewards (TRL gathers them); this
-    // rank keeps its rows.
-    FERRY_ASSIGN_OR_RETURN(at::Tensor all_rewards, GatherRows(s, rpf, "gathering the rewards"));
-    FERRY_ASSIGN_OR_RETURN(Advantages adv, ComputeAdvantages(all_rewards, s.advantage_options));
-    r.advantages = adv.advantages.narrow(0, static_cast<int64_t>(N) * s.rank, static_cast<int64_t>(N)).clone();
-    r.metrics = adv.metrics;
-
+    const int64_t F = rpf.size(1);
+    at::Tensor stats = at::zeros({static_cast<int64_t>(N), 4}, at::kDouble);
     int64_t P = 0, C = 1;
     for (const auto& p : drawn.ids) P = std::max<int64_t>(P, static_cast<int64_t>(p.size()));
     for (const auto& cm : completions) C = std::max<int64_t>(C, static_cast<int64_t>(cm.token_ids.size()));
@@ -301,7 +304,6 @@ Result<Rollout> MakeRollout(Trainer::State& s) {
     auto cid = r.completion_ids.accessor<int64_t, 2>();
     auto cm = r.completion_mask.accessor<int64_t, 2>();
     auto sl = r.sampling_logps.accessor<float, 2>();
-    at::Tensor stats = at::zeros({static_cast<int64_t>(N), 3}, at::kDouble);  // length, truncated, prompt length
     auto st = stats.accessor<double, 2>();
     for (size_t i = 0; i < N; ++i) {
       const auto& p = drawn.ids[i / static_cast<size_t>(G)];
@@ -314,18 +316,25 @@ Result<Rollout> MakeRollout(Trainer::State& s) {
       const runtime::Completion& comp = completions[i];
       const bool is_truncated = comp.finish != runtime::Completion::Finish::kEos;
       const int64_t lc = static_cast<int64_t>(comp.token_ids.size());
+      const bool masked = is_truncated && c.mask_truncated_completions;
       for (int64_t t = 0; t < lc; ++t) {
         cid[static_cast<int64_t>(i)][t] = comp.token_ids[static_cast<size_t>(t)];
-        cm[static_cast<int64_t>(i)][t] = (is_truncated && c.mask_truncated_completions) ? 0 : 1;
+        cm[static_cast<int64_t>(i)][t] = masked ? 0 : 1;
         sl[static_cast<int64_t>(i)][t] = comp.logprobs[static_cast<size_t>(t)];
       }
       st[static_cast<int64_t>(i)][0] = static_cast<double>(lc);
       st[static_cast<int64_t>(i)][1] = is_truncated ? 1.0 : 0.0;
+      st[static_cast<int64_t>(i)][3] = masked ? 0.0 : static_cast<double>(lc);
     }
-    // The completion metrics and token counts over every rank's completions (TRL gathers them).
-    FERRY_ASSIGN_OR_RETURN(at::Tensor all_stats, GatherRows(s, stats, "gathering the completion lengths"));
-    FERRY_ASSIGN_OR_RETURN(r.num_items,
-                           SumOverRanks(s, r.completion_mask.sum().item<int64_t>(), "counting the completion tokens"));
+    FERRY_ASSIGN_OR_RETURN(at::Tensor all, GatherRows(s, at::cat({rpf.to(at::kDouble), stats}, 1),
+                                                      "gathering the rewards and completion lengths"));
+    // Advantages and their statistics over the whole batch; this rank keeps its rows.
+    FERRY_ASSIGN_OR_RETURN(Advantages adv, ComputeAdvantages(all.narrow(1, 0, F).to(at::kFloat), s.advantage_options));
+    r.advantages = adv.advantages.narrow(0, static_cast<int64_t>(N) * s.rank, static_cast<int64_t>(N)).clone();
+    r.metrics = adv.metrics;
+    const at::Tensor all_stats = all.narrow(1, F, 4).contiguous();
+    // dapo's normaliser: the tokens of the whole generation batch, every rank's.
+    r.num_items = static_cast<int64_t>(all_stats.select(1, 3).sum().item<double>());
     std::vector<double> lengths, terminated;
     double prompt_tokens = 0;
     int64_t truncated = 0;
@@ -387,9 +396,11 @@ Result<Rollout> MakeRollout(Trainer::State& s) {
     return out;
   };
   if (!s.fast_old_logps) {
+    PhaseTimer timer(s, "old_logps");
     FERRY_ASSIGN_OR_RETURN(r.old_logps, whole(true));
   }
   if (s.loss_options.beta != 0.0) {
+    PhaseTimer timer(s, "reference");
     FERRY_ASSIGN_OR_RETURN(r.ref_logps, whole(false));
   }
   if (c.vllm_importance_sampling_correction && r.old_logps.defined()) {

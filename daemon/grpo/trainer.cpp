@@ -464,7 +464,8 @@ Result<std::unique_ptr<Trainer::State>> CreateState(const TrainOptions& options,
     }
     s->generator_version = acked.Hex();
     s->generator_step = restored.step;
-    FERRY_RETURN_IF_ERROR(CheckRanksAgree(*s, acked, /*check_adapter=*/s->group != nullptr));
+    Metrics none;
+    FERRY_RETURN_IF_ERROR(ShareStepEnd(*s, acked, none, /*check_adapter=*/s->group != nullptr));
   }
   s->generator_snapshot = first.snapshot;
   if (writer) {
@@ -483,6 +484,7 @@ namespace {
 Result<StepResult> TakeStep(Trainer::State& s) {
   const run::RunConfig& c = s.config;
   const auto t0 = std::chrono::steady_clock::now();
+  s.timing.clear();
   const int64_t S = c.steps_per_generation, mu = c.num_iterations, A = c.gradient_accumulation_steps;
   Metrics step_metrics;
   std::map<std::string, std::vector<double>> micro;  // per micro-batch / per generation values
@@ -495,6 +497,7 @@ Result<StepResult> TakeStep(Trainer::State& s) {
     }
     const Rollout& r = *s.buffer;
     const std::vector<int64_t>& rows = r.rows_of_micro_batch[static_cast<size_t>(s.micro_step % S)];
+    PhaseTimer timer(s, "forward_backward");
     FERRY_ASSIGN_OR_RETURN(MicroBatchLogps mb, MicroBatchLogProbs(s, r, rows, /*lora=*/true, /*training=*/true));
     FERRY_RETURN_IF_ERROR(runtime::GuardTorch("loss", [&]() -> Status {
       LossInputs in;
@@ -529,10 +532,9 @@ Result<StepResult> TakeStep(Trainer::State& s) {
   }
   // The optimizer step.
   double grad_norm = 0;
-  const auto reduce_start = std::chrono::steady_clock::now();
   FERRY_RETURN_IF_ERROR(AverageGradients(s));
-  double communication = std::chrono::duration<double>(std::chrono::steady_clock::now() - reduce_start).count();
   FERRY_RETURN_IF_ERROR(runtime::GuardTorch("optimizer step", [&]() -> Status {
+    PhaseTimer timer(s, "optimizer");
     std::vector<at::Tensor> params = s.adapter->parameters();
     grad_norm = ClipGradNorm(params, c.max_grad_norm);
     const double lr = c.learning_rate * LrMultiplier(s.schedule, s.step, s.warmup_steps, s.total_steps);
@@ -546,7 +548,12 @@ Result<StepResult> TakeStep(Trainer::State& s) {
   if (s.buffer && s.micro_step % (S * mu) == 0) s.buffer.reset();
 
   // Hand the new weights to the generator; the step ends when it has proven it holds them.
-  FERRY_ASSIGN_OR_RETURN(sync::Handoff h, s.publisher->Publish(*s.adapter));
+  Result<sync::Handoff> published = Status::Internal("unset");
+  {
+    PhaseTimer timer(s, "snapshot");  // the merged snapshot built into new buffers and hashed
+    published = s.publisher->Publish(*s.adapter);
+  }
+  FERRY_ASSIGN_OR_RETURN(sync::Handoff h, std::move(published));
   if (s.vllm) {
     // The next step samples from the server only once it has proven it serves this version.
     // The probe runs alone on the server: vLLM 0.32's CPU LoRA path crashes its engine when a
@@ -564,16 +571,18 @@ Result<StepResult> TakeStep(Trainer::State& s) {
     step_metrics["timing/adopt"] =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - adopt_start).count();
   } else {
-    FERRY_ASSIGN_OR_RETURN(store::Digest acked, s.generator->Sync());
+    Result<store::Digest> synced = Status::Internal("unset");
+    {
+      PhaseTimer timer(s, "proof");  // the generator takes the snapshot and re-hashes its bytes
+      synced = s.generator->Sync();
+    }
+    FERRY_ASSIGN_OR_RETURN(store::Digest acked, std::move(synced));
     if (acked != h.snapshot->manifest_id()) {
       return Status::Corruption("step " + std::to_string(s.step) + ": the generator acknowledged " + acked.Hex() +
                                 " but the snapshot after the update is " + h.snapshot->manifest_id().Hex());
     }
     s.generator_version = acked.Hex();
     s.generator_step = s.step;
-    const auto check_start = std::chrono::steady_clock::now();
-    FERRY_RETURN_IF_ERROR(CheckRanksAgree(s, acked, AdapterCheckDue(s, s.step)));
-    communication += std::chrono::duration<double>(std::chrono::steady_clock::now() - check_start).count();
   }
   s.generator_snapshot = h.snapshot;
 
@@ -589,11 +598,13 @@ Result<StepResult> TakeStep(Trainer::State& s) {
   step_metrics["epoch"] =
       static_cast<double>(pos.epoch) + static_cast<double>(pos.index) / static_cast<double>(s.dataset->size());
   step_metrics["step_time"] = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  if (s.group) {
-    // Seconds this rank spent in the gradient all-reduce and the id gather.
-    step_metrics["timing/communication"] = communication;
-    FERRY_ASSIGN_OR_RETURN(step_metrics, CombineMetrics(s, step_metrics));
-  }
+  // Where the step's time went (seconds per phase; communication: the collectives of a
+  // data-parallel run, waiting for the slowest rank included).
+  for (const auto& [phase, seconds] : s.timing) step_metrics["timing/" + phase] = seconds;
+  FERRY_ASSIGN_OR_RETURN(store::Digest acked, store::Digest::FromHex(s.generator_version));
+  const double communicated = s.timing["communication"];
+  FERRY_RETURN_IF_ERROR(ShareStepEnd(s, acked, step_metrics, AdapterCheckDue(s, s.step)));
+  if (s.group) step_metrics["timing/communication"] += s.timing["communication"] - communicated;  // this rank's
   StepResult out;
   out.step = s.step;
   out.metrics = step_metrics;
@@ -602,7 +613,12 @@ Result<StepResult> TakeStep(Trainer::State& s) {
   if (s.rank != 0) return out;  // rank 0 alone records and logs
 
   if (s.options.on_snapshot) s.options.on_snapshot(h.snapshot->manifest_id(), h.snapshot);
+  const auto record_start = std::chrono::steady_clock::now();
   FERRY_RETURN_IF_ERROR(RecordStep(s, h, step_metrics));
+  // The store's record of the step (written after step_time, so not in it).
+  step_metrics["timing/record"] =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - record_start).count();
+  out.metrics["timing/record"] = step_metrics["timing/record"];
   for (const auto& [k, v] : step_metrics) s.pending[k].push_back(v);
   const int64_t every = Interval(c.logging_steps, s.total_steps);
   if ((every > 0 && s.step % every == 0) || s.step == s.total_steps) {

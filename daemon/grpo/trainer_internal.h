@@ -4,6 +4,7 @@
 #include <ATen/ATen.h>
 #include <torch/optim/adamw.h>
 
+#include <chrono>
 #include <future>
 #include <map>
 #include <memory>
@@ -122,6 +123,25 @@ struct Trainer::State {
   int world = 1;
   std::vector<std::string> rank_versions;  // the last ids the ranks acknowledged
   bool broken = false;                     // a step failed with a group: the ranks are out of step
+
+  // Seconds spent in each phase of the step being taken (its timing/<phase> metrics).
+  std::map<std::string, double> timing;
+};
+
+// Adds the seconds between its construction and its destruction to s.timing[phase].
+class PhaseTimer {
+ public:
+  PhaseTimer(Trainer::State& s, const char* phase) : s_(s), phase_(phase), start_(std::chrono::steady_clock::now()) {}
+  ~PhaseTimer() {
+    s_.timing[phase_] += std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
+  }
+  PhaseTimer(const PhaseTimer&) = delete;
+  PhaseTimer& operator=(const PhaseTimer&) = delete;
+
+ private:
+  Trainer::State& s_;
+  const char* phase_;
+  std::chrono::steady_clock::time_point start_;
 };
 
 // The seed of step `step`'s sampling (SplitMix64 of the run seed and the step): a resumed run

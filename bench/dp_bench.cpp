@@ -1,0 +1,190 @@
+// ferryd data-parallel on c10d (issue 33's speed target): completions trained per second by 2
+// ranks of one thread each (`ferryd train --nproc-per-node 2`) against one process of one thread,
+// at the same per-rank batch, on the bundled demo (fixtures/demo: tiny Llama, LoRA r 8 on all
+// 7 projections, 8 completions per prompt, 4 tokens). The two settings alternate, --reps times
+// each; per run, the steps after --warmup are timed from ferryd's --json lines (one per step,
+// stamped as the bench reads them), so start-up is left out. Printed per setting: the median
+// seconds per step and completions per second, then the ratio (target >= 1.7) and, from the
+// 2-rank runs' metrics, the share of a step spent in the collectives (timing/communication:
+// the rollout gather, the gradient all-reduce and the end-of-step gather, waiting for the
+// slower rank included; target <= 5%) and where the rest goes (timing/*).
+//
+// A GEMM calibration (F32 at::mm 512 x 1024 x 1024 on one thread, the median GFLOP/s of 7) is
+// printed before and after: other work on the machine shows as a drop.
+//
+// Usage: ferry_bench_dp [--reps 3] [--steps 60] [--warmup 10] [--batch 64] [--work DIR] [--keep]
+//   --batch: completions per rank and step (per_device_train_batch_size; 8 per prompt).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <nlohmann/json.hpp>
+
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "bench/bench_util.h"
+
+namespace {
+
+namespace fs = std::filesystem;
+using ferry::bench::Median;
+using ferry::bench::Now;
+using ferry::bench::Seconds;
+
+double CalibrationGflops() {
+  at::NoGradGuard no_grad;
+  const at::Tensor a = at::rand({512, 1024});
+  const at::Tensor b = at::rand({1024, 1024});
+  at::Tensor c = at::mm(a, b);
+  std::vector<double> runs;
+  for (int i = 0; i < 7; ++i) runs.push_back(Seconds([&] { c = at::mm(a, b); }));
+  return 2.0 * 512 * 1024 * 1024 / Median(runs) / 1e9;
+}
+
+struct Run {
+  double seconds_per_step = 0;
+  std::map<std::string, double> timing;  // mean of timing/* and step_time over the timed steps
+};
+
+// One `ferryd train` run; the seconds between the --json lines of the timed steps.
+Run TrainOnce(const fs::path& config, const fs::path& dir, int nproc, int steps, int warmup) {
+  std::string cmd = std::string(FERRYD_PATH) + " train --json --config " + config.string() + " --dir " + dir.string() +
+                    " --max-steps " + std::to_string(steps);
+  if (nproc > 1) cmd += " --nproc-per-node " + std::to_string(nproc);
+  cmd += " 2>" + (dir.string() + ".log");
+  FILE* p = ::popen(cmd.c_str(), "r");
+  if (p == nullptr) {
+    std::fprintf(stderr, "cannot run %s\n", cmd.c_str());
+    std::exit(1);
+  }
+  std::vector<double> stamps;
+  std::vector<nlohmann::json> lines;
+  char buf[1 << 16];
+  while (std::fgets(buf, sizeof(buf), p) != nullptr) {
+    stamps.push_back(Now());
+    lines.push_back(nlohmann::json::parse(buf, nullptr, false));
+  }
+  if (::pclose(p) != 0 || static_cast<int>(lines.size()) != steps) {
+    std::fprintf(stderr, "ferryd failed or logged %zu of %d steps; see %s.log\n", lines.size(), steps,
+                 dir.string().c_str());
+    std::exit(1);
+  }
+  Run r;
+  r.seconds_per_step = (stamps.back() - stamps[static_cast<size_t>(warmup) - 1]) / static_cast<double>(steps - warmup);
+  for (size_t i = static_cast<size_t>(warmup); i < lines.size(); ++i) {
+    for (const auto& [k, v] : lines[i].items()) {
+      if ((k.starts_with("timing/") || k == "step_time") && v.is_number()) {
+        r.timing[k] += v.get<double>() / static_cast<double>(steps - warmup);
+      }
+    }
+  }
+  return r;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  int reps = 3, steps = 60, warmup = 10, batch = 64;
+  fs::path work;
+  bool keep = false;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    auto next = [&]() -> std::string {
+      if (i + 1 >= argc) {
+        std::fprintf(stderr, "%s needs a value\n", a.c_str());
+        std::exit(2);
+      }
+      return argv[++i];
+    };
+    if (a == "--reps") {
+      reps = std::atoi(next().c_str());
+    } else if (a == "--steps") {
+      steps = std::atoi(next().c_str());
+    } else if (a == "--warmup") {
+      warmup = std::atoi(next().c_str());
+    } else if (a == "--batch") {
+      batch = std::atoi(next().c_str());
+    } else if (a == "--work") {
+      work = next();
+    } else if (a == "--keep") {
+      keep = true;
+    } else {
+      std::fprintf(stderr,
+                   "usage: ferry_bench_dp [--reps 3] [--steps 60] [--warmup 10] [--batch 64] [--work DIR] [--keep]\n");
+      return a == "--help" || a == "-h" ? 0 : 2;
+    }
+  }
+  if (reps < 1 || warmup < 1 || steps <= warmup || batch < 8 || batch % 8 != 0) {
+    std::fprintf(stderr, "need reps >= 1, 1 <= warmup < steps, batch a positive multiple of 8\n");
+    return 2;
+  }
+  if (work.empty()) {
+    char tmpl[] = "/tmp/ferry_bench_dp_XXXXXX";
+    if (::mkdtemp(tmpl) == nullptr) return 1;
+    work = tmpl;
+  }
+  fs::create_directories(work);
+  // The demo, one thread per rank, a --json line per step, no checkpoint but the last.
+  const fs::path demo = fs::path(FERRY_SOURCE_DIR) / "fixtures" / "demo";
+  std::ifstream in(demo / "grpo.toml");
+  std::ostringstream out;
+  for (std::string line; std::getline(in, line);) {
+    if (line.starts_with("model_name_or_path")) line = "model_name_or_path = \"" + (demo / "model").string() + "\"";
+    if (line.starts_with("dataset")) line = "dataset = \"" + (demo / "train.jsonl").string() + "\"";
+    if (line.starts_with("threads")) line = "threads = 1";
+    if (line.starts_with("per_device_train_batch_size")) {
+      line = "per_device_train_batch_size = " + std::to_string(batch);
+    }
+    if (line.starts_with("logging_steps")) line = "logging_steps = 1";
+    if (line.starts_with("save_steps")) line = "save_steps = 100000";
+    out << line << "\n";
+  }
+  const fs::path config = work / "grpo.toml";
+  std::ofstream(config) << out.str();
+
+  at::set_num_threads(1);
+  std::printf(
+      "ferryd data-parallel on the demo: %d completions per rank and step, one thread per rank, %d steps "
+      "(%d timed) x %d reps\n",
+      batch, steps, steps - warmup, reps);
+  std::printf("calibration before: F32 GEMM 512x1024x1024 %.1f GFLOP/s (1 thread)\n", CalibrationGflops());
+  std::vector<double> one, two;
+  std::map<std::string, std::vector<double>> one_timing, two_timing;
+  for (int r = 0; r < reps; ++r) {
+    for (int nproc : {1, 2}) {
+      const fs::path dir = work / ("run-" + std::to_string(nproc) + "-" + std::to_string(r));
+      const Run run = TrainOnce(config, dir, nproc, steps, warmup);
+      (nproc == 1 ? one : two).push_back(run.seconds_per_step);
+      for (const auto& [k, v] : run.timing) (nproc == 1 ? one_timing : two_timing)[k].push_back(v);
+      std::printf("  rep %d, %d rank%s: %.4f s/step, %.0f completions/s\n", r + 1, nproc, nproc > 1 ? "s" : "",
+                  run.seconds_per_step, batch * nproc / run.seconds_per_step);
+      std::fflush(stdout);
+      fs::remove_all(dir);
+    }
+  }
+  const double s1 = Median(one), s2 = Median(two);
+  const double c1 = batch / s1, c2 = 2.0 * batch / s2;
+  std::printf("\n%-34s %12s %14s\n", "", "s/step", "completions/s");
+  std::printf("%-34s %12.4f %14.0f\n", "1 rank x 1 thread", s1, c1);
+  std::printf("%-34s %12.4f %14.0f\n", "2 ranks x 1 thread (Gloo)", s2, c2);
+  std::printf("throughput ratio, 2 ranks / 1 rank: %.2fx (target >= 1.7x)\n", c2 / c1);
+  const double comm = Median(two_timing["timing/communication"]);
+  const double step = Median(two_timing["step_time"]);
+  std::printf("collectives, 2 ranks: %.4f s of a %.4f s step = %.1f%% (target <= 5%%)\n", comm, step,
+              100.0 * comm / step);
+  std::printf("\nwhere a step's time goes (s, medians over reps of the per-step means):\n%-28s %10s %10s\n", "",
+              "1 rank", "2 ranks");
+  for (const auto& [k, v] : two_timing) {
+    auto it = one_timing.find(k);
+    std::printf("%-28s %10s %10.4f\n", k.c_str(),
+                it == one_timing.end() ? "-" : std::to_string(Median(it->second)).substr(0, 6).c_str(), Median(v));
+  }
+  std::printf("\ncalibration after: F32 GEMM 512x1024x1024 %.1f GFLOP/s (1 thread)\n", CalibrationGflops());
+  if (!keep) fs::remove_all(work);
+  return 0;
+}

@@ -74,10 +74,14 @@ void Configure(Trainer::State& s) {
   s.fast_old_logps = c.steps_per_generation == 1 && c.num_iterations == 1 && c.lora.lora_dropout == 0;
 }
 
-Status RecordStep(Trainer::State& s, const sync::Handoff& h, const Metrics& metrics) {
+// The step's record in the store, as a job that may run on another thread: what it needs of
+// the trainer is copied now (the adapter's tensors, its config, the step's numbers); the
+// snapshot is immutable and the store thread-safe.
+Result<std::function<Status()>> PrepareRecord(Trainer::State& s, const sync::Handoff& h, const Metrics& metrics) {
   // The adapter's bytes, then the merged version by its digests (rebuilt from base + adapter).
-  FERRY_ASSIGN_OR_RETURN(auto tensors, s.adapter->ExportTensors());
-  Checkpoint ckpt = Checkpoint::FromTensors("adapter of step " + std::to_string(s.step), std::move(tensors));
+  FERRY_ASSIGN_OR_RETURN(auto tensors, s.adapter->ExportTensors());  // copies
+  auto ckpt = std::make_shared<Checkpoint>(
+      Checkpoint::FromTensors("adapter of step " + std::to_string(s.step), std::move(tensors)));
   AuxFiles aux = {{"adapter_config.json", s.adapter->ConfigJson(s.config.model_name_or_path.string())}};
   store::ImportOptions ao;
   ao.run = s.config.store.run;
@@ -86,15 +90,17 @@ Status RecordStep(Trainer::State& s, const sync::Handoff& h, const Metrics& metr
   ao.step = s.step;
   ao.base_version = s.base_version;
   ao.metrics = metrics;
-  FERRY_ASSIGN_OR_RETURN(store::ImportResult adapter, s.store->ImportCheckpoint(ckpt, aux, ao));
   store::ImportOptions mo;
   mo.run = s.config.store.run;
   mo.step = s.step;
   mo.base_version = s.base_version;
-  mo.adapter_version = adapter.record.id;
   mo.metrics = metrics;
-  FERRY_RETURN_IF_ERROR(sync::RecordSnapshotDigests(*s.store, *h.snapshot, mo).status());
-  return Status::OK();
+  store::Store* st = s.store.get();
+  return std::function<Status()>([st, ckpt, aux, ao, mo, snapshot = h.snapshot]() mutable -> Status {
+    FERRY_ASSIGN_OR_RETURN(store::ImportResult adapter, st->ImportCheckpoint(*ckpt, aux, ao));
+    mo.adapter_version = adapter.record.id;
+    return sync::RecordSnapshotDigests(*st, *snapshot, mo).status();
+  });
 }
 
 // Appends `line` and a newline to `path` and makes it durable (one metrics.jsonl line per
@@ -613,13 +619,23 @@ Result<StepResult> TakeStep(Trainer::State& s) {
   if (s.rank != 0) return out;  // rank 0 alone records and logs
 
   if (s.options.on_snapshot) s.options.on_snapshot(h.snapshot->manifest_id(), h.snapshot);
-  const auto record_start = std::chrono::steady_clock::now();
-  FERRY_RETURN_IF_ERROR(RecordStep(s, h, step_metrics));
-  // The store's record of the step (written after step_time, so not in it).
-  step_metrics["timing/record"] =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - record_start).count();
+  FERRY_ASSIGN_OR_RETURN(std::function<Status()> record, PrepareRecord(s, h, step_metrics));
+  const std::string what = "step " + std::to_string(s.step) + ": recording it in the store " + s.store_dir.string();
+  if (s.recorder) {
+    // Under Run: the record is written while the next step computes; timing/record is then
+    // the previous step's (written in the background, outside step_time).
+    step_metrics["timing/record"] = s.recorder->last_seconds();
+  } else {
+    // The store's record of the step (written after step_time, so not in it).
+    const auto record_start = std::chrono::steady_clock::now();
+    FERRY_RETURN_IF_ERROR(record().WithContext(what));
+    step_metrics["timing/record"] =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - record_start).count();
+    record = nullptr;
+  }
   out.metrics["timing/record"] = step_metrics["timing/record"];
   for (const auto& [k, v] : step_metrics) s.pending[k].push_back(v);
+  std::optional<std::string> line;
   const int64_t every = Interval(c.logging_steps, s.total_steps);
   if ((every > 0 && s.step % every == 0) || s.step == s.total_steps) {
     std::map<std::string, double> avg;
@@ -630,12 +646,26 @@ Result<StepResult> TakeStep(Trainer::State& s) {
     }
     // Cumulative and point-in-time values are not averaged (as TRL logs them).
     for (const char* k : {"num_tokens", "learning_rate", "epoch"}) avg[k] = step_metrics[k];
-    const std::string line = MetricsLine(s.step, avg, s.generator_version);
-    FERRY_RETURN_IF_ERROR(AppendLine(s.dir / "metrics.jsonl", line));
-    if (s.options.on_log) s.options.on_log(line);
+    line = MetricsLine(s.step, avg, s.generator_version);
     s.pending.clear();
     s.last_logged = s.step;
     out.logged = true;
+  }
+  // The store's record first, then the metrics line (a line in metrics.jsonl is of a step the
+  // store holds).
+  auto job = [record = std::move(record), line = std::move(line), what, path = s.dir / "metrics.jsonl",
+              on_log = s.options.on_log]() -> Status {
+    if (record) FERRY_RETURN_IF_ERROR(record().WithContext(what));
+    if (line) {
+      FERRY_RETURN_IF_ERROR(AppendLine(path, *line));
+      if (on_log) on_log(*line);
+    }
+    return Status::OK();
+  };
+  if (s.recorder) {
+    s.recorder->Add(std::move(job));
+  } else {
+    FERRY_RETURN_IF_ERROR(job());
   }
   return out;
 }
@@ -644,6 +674,7 @@ Result<StepResult> TakeStep(Trainer::State& s) {
 
 Result<StepResult> Trainer::Step() {
   State& s = *s_;
+  if (s.recorder) FERRY_RETURN_IF_ERROR(s.recorder->error());  // an earlier step's record failed
   if (s.broken) {
     return Status::FailedPrecondition("step " + std::to_string(s.step + 1) +
                                       ": an earlier step failed on this rank, so the ranks are out of step");
@@ -694,6 +725,22 @@ Result<StepResult> Trainer::Step() {
 
 Status Trainer::Run(const RunHooks& hooks) {
   State& s = *s_;
+  // Each step's record (store, metrics.jsonl) is written while the next step computes; a
+  // checkpoint, and the end of Run, wait for it.
+  StepRecorder recorder;
+  s.recorder = &recorder;
+  struct Detach {
+    State& s;
+    ~Detach() { s.recorder = nullptr; }
+  } detach{s};
+  const Status run = RunSteps(hooks);
+  const Status recorded = recorder.Drain();
+  FERRY_RETURN_IF_ERROR(run);
+  return recorded;
+}
+
+Status Trainer::RunSteps(const RunHooks& hooks) {
+  State& s = *s_;
   const int64_t save_every = Interval(s.config.save_steps, s.total_steps);
   auto save = [&]() -> Status {
     FERRY_ASSIGN_OR_RETURN(fs::path p, SaveCheckpoint());
@@ -725,6 +772,7 @@ Status Trainer::Run(const RunHooks& hooks) {
   if (s.rank == 0 && s.last_saved != s.step) {
     FERRY_RETURN_IF_ERROR(save());
   }
+  if (s.recorder) FERRY_RETURN_IF_ERROR(s.recorder->Drain());
   return Status::OK();
 }
 
@@ -732,12 +780,70 @@ Result<fs::path> Trainer::SaveCheckpoint() {
   if (s_->rank != 0) {
     return Status::FailedPrecondition("rank " + std::to_string(s_->rank) + " writes no checkpoints (rank 0 does)");
   }
+  // The checkpoint's store event follows the records of the steps it covers.
+  if (s_->recorder) FERRY_RETURN_IF_ERROR(s_->recorder->Drain());
   const fs::path existing = s_->dir / ("checkpoint-" + std::to_string(s_->step));
   if (s_->last_saved == s_->step && s_->step > 0 && fs::exists(existing)) return existing;
   FERRY_ASSIGN_OR_RETURN(fs::path p, WriteCheckpoint(*s_));
   s_->last_saved = s_->step;
   if (s_->options.on_message) s_->options.on_message("saved " + p.string());
   return p;
+}
+
+StepRecorder::StepRecorder() : thread_([this] { Loop(); }) {}
+
+StepRecorder::~StepRecorder() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stopping_ = true;
+  }
+  cv_.notify_all();
+  thread_.join();
+}
+
+void StepRecorder::Add(std::function<Status()> job) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    jobs_.push_back(std::move(job));
+  }
+  cv_.notify_all();
+}
+
+Status StepRecorder::Drain() {
+  std::unique_lock<std::mutex> lock(mu_);
+  cv_.wait(lock, [this] { return jobs_.empty() && !busy_; });
+  return error_;
+}
+
+Status StepRecorder::error() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return error_;
+}
+
+double StepRecorder::last_seconds() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return last_seconds_;
+}
+
+void StepRecorder::Loop() {
+  std::unique_lock<std::mutex> lock(mu_);
+  for (;;) {
+    cv_.wait(lock, [this] { return stopping_ || !jobs_.empty(); });
+    if (jobs_.empty()) return;  // stopping, every job run
+    std::function<Status()> job = std::move(jobs_.front());
+    jobs_.pop_front();
+    busy_ = true;
+    const bool failed = !error_.ok();
+    lock.unlock();
+    const auto start = std::chrono::steady_clock::now();
+    Status st = failed ? Status::OK() : job();  // after an error, later jobs are dropped
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    lock.lock();
+    if (!st.ok() && error_.ok()) error_ = std::move(st);
+    last_seconds_ = seconds;
+    busy_ = false;
+    cv_.notify_all();
+  }
 }
 
 }  // namespace ferry::grpo

@@ -67,7 +67,8 @@ struct TrainOptions {
   // Stop after this many optimizer steps in total (counting steps of a resumed run). Default:
   // none (the run's total).
   std::optional<int64_t> max_steps;
-  // Called after every logged step with its metrics line (what metrics.jsonl gets).
+  // Called after every logged step with its metrics line (what metrics.jsonl gets), once the
+  // line is written: under Run, on Run's recording thread.
   std::function<void(const std::string& json_line)> on_log;
   // Called for messages worth a person's attention (warnings, checkpoints).
   std::function<void(const std::string& message)> on_message;
@@ -147,7 +148,11 @@ class Trainer {
   // failure after it (the hand-off, the store) leaves the step half done: stop the run.
   Result<StepResult> Step();
   // Steps until the run's total (or max_steps, or until hooks.before_step says stop), saving
-  // checkpoints every save_steps and at the end.
+  // checkpoints every save_steps and at the end. Unlike Step(), each step's record (the
+  // store's versions, then its metrics.jsonl line and on_log) is written by a thread of Run's
+  // own while the next step computes, in order; a checkpoint (Run's, or SaveCheckpoint from a
+  // hook) and the return wait for the records before it, and a record that fails ends the run
+  // at the next step with its error.
   Status Run(const RunHooks& hooks = {});
   // Writes checkpoint-<step>/ now; returns its path.
   Result<std::filesystem::path> SaveCheckpoint();
@@ -188,6 +193,7 @@ class Trainer {
 
  private:
   explicit Trainer(std::unique_ptr<State> state);
+  Status RunSteps(const RunHooks& hooks);
   std::unique_ptr<State> s_;
 };
 

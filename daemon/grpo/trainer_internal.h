@@ -5,7 +5,12 @@
 #include <torch/optim/adamw.h>
 
 #include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <functional>
 #include <future>
+#include <mutex>
+#include <thread>
 #include <map>
 #include <memory>
 #include <optional>
@@ -67,6 +72,8 @@ struct InFlight {
   run::DatasetPosition from;  // the sampler's position before these prompts were drawn
 };
 
+class StepRecorder;
+
 struct Trainer::State {
   TrainOptions options;
   run::RunConfig config;
@@ -126,6 +133,39 @@ struct Trainer::State {
 
   // Seconds spent in each phase of the step being taken (its timing/<phase> metrics).
   std::map<std::string, double> timing;
+  // While Run() runs: where each step's record goes (null: Step() records before it returns).
+  StepRecorder* recorder = nullptr;
+};
+
+// Runs jobs in order on a thread of its own (Trainer::Run's step records: the store's versions
+// and the metrics.jsonl line of a step, written while the next step computes). The first
+// error is kept and later jobs are dropped. Thread-safe.
+class StepRecorder {
+ public:
+  StepRecorder();
+  // Waits for the jobs queued (errors dropped: call Drain first to see them).
+  ~StepRecorder();
+  StepRecorder(const StepRecorder&) = delete;
+  StepRecorder& operator=(const StepRecorder&) = delete;
+
+  void Add(std::function<Status()> job);
+  // Waits until every job added so far has run; the first error of any.
+  [[nodiscard]] Status Drain();
+  // The first error so far, without waiting.
+  [[nodiscard]] Status error() const;
+  // Seconds the last job took (0 before the first).
+  double last_seconds() const;
+
+ private:
+  void Loop();
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::function<Status()>> jobs_;
+  bool busy_ = false;
+  bool stopping_ = false;
+  Status error_;
+  double last_seconds_ = 0;
+  std::thread thread_;
 };
 
 // Adds the seconds between its construction and its destruction to s.timing[phase].

@@ -30,6 +30,25 @@
 # LD_PRELOAD of it did). With Debian's LibTorch, which exports no libstdc++ symbols, nothing
 # changes but the order; tests/daemon/libstdcxx_first_test.sh checks both builds.
 
+# A CUDA LibTorch's Caffe2Config.cmake (public/cuda.cmake) compiles Ferry's CUDA kernels for
+# TORCH_CUDA_ARCH_LIST and turns CMAKE_CUDA_ARCHITECTURES off ("pytorch is not compatible with
+# CMAKE_CUDA_ARCHITECTURES"); without that list it compiles and runs a program that asks the GPUs,
+# which needs a GPU and, with nvcc, CMake 3.26 (that program's C++20). The list is therefore
+# taken from CMAKE_CUDA_ARCHITECTURES (80;90 when unset, the default of the top-level
+# CMakeLists.txt), unless TORCH_CUDA_ARCH_LIST is given (as a variable or in the environment).
+if(NOT DEFINED TORCH_CUDA_ARCH_LIST AND NOT DEFINED ENV{TORCH_CUDA_ARCH_LIST})
+  if(DEFINED CMAKE_CUDA_ARCHITECTURES)
+    set(ferry_cuda_architectures ${CMAKE_CUDA_ARCHITECTURES})
+  else()
+    set(ferry_cuda_architectures 80 90)
+  endif()
+  foreach(arch IN LISTS ferry_cuda_architectures)
+    if(arch MATCHES "^([0-9]+)([0-9])([af]?)(-real|-virtual)?$")
+      list(APPEND TORCH_CUDA_ARCH_LIST "${CMAKE_MATCH_1}.${CMAKE_MATCH_2}${CMAKE_MATCH_3}")
+    endif()
+  endforeach()
+endif()
+
 find_package(Torch QUIET)
 if(NOT Torch_FOUND)
   message(STATUS "LibTorch not found: the legacy adapter_model.bin reader is not built")

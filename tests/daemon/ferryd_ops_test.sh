@@ -118,7 +118,8 @@ while :; do
   break
 done
 echo "   $kills kills, $attempts starts"
-strip() { sed 's/"step_time":[^,}]*,\?//' "$1"; }
+# Seconds differ from run to run: step_time and each phase's timing/*.
+strip() { sed -e 's/"step_time":[^,}]*,\?//' -e 's/"timing\/[a-z_]*":[^,}]*,\?//g' "$1"; }
 diff <(strip "$WORK/clean/metrics.jsonl") <(strip "$RUN/metrics.jsonl") >/dev/null \
   || fail "the resumed run's metrics differ from the uninterrupted run's: $(diff <(strip "$WORK/clean/metrics.jsonl") <(strip "$RUN/metrics.jsonl") | head -4)"
 [ "$(wc -l < "$RUN/metrics.jsonl")" = "$CRASH_STEPS" ] \

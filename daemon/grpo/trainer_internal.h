@@ -9,12 +9,12 @@
 #include <deque>
 #include <functional>
 #include <future>
-#include <mutex>
-#include <thread>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "daemon/grpo/colocated.h"

@@ -143,6 +143,12 @@ class RunControl {
     return Status::InvalidArgument("unknown command");
   }
 
+  // Whether BeforeStep would do anything now: a snapshot, pause or stop asked for, or a signal.
+  bool Pending() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return state_ != State::kRunning || !snapshots_.empty() || g_stop_signals.load() > 0;
+  }
+
   // Called by the loop before each step: writes requested snapshots, holds while paused;
   // false when the run must stop.
   bool BeforeStep(grpo::Trainer& trainer) {
@@ -506,6 +512,7 @@ Status RunTrain(const TrainFlags& f) {
   started = true;
   grpo::RunHooks hooks;
   hooks.before_step = [&] { return control.BeforeStep(*trainer); };
+  hooks.pending = [&] { return control.Pending(); };
   hooks.after_step = [&](const grpo::StepResult& r) { control.AfterStep(*trainer, r); };
   hooks.on_checkpoint = [&](const fs::path& p) { control.Checkpointed(p); };
   const Status run = trainer->Run(hooks);

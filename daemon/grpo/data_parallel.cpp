@@ -217,15 +217,17 @@ Status ShareStepEnd(Trainer::State& s, const store::Digest& acked, Metrics& metr
   PhaseTimer timer(s, "communication");
   dist::ProcessGroup& g = *s.group;
   const std::string when = s.step == 0 ? "at the start" : "step " + std::to_string(s.step);
-  // [acked id (4), the metrics' names (4), the metrics' values]
+  // [acked id (4), the metrics' names (4), rank 0's word (1), the metrics' values]
   std::vector<double> values;
   PutDigest(values, acked);
   std::string names;
   for (const auto& [k, v] : metrics) names += k + '\n';
   PutDigest(values, store::AuxDigest(names));
+  values.push_back(g.rank() == 0 && s.ask_before_step && s.ask_before_step() ? 1.0 : 0.0);
   for (const auto& [k, v] : metrics) values.push_back(v);
   FERRY_ASSIGN_OR_RETURN(at::Tensor all, g.AllGather(at::tensor(values, at::kDouble),
                                                      when + ": gathering the acknowledged ids and the metrics"));
+  s.await_word = all[0][8].item<double>() != 0;
   s.rank_versions.clear();
   for (int r = 0; r < g.size(); ++r) s.rank_versions.push_back(GetDigest(all[r], 0).Hex());
   for (int r = 1; r < g.size(); ++r) {
@@ -243,7 +245,7 @@ Status ShareStepEnd(Trainer::State& s, const store::Digest& acked, Metrics& metr
                               g.Describe(g.rank()) + "'s");
     }
   }
-  int64_t j = 8;
+  int64_t j = 9;
   for (auto& [k, v] : metrics) {
     const at::Tensor col = all.select(1, j++);
     // NaN (a metric TRL logs as NaN on a rank) stays NaN when every rank has it.

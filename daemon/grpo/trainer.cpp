@@ -472,6 +472,7 @@ Result<std::unique_ptr<Trainer::State>> CreateState(const TrainOptions& options,
     s->generator_step = restored.step;
     Metrics none;
     FERRY_RETURN_IF_ERROR(ShareStepEnd(*s, acked, none, /*check_adapter=*/s->group != nullptr));
+    s->await_word = true;  // before the first step, the ranks wait for rank 0's word
   }
   s->generator_snapshot = first.snapshot;
   if (writer) {
@@ -747,10 +748,18 @@ Status Trainer::RunSteps(const RunHooks& hooks) {
     if (hooks.on_checkpoint) hooks.on_checkpoint(p);
     return Status::OK();
   };
+  if (s.group && s.rank == 0) {
+    s.ask_before_step = [&hooks] { return hooks.before_step && (!hooks.pending || hooks.pending()); };
+  }
+  struct Forget {
+    State& s;
+    ~Forget() { s.ask_before_step = nullptr; }
+  } forget{s};
   while (s.step < s.total_steps) {
-    if (s.group) {
+    if (s.group && s.await_word) {
       // Rank 0 decides for every rank (it may block there: a paused run); the others wait for
-      // its word without a collective's timeout, for as long as rank 0 is alive.
+      // its word without a collective's timeout, for as long as rank 0 is alive. Without
+      // anything pending at the last step's end, rank 0 said so then and every rank goes on.
       const std::string key = "go/" + std::to_string(s.step);
       if (s.rank == 0) {
         const bool go = !hooks.before_step || hooks.before_step();
@@ -760,7 +769,7 @@ Status Trainer::RunSteps(const RunHooks& hooks) {
         FERRY_ASSIGN_OR_RETURN(std::string go, s.group->Await(key, 0, "before step " + std::to_string(s.step + 1)));
         if (go != "1") break;
       }
-    } else if (hooks.before_step && !hooks.before_step()) {
+    } else if (!s.group && hooks.before_step && !hooks.before_step()) {
       break;
     }
     FERRY_ASSIGN_OR_RETURN(StepResult r, Step());

@@ -103,6 +103,12 @@ struct RunHooks {
   // Called before each step; returning false ends the run early (the final checkpoint is still
   // written). May block (a paused run) and may call SaveCheckpoint (a requested snapshot).
   std::function<bool()> before_step;
+  // Whether before_step would do anything now (a pause, stop, snapshot or signal is waiting);
+  // must not block. A data-parallel run asks it at each step's end (rank 0): when nothing is
+  // waiting, every rank goes on to the next step without waiting for rank 0's word, and
+  // before_step is next called at the first step's end where something is. Default: none
+  // (before_step is called before every step).
+  std::function<bool()> pending;
   // Called after each step.
   std::function<void(const StepResult&)> after_step;
   // Called after each checkpoint Run writes.

@@ -129,7 +129,12 @@ struct Trainer::State {
   int rank = 0;
   int world = 1;
   std::vector<std::string> rank_versions;  // the last ids the ranks acknowledged
-  bool broken = false;                     // a step failed with a group: the ranks are out of step
+  // Rank 0: whether to ask hooks.before_step before the next step (Run sets it; null: never).
+  std::function<bool()> ask_before_step;
+  // Whether the ranks wait for rank 0's word before the next step (its ask_before_step at the
+  // last step's end; at the start: yes).
+  bool await_word = true;
+  bool broken = false;  // a step failed with a group: the ranks are out of step
 
   // Seconds spent in each phase of the step being taken (its timing/<phase> metrics).
   std::map<std::string, double> timing;

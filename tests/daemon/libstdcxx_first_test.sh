@@ -69,5 +69,5 @@ for exe in "$@"; do
   fi
   echo "$name: libstdc++.so.6 is DT_NEEDED entry $((stdcxx + 1)), ${needed[$torch]} entry $((torch + 1));" \
     "LibTorch from $torch_dirs; $(wc -l <"$WORK/bindings") bindings, none of a libstdc++ symbol to LibTorch;" \
-    "its std::filesystem symbols bound as: $(awk '{ printf "%s%s to %s", NR > 1 ? ", " : "", $1, $2 }' <<<"$own_fs")"
+    "its std::filesystem symbols bound as: $(awk '{ printf "%s%s to %s", (NR > 1 ? ", " : ""), $1, $2 }' <<<"$own_fs")"
 done

@@ -12,10 +12,10 @@
 #   FERRY_JOBS        parallel jobs (default: nproc)
 #   FERRY_CMAKE_ARGS  more cmake arguments, split on spaces, e.g.
 #                     "-DFERRY_BUILD_TESTS=OFF -DCMAKE_CUDA_ARCHITECTURES=90"
-# A CMAKE_PREFIX_PATH in the environment (Debian's libraries unpacked elsewhere than /usr) is
-# searched after the torch package's. At the end, the build is checked: no object read a header of
-# another LibTorch (Debian's in /usr/include), and ferryd's libstdc++ symbols are bound to
-# libstdc++ (tests/daemon/libstdcxx_first_test.sh).
+# CMAKE_PREFIX_PATH in the environment finds Debian's libraries where they were unpacked elsewhere
+# than /usr; LibTorch's parts are searched in the torch package first (cmake/ferry_torch.cmake).
+# At the end the build is checked: no object read a header of another LibTorch (Debian's in
+# /usr/include), and ferryd binds libstdc++'s symbols to libstdc++ (tests/daemon/libstdcxx_first_test.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${FERRY_PYTHON:-python3}
@@ -42,7 +42,7 @@ fi
 configure_log=$(mktemp)
 trap 'rm -f "$configure_log"' EXIT
 if ! cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE="$BUILD_TYPE" -DFERRY_WITH_TORCH=ON \
-  -DTorch_DIR="$torch_cmake/Torch" -DCMAKE_PREFIX_PATH="$torch_cmake" "${extra[@]}" >"$configure_log" 2>&1; then
+  -DTorch_DIR="$torch_cmake/Torch" "${extra[@]}" >"$configure_log" 2>&1; then
   cat "$configure_log" >&2
   exit 1
 fi

@@ -2,6 +2,7 @@
 
 #include <unistd.h>
 
+#include <ATen/core/grad_mode.h>
 #include <nlohmann/json.hpp>
 
 #include <algorithm>

@@ -165,9 +165,9 @@ Result<std::optional<std::string>> RocksStore::Get(const rocksdb::ReadOptions& r
   return std::optional<std::string>(std::move(value));
 }
 
-Status RocksStore::Write(rocksdb::WriteBatch& batch, std::string_view what) {
+Status RocksStore::Write(rocksdb::WriteBatch& batch, std::string_view what, bool sync) {
   rocksdb::WriteOptions wo;
-  wo.sync = true;
+  wo.sync = sync;
   rocksdb::Status st = db_->Write(wo, &batch);
   if (!st.ok()) return Translate(st, what);
   return Status::OK();
@@ -482,14 +482,14 @@ Result<std::vector<VerifyReport>> RocksStore::Verify(std::optional<Digest> versi
   return reports;
 }
 
-Status RocksStore::AddEvent(const Event& e) {
+Status RocksStore::AddEvent(const Event& e, bool sync) {
   FERRY_RETURN_IF_ERROR(RequireWritable("adding an event"));
   if (e.time_ns < 0) return Status::InvalidArgument(Where("event time " + std::to_string(e.time_ns) + " is negative"));
   Event stored = e;
   if (stored.time_ns == 0) stored.time_ns = NowNs();
   rocksdb::WriteBatch batch;
   batch.Put(cfs_[kEvents], EventKey(stored.time_ns, event_counter_.fetch_add(1)), EncodeEvent(stored));
-  return Write(batch, "add event for version " + e.version.Hex());
+  return Write(batch, "add event for version " + e.version.Hex(), sync);
 }
 
 Result<std::vector<Event>> RocksStore::ListEvents(std::optional<Digest> version) {

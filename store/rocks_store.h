@@ -46,7 +46,8 @@ class RocksStore final : public Store {
   Result<std::string> ReadAux(const AuxFile& aux) override;
   Result<std::vector<VerifyReport>> Verify(std::optional<Digest> version) override;
   Status Export(const Digest& version, const std::filesystem::path& out, bool force) override;
-  Status AddEvent(const Event& e) override;
+  using Store::AddEvent;
+  Status AddEvent(const Event& e, bool sync) override;
   Result<std::vector<Event>> ListEvents(std::optional<Digest> version) override;
   Result<int64_t> GarbageCollect(int64_t keep) override;
   Status Refresh() override;
@@ -84,7 +85,7 @@ class RocksStore final : public Store {
 
   // nullopt when absent.
   Result<std::optional<std::string>> Get(const rocksdb::ReadOptions& ro, Cf cf, const std::string& key) const;
-  Status Write(rocksdb::WriteBatch& batch, std::string_view what);
+  Status Write(rocksdb::WriteBatch& batch, std::string_view what, bool sync = true);
   // The record (tensors included); kNotFound naming the id when absent.
   Result<VersionRecord> LoadVersion(const rocksdb::ReadOptions& ro, const Digest& id) const;
   // The record without its tensor rows (`tensors` empty): its id, kind, lineage and totals.

@@ -391,9 +391,12 @@ class Store {
   // (store::Materialize rebuilds it). Thread-safe, as Verify.
   virtual Status Export(const Digest& version, const std::filesystem::path& out, bool force) = 0;
 
-  // Records an event (synced). Thread-safe: events appended from several threads at once
-  // are all recorded, each under its own key.
-  virtual Status AddEvent(const Event& e) = 0;
+  // Records an event: synced, or with `sync` false written to RocksDB's log without waiting
+  // for the disk (durable once any later synced write of this store is: the log is in order;
+  // for a caller whose next step writes synced anyway). Thread-safe: events appended from
+  // several threads at once are all recorded, each under its own key.
+  virtual Status AddEvent(const Event& e, bool sync) = 0;
+  Status AddEvent(const Event& e) { return AddEvent(e, /*sync=*/true); }
   // Events in (time, arrival) order, optionally of one version. Thread-safe.
   virtual Result<std::vector<Event>> ListEvents(std::optional<Digest> version) = 0;
 

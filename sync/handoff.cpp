@@ -26,7 +26,8 @@ Result<store::Digest> ComputeManifestId(const Snapshot& snapshot) {
   return store::ManifestDigest(rows, store::AuxFileRows(snapshot.aux_files()));  // aux_files() is sorted by name
 }
 
-SnapshotChannel::SnapshotChannel(store::Store* store, std::string run) : store_(store), run_(std::move(run)) {}
+SnapshotChannel::SnapshotChannel(store::Store* store, std::string run, bool sync_events)
+    : store_(store), run_(std::move(run)), sync_events_(sync_events) {}
 
 SnapshotChannel::~SnapshotChannel() { Close(); }
 
@@ -48,7 +49,7 @@ Result<uint64_t> SnapshotChannel::Publish(std::shared_ptr<const Snapshot> snapsh
     e.type = store::Event::Type::kPublished;
     e.version = id;
     e.detail = "in-process sequence " + std::to_string(sequence) + " on channel '" + run_ + "'";
-    (void)store_->AddEvent(e);  // history only; the hand-off does not depend on it
+    (void)store_->AddEvent(e, sync_events_);  // history only; the hand-off does not depend on it
   }
   return sequence;
 }
@@ -108,7 +109,7 @@ Status SnapshotChannel::Acknowledge(std::string_view receiver_id, uint64_t seque
     e.version = *version;
     e.computed = computed;
     e.detail = match ? "receiver verified the manifest digest" : "MISMATCH: receiver computed " + computed.Hex();
-    FERRY_RETURN_IF_ERROR(store_->AddEvent(e));
+    FERRY_RETURN_IF_ERROR(store_->AddEvent(e, sync_events_));
   }
   if (!match) {
     return Status::Corruption("snapshot channel '" + run_ + "': receiver '" + std::string(receiver_id) +

@@ -50,7 +50,10 @@ class SnapshotChannel {
   // per Publish and an `acknowledged` event per Acknowledge. Others may use the store at the
   // same time (Store is thread-safe).
   // `run` names the channel in events and errors. Default: "default".
-  explicit SnapshotChannel(store::Store* store = nullptr, std::string run = "default");
+  // `sync_events` false: the events are written without waiting for the disk (for an owner
+  // whose next write to the store is synced, which makes them durable: the trainer, whose
+  // step record follows every hand-off). Default: true.
+  explicit SnapshotChannel(store::Store* store = nullptr, std::string run = "default", bool sync_events = true);
   // Wakes every waiter (as Close()).
   ~SnapshotChannel();
   SnapshotChannel(const SnapshotChannel&) = delete;
@@ -96,6 +99,7 @@ class SnapshotChannel {
 
   store::Store* const store_;
   const std::string run_;
+  const bool sync_events_;
 
   mutable std::mutex mu_;
   mutable std::condition_variable cv_;

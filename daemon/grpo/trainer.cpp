@@ -411,7 +411,9 @@ Result<std::unique_ptr<Trainer::State>> CreateState(const TrainOptions& options,
   at::manual_seed(static_cast<uint64_t>(c.seed));  // LoRA dropout draws from the default generator
 
   // The hand-off: trainer -> channel -> co-located generator.
-  s->channel = std::make_unique<sync::SnapshotChannel>(s->store.get(), c.store.run);
+  // Its published / acknowledged events need not wait for the disk: the step's record that
+  // follows each hand-off is a synced write, which makes them durable (RocksDB's log is in order).
+  s->channel = std::make_unique<sync::SnapshotChannel>(s->store.get(), c.store.run, /*sync_events=*/false);
   FERRY_ASSIGN_OR_RETURN(AuxFiles aux, CollectAuxFiles(c.model_name_or_path));
   s->publisher =
       std::make_unique<WeightPublisher>(std::move(base_ckpt), std::move(aux), s->model->config().tie_word_embeddings,

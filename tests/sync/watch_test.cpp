@@ -347,7 +347,8 @@ class ThrowingStore final : public store::Store {
   Status Export(const store::Digest& v, const fs::path& out, bool force) override {
     return inner_->Export(v, out, force);
   }
-  Status AddEvent(const store::Event& e) override { return inner_->AddEvent(e); }
+  using store::Store::AddEvent;
+  Status AddEvent(const store::Event& e, bool sync) override { return inner_->AddEvent(e, sync); }
   Result<std::vector<store::Event>> ListEvents(std::optional<store::Digest> v) override {
     return inner_->ListEvents(v);
   }

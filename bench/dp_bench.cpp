@@ -7,7 +7,10 @@
 // seconds per step and completions per second, then the ratio (target >= 1.7) and, from the
 // 2-rank runs' metrics, the share of a step spent in the collectives (timing/communication:
 // the rollout gather, the gradient all-reduce and the end-of-step gather, waiting for the
-// slower rank included; target <= 5%) and where the rest goes (timing/*).
+// slower rank included; target <= 5%) and where the rest goes (timing/*). Then the same
+// collectives alone, between two threads of this process over loopback with nothing else
+// running: the gradient all-reduce (the demo adapter's size), the rollout gather and the
+// end-of-step gather, each the median of 200: what the collectives themselves cost a step.
 //
 // A GEMM calibration (F32 at::mm 512 x 1024 x 1024 on one thread, the median GFLOP/s of 7) is
 // printed before and after: other work on the machine shows as a drop.
@@ -25,9 +28,16 @@
 #include <map>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
+#include <netinet/in.h>
+#include <sys/resource.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include "bench/bench_util.h"
+#include "daemon/dist/process_group.h"
 
 namespace {
 
@@ -48,6 +58,7 @@ double CalibrationGflops() {
 
 struct Run {
   double seconds_per_step = 0;
+  double cores = 0;                      // CPU seconds (user + system, every process and thread) per second of the run
   std::map<std::string, double> timing;  // mean of timing/* and step_time over the timed steps
 };
 
@@ -57,6 +68,9 @@ Run TrainOnce(const fs::path& config, const fs::path& dir, int nproc, int steps,
                     " --max-steps " + std::to_string(steps);
   if (nproc > 1) cmd += " --nproc-per-node " + std::to_string(nproc);
   cmd += " 2>" + (dir.string() + ".log");
+  rusage before{};
+  ::getrusage(RUSAGE_CHILDREN, &before);
+  const double start = Now();
   FILE* p = ::popen(cmd.c_str(), "r");
   if (p == nullptr) {
     std::fprintf(stderr, "cannot run %s\n", cmd.c_str());
@@ -74,7 +88,15 @@ Run TrainOnce(const fs::path& config, const fs::path& dir, int nproc, int steps,
                  dir.string().c_str());
     std::exit(1);
   }
+  const double wall = Now() - start;
+  rusage after{};
+  ::getrusage(RUSAGE_CHILDREN, &after);
+  auto cpu = [](const rusage& u) {
+    return static_cast<double>(u.ru_utime.tv_sec + u.ru_stime.tv_sec) +
+           static_cast<double>(u.ru_utime.tv_usec + u.ru_stime.tv_usec) / 1e6;
+  };
   Run r;
+  r.cores = (cpu(after) - cpu(before)) / wall;
   r.seconds_per_step = (stamps.back() - stamps[static_cast<size_t>(warmup) - 1]) / static_cast<double>(steps - warmup);
   for (size_t i = static_cast<size_t>(warmup); i < lines.size(); ++i) {
     for (const auto& [k, v] : lines[i].items()) {
@@ -84,6 +106,64 @@ Run TrainOnce(const fs::path& config, const fs::path& dir, int nproc, int steps,
     }
   }
   return r;
+}
+
+int FreePort() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(a);
+  if (::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0 ||
+      ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) != 0) {
+    std::exit(1);
+  }
+  ::close(fd);
+  return ntohs(a.sin_port);
+}
+
+struct Collectives {
+  double allreduce = 0, rollout = 0, step_end = 0;  // median seconds each
+};
+
+// The step's collectives alone between two ranks (threads of this process, loopback Gloo).
+Collectives TimeCollectives(int64_t gradient_floats, int64_t rows, int64_t metrics) {
+  const int port = FreePort();
+  Collectives out;
+  auto rank = [&](int r) {
+    ferry::dist::Launch l;
+    l.rank = r;
+    l.world_size = 2;
+    l.master_port = port;
+    auto g = ferry::dist::ProcessGroup::Join(l, ferry::dist::GroupOptions{});
+    if (!g.ok()) {
+      std::fprintf(stderr, "%s\n", g.status().ToString().c_str());
+      std::exit(1);
+    }
+    at::Tensor grads = at::ones({gradient_floats});
+    const at::Tensor stats = at::ones({rows, 5}, at::kDouble);
+    const at::Tensor end = at::ones({metrics + 9}, at::kDouble);
+    std::vector<double> a, b, c;
+    for (int i = 0; i < 220; ++i) {
+      const double t0 = Now();
+      if (!(*g)->AllReduceSum(grads, "bench").ok()) std::exit(1);
+      const double t1 = Now();
+      if (!(*g)->AllGather(stats, "bench").ok()) std::exit(1);
+      const double t2 = Now();
+      if (!(*g)->AllGather(end, "bench").ok()) std::exit(1);
+      const double t3 = Now();
+      if (i >= 20) {
+        a.push_back(t1 - t0);
+        b.push_back(t2 - t1);
+        c.push_back(t3 - t2);
+      }
+    }
+    if (r == 0) out = {Median(a), Median(b), Median(c)};
+  };
+  std::thread other(rank, 1);
+  rank(0);
+  other.join();
+  return out;
 }
 
 }  // namespace
@@ -153,16 +233,26 @@ int main(int argc, char** argv) {
       "(%d timed) x %d reps\n",
       batch, steps, steps - warmup, reps);
   std::printf("calibration before: F32 GEMM 512x1024x1024 %.1f GFLOP/s (1 thread)\n", CalibrationGflops());
-  std::vector<double> one, two;
+  std::vector<double> one, two, one_cores, two_cores;
+  int64_t adapter_bytes = 0;
   std::map<std::string, std::vector<double>> one_timing, two_timing;
   for (int r = 0; r < reps; ++r) {
     for (int nproc : {1, 2}) {
       const fs::path dir = work / ("run-" + std::to_string(nproc) + "-" + std::to_string(r));
       const Run run = TrainOnce(config, dir, nproc, steps, warmup);
+      if (adapter_bytes == 0) {
+        // The demo adapter's size: its checkpoint's safetensors file (the header is small).
+        for (const auto& e : fs::directory_iterator(dir)) {
+          if (e.path().filename().string().starts_with("checkpoint-")) {
+            adapter_bytes = static_cast<int64_t>(fs::file_size(e.path() / "adapter_model.safetensors"));
+          }
+        }
+      }
       (nproc == 1 ? one : two).push_back(run.seconds_per_step);
       for (const auto& [k, v] : run.timing) (nproc == 1 ? one_timing : two_timing)[k].push_back(v);
-      std::printf("  rep %d, %d rank%s: %.4f s/step, %.0f completions/s\n", r + 1, nproc, nproc > 1 ? "s" : "",
-                  run.seconds_per_step, batch * nproc / run.seconds_per_step);
+      std::printf("  rep %d, %d rank%s: %.4f s/step, %.0f completions/s, %.2f cores busy\n", r + 1, nproc,
+                  nproc > 1 ? "s" : "", run.seconds_per_step, batch * nproc / run.seconds_per_step, run.cores);
+      (nproc == 1 ? one_cores : two_cores).push_back(run.cores);
       std::fflush(stdout);
       fs::remove_all(dir);
     }
@@ -173,6 +263,12 @@ int main(int argc, char** argv) {
   std::printf("%-34s %12.4f %14.0f\n", "1 rank x 1 thread", s1, c1);
   std::printf("%-34s %12.4f %14.0f\n", "2 ranks x 1 thread (Gloo)", s2, c2);
   std::printf("throughput ratio, 2 ranks / 1 rank: %.2fx (target >= 1.7x)\n", c2 / c1);
+  // "One thread" is the model's: the process also runs its store record, RocksDB, the
+  // generator's proof and the kernel's file work on the other core.
+  std::printf(
+      "cores busy (CPU seconds of every process and thread per second): 1 rank %.2f, 2 ranks %.2f; "
+      "completions per CPU second: 1 rank %.0f, 2 ranks %.0f\n",
+      Median(one_cores), Median(two_cores), c1 / Median(one_cores), c2 / Median(two_cores));
   const double comm = Median(two_timing["timing/communication"]);
   const double step = Median(two_timing["step_time"]);
   std::printf("collectives, 2 ranks: %.4f s of a %.4f s step = %.1f%% (target <= 5%%)\n", comm, step,
@@ -184,6 +280,14 @@ int main(int argc, char** argv) {
     std::printf("%-28s %10s %10.4f\n", k.c_str(),
                 it == one_timing.end() ? "-" : std::to_string(Median(it->second)).substr(0, 6).c_str(), Median(v));
   }
+  const Collectives alone = TimeCollectives(adapter_bytes / 4, batch, 40);
+  const double per_step = alone.allreduce + alone.rollout + alone.step_end;
+  std::printf("\nthe collectives alone (2 threads, loopback, nothing else running; medians of 200):\n");
+  std::printf("  gradient all-reduce (%lld floats)      %.5f s\n", static_cast<long long>(adapter_bytes / 4),
+              alone.allreduce);
+  std::printf("  rollout gather (%d rows x 5)            %.5f s\n", batch, alone.rollout);
+  std::printf("  end-of-step gather (ids, 40 metrics)   %.5f s\n", alone.step_end);
+  std::printf("  per step: %.5f s = %.1f%% of the 2-rank step (target <= 5%%)\n", per_step, 100.0 * per_step / step);
   std::printf("\ncalibration after: F32 GEMM 512x1024x1024 %.1f GFLOP/s (1 thread)\n", CalibrationGflops());
   if (!keep) fs::remove_all(work);
   return 0;

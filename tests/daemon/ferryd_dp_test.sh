@@ -8,7 +8,8 @@
 #              pid, step, the same generator version); pause, stop
 #           3. kill -9 of rank 1 (launched through torchrun's environment): rank 0 exits within
 #              the [distributed] timeout naming rank 1; the same start command resumes both from
-#              rank 0's newest checkpoint, and metrics.jsonl ends with every step once
+#              rank 0's newest checkpoint, and metrics.jsonl ends with every step once; a run
+#              resumed under another world size (1 -> 2 -> 1 ranks) goes on from the checkpoint
 #           4. a base corrupted on one rank's "host" (a flipped weight byte) is caught by the
 #              acknowledged-id comparison, naming the rank and both ids
 #   hosts   two "hosts": each rank in a network namespace of its own (a veth pair, addresses
@@ -166,6 +167,28 @@ wait "$R1" || fail "the resumed rank 1 failed: $(tail -3 "$WORK/rank1.log")"
 grep -q "resumed from .*checkpoint-" "$WORK/rank0.log" || fail "rank 0 did not resume: $(head -5 "$WORK/rank0.log")"
 STEPS=$(grep -o '"step":[0-9]*' "$RUN/metrics.jsonl" | cut -d: -f2 | tr '\n' ' ')
 [ "$STEPS" = "$(seq 1 60 | tr '\n' ' ')" ] || fail "metrics.jsonl steps after the resume: $STEPS"
+
+echo "== 3b. a run resumed under another world size: 1 rank to step 10, 2 ranks to 20, 1 rank to 30"
+demo_config "$WORK/ws.toml" 64 30 10
+RUN="$WORK/ws"
+"$FERRYD" train --config "$WORK/ws.toml" --dir "$RUN" --max-steps 10 2>"$WORK/ws1.log" || fail "1 rank: $(tail -3 "$WORK/ws1.log")"
+"$FERRYD" train --config "$WORK/ws.toml" --dir "$RUN" --max-steps 20 --nproc-per-node 2 2>"$WORK/ws2.log" \
+  || fail "2 ranks: $(tail -3 "$WORK/ws2.log")"
+grep -q "resumed from .*checkpoint-10" "$WORK/ws2.log" || fail "2 ranks did not resume from checkpoint-10: $(head -4 "$WORK/ws2.log")"
+"$FERRYD" train --config "$WORK/ws.toml" --dir "$RUN" 2>"$WORK/ws3.log" || fail "1 rank again: $(tail -3 "$WORK/ws3.log")"
+grep -q "resumed from .*checkpoint-20" "$WORK/ws3.log" || fail "1 rank did not resume from checkpoint-20: $(head -4 "$WORK/ws3.log")"
+[ -d "$RUN/checkpoint-30" ] || fail "no checkpoint-30"
+# metrics.jsonl holds steps 10, 20, 30 (a line every 10), each once; the token count goes on growing, by
+# 64 completions a step on 1 rank and 128 on 2.
+STEPS=$(grep -o '"step":[0-9]*' "$RUN/metrics.jsonl" | cut -d: -f2 | tr '\n' ' ')
+[ "$STEPS" = "10 20 30 " ] || fail "metrics.jsonl steps: $STEPS"
+python3 - "$RUN/metrics.jsonl" <<'PY' || fail "token counts across the world sizes: $(grep -o '"num_tokens":[0-9.]*' "$RUN/metrics.jsonl" | tr '\n' ' ')"
+import json, sys
+t = [json.loads(l)["num_tokens"] for l in open(sys.argv[1])]
+d1, d2, d3 = t[0], t[1] - t[0], t[2] - t[1]
+# about 10 steps x 64 (or 128) completions x (prompt ~7 + completion ~4 tokens)
+assert 1.7 < d2 / d1 < 2.3 and 1.7 < d2 / d3 < 2.3, t
+PY
 
 echo "== 4. a base that differs on one rank's host is caught by the id comparison"
 cp -r "$WORK/model" "$WORK/model-bad"

@@ -5,7 +5,8 @@
 #              store holds each step once; `ferry convert` of the last checkpoint is the version
 #              the ranks acknowledged
 #           2. `ferry daemon start --nproc-per-node 2 --detach`: status lists both ranks (host,
-#              pid, step, the same generator version); pause, stop
+#              pid, step, the same generator version); pause, a snapshot (its checkpoint merged is
+#              that version), resume, stop
 #           3. kill -9 of rank 1 (launched through torchrun's environment): rank 0 exits within
 #              the [distributed] timeout naming rank 1; the same start command resumes both from
 #              rank 0's newest checkpoint, and metrics.jsonl ends with every step once; a run
@@ -131,6 +132,13 @@ assert ranks[0]["pid"] == j["pid"] and ranks[1]["pid"] != j["pid"], ranks
 EOF
 "$FERRY" daemon status --dir "$RUN" | grep -q "^  rank 1  host .*generator_version $VERSION" \
   || fail "status text: $("$FERRY" daemon status --dir "$RUN")"
+# A snapshot while paused: rank 0 writes the checkpoint; merged, it is the version every rank holds.
+SNAP=$("$FERRY" daemon snapshot --dir "$RUN" --json) || fail "daemon snapshot: $SNAP"
+CKPT=$(python3 -c 'import json,sys; print(json.loads(sys.argv[1])["checkpoint"])' "$SNAP")
+"$FERRY" convert --base "$WORK/model" --adapter "$RUN/$CKPT" --out "$WORK/snap-merged" >/dev/null
+"$FERRY" verify "$WORK/snap-merged" --db "$RUN/store" --version "$VERSION" >/dev/null \
+  || fail "the snapshot $CKPT, merged, is not $VERSION, the version both ranks acknowledged"
+"$FERRY" daemon resume --dir "$RUN" >/dev/null
 PIDS=$(python3 -c 'import json,sys; print(" ".join(str(r["pid"]) for r in json.loads(sys.argv[1])["ranks"]))' "$STATUS")
 "$FERRY" daemon stop --dir "$RUN" >/dev/null || fail "daemon stop"
 for _ in $(seq 100); do

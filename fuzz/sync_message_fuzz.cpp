@@ -65,6 +65,7 @@ bool SameMessage(const Message& a, const Message& b) {
     case MsgType::kAcked: return a.version == b.version;
     case MsgType::kAnnounce: return a.sequence == b.sequence && a.version == b.version && a.epoch == b.epoch;
     case MsgType::kError: return a.code == b.code && a.payload == b.payload;
+    case MsgType::kEngine: return a.version == b.version && a.payload == b.payload;
   }
   return false;
 }

@@ -31,9 +31,7 @@
 #include <thread>
 #include <vector>
 
-#include <netinet/in.h>
 #include <sys/resource.h>
-#include <sys/socket.h>
 #include <unistd.h>
 
 #include "bench/bench_util.h"
@@ -108,27 +106,15 @@ Run TrainOnce(const fs::path& config, const fs::path& dir, int nproc, int steps,
   return r;
 }
 
-int FreePort() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof(a);
-  if (::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0 ||
-      ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) != 0) {
-    std::exit(1);
-  }
-  ::close(fd);
-  return ntohs(a.sin_port);
-}
-
 struct Collectives {
   double allreduce = 0, rollout = 0, step_end = 0;  // median seconds each
 };
 
 // The step's collectives alone between two ranks (threads of this process, loopback Gloo).
 Collectives TimeCollectives(int64_t gradient_floats, int64_t rows, int64_t metrics) {
-  const int port = FreePort();
+  auto free_port = ferry::dist::FreeLoopbackPort();
+  if (!free_port.ok()) std::exit(1);
+  const int port = *free_port;
   Collectives out;
   auto rank = [&](int r) {
     ferry::dist::Launch l;

@@ -39,6 +39,10 @@ struct Launch {
   bool distributed() const { return world_size > 1; }
 };
 
+// A TCP port on 127.0.0.1 nobody listens on now (the kernel's choice): MASTER_PORT for local
+// ranks. kIOError naming the system call's error.
+Result<int> FreeLoopbackPort();
+
 // Reads torchrun's variables through `getenv` (::getenv by default). With none of RANK and
 // WORLD_SIZE set: one process (world size 1). Errors (kInvalidArgument) name the variable: a
 // value that is not a number, a rank outside [0, WORLD_SIZE), WORLD_SIZE > 1 without

@@ -1,8 +1,6 @@
 #include "daemon/ferryd/local_ranks.h"
 
-#include <netinet/in.h>
 #include <signal.h>
-#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -12,27 +10,14 @@
 #include <cstring>
 #include <thread>
 
+#include "daemon/dist/process_group.h"
+
 namespace ferry::ferryd {
 namespace {
 
 std::atomic<int> g_forward_signal{0};
 
 void OnSignal(int sig) { g_forward_signal.store(sig); }
-
-// A TCP port nobody listens on now (the kernel's choice), for MASTER_PORT.
-Result<int> FreePort() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (fd < 0) return Status::IOError(std::string("socket: ") + std::strerror(errno));
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof(a);
-  const bool ok = ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0 &&
-                  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) == 0;
-  ::close(fd);
-  if (!ok) return Status::IOError(std::string("choosing MASTER_PORT: ") + std::strerror(errno));
-  return static_cast<int>(ntohs(a.sin_port));
-}
 
 int ExitCode(int status) {
   if (WIFEXITED(status)) return WEXITSTATUS(status);
@@ -43,7 +28,7 @@ int ExitCode(int status) {
 }  // namespace
 
 Result<int> RunLocalRanks(int nproc, const std::vector<std::string>& argv, std::chrono::seconds grace) {
-  FERRY_ASSIGN_OR_RETURN(int port, FreePort());
+  FERRY_ASSIGN_OR_RETURN(int port, dist::FreeLoopbackPort());
   struct sigaction sa {};
   sa.sa_handler = OnSignal;
   sigemptyset(&sa.sa_mask);

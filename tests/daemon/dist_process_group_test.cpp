@@ -2,8 +2,6 @@
 // process, each with its own TCPStore connection and process group, over loopback TCP).
 #include <gtest/gtest.h>
 
-#include <netinet/in.h>
-#include <sys/socket.h>
 #include <unistd.h>
 
 #include <future>
@@ -15,18 +13,6 @@
 
 namespace ferry::dist {
 namespace {
-
-int FreePort() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof(a);
-  EXPECT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)), 0);
-  EXPECT_EQ(::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len), 0);
-  ::close(fd);
-  return ntohs(a.sin_port);
-}
 
 Result<Launch> FromMap(const std::map<std::string, std::string>& env) {
   return LaunchFromEnv([&env](const char* name) -> const char* {
@@ -93,7 +79,9 @@ TEST(ProcessGroupTest, NcclIsRefusedOnThisLibTorch) {
 // Two ranks in threads; `body(rank, group)` runs on each.
 template <typename Fn>
 void RunTwoRanks(Fn body, std::chrono::milliseconds timeout = std::chrono::seconds(20)) {
-  const int port = FreePort();
+  auto free_port = FreeLoopbackPort();
+  ASSERT_TRUE(free_port.ok()) << free_port.status().ToString();
+  const int port = *free_port;
   auto rank = [&](int r) {
     Launch l;
     l.rank = r;

@@ -7,8 +7,6 @@
 #include <torch/optim/adamw.h>
 #include <nlohmann/json.hpp>
 
-#include <netinet/in.h>
-#include <sys/socket.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -626,18 +624,6 @@ std::vector<runtime::Completion> FixedCompletions(const std::vector<std::vector<
   return out;
 }
 
-int FreeTcpPort() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof(a);
-  EXPECT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)), 0);
-  EXPECT_EQ(::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len), 0);
-  ::close(fd);
-  return ntohs(a.sin_port);
-}
-
 struct DpResult {
   std::map<std::string, at::Tensor> adapter;
   std::vector<std::map<std::string, double>> metrics;  // per step (rank 0's)
@@ -654,7 +640,9 @@ DpResult TrainWithRanks(const fs::path& root, int world, const std::string& extr
                "per_device_train_batch_size = " + std::to_string(16 / world));
   WriteText(r.config, text);
   DpResult out;
-  const int port = FreeTcpPort();
+  auto free_port = dist::FreeLoopbackPort();
+  EXPECT_TRUE(free_port.ok()) << free_port.status().ToString();
+  const int port = free_port.ok() ? *free_port : 0;
   auto rank = [&](int rk) {
     std::unique_ptr<dist::ProcessGroup> group;
     TrainOptions o = Options(r.config);

@@ -92,7 +92,8 @@ void RunConvert(const ConvertFlags& f) {
 
 void SetConvertCommand(CLI::App& app) {
   auto flags = std::make_shared<ConvertFlags>();
-  CLI::App* cmd = app.add_subcommand("convert", "Merge a PEFT adapter into its base model, or clean it for an engine");
+  CLI::App* cmd = app.add_subcommand(
+      "convert", "Merge a PEFT adapter into its base model, clean it for an engine, or dequantize a 4-bit base");
   cmd->footer(
       "Layouts:\n"
       "  hf     merged model with Hugging Face names (what PEFT merge_and_unload + save_pretrained produce)\n"
@@ -101,8 +102,9 @@ void SetConvertCommand(CLI::App& app) {
       "The output appears only when complete; on any error nothing is left at --out. Exit code 1 on error.");
   cmd->add_option("--base", flags->base, "Base model directory (safetensors, sharded or single, or bitsandbytes 4-bit)")
       ->required();
-  cmd->add_option("--adapter", flags->adapter, "PEFT adapter directory (adapter_config.json + adapter_model.*)")
-      ->required();
+  cmd->add_option("--adapter", flags->adapter,
+                  "PEFT adapter directory (adapter_config.json + adapter_model.*). Without it the base alone is "
+                  "written (hf or fused): a 4-bit base dequantized, for an engine to serve adapters on");
   cmd->add_option("--out", flags->out, "Output directory (must not exist unless --force)")->required();
   cmd->add_option("--layout", flags->layout, "hf | fused | lora (default hf)");
   cmd->add_option("--dtype", flags->dtype, "Output dtype for floating tensors: f32 | f16 | bf16 (default: the base's)");

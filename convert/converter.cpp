@@ -417,10 +417,22 @@ Result<ConvertSummary> Convert(const ConvertOptions& opt, ConvertRemedy* remedy)
   if (remedy != nullptr) *remedy = ConvertRemedy::kNone;
   std::error_code ec;
   if (!fs::exists(opt.base, ec)) return Status::NotFound(opt.base.string() + ": base model does not exist");
-  if (!fs::exists(opt.adapter, ec)) return Status::NotFound(opt.adapter.string() + ": adapter does not exist");
-  FERRY_ASSIGN_OR_RETURN(PeftConfig cfg, LoadPeftConfig(opt.adapter));
-  FERRY_RETURN_IF_ERROR(cfg.CheckMergeable());
-  FERRY_ASSIGN_OR_RETURN(Checkpoint adapter, Checkpoint::Open(opt.adapter));
+  // No adapter: the base alone, in the layout asked for (a 4-bit base dequantized: what an
+  // engine that cannot read bitsandbytes' format serves a QLoRA run's adapters on).
+  const bool base_alone = opt.adapter.empty();
+  if (base_alone && opt.layout == Layout::kLora) {
+    return Status::InvalidArgument("the lora layout is an adapter's: it needs an adapter directory");
+  }
+  if (!base_alone && !fs::exists(opt.adapter, ec)) {
+    return Status::NotFound(opt.adapter.string() + ": adapter does not exist");
+  }
+  PeftConfig cfg;
+  Checkpoint adapter = Checkpoint::FromTensors("no adapter", {});
+  if (!base_alone) {
+    FERRY_ASSIGN_OR_RETURN(cfg, LoadPeftConfig(opt.adapter));
+    FERRY_RETURN_IF_ERROR(cfg.CheckMergeable());
+    FERRY_ASSIGN_OR_RETURN(adapter, Checkpoint::Open(opt.adapter));
+  }
   FERRY_ASSIGN_OR_RETURN(Checkpoint base, Checkpoint::Open(opt.base));
   const fs::path base_dir = fs::is_directory(opt.base, ec) ? opt.base : opt.base.parent_path();
   FERRY_ASSIGN_OR_RETURN(ModelConfigFile model_config, LoadModelConfig(base_dir));

@@ -36,10 +36,12 @@
 namespace ferry {
 
 struct ConvertOptions {
-  std::filesystem::path base;     // base model directory (or file)
-  std::filesystem::path adapter;  // PEFT adapter directory
-  std::filesystem::path out;      // output directory (must not exist unless force)
-  Layout layout = Layout::kHf;    // Default: hf
+  std::filesystem::path base;  // base model directory (or file)
+  // PEFT adapter directory. Empty: the base alone is written (hf or fused layout), a 4-bit
+  // base dequantized.
+  std::filesystem::path adapter;
+  std::filesystem::path out;    // output directory (must not exist unless force)
+  Layout layout = Layout::kHf;  // Default: hf
   // Dtype of floating-point output tensors. Default: unset = the base's (a 4-bit weight: the
   // dtype its quant state names; lora layout: the adapter's).
   std::optional<DType> dtype;

@@ -707,5 +707,67 @@ TEST(Convert, HandComputedMergeOfOneModule) {
   }
 }
 
+// Every tensor of `got` is `ref`'s, bit for bit (same names, dtypes and shapes).
+void ExpectIdenticalTensors(const fs::path& ref_dir, const fs::path& got_dir) {
+  auto ref = Checkpoint::Open(ref_dir);
+  auto got = Checkpoint::Open(got_dir);
+  ASSERT_TRUE(ref.ok()) << ref.status().ToString();
+  ASSERT_TRUE(got.ok()) << got.status().ToString();
+  ASSERT_EQ(ref->names(), got->names()) << got_dir;
+  for (const auto& name : ref->names()) {
+    auto a = ref->Get(name);
+    auto b = got->Get(name);
+    ASSERT_TRUE(a.ok() && b.ok()) << name;
+    ASSERT_EQ(DTypeName(a->dtype()), DTypeName(b->dtype())) << got_dir << " " << name;
+    ASSERT_EQ(a->shape(), b->shape()) << got_dir << " " << name;
+    EXPECT_EQ(std::memcmp(a->data(), b->data(), a->nbytes()), 0) << got_dir << " " << name;
+  }
+}
+
+// No adapter: the base alone. A 4-bit base comes out as bitsandbytes' own dequantize_4bit of
+// it (the fixtures' base_dequant/, and the demo's model_nf4_dequant/, written by bnb), with
+// quantization_config gone: what a vLLM server is started on to serve a QLoRA run's adapters.
+TEST(Convert, BaseAloneDequantizesA4BitBaseAsBitsandbytesDoes) {
+  std::vector<std::pair<fs::path, fs::path>> bases;
+  std::ifstream in(fs::path(FERRY_FIXTURES_DIR) / "cases.json");
+  for (const auto& c : nlohmann::json::parse(in)) {
+    if (!c.contains("base_dequant")) continue;
+    const fs::path dir = kCases / c["name"].get<std::string>();
+    bases.emplace_back(dir / c["base"].get<std::string>(), dir / c["base_dequant"].get<std::string>());
+  }
+  ASSERT_EQ(bases.size(), 4u);  // nf4 and fp4, with and without double quantization
+  const fs::path demo = fs::path(FERRY_FIXTURES_DIR) / "demo";
+  bases.emplace_back(demo / "model_nf4", demo / "model_nf4_dequant");
+  TempDir tmp("base_alone");
+  for (size_t i = 0; i < bases.size(); ++i) {
+    const auto& [base, reference] = bases[i];
+    ConvertOptions o;
+    o.base = base;
+    o.out = tmp.path() / std::to_string(i);
+    o.threads = 2;
+    auto s = Convert(o);
+    ASSERT_TRUE(s.ok()) << base << ": " << s.status().ToString();
+    EXPECT_GT(s->dequantized, 0) << base;
+    EXPECT_EQ(s->lora_modules, 0) << base;
+    ExpectIdenticalTensors(reference, o.out);
+    std::ifstream config(o.out / "config.json");
+    const auto j = nlohmann::json::parse(config);
+    EXPECT_FALSE(j.contains("quantization_config")) << o.out;
+  }
+}
+
+TEST(Convert, BaseAloneRefusesTheLoraLayoutAndLeavesNothing) {
+  TempDir tmp("base_alone_lora");
+  ConvertOptions o;
+  o.base = fs::path(FERRY_FIXTURES_DIR) / "demo" / "model_nf4";
+  o.out = tmp.path() / "out";
+  o.layout = Layout::kLora;
+  auto s = Convert(o);
+  ASSERT_FALSE(s.ok());
+  EXPECT_EQ(s.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(s.status().message().find("needs an adapter directory"), std::string::npos) << s.status().message();
+  EXPECT_FALSE(fs::exists(o.out));
+}
+
 }  // namespace
 }  // namespace ferry

@@ -459,8 +459,9 @@ TEST(VllmEngineTest, ClientNamesTheServerAndTheRequestInItsErrors) {
 // ---------------------------------------------------------------------------------------
 // ferryd generating its rollouts with the server (use_vllm = true, TRL's server mode).
 
-// The demo's config for a run in `dir`: `extra` lines appended to the top level.
-fs::path DemoConfig(const fs::path& dir, const std::string& extra) {
+// The demo's config for a run in `dir`: `extra` lines appended to the top level; `model` in
+// place of the server's copy of the demo model.
+fs::path DemoConfig(const fs::path& dir, const std::string& extra, const fs::path& model = Server::model()) {
   fs::create_directories(dir);
   const fs::path demo = fs::path(FERRY_FIXTURES_DIR) / "demo";
   std::ifstream in(demo / "grpo.toml");
@@ -470,7 +471,7 @@ fs::path DemoConfig(const fs::path& dir, const std::string& extra) {
     ASSERT_NE(at, std::string::npos) << key;
     text.replace(at + 1, text.find('\n', at + 1) - at - 1, line);
   };
-  set("model_name_or_path", "model_name_or_path = \"" + Server::model().string() + "\"");
+  set("model_name_or_path", "model_name_or_path = \"" + model.string() + "\"");
   set("dataset", "dataset = \"" + (demo / "train.jsonl").string() + "\"");
   set("output_dir", "output_dir = \"" + (dir / "run").string() + "\"");
   set("threads", "threads = 1");
@@ -631,6 +632,72 @@ TEST(VllmEngineTest, YFerrydNamesAServerThatDoesNotAnswerAndResumesOnceItIsBack)
   EXPECT_NE(resumed.err.find("resumed from"), std::string::npos) << resumed.err;
   ASSERT_EQ(resumed.metrics.size(), 20u);
   EXPECT_EQ(resumed.metrics.back()["step"], 20);
+}
+
+// A second vLLM server, for one test, over `model` (scripts/vllm.sh start; stopped when it
+// goes out of scope).
+class OwnServer {
+ public:
+  OwnServer(const fs::path& model, const fs::path& log) {
+    const int port = FreePort();
+    pid_ = Shell("bash " + (kRoot / "scripts" / "vllm.sh").string() + " start " + model.string() + " " +
+                 std::to_string(port) + " " + log.string());
+    while (!pid_.empty() && (pid_.back() == '\n' || pid_.back() == ' ')) pid_.pop_back();
+    if (!pid_.empty()) url_ = "http://127.0.0.1:" + std::to_string(port);
+  }
+  ~OwnServer() {
+    if (!pid_.empty()) Shell("bash " + (kRoot / "scripts" / "vllm.sh").string() + " stop " + pid_);
+  }
+  const std::string& url() const { return url_; }
+
+ private:
+  std::string pid_, url_;
+};
+
+// A QLoRA run: the demo model quantized to NF4 by transformers + bitsandbytes
+// (fixtures/demo/model_nf4). vLLM does not load bitsandbytes' serialisation on a CPU, so the
+// server is started on `ferry convert`'s dequantized base (bit for bit bitsandbytes'
+// dequantize_4bit: convert_test), and the run's adapters are loaded onto it. Every version is
+// proven within the F32 tolerance. A server started on the unquantized model instead answers
+// for a different model, and the probe refuses it: the run stops naming the server and the
+// difference, with nothing trained.
+TEST(VllmEngineTest, YQloraRunIsServedOnTheDequantizedBaseAndAWrongBaseIsRefused) {
+  testing::ScopedTempDir tmp;
+  const fs::path nf4 = fs::path(FERRY_FIXTURES_DIR) / "demo" / "model_nf4";
+  auto dq = RunFerry({"convert", "--base", nf4.string(), "--out", (tmp / "dequantized").string(), "--json"});
+  ASSERT_EQ(dq.exit_code, 0) << dq.err;
+  EXPECT_EQ(json::parse(dq.out)["dequantized_4bit"], 14) << dq.out;
+  {
+    OwnServer server(tmp / "dequantized", tmp / "dequantized-server.log");
+    ASSERT_FALSE(server.url().empty());
+    const fs::path config =
+        DemoConfig(tmp / "qlora", "use_vllm = true\nvllm_server_base_url = \"" + server.url() + "\"", nf4);
+    RunResult r = Ferryd(config, tmp / "qlora" / "run", 10);
+    ASSERT_EQ(r.exit_code, 0) << r.err;
+    ASSERT_EQ(r.metrics.size(), 10u);
+    auto audit = RunFerry({"audit", "--db", (tmp / "qlora" / "run" / "store").string(), "--json"});
+    ASSERT_EQ(audit.exit_code, 0) << audit.err;
+    const json report = json::parse(audit.out, nullptr, false);
+    ASSERT_TRUE(report.is_object());
+    std::set<std::string> proven;
+    for (const auto& e : report["engines"]) {
+      EXPECT_EQ(e["url"], server.url()) << e.dump();
+      EXPECT_LE(e["max_diff"].get<double>(), 1e-4) << e.dump();
+      proven.insert(e["version"].get<std::string>());
+    }
+    EXPECT_EQ(report["engines"].size(), 11u);  // the first version, then one per step
+    for (const auto& m : r.metrics) {
+      EXPECT_EQ(proven.count(m["generator_version"].get<std::string>()), 1u) << m["step"];
+      EXPECT_LT(m["sampling/sampling_logp_difference/mean"].get<double>(), 1e-3) << m["step"];
+    }
+  }
+  const fs::path wrong = DemoConfig(
+      tmp / "wrong", "use_vllm = true\nvllm_server_timeout = 3\nvllm_server_base_url = \"" + Server::url() + "\"", nf4);
+  RunResult w = Ferryd(wrong, tmp / "wrong" / "run", 5);
+  EXPECT_EQ(w.exit_code, 1);
+  EXPECT_NE(w.err.find("was not proven on vLLM " + Server::url()), std::string::npos) << w.err;
+  EXPECT_NE(w.err.find("the engine's answer differs from the version's by"), std::string::npos) << w.err;
+  EXPECT_TRUE(w.metrics.empty());
 }
 
 // The whole path with the CLI: a trainer drops checkpoints (TRL's layout) into a directory

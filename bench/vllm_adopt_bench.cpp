@@ -343,9 +343,10 @@ Status RunStaleness(const Flags& flags, const std::string& url, const fs::path& 
     // Amdahl: overlapping generation G with the rest R of a step (training, adoption) at
     // best turns G + R into max(G, R), and only with the CPU to run both at once.
     const double g = Median(gen0), r = m0 - g;
-    std::printf("  max_staleness 0's step: generation %.3f s + the rest %.3f s; perfect overlap bounds the ratio at "
-                "%.2fx\n",
-                g, r, m0 / std::max(g, r));
+    std::printf(
+        "  max_staleness 0's step: generation %.3f s + the rest %.3f s; perfect overlap bounds the ratio at "
+        "%.2fx\n",
+        g, r, m0 / std::max(g, r));
   }
   return Status::OK();
 }
@@ -392,6 +393,7 @@ Status RunModel(const ModelSpec& spec, const Flags& flags, int port, const fs::p
   vo.work_dir = mwork / "vllm";
   vo.base_dir = spec.dir;
   vo.tolerance = 1e-4;
+  vo.reference_threads = ferry::grpo::ReferenceThreadsFor(vo.url, flags.threads);  // as ferryd's trainer
   FERRY_ASSIGN_OR_RETURN(auto gen, ferry::grpo::VllmGenerator::Create(vo, model.get(), store.get()));
   FERRY_ASSIGN_OR_RETURN(auto client, engine::VllmClient::Create({server->url(), 120000}));
 

@@ -1,6 +1,7 @@
 #include "daemon/grpo/trainer.h"
 
 #include <ATen/CPUGeneratorImpl.h>
+#include <ATen/Parallel.h>
 #include <nlohmann/json.hpp>
 
 #include <fcntl.h>
@@ -435,6 +436,7 @@ Result<std::unique_ptr<Trainer::State>> CreateState(const TrainOptions& options,
     vo.work_dir = s->dir / "vllm";
     vo.base_dir = c.model_name_or_path;
     vo.tolerance = s->model->dtype() == at::kFloat ? 1e-4 : 1e-1;
+    vo.reference_threads = ReferenceThreadsFor(vo.url, at::get_num_threads());
     FERRY_ASSIGN_OR_RETURN(s->vllm, VllmGenerator::Create(vo, s->model.get(), s->store.get()));
   } else {
     s->generator = std::make_unique<ColocatedGenerator>(s->channel.get(), go);

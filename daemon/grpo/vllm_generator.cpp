@@ -2,6 +2,7 @@
 
 #include <unistd.h>
 
+#include <ATen/Parallel.h>
 #include <ATen/core/grad_mode.h>
 #include <nlohmann/json.hpp>
 
@@ -33,6 +34,20 @@ bool Retryable(const Status& s) { return s.code() == StatusCode::kUnavailable ||
 constexpr size_t kKeepLoaded = 2;
 
 }  // namespace
+
+int ReferenceThreadsFor(const std::string& url, int threads) {
+  const size_t scheme = url.find("://");
+  std::string host = url.substr(scheme == std::string::npos ? 0 : scheme + 3);
+  bool loopback = false;
+  if (!host.empty() && host.front() == '[') {
+    loopback = host.rfind("[::1]", 0) == 0;
+  } else {
+    host = host.substr(0, host.find_first_of(":/"));
+    const bool dotted = !host.empty() && host.find_first_not_of("0123456789.") == std::string::npos;
+    loopback = host == "localhost" || (dotted && host.rfind("127.", 0) == 0);
+  }
+  return loopback ? std::max(1, threads / 2) : 0;
+}
 
 VllmGenerator::VllmGenerator(VllmGeneratorOptions options, std::unique_ptr<engine::VllmClient> client,
                              const runtime::CausalLM* model, store::Store* store)
@@ -116,6 +131,18 @@ Status VllmGenerator::Adopt(const runtime::LoraAdapter& adapter, const store::Di
       std::async(std::launch::async, [this, &adapter]() -> Result<engine::LogProbs> {
         return runtime::GuardTorch("the probe's reference", [&]() -> Result<engine::LogProbs> {
           at::NoGradGuard no_grad;
+          // The trainer's thread waits in this Adopt meanwhile: nothing else computes.
+          const int threads = at::get_num_threads();
+          const bool fewer =
+              options_.reference_threads > 0 && options_.reference_threads < threads && model_->device().is_cpu();
+          if (fewer) at::set_num_threads(options_.reference_threads);
+          struct Restore {
+            bool active;
+            int threads;
+            ~Restore() {
+              if (active) at::set_num_threads(threads);
+            }
+          } restore{fewer, threads};
           std::vector<std::vector<int64_t>> seqs;
           for (const auto& s : probe_) seqs.emplace_back(s.begin(), s.end());
           FERRY_ASSIGN_OR_RETURN(auto lp, runtime::PromptLogProbs(*model_, &adapter.binding(), seqs));

@@ -50,7 +50,18 @@ struct VllmGeneratorOptions {
   std::string receiver_id = "vllm";  // names the server in store events
   double tolerance = 1e-4;           // the probe's (F32; sync/engine/probe.h)
   engine::ProbeOptions probe;
+  // LibTorch threads for the probe's reference on a CPU model. It is computed while the server
+  // answers the probe; a server on this machine computes at the same time, and OpenMP threads
+  // that outnumber the free cores stall at every barrier (on 2 cores, 2 threads beside the
+  // server's took the 0.5B reference from 0.47 s on one thread to 1.07 s). 0: the process's
+  // setting. The trainer gives half its threads when the server's address is a loopback one.
+  int reference_threads = 0;
 };
+
+// VllmGeneratorOptions::reference_threads for a server at `url`: half of `threads` (at least
+// one) when its host is this machine's loopback (localhost, 127.0.0.0/8, [::1]), so the server
+// and the reference each have half the cores; 0 (all) otherwise.
+int ReferenceThreadsFor(const std::string& url, int threads);
 
 class VllmGenerator {
  public:

@@ -24,6 +24,7 @@
 #include "daemon/dist/process_group.h"
 #include "daemon/grpo/trainer.h"
 #include "daemon/grpo/trainer_internal.h"
+#include "daemon/grpo/vllm_generator.h"
 #include "daemon/run/checkpoint_state.h"
 #include "daemon/runtime/model.h"
 #include "store/materialize.h"
@@ -748,6 +749,20 @@ TEST(DataParallelConfigTest, ARankTakesWholeGroups) {
   EXPECT_EQ(three->prompts_per_generation(), 6);
   EXPECT_EQ(three->Fingerprint(), three->Fingerprint());
   EXPECT_EQ(plain->Fingerprint(), run::ForWorldSize(*plain, 1)->Fingerprint());
+}
+
+// The probe's reference shares the cores with a server on this machine (half each) and takes
+// them all for a remote one.
+TEST(VllmGeneratorTest, ReferenceThreadsAreHalfTheCoresForAServerOnThisMachine) {
+  EXPECT_EQ(ReferenceThreadsFor("http://127.0.0.1:8000", 2), 1);
+  EXPECT_EQ(ReferenceThreadsFor("http://127.0.0.2:8000/", 16), 8);
+  EXPECT_EQ(ReferenceThreadsFor("http://localhost:8000", 8), 4);
+  EXPECT_EQ(ReferenceThreadsFor("http://[::1]:8000", 4), 2);
+  EXPECT_EQ(ReferenceThreadsFor("http://127.0.0.1:8000", 1), 1);
+  EXPECT_EQ(ReferenceThreadsFor("http://10.0.0.7:8000", 16), 0);
+  EXPECT_EQ(ReferenceThreadsFor("http://127.example.org:8000", 16), 0);
+  EXPECT_EQ(ReferenceThreadsFor("http://[fe80::1]:8000", 16), 0);
+  EXPECT_EQ(ReferenceThreadsFor("http://localhost.example.org", 16), 0);
 }
 
 }  // namespace

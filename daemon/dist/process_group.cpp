@@ -1,5 +1,7 @@
 #include "daemon/dist/process_group.h"
 
+#include <ATen/detail/CUDAHooksInterface.h>
+
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
@@ -242,13 +244,31 @@ ProcessGroup::~ProcessGroup() {
   if (impl_->heartbeat.joinable()) impl_->heartbeat.join();
 }
 
+namespace {
+
+// Why this ferryd cannot run `launch` on NCCL, said plainly.
+std::string NcclRefusal(const Launch& launch) {
+  const std::string head = "backend \"nccl\": ";
+  const at::CUDAHooksInterface& cuda = at::detail::getCUDAHooks();
+  if (!cuda.hasCUDART()) {
+    return head +
+           "this LibTorch is a CPU build (Debian's libtorch-dev is), so it has no CUDA and no NCCL; use \"gloo\"";
+  }
+  const int devices = cuda.getNumGPUs();
+  if (devices == 0) return head + "this host has no CUDA device; use \"gloo\"";
+  if (launch.local_world_size > devices) {
+    return head + std::to_string(launch.local_world_size) + " ranks on this host but " + std::to_string(devices) +
+           " CUDA device(s): NCCL runs one rank per device and refuses two ranks on one GPU (\"Duplicate GPU "
+           "detected\"); use \"gloo\", or one device per local rank";
+  }
+  return head + "ferryd's collectives are Gloo's; an NCCL process group is not built into it yet; use \"gloo\"";
+}
+
+}  // namespace
+
 Result<std::unique_ptr<ProcessGroup>> ProcessGroup::Join(const Launch& launch, const GroupOptions& options) {
   if (options.backend != "gloo") {
-    if (options.backend == "nccl") {
-      return Status::Unsupported(
-          "backend \"nccl\": this build's LibTorch has no NCCL process group (Debian's libtorch-dev is a CPU "
-          "build); use \"gloo\"");
-    }
+    if (options.backend == "nccl") return Status::Unsupported(NcclRefusal(launch));
     return Status::InvalidArgument("backend \"" + options.backend + "\": not \"gloo\" or \"nccl\"");
   }
   auto impl = std::make_unique<Impl>();

@@ -74,7 +74,8 @@ class ProcessGroup {
   // connects to MASTER_ADDR:MASTER_PORT, the process group is built, and the ranks exchange
   // host and pid. Gloo binds the address this host reaches MASTER_ADDR from (127.0.0.1 for
   // a loopback MASTER_ADDR), or the interface GLOO_SOCKET_IFNAME names, as torch does.
-  // Errors: kInvalidArgument for an unknown backend; kUnsupported for NCCL (this LibTorch has none); kUnavailable
+  // Errors: kInvalidArgument for an unknown backend; kUnsupported for NCCL, saying why (a CPU LibTorch; more
+  // local ranks than CUDA devices, which NCCL refuses; no NCCL group in ferryd yet); kUnavailable
   // naming MASTER_ADDR:MASTER_PORT when the rendezvous does not complete within the timeout.
   static Result<std::unique_ptr<ProcessGroup>> Join(const Launch& launch, const GroupOptions& options);
   ~ProcessGroup();

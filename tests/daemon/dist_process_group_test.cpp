@@ -2,6 +2,8 @@
 // process, each with its own TCPStore connection and process group, over loopback TCP).
 #include <gtest/gtest.h>
 
+#include <ATen/detail/CUDAHooksInterface.h>
+
 #include <unistd.h>
 
 #include <future>
@@ -66,14 +68,29 @@ TEST(LaunchFromEnvTest, ErrorsNameTheVariable) {
   EXPECT_NE(not_number.status().message().find("RANK=\"x\""), std::string::npos) << not_number.status().message();
 }
 
-TEST(ProcessGroupTest, NcclIsRefusedOnThisLibTorch) {
+// NCCL is refused, saying why: a CPU LibTorch (Debian's), no CUDA device, or more local ranks
+// than devices (NCCL refuses two ranks on one GPU).
+TEST(ProcessGroupTest, NcclIsRefusedSayingWhy) {
   Launch l;
+  l.world_size = 2;
+  l.local_world_size = 2;
   GroupOptions o;
   o.backend = "nccl";
   auto g = ProcessGroup::Join(l, o);
   ASSERT_FALSE(g.ok());
   EXPECT_EQ(g.status().code(), StatusCode::kUnsupported);
-  EXPECT_NE(g.status().message().find("no NCCL"), std::string::npos) << g.status().message();
+  const std::string m = g.status().message();
+  const at::CUDAHooksInterface& cuda = at::detail::getCUDAHooks();
+  if (!cuda.hasCUDART()) {
+    EXPECT_NE(m.find("this LibTorch is a CPU build"), std::string::npos) << m;
+    EXPECT_NE(m.find("no NCCL"), std::string::npos) << m;
+  } else if (cuda.getNumGPUs() == 0) {
+    EXPECT_NE(m.find("this host has no CUDA device"), std::string::npos) << m;
+  } else if (cuda.getNumGPUs() < 2) {
+    EXPECT_NE(m.find("2 ranks on this host but 1 CUDA device(s)"), std::string::npos) << m;
+    EXPECT_NE(m.find("refuses two ranks on one GPU"), std::string::npos) << m;
+  }
+  EXPECT_NE(m.find("use \"gloo\""), std::string::npos) << m;
 }
 
 // Two ranks in threads; `body(rank, group)` runs on each.

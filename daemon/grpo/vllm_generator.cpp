@@ -131,18 +131,20 @@ Status VllmGenerator::Adopt(const runtime::LoraAdapter& adapter, const store::Di
       std::async(std::launch::async, [this, &adapter]() -> Result<engine::LogProbs> {
         return runtime::GuardTorch("the probe's reference", [&]() -> Result<engine::LogProbs> {
           at::NoGradGuard no_grad;
-          // The trainer's thread waits in this Adopt meanwhile: nothing else computes.
+          // A new thread starts with OpenMP's default team size (every core), not the process's
+          // setting: this one's is set here, and the process's restored after. The trainer's
+          // thread waits in this Adopt meanwhile: nothing else computes.
           const int threads = at::get_num_threads();
-          const bool fewer =
-              options_.reference_threads > 0 && options_.reference_threads < threads && model_->device().is_cpu();
-          if (fewer) at::set_num_threads(options_.reference_threads);
+          const int mine = options_.reference_threads > 0 ? std::min(options_.reference_threads, threads) : threads;
+          const bool cpu = model_->device().is_cpu();
+          if (cpu) at::set_num_threads(mine);
           struct Restore {
             bool active;
             int threads;
             ~Restore() {
               if (active) at::set_num_threads(threads);
             }
-          } restore{fewer, threads};
+          } restore{cpu, threads};
           std::vector<std::vector<int64_t>> seqs;
           for (const auto& s : probe_) seqs.emplace_back(s.begin(), s.end());
           FERRY_ASSIGN_OR_RETURN(auto lp, runtime::PromptLogProbs(*model_, &adapter.binding(), seqs));

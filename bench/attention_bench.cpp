@@ -1,7 +1,8 @@
-// The runtime's attention products on short contexts: the same model with the tiny products as
-// plain batched loops (kernels/small_products.h; ModelOptions::small_attention_product, the
-// default) and with every
-// product on LibTorch's batched matmul (small_attention_product = 0), alternated in one run.
+// The runtime's attention kernels on short contexts, the same model three ways, alternated in one
+// run: the eager kernel with the tiny products as plain batched loops (kernels/small_products.h;
+// ModelOptions::small_attention_product, the CPU's default), the eager kernel with every product
+// on LibTorch's batched matmul (small_attention_product = 0), and, where the LibTorch has it, the
+// fused kernel (at::scaled_dot_product_attention, attention.h; the default on CUDA).
 //
 // Usage: ferry_bench_attention [--model fixtures/demo/model] [--rows 128] [--prompt 7]
 //          [--completion 3] [--threads 2] [--reps 40]
@@ -11,7 +12,8 @@
 //   train:  with autograd and a LoRA adapter on every projection, a prefill of the prompts into a
 //           cache, then --completion tokens per row against it, and the backward of the logits'
 //           sum (the trainer's shared-prompt forward, daemon/grpo/rollout.cpp).
-// Prints one JSON object, then `small/bmm` time ratios (below 1: the small-products path is faster).
+// Prints a GEMM calibration, one JSON object, the time ratios `small/bmm` and `fused/small` (below
+// 1: the first is faster), and the calibration again.
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
 
@@ -25,6 +27,7 @@
 #include <vector>
 
 #include "bench/bench_util.h"
+#include "bench/torch_calibration.h"
 #include "convert/peft_config.h"
 #include "daemon/runtime/lora.h"
 #include "daemon/runtime/model.h"
@@ -32,6 +35,7 @@
 
 namespace {
 
+using ferry::bench::CalibrationGflops;
 using ferry::bench::Median;
 using ferry::bench::Now;
 using ferry::runtime::CausalLM;
@@ -41,6 +45,7 @@ at::Tensor Positions(int64_t rows, int64_t start, int64_t count) {
 }
 
 struct Case {
+  const char* name = "";
   std::unique_ptr<CausalLM> model;
   std::unique_ptr<ferry::runtime::LoraAdapter> adapter;
   std::vector<double> decode_s, train_s;
@@ -132,25 +137,37 @@ int main(int argc, char** argv) {
   ferry::runtime::SetTorchThreads(static_cast<int>(threads));
   ferry::runtime::KeepFreedTensorMemory();
 
-  Case cases[2];
-  for (int k = 0; k < 2; ++k) {
+  std::printf("calibration before: F32 GEMM 512x1024x1024 %.1f GFLOP/s\n", CalibrationGflops());
+  std::vector<Case> cases;
+  for (const char* name : {"small", "bmm", "fused"}) {
     ferry::runtime::ModelOptions o;
-    if (k == 1) o.small_attention_product = 0;  // every product on bmm
+    o.attention_kernel = ferry::runtime::AttentionKernel::kEager;
+    if (std::strcmp(name, "bmm") == 0) o.small_attention_product = 0;  // every product on bmm
+    if (std::strcmp(name, "fused") == 0) {
+      if (!ferry::runtime::FusedAttentionAvailable()) {
+        std::printf("fused: this LibTorch has no scaled_dot_product_attention (not measured)\n");
+        continue;
+      }
+      o.attention_kernel = ferry::runtime::AttentionKernel::kFused;
+    }
+    Case c;
+    c.name = name;
     auto m = CausalLM::Load(model_dir, o);
     if (!m.ok()) {
       std::fprintf(stderr, "ferry_bench_attention: %s\n", m.status().ToString().c_str());
       return 1;
     }
-    cases[k].model = std::move(*m);
+    c.model = std::move(*m);
     auto peft = ferry::ParsePeftConfig(
         R"({"peft_type": "LORA", "r": 8, "lora_alpha": 16, "target_modules": "all-linear"})", "bench adapter");
     if (!peft.ok()) return 1;
-    auto a = ferry::runtime::LoraAdapter::Create(*cases[k].model, *peft, 1);
+    auto a = ferry::runtime::LoraAdapter::Create(*c.model, *peft, 1);
     if (!a.ok()) {
       std::fprintf(stderr, "ferry_bench_attention: %s\n", a.status().ToString().c_str());
       return 1;
     }
-    cases[k].adapter = std::move(*a);
+    c.adapter = std::move(*a);
+    cases.push_back(std::move(c));
   }
   const int64_t vocab = cases[0].model->config().vocab_size;
   at::manual_seed(1);
@@ -167,15 +184,23 @@ int main(int argc, char** argv) {
       }
     }
   }
-  const double bd = Median(cases[0].decode_s), bt = Median(cases[0].train_s);
-  const double md = Median(cases[1].decode_s), mt = Median(cases[1].train_s);
   std::printf(
-      "{\"model\": \"%s\", \"rows\": %lld, \"prompt\": %lld, \"completion\": %lld, \"threads\": %lld, \"reps\": %lld, "
-      "\"small_decode_s\": %.6f, \"bmm_decode_s\": %.6f, \"small_train_s\": %.6f, \"bmm_train_s\": %.6f}\n",
+      "{\"model\": \"%s\", \"rows\": %lld, \"prompt\": %lld, \"completion\": %lld, \"threads\": %lld, "
+      "\"reps\": %lld",
       model_dir.c_str(), static_cast<long long>(rows), static_cast<long long>(prompt_len),
-      static_cast<long long>(completion_len), static_cast<long long>(threads), static_cast<long long>(reps), bd, md, bt,
-      mt);
-  std::printf("decode (%lld steps): small/bmm %.2f\n", static_cast<long long>(completion_len), bd / md);
-  std::printf("train forward + backward: small/bmm %.2f\n", bt / mt);
+      static_cast<long long>(completion_len), static_cast<long long>(threads), static_cast<long long>(reps));
+  for (const Case& c : cases) {
+    std::printf(", \"%s_decode_s\": %.6f, \"%s_train_s\": %.6f", c.name, Median(c.decode_s), c.name, Median(c.train_s));
+  }
+  std::printf("}\n");
+  auto ratio = [&](const char* what, size_t a, size_t b) {
+    std::printf("%s (%lld steps): %s/%s %.2f; train forward + backward: %s/%s %.2f\n", what,
+                static_cast<long long>(completion_len), cases[a].name, cases[b].name,
+                Median(cases[a].decode_s) / Median(cases[b].decode_s), cases[a].name, cases[b].name,
+                Median(cases[a].train_s) / Median(cases[b].train_s));
+  };
+  ratio("decode", 0, 1);
+  if (cases.size() == 3) ratio("decode", 2, 0);
+  std::printf("calibration after: F32 GEMM 512x1024x1024 %.1f GFLOP/s\n", CalibrationGflops());
   return 0;
 }

@@ -35,24 +35,16 @@
 #include <unistd.h>
 
 #include "bench/bench_util.h"
+#include "bench/torch_calibration.h"
 #include "daemon/dist/process_group.h"
 
 namespace {
 
 namespace fs = std::filesystem;
+using ferry::bench::CalibrationGflops;
 using ferry::bench::Median;
 using ferry::bench::Now;
 using ferry::bench::Seconds;
-
-double CalibrationGflops() {
-  at::NoGradGuard no_grad;
-  const at::Tensor a = at::rand({512, 1024});
-  const at::Tensor b = at::rand({1024, 1024});
-  at::Tensor c = at::mm(a, b);
-  std::vector<double> runs;
-  for (int i = 0; i < 7; ++i) runs.push_back(Seconds([&] { c = at::mm(a, b); }));
-  return 2.0 * 512 * 1024 * 1024 / Median(runs) / 1e9;
-}
 
 struct Run {
   double seconds_per_step = 0;

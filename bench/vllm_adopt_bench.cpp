@@ -64,6 +64,7 @@
 #include <vector>
 
 #include "bench/bench_util.h"
+#include "bench/torch_calibration.h"
 #include "convert/converter.h"
 #include "convert/peft_config.h"
 #include "core/status.h"
@@ -80,6 +81,7 @@ namespace {
 namespace fs = std::filesystem;
 using ferry::Result;
 using ferry::Status;
+using ferry::bench::CalibrationGflops;
 using ferry::bench::Median;
 using ferry::bench::Seconds;
 
@@ -219,17 +221,6 @@ class Server {
 };
 
 // ---------------------------------------------------------------- figures
-
-// F32 GEMM GFLOP/s (512 x 1024 x 1024, median of 7) on LibTorch's current thread count.
-double CalibrationGflops() {
-  at::NoGradGuard no_grad;
-  const at::Tensor a = at::rand({512, 1024});
-  const at::Tensor b = at::rand({1024, 1024});
-  at::Tensor c = at::mm(a, b);
-  std::vector<double> runs;
-  for (int i = 0; i < 7; ++i) runs.push_back(Seconds([&] { c = at::mm(a, b); }));
-  return 2.0 * 512 * 1024 * 1024 / Median(runs) / 1e9;
-}
 
 struct Series {
   std::vector<double> v;

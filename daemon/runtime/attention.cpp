@@ -5,6 +5,7 @@
 
 #include <ATen/core/grad_mode.h>
 #include <torch/csrc/autograd/custom_function.h>
+#include <torch/version.h>
 
 #include <algorithm>
 #include <cmath>
@@ -13,6 +14,14 @@
 
 #include "daemon/runtime/parallel.h"
 #include "kernels/small_products.h"
+
+// at::scaled_dot_product_attention with its `scale` argument: PyTorch 2.1; 2.5 is the first whose
+// CPU and CUDA kernels take an additive mask on every path transformers uses.
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 5)
+#define FERRY_HAVE_SDPA 1
+#else
+#define FERRY_HAVE_SDPA 0
+#endif
 
 namespace ferry::runtime {
 namespace {
@@ -139,13 +148,55 @@ at::Tensor HeadProduct(Product kind, const at::Tensor& a, const at::Tensor& b, i
   return out.view(shape);
 }
 
+#if FERRY_HAVE_SDPA
+// transformers' sdpa_attention_forward: keys and values repeated to the query heads (repeat_kv;
+// the GQA flag would send a masked call to the math kernel on CUDA), an additive mask, no dropout.
+at::Tensor FusedAttention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
+                          const at::Tensor& blocked) {
+  const int64_t B = q.size(0), T = q.size(1), nH = q.size(2), D = q.size(3);
+  const int64_t nKV = keys.size(1), S = keys.size(2);
+  const int64_t G = nH / nKV;
+  at::Tensor k = keys, v = values;
+  if (G > 1) {
+    k = keys.unsqueeze(2).expand({B, nKV, G, S, D}).reshape({B, nH, S, D});
+    v = values.unsqueeze(2).expand({B, nKV, G, S, D}).reshape({B, nH, S, D});
+  }
+  const at::Tensor mask = at::zeros({B, 1, T, S}, q.options().requires_grad(false))
+                              .masked_fill_(blocked.view({B, 1, T, S}), Lowest(q.scalar_type()));
+  const at::Tensor out = at::scaled_dot_product_attention(q.transpose(1, 2), k, v, mask, /*dropout_p=*/0.0,
+                                                          /*is_causal=*/false, 1.0 / std::sqrt(static_cast<double>(D)));
+  return out.transpose(1, 2).reshape({B, T, nH * D});
+}
+#endif
+
 }  // namespace
+
+bool FusedAttentionAvailable() { return FERRY_HAVE_SDPA != 0; }
+
+AttentionKernel ResolveAttentionKernel(AttentionKernel kernel, const at::Device& device) {
+  if (kernel != AttentionKernel::kAuto) return kernel;
+  return FusedAttentionAvailable() && device.is_cuda() ? AttentionKernel::kFused : AttentionKernel::kEager;
+}
+
+std::string_view AttentionKernelName(AttentionKernel kernel) {
+  switch (kernel) {
+    case AttentionKernel::kAuto: return "auto";
+    case AttentionKernel::kEager: return "eager";
+    case AttentionKernel::kFused: return "fused";
+  }
+  return "?";
+}
 
 at::Tensor ScaledDotProductAttention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
                                      const at::Tensor& blocked, const AttentionOptions& options) {
   const int64_t B = q.size(0), T = q.size(1), nH = q.size(2), D = q.size(3);
   const int64_t nKV = keys.size(1), S = keys.size(2);
   const int64_t G = nH / nKV;
+#if FERRY_HAVE_SDPA
+  if (ResolveAttentionKernel(options.kernel, q.device()) == AttentionKernel::kFused) {
+    return FusedAttention(q, keys, values, blocked);
+  }
+#endif
   const double scale = 1.0 / std::sqrt(static_cast<double>(D));
   at::Tensor qg = q.view({B, T, nKV, G, D}).permute({0, 2, 3, 1, 4});  // [B, nKV, G, T, D]
   const at::Scalar lowest = Lowest(q.scalar_type());

@@ -15,15 +15,40 @@
 // items instead (kernels/small_products.h), forward and backward as one custom autograd node,
 // split across threads by item. BF16 and CUDA stay on bmm, as do items above `small_product`,
 // where BLAS's blocking pays; without autograd the CPU bmm is split across the intra-op threads.
+//
+// The fused kernel (AttentionKernel::kFused, the default on CUDA where the LibTorch has it):
+// LibTorch's own at::scaled_dot_product_attention (PyTorch >= 2.5), as transformers' "sdpa"
+// attention calls it: the KV heads repeated to the query heads, the mask additive (0 where a key
+// is visible, the dtype's lowest value where blocked, so a row with every key blocked averages
+// the values as the eager path does instead of giving NaN), the scale 1 / sqrt(D). On CUDA it
+// runs the memory-efficient kernel: no [T, S] scores or probabilities are kept for the backward
+// pass, which recomputes them. Debian's LibTorch 1.13 has no such function (kEager only there).
 #pragma once
 
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <string_view>
 
 namespace ferry::runtime {
 
+enum class AttentionKernel {
+  kAuto,   // kFused on CUDA where this LibTorch has it, kEager otherwise
+  kEager,  // the chunked softmax of this file (transformers' eager attention)
+  kFused,  // at::scaled_dot_product_attention. REQUIRES: FusedAttentionAvailable()
+};
+
+// Whether this LibTorch has at::scaled_dot_product_attention with a scale (PyTorch >= 2.5).
+bool FusedAttentionAvailable();
+
+// The kernel `kernel` resolves to for tensors on `device`.
+AttentionKernel ResolveAttentionKernel(AttentionKernel kernel, const at::Device& device);
+
+std::string_view AttentionKernelName(AttentionKernel kernel);
+
 struct AttentionOptions {
+  // Which kernel runs (see the top). Default: kAuto.
+  AttentionKernel kernel = AttentionKernel::kAuto;
   // Queries processed per chunk (memory ~ chunk x keys). REQUIRES: >= 1.
   int64_t query_chunk = 1024;
   // F32 CPU products of at most this many multiply-adds per (row, KV head) (queries x keys x

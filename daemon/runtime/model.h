@@ -91,7 +91,10 @@ struct ModelOptions {
   // Compute dtype. Default: unset = the weights' own (the dtype of model.embed_tokens.weight;
   // for 4-bit bases the quant state's dtype). A different dtype costs one converted copy.
   std::optional<at::ScalarType> dtype;
-  // Queries processed per attention chunk (memory ~ chunk x context). Default: 1024.
+  // The attention kernel (attention.h): kFused is LibTorch's scaled_dot_product_attention,
+  // refused where this LibTorch lacks it. Default: kAuto (fused on CUDA where available).
+  AttentionKernel attention_kernel = AttentionKernel::kAuto;
+  // Queries processed per eager attention chunk (memory ~ chunk x context). Default: 1024.
   int64_t attention_chunk = 1024;
   // F32 attention products on the CPU with at most this many multiply-adds per (row, KV head)
   // (queries x keys x head_dim) run as plain batched loops (kernels/small_products.h) instead of
@@ -152,6 +155,8 @@ class CausalLM {
   const ModelConfig& config() const { return config_; }
   const at::Device& device() const { return device_; }
   at::ScalarType dtype() const { return dtype_; }
+  // The attention kernel its forwards run (ModelOptions::attention_kernel resolved).
+  AttentionKernel attention_kernel() const { return attention_.kernel; }
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
   // The linear layers LoRA may target (q..down of every layer, then lm_head), with their
   // names as PEFT sees them ("model.layers.0.self_attn.q_proj"). REQUIRES: !fused().

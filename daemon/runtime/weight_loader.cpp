@@ -4,6 +4,8 @@
 // lm_head is the embedding; a tensor the model does not consume is an error. Dense weights are
 // views of the checkpoint where device and dtype allow, else copies that a later model may
 // borrow (WeightReuse).
+#include <torch/version.h>
+
 #include <algorithm>
 #include <functional>
 #include <map>
@@ -188,6 +190,12 @@ Status CausalLM::Init(const ModelConfig& config, const Checkpoint& weights, cons
                       const WeightReuse* reuse) {
   config_ = config;
   device_ = options.device;
+  if (options.attention_kernel == AttentionKernel::kFused && !FusedAttentionAvailable()) {
+    return Status::Unsupported(
+        "attention kernel \"fused\" needs at::scaled_dot_product_attention (PyTorch >= 2.5); "
+        "this LibTorch is " TORCH_VERSION);
+  }
+  attention_.kernel = ResolveAttentionKernel(options.attention_kernel, options.device);
   attention_.query_chunk = std::max<int64_t>(1, options.attention_chunk);
   attention_.small_product = std::max<int64_t>(0, options.small_attention_product);
   skinny_linear_rows_ = std::max<int64_t>(0, options.skinny_linear_rows);

@@ -244,5 +244,52 @@ TEST(AttentionTest, BothProductPathsAndChunksEqualEagerAttentionForwardAndBackwa
   }
 }
 
+// The fused kernel (at::scaled_dot_product_attention, where this LibTorch has it): forward and
+// backward equal eager attention in F64. A query whose every key is blocked (a left-padded row's
+// padding) averages the values as the eager kernel does, finite. Nothing reads such a position
+// (every real query blocks it as a key), so it gets no gradient; with none, the gradients equal
+// the eager kernel's. (With one, the additive mask lets it reach q and k, as in transformers'
+// sdpa attention, where the eager kernel's masked_fill stops it.)
+TEST(AttentionTest, FusedKernelEqualsEagerAttentionForwardAndBackward) {
+  if (!FusedAttentionAvailable()) GTEST_SKIP() << "this LibTorch has no scaled_dot_product_attention";
+  at::manual_seed(9);
+  const int64_t B = 2, T = 5, nH = 4, nKV = 2, D = 8;
+  const std::vector<at::Tensor> inputs = {at::randn({B, T, nH, D}), at::randn({B, nKV, T, D}),
+                                          at::randn({B, nKV, T, D})};
+  at::Tensor causal = at::ones({T, T}).triu(1).to(at::kBool).expand({B, T, T}).clone();
+  causal[0].select(1, 1).fill_(true);
+  const AttentionOptions fused{.kernel = AttentionKernel::kFused};
+  const AttentionOptions eager{.kernel = AttentionKernel::kEager};
+  auto run = [&](bool reference, const at::Tensor& blocked, const at::Tensor& dy, const AttentionOptions& o) {
+    std::vector<at::Tensor> in;
+    for (const at::Tensor& t : inputs) in.push_back((reference ? t.to(at::kDouble) : t.clone()).requires_grad_(true));
+    const at::Tensor y = reference ? EagerAttention(in[0], in[1], in[2], blocked)
+                                   : ScaledDotProductAttention(in[0], in[1], in[2], blocked, o);
+    (y * (reference ? dy.to(at::kDouble) : dy)).sum().backward();
+    return std::vector<at::Tensor>{y.detach(), in[0].grad(), in[1].grad(), in[2].grad()};
+  };
+  const char* names[] = {"y", "dq", "dk", "dv"};
+  at::Tensor dy = at::randn({B, T, nH * D});
+  const at::Tensor blocked = causal.view({B, 1, 1, T, T});
+  const std::vector<at::Tensor> want = run(true, blocked, dy, {});
+  const std::vector<at::Tensor> got = run(false, blocked, dy, fused);
+  for (size_t i = 0; i < got.size(); ++i) EXPECT_LT(MaxRelError(got[i], want[i]), 1e-5) << names[i];
+
+  // Row 1's key 0 is padding too: its query 0 sees no key at all, and nothing reads it.
+  at::Tensor padded = causal.clone();
+  padded[1].select(1, 0).fill_(true);
+  const at::Tensor blocked_row = padded.view({B, 1, 1, T, T});
+  dy[1][0].zero_();
+  const std::vector<at::Tensor> f = run(false, blocked_row, dy, fused);
+  const std::vector<at::Tensor> e = run(false, blocked_row, dy, eager);
+  for (size_t i = 0; i < f.size(); ++i) {
+    EXPECT_TRUE(at::isfinite(f[i]).all().item<bool>()) << names[i] << ", a query with no visible key";
+    EXPECT_LT(MaxRelError(f[i], e[i]), 1e-5) << names[i] << ", a query with no visible key";
+  }
+  // Its output: each head the mean of its KV head's values over every key.
+  const at::Tensor mean_values = inputs[2][1].mean(1).repeat_interleave(nH / nKV, 0).reshape({nH * D});
+  EXPECT_LT(MaxRelError(f[0][1][0], mean_values), 1e-5) << "a query with no visible key: not the values' mean";
+}
+
 }  // namespace
 }  // namespace ferry::runtime

@@ -6,6 +6,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/grad_mode.h>
 #include <dlfcn.h>
+#include <torch/version.h>
 
 #include "core/mapped_file.h"
 #include "daemon/runtime/model.h"
@@ -133,6 +134,38 @@ TEST(RuntimeModel, ForwardWithoutAutogradEqualsTheAutogradForwardExactly) {
         << (*with_grad - *without).abs().max().item<double>();
   }
   at::set_num_threads(threads);
+}
+
+// The fused attention kernel (at::scaled_dot_product_attention) is refused where this LibTorch
+// lacks it, naming the function and the version; where it has it, the model runs it, and the
+// KV-cache decode over it equals its full forward.
+TEST(RuntimeModel, FusedAttentionRunsWhereTheLibTorchHasItAndIsRefusedElsewhere) {
+  ScopedTempDir dir;
+  TinyModelSpec spec;
+  spec.model_type = "qwen2";
+  ModelOptions opts;
+  opts.attention_kernel = AttentionKernel::kFused;
+  ASSERT_TRUE(WriteTinyModel(dir.path(), spec).ok());
+  auto m = CausalLM::Load(dir.path(), opts);
+  if (!FusedAttentionAvailable()) {
+    ASSERT_FALSE(m.ok());
+    EXPECT_EQ(m.status().code(), StatusCode::kUnsupported);
+    EXPECT_NE(m.status().message().find("scaled_dot_product_attention"), std::string::npos) << m.status().ToString();
+    EXPECT_NE(m.status().message().find(TORCH_VERSION), std::string::npos) << m.status().ToString();
+    return;
+  }
+  ASSERT_TRUE(m.ok()) << m.status().ToString();
+  EXPECT_EQ((*m)->attention_kernel(), AttentionKernel::kFused);
+  at::manual_seed(7);
+  const at::Tensor ids = at::randint(3, spec.vocab, {2, 65}, at::kLong);
+  const at::Tensor full = FullForwardLogprobs(**m, ids);
+  const at::Tensor cached = CachedLogprobs(**m, ids, 16);
+  EXPECT_LT((full - cached).abs().max().item<double>(), 1e-5) << "max |logp(full) - logp(cached)|, fused";
+  // By default the CPU runs the eager kernel.
+  auto eager = CausalLM::Load(dir.path(), ModelOptions{});
+  ASSERT_TRUE(eager.ok()) << eager.status().ToString();
+  EXPECT_EQ((*eager)->attention_kernel(), AttentionKernel::kEager);
+  EXPECT_LT((FullForwardLogprobs(**eager, ids) - full).abs().max().item<double>(), 1e-5) << "fused against eager";
 }
 
 // Decoding a few rows without autograd runs the linear layers as kernels/skinny_gemm.h loops

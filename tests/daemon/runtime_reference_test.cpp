@@ -15,12 +15,13 @@
 //   - gradient cases: the loss and every LoRA gradient within 1e-5 of PyTorch autograd;
 //   - adapter cases: an adapter saved by Ferry (the loaded PEFT one, and a fresh one with random
 //     B) and reloaded by Ferry gives identical logits.
-// Every case runs twice: on the CPU, and on CUDA (skipped where this LibTorch or machine has no
-// CUDA device), where the model is loaded onto the GPU and every tensor it holds (a 4-bit base's
-// packed data and companions too) must be there. On CUDA, F16 weights compute in F16 (the CPU
-// refuses that, see below) and are held to the 16-bit rules.
-// With FERRY_RUNTIME_EXPORT_DIR set, the adapter test also writes, per adapter case,
-// DIR/<case>/{peft_resaved,fresh}/ (Ferry-saved adapters) and DIR/<case>/{peft_resaved,fresh}.safetensors
+// Every case runs three times: on the CPU; on the CPU with the fused attention kernel
+// (at::scaled_dot_product_attention, attention.h; skipped where this LibTorch lacks it, Debian's
+// 1.13); and on CUDA (skipped where this LibTorch or machine has no CUDA device; the fused kernel
+// where the LibTorch has it, as by default), where the model is loaded onto the GPU and every tensor it holds (a 4-bit
+// base's packed data and companions too) must be there. On CUDA, F16 weights compute in F16 (the CPU refuses that, see
+// below) and are held to the 16-bit rules. With FERRY_RUNTIME_EXPORT_DIR set, the adapter test also writes, per adapter
+// case, DIR/<case>/{peft_resaved,fresh}/ (Ferry-saved adapters) and DIR/<case>/{peft_resaved,fresh}.safetensors
 // (input_ids and Ferry's logits) for `generate.py --check-adapter` (fixtures/runtime/README.md).
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
@@ -98,14 +99,17 @@ std::vector<std::string> CaseNames() {
 struct ReferenceParam {
   std::string name;
   bool cuda = false;
+  bool fused = false;  // the CPU with AttentionKernel::kFused
 };
 
 // How gtest names a parameter in its messages (instead of a byte dump).
-void PrintTo(const ReferenceParam& p, std::ostream* os) { *os << p.name << (p.cuda ? " on cuda" : " on cpu"); }
+void PrintTo(const ReferenceParam& p, std::ostream* os) {
+  *os << p.name << (p.cuda ? " on cuda" : " on cpu") << (p.fused ? ", fused attention" : "");
+}
 
-std::vector<ReferenceParam> Params(bool cuda) {
+std::vector<ReferenceParam> Params(bool cuda, bool fused = false) {
   std::vector<ReferenceParam> out;
-  for (std::string& n : CaseNames()) out.push_back({std::move(n), cuda});
+  for (std::string& n : CaseNames()) out.push_back({std::move(n), cuda, fused});
   return out;
 }
 
@@ -152,6 +156,9 @@ class RuntimeReferenceTest : public ::testing::TestWithParam<ReferenceParam> {
 
   void SetUp() override {
     if (GetParam().cuda && !at::hasCUDA()) GTEST_SKIP() << "no CUDA device (this LibTorch or machine)";
+    if (GetParam().fused && !FusedAttentionAvailable()) {
+      GTEST_SKIP() << "this LibTorch has no scaled_dot_product_attention";
+    }
     device_ = GetParam().cuda ? at::Device(at::kCUDA, 0) : at::Device(at::kCPU);
     ASSERT_TRUE(Cases().error.empty()) << Cases().error;
     for (const auto& c : Cases().doc["cases"]) {
@@ -161,6 +168,7 @@ class RuntimeReferenceTest : public ::testing::TestWithParam<ReferenceParam> {
     model_dir_ = RuntimeFixtures() / case_.at("model_dir").get<std::string>();
     ModelOptions options;
     options.device = device_;
+    if (GetParam().fused) options.attention_kernel = AttentionKernel::kFused;
     if (case_.at("dtype") == "F16" && !device_.is_cuda()) {
       // LibTorch has no CPU F16 matmul: the runtime refuses F16 compute there (naming the weights),
       // and F32 compute of the F16 weights is within the F16 tolerance (cases.json measured:
@@ -458,6 +466,8 @@ TEST_P(RuntimeReferenceTest, FerrySavedAdaptersReloadWithIdenticalLogits) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Fixtures, RuntimeReferenceTest, ::testing::ValuesIn(Params(false)),
+                         [](const ::testing::TestParamInfo<ReferenceParam>& info) { return info.param.name; });
+INSTANTIATE_TEST_SUITE_P(FusedAttention, RuntimeReferenceTest, ::testing::ValuesIn(Params(false, true)),
                          [](const ::testing::TestParamInfo<ReferenceParam>& info) { return info.param.name; });
 INSTANTIATE_TEST_SUITE_P(Cuda, RuntimeReferenceTest, ::testing::ValuesIn(Params(true)),
                          [](const ::testing::TestParamInfo<ReferenceParam>& info) { return info.param.name; });

@@ -6,17 +6,13 @@
 #include <cmath>
 #include <limits>
 #include <random>
+#include <string>
 #include <tuple>
 
 #include "daemon/runtime/torch_util.h"
 
 namespace ferry::runtime {
 namespace {
-
-struct Sampled {
-  std::vector<int64_t> tokens;
-  std::vector<float> logprobs;
-};
 
 // log_softmax(scores, -1) at `next` ([B]), by log_softmax's own formula, (s - max) - log(sum(exp(s -
 // max))), without forming the [B, V] result: LibTorch 1.13's CPU log_softmax over a 151,936-entry
@@ -29,47 +25,43 @@ at::Tensor SelectedLogProbs(const at::Tensor& scores, const at::Tensor& next, at
   return (scores.gather(-1, next.view({-1, 1})) - max).view({-1}) - sum.log();
 }
 
-// One token per row of `logits` [B, V] (see the top of generator.h).
-Sampled Sample(const at::Tensor& logits, const SamplingParams& p, std::mt19937_64& rng) {
+struct Sampled {
+  at::Tensor tokens;    // long [B], on the logits' device
+  at::Tensor logprobs;  // float [B]
+};
+
+// One token per row of `logits` [B, V] (see the top of generator.h), on the logits' device and
+// without waiting for it: `draws` [B] (float, in [0, 1)) are the rows' uniform draws when sampling.
+Sampled Sample(const at::Tensor& logits, const SamplingParams& p, const at::Tensor& draws) {
   at::Tensor lf = logits.to(at::kFloat);
-  at::Tensor next, logp;
   if (p.temperature == 0) {
     // max(-1)'s indices: argmax's (the first of equal maxima, NaN counted the greatest), but
     // LibTorch 1.13's CPU argmax reduces on one thread, 3x slower over a 151,936-entry vocabulary.
     auto [max, index] = lf.max(-1, /*keepdim=*/true);
-    next = index.view({-1});
-    logp = SelectedLogProbs(lf, next, max);
-  } else {
-    at::Tensor scaled = lf / p.temperature;
-    at::Tensor filtered = scaled;
-    const int64_t V = lf.size(-1);
-    const double neg_inf = -std::numeric_limits<double>::infinity();
-    if (p.top_k > 0 && p.top_k < V) {
-      at::Tensor kth = std::get<0>(at::topk(filtered, p.top_k, -1)).narrow(-1, p.top_k - 1, 1);
-      filtered = filtered.masked_fill(filtered < kth, neg_inf);
-    }
-    if (p.top_p < 1.0) {
-      auto [sorted, index] = at::sort(filtered, -1, /*descending=*/false);
-      at::Tensor cumulative = at::softmax(sorted, -1).cumsum(-1);
-      at::Tensor remove = cumulative <= (1.0 - p.top_p);
-      remove.narrow(-1, V - 1, 1).fill_(false);
-      filtered = filtered.masked_fill(remove.scatter(-1, index, remove), neg_inf);
-    }
-    at::Tensor cdf = at::softmax(filtered, -1).cumsum(-1);
-    const int64_t B = lf.size(0);
-    std::vector<double> u(static_cast<size_t>(B));
-    for (double& x : u) x = static_cast<double>(rng() >> 11) * 0x1.0p-53;
-    at::Tensor draws =
-        at::tensor(u, at::kDouble).to(cdf.device()).to(at::kFloat).view({B, 1}) * cdf.narrow(-1, V - 1, 1);
-    next = at::searchsorted(cdf, draws, /*out_int32=*/false, /*right=*/true).view({B}).clamp_max(V - 1);
-    logp = SelectedLogProbs(scaled, next);
+    at::Tensor next = index.view({-1});
+    return {next, SelectedLogProbs(lf, next, max)};
   }
-  at::Tensor next_cpu = next.to(at::kCPU).contiguous();
-  at::Tensor logp_cpu = logp.to(at::kCPU).contiguous();
-  Sampled s;
-  s.tokens.assign(next_cpu.data_ptr<int64_t>(), next_cpu.data_ptr<int64_t>() + next_cpu.numel());
-  s.logprobs.assign(logp_cpu.data_ptr<float>(), logp_cpu.data_ptr<float>() + logp_cpu.numel());
-  return s;
+  at::Tensor scaled = lf / p.temperature;
+  at::Tensor filtered = scaled;
+  const int64_t V = lf.size(-1);
+  const double neg_inf = -std::numeric_limits<double>::infinity();
+  if (p.top_k > 0 && p.top_k < V) {
+    at::Tensor kth = std::get<0>(at::topk(filtered, p.top_k, -1)).narrow(-1, p.top_k - 1, 1);
+    filtered = filtered.masked_fill(filtered < kth, neg_inf);
+  }
+  if (p.top_p < 1.0) {
+    auto [sorted, index] = at::sort(filtered, -1, /*descending=*/false);
+    at::Tensor cumulative = at::softmax(sorted, -1).cumsum(-1);
+    at::Tensor remove = cumulative <= (1.0 - p.top_p);
+    remove.narrow(-1, V - 1, 1).fill_(false);
+    filtered = filtered.masked_fill(remove.scatter(-1, index, remove), neg_inf);
+  }
+  at::Tensor cdf = at::softmax(filtered, -1).cumsum(-1);
+  at::Tensor next = at::searchsorted(cdf, draws.view({-1, 1}) * cdf.narrow(-1, V - 1, 1), /*out_int32=*/false,
+                                     /*right=*/true)
+                        .view({-1})
+                        .clamp_max(V - 1);
+  return {next, SelectedLogProbs(scaled, next)};
 }
 
 Status CheckParams(const SamplingParams& p, bool have_token_bytes) {
@@ -130,6 +122,10 @@ Result<std::vector<Completion>> Generator::Generate(const std::vector<std::vecto
   std::mt19937_64 rng(params.seed);
   const int64_t per_batch = std::max<int64_t>(1, options_.max_batch / n);
   const at::Device dev = model_.device();
+  const int64_t look_every = options_.finish_check_every > 0 ? options_.finish_check_every : (dev.is_cuda() ? 16 : 1);
+  const int64_t max_new = params.max_new_tokens;
+  size_t max_stop = 0;
+  for (const auto& stop : params.stop_strings) max_stop = std::max(max_stop, stop.size());
 
   for (size_t first = 0; first < prompts.size(); first += static_cast<size_t>(per_batch)) {
     const size_t np = std::min(prompts.size() - first, static_cast<size_t>(per_batch));
@@ -150,7 +146,7 @@ Result<std::vector<Completion>> Generator::Generate(const std::vector<std::vecto
         next_pos.push_back(len);
       }
       at::Tensor positions = (mask.to(at::kLong).cumsum(1) - 1).clamp_min(0);
-      KvCache cache(cfg, B0, P + params.max_new_tokens, model_.dtype(), dev);
+      KvCache cache(cfg, B0, P + max_new, model_.dtype(), dev);
       ForwardArgs a;
       a.input_ids = ids;
       a.positions = positions;
@@ -163,6 +159,7 @@ Result<std::vector<Completion>> Generator::Generate(const std::vector<std::vecto
       // One row per completion: rows of prompt i are i*n .. i*n+n-1. A finished row keeps riding
       // in the batch (its outputs ignored, row_completion -1) until half the rows are done; then
       // the cache is compacted to the live rows.
+      const int64_t rows0 = B0 * n;
       std::vector<int64_t> row_completion, row_pos;
       for (size_t i = 0; i < np; ++i) {
         for (int j = 0; j < n; ++j) {
@@ -175,63 +172,95 @@ Result<std::vector<Completion>> Generator::Generate(const std::vector<std::vecto
         cache = cache.Select(rows);
         logits = logits.index_select(0, rows);
       }
+      // The draws: completion c's step s takes the stream's (c * max_new + s)-th, whatever the
+      // batches and looks, moved to the device once. `draw_row`: each row's row of `draws`.
+      at::Tensor draws, draw_row;
+      if (params.temperature > 0) {
+        at::Tensor u = at::empty({rows0, max_new}, at::kDouble);
+        double* pu = u.data_ptr<double>();
+        for (int64_t i = 0; i < rows0 * max_new; ++i) pu[i] = static_cast<double>(rng() >> 11) * 0x1.0p-53;
+        draws = u.to(at::kFloat).t().contiguous().to(dev);  // [max_new, rows]
+        draw_row = at::arange(rows0, at::TensorOptions().dtype(at::kLong).device(dev));
+      }
+      at::Tensor pos = at::tensor(row_pos, at::kLong).view({-1, 1}).to(dev);
+      // The steps since the host's last look, per row, on the device.
+      at::Tensor pending_tokens = at::empty({rows0, look_every}, at::TensorOptions().dtype(at::kLong).device(dev));
+      at::Tensor pending_logps = at::empty({rows0, look_every}, at::TensorOptions().dtype(at::kFloat).device(dev));
       std::vector<std::string> text(row_completion.size());  // decoded bytes, for stop strings
-      size_t max_stop = 0;
-      for (const auto& stop : params.stop_strings) max_stop = std::max(max_stop, stop.size());
-      for (int64_t step = 0; step < params.max_new_tokens; ++step) {
-        Sampled s = Sample(logits, params, rng);
-        size_t live = 0;
-        for (size_t r = 0; r < row_completion.size(); ++r) {
-          if (row_completion[r] < 0) continue;
-          Completion& c = out[static_cast<size_t>(row_completion[r])];
-          const int64_t tok = s.tokens[r];
-          c.token_ids.push_back(static_cast<int32_t>(tok));
-          c.logprobs.push_back(s.logprobs[r]);
-          bool done = false;
-          if (std::find(params.eos_token_ids.begin(), params.eos_token_ids.end(), tok) != params.eos_token_ids.end()) {
-            c.finish = Completion::Finish::kEos;
-            done = true;
-          } else if (max_stop > 0) {
-            const size_t before = text[r].size();
-            text[r] += options_.token_bytes(static_cast<int32_t>(tok));
-            const size_t from = before >= max_stop ? before - max_stop + 1 : 0;
-            for (const auto& stop : params.stop_strings) {
-              if (text[r].find(stop, from) != std::string::npos) {
-                c.finish = Completion::Finish::kStop;
-                done = true;
-                break;
-              }
-            }
-          }
-          if (done) {
-            row_completion[r] = -1;
-          } else {
-            ++live;
-          }
-        }
-        if (live == 0 || step + 1 == params.max_new_tokens) break;
-        std::vector<int64_t> next_tokens = std::move(s.tokens);
-        if (live * 2 <= row_completion.size()) {
-          std::vector<int64_t> keep, rc, rp, nt;
-          std::vector<std::string> tx;
+      int64_t pending = 0;
+      for (int64_t step = 0; step < max_new; ++step) {
+        const Sampled s = Sample(logits, params, draws.defined() ? draws[step].index_select(0, draw_row) : draws);
+        const int64_t rows = static_cast<int64_t>(row_completion.size());
+        pending_tokens.narrow(0, 0, rows).select(1, pending).copy_(s.tokens);
+        pending_logps.narrow(0, 0, rows).select(1, pending).copy_(s.logprobs);
+        ++pending;
+        const bool last = step + 1 == max_new;
+        if (pending == look_every || last) {
+          // The host's look: the pending tokens in order, each row to its first EOS or stop.
+          const at::Tensor tok_cpu = pending_tokens.narrow(0, 0, rows).narrow(1, 0, pending).to(at::kCPU).contiguous();
+          const at::Tensor logp_cpu = pending_logps.narrow(0, 0, rows).narrow(1, 0, pending).to(at::kCPU).contiguous();
+          const auto toks = tok_cpu.accessor<int64_t, 2>();
+          const auto logps = logp_cpu.accessor<float, 2>();
+          size_t live = 0;
           for (size_t r = 0; r < row_completion.size(); ++r) {
             if (row_completion[r] < 0) continue;
-            keep.push_back(static_cast<int64_t>(r));
-            rc.push_back(row_completion[r]);
-            rp.push_back(row_pos[r]);
-            nt.push_back(next_tokens[r]);
-            tx.push_back(std::move(text[r]));
+            Completion& c = out[static_cast<size_t>(row_completion[r])];
+            bool done = false;
+            for (int64_t j = 0; j < pending && !done; ++j) {
+              const int64_t tok = toks[static_cast<int64_t>(r)][j];
+              c.token_ids.push_back(static_cast<int32_t>(tok));
+              c.logprobs.push_back(logps[static_cast<int64_t>(r)][j]);
+              if (std::find(params.eos_token_ids.begin(), params.eos_token_ids.end(), tok) !=
+                  params.eos_token_ids.end()) {
+                c.finish = Completion::Finish::kEos;
+                done = true;
+              } else if (max_stop > 0) {
+                const size_t before = text[r].size();
+                text[r] += options_.token_bytes(static_cast<int32_t>(tok));
+                const size_t from = before >= max_stop ? before - max_stop + 1 : 0;
+                for (const auto& stop : params.stop_strings) {
+                  if (text[r].find(stop, from) != std::string::npos) {
+                    c.finish = Completion::Finish::kStop;
+                    done = true;
+                    break;
+                  }
+                }
+              }
+            }
+            if (done) {
+              row_completion[r] = -1;
+            } else {
+              ++live;
+            }
           }
-          cache = cache.Select(at::tensor(keep, at::kLong).to(dev));
-          row_completion = std::move(rc);
-          row_pos = std::move(rp);
-          next_tokens = std::move(nt);
-          text = std::move(tx);
+          pending = 0;
+          if (live == 0 || last) break;
+          if (live * 2 <= row_completion.size()) {
+            std::vector<int64_t> keep, rc;
+            std::vector<std::string> tx;
+            for (size_t r = 0; r < row_completion.size(); ++r) {
+              if (row_completion[r] < 0) continue;
+              keep.push_back(static_cast<int64_t>(r));
+              rc.push_back(row_completion[r]);
+              tx.push_back(std::move(text[r]));
+            }
+            const at::Tensor k = at::tensor(keep, at::kLong).to(dev);
+            cache = cache.Select(k);
+            pos = pos.index_select(0, k);
+            if (draw_row.defined()) draw_row = draw_row.index_select(0, k);
+            row_completion = std::move(rc);
+            text = std::move(tx);
+            a.input_ids = s.tokens.index_select(0, k).view({-1, 1});
+          } else {
+            a.input_ids = s.tokens.view({-1, 1});
+          }
+        } else {
+          a.input_ids = s.tokens.view({-1, 1});
         }
-        a.input_ids = at::tensor(next_tokens, at::kLong).view({-1, 1});
-        a.positions = at::tensor(row_pos, at::kLong).view({-1, 1});
+        a.positions = pos;
         a.attention_mask = at::Tensor();
-        for (auto& pos : row_pos) ++pos;
+        a.ids_in_vocab = true;  // sampled from the model's own vocabulary
+        pos = pos + 1;
         FERRY_ASSIGN_OR_RETURN(hidden, model_.Hidden(a));
         logits = model_.Logits(hidden.squeeze(1), lora);
       }

@@ -10,9 +10,16 @@
 // (log_softmax(logits / T); T = 1 when greedy): what a GRPO trainer computes for the same
 // token, so the two can be compared.
 //
+// Completion c's s-th token takes the (c * max_new_tokens + s)-th draw of the seeded stream, so
+// a completion does not depend on how the requests are batched (max_batch) or when the host
+// looks (below), up to the last bits of batched arithmetic.
+//
 // A sequence finishes at an EOS token (kept), when its decoded text contains a stop string
-// (the token completing it is kept), or at max_new_tokens. Finished rows leave the batch
-// (the cache is compacted when half of them are done).
+// (the token completing it is kept), or at max_new_tokens. A decoding step stays on the device:
+// it samples, takes the log-probabilities and feeds the tokens to the next step without the
+// host reading anything (no synchronisation); the host looks at the tokens every
+// finish_check_every steps, ends the rows that finished (a finished row's later tokens are
+// dropped) and compacts the cache to the live rows once half of them are done.
 #pragma once
 
 #include <cstdint>
@@ -49,6 +56,11 @@ struct GeneratorOptions {
   int64_t max_batch = 64;
   // The bytes a token decodes to (stop strings are matched on them). Default: none.
   std::function<std::string(int32_t)> token_bytes;
+  // Decoding steps between the host's looks at the tokens (see the top): the steps in between
+  // run without waiting for the device; a row that finished decodes on until the next look.
+  // The completions are the same whatever the value. Default: 0 = 1 on the CPU (a look costs
+  // nothing there), 16 on CUDA.
+  int64_t finish_check_every = 0;
 };
 
 class Generator {

@@ -278,10 +278,12 @@ Result<at::Tensor> CausalLM::Hidden(const ForwardArgs& a) const {
   }
   return GuardTorch("forward", [&]() -> Result<at::Tensor> {
     at::Tensor ids_d = ids.to(device_);
-    const int64_t lo = ids_d.min().item<int64_t>(), hi = ids_d.max().item<int64_t>();
-    if (lo < 0 || hi >= config_.vocab_size) {
-      return Status::InvalidArgument("forward: token id " + std::to_string(lo < 0 ? lo : hi) +
-                                     " is outside the vocabulary [0, " + std::to_string(config_.vocab_size) + ")");
+    if (!a.ids_in_vocab) {
+      const int64_t lo = ids_d.min().item<int64_t>(), hi = ids_d.max().item<int64_t>();
+      if (lo < 0 || hi >= config_.vocab_size) {
+        return Status::InvalidArgument("forward: token id " + std::to_string(lo < 0 ? lo : hi) +
+                                       " is outside the vocabulary [0, " + std::to_string(config_.vocab_size) + ")");
+      }
     }
     Context c;
     c.lora = a.lora;

@@ -121,6 +121,9 @@ struct ForwardArgs {
   KvCache* cache = nullptr;           // when set: the T tokens are appended to it (slots length..length+T)
   // Recompute each decoder layer in the backward pass instead of keeping its activations.
   bool checkpoint_layers = false;
+  // The caller knows every id lies in the vocabulary (a token this model sampled): the range
+  // check, which waits for the device to read the ids' minimum and maximum, is skipped.
+  bool ids_in_vocab = false;
 };
 
 class CausalLM;

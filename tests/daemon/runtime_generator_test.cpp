@@ -4,6 +4,12 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
+#include <map>
+#include <string>
+#include <utility>
+#include <vector>
+
 #include "daemon/runtime/generator.h"
 #include "tests/daemon/runtime_test_util.h"
 #include "tests/temp_dir.h"
@@ -178,6 +184,61 @@ TEST_F(GeneratorTest, ABatchOfMixedLengthsEqualsEachPromptAlone) {
     EXPECT_EQ((*batched)[i].token_ids, (*alone)[i].token_ids) << i;
     for (size_t t = 0; t < (*batched)[i].logprobs.size(); ++t) {
       EXPECT_NEAR((*batched)[i].logprobs[t], (*alone)[i].logprobs[t], 1e-5);
+    }
+  }
+}
+
+// The host looks at the tokens every finish_check_every steps (on CUDA, 16: the steps between
+// run without waiting for the device), and each completion's draws are its own: the same
+// completions, EOS and stop strings ending rows at different steps and the cache compacted at
+// other times, whether it looks every step, every 5th or once at the end; and whether the
+// prompts are batched together or one by one.
+TEST_F(GeneratorTest, CompletionsAreTheSameWhateverTheLookCadenceAndTheBatching) {
+  GeneratorOptions opts;
+  opts.token_bytes = [](int32_t id) { return std::string(1, static_cast<char>('a' + id % 26)); };
+  SamplingParams p;
+  p.temperature = 0.9;
+  p.max_new_tokens = 24;
+  p.seed = 5;
+  const std::vector<std::vector<int32_t>> prompts = {{5, 17, 33}, {9, 4, 70, 71, 12, 3}, {7}};
+  // An EOS that occurs: the commonest token of a free run.
+  opts.finish_check_every = 1;
+  auto free_run = Generator(*model_, opts).Generate(prompts, 4, p);
+  ASSERT_TRUE(free_run.ok()) << free_run.status().ToString();
+  std::map<int32_t, int> counts;
+  for (const Completion& c : *free_run) {
+    for (int32_t t : c.token_ids) ++counts[t];
+  }
+  const auto commonest =
+      std::max_element(counts.begin(), counts.end(), [](const auto& x, const auto& y) { return x.second < y.second; });
+  p.eos_token_ids = {commonest->first};
+  p.stop_strings = {"ab", "zz"};
+
+  auto run = [&](int64_t every, int64_t max_batch) {
+    GeneratorOptions o = opts;
+    o.finish_check_every = every;
+    o.max_batch = max_batch;
+    auto r = Generator(*model_, o).Generate(prompts, 4, p);
+    EXPECT_TRUE(r.ok()) << r.status().ToString();
+    return r.ok() ? *r : std::vector<Completion>{};
+  };
+  const std::vector<Completion> want = run(1, 64);
+  ASSERT_EQ(want.size(), 12u);
+  std::map<Completion::Finish, int> finishes;
+  for (const Completion& c : want) ++finishes[c.finish];
+  EXPECT_GT(finishes[Completion::Finish::kEos], 0) << "no row ended at the EOS";
+  EXPECT_GT(finishes[Completion::Finish::kEos] + finishes[Completion::Finish::kStop], 6)
+      << "too few rows ended early to compact the cache";
+  for (const auto& [every, max_batch] : {std::pair<int64_t, int64_t>{5, 64}, {64, 64}, {1, 4}, {3, 1}}) {
+    const std::vector<Completion> got = run(every, max_batch);
+    ASSERT_EQ(got.size(), want.size());
+    for (size_t i = 0; i < got.size(); ++i) {
+      EXPECT_EQ(got[i].token_ids, want[i].token_ids) << "every " << every << ", max_batch " << max_batch << ": " << i;
+      EXPECT_EQ(got[i].finish, want[i].finish) << "every " << every << ", max_batch " << max_batch << ": " << i;
+      ASSERT_EQ(got[i].logprobs.size(), want[i].logprobs.size());
+      for (size_t t = 0; t < got[i].logprobs.size(); ++t) {
+        EXPECT_NEAR(got[i].logprobs[t], want[i].logprobs[t], 1e-5) << every << "/" << max_batch << ": " << i;
+      }
     }
   }
 }

@@ -66,7 +66,11 @@ TEST_F(CudaLoraMerge, MergeMatchesCpuReference) {
     int64_t out, in, r;
   };
   uint32_t seed = 1;
-  for (const Case& c : {Case{1, 1, 1}, Case{33, 97, 16}, Case{256, 4096, 64}, Case{1000, 77, 33}, Case{5, 5, 0}}) {
+  // The streaming kernel's three register shapes (r <= 16, 32, 64) with full and partial 16-byte
+  // vectors and row blocks, and the tiled kernel above r = 64.
+  for (const Case& c : {Case{1, 1, 1}, Case{33, 97, 16}, Case{256, 4096, 64}, Case{1000, 77, 33}, Case{5, 5, 0},
+                        Case{70, 4100, 16}, Case{70, 4100, 8}, Case{130, 516, 17}, Case{33, 1030, 64}, Case{9, 260, 65},
+                        Case{40, 64, 128}, Case{2, 70000, 16}}) {
     for (Variant v : {Variant::kLinear, Variant::kFanInFanOut, Variant::kEmbedding}) {
       const auto A = RandomFloats(c.r * c.in, seed++);
       const auto B = RandomFloats(c.out * c.r, seed++);
@@ -98,6 +102,27 @@ TEST_F(CudaLoraMerge, MergeMatchesCpuReference) {
       cudaFree(dW);
     }
   }
+}
+
+// A W that does not start on a 16-byte boundary (a tensor's view at an odd offset) takes the
+// streaming kernel's element-wise path, with the same results.
+TEST_F(CudaLoraMerge, UnalignedWeightMatchesCpuReference) {
+  const int64_t out = 37, in = 1024, r = 16;
+  const auto A = RandomFloats(r * in, 91);
+  const auto B = RandomFloats(out * r, 92);
+  auto W0 = RandomFloats(out * in + 1, 93);
+  std::vector<float> cpu(W0.begin() + 1, W0.end());
+  LoraDeltaAccumulate(A.data(), B.data(), out, in, r, 0.75f, cpu.data(), 1);
+  float* dA = ToDevice(A);
+  float* dB = ToDevice(B);
+  float* dW = ToDevice(W0);
+  ASSERT_EQ(cuda::LoraDeltaAccumulate(dA, dB, out, in, r, 0.75f, dW + 1), 0);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  ExpectSame(FromDevice(dW + 1, cpu.size()), cpu, "unaligned merge");
+  EXPECT_EQ(F32Bits(FromDevice(dW, 1)[0]), F32Bits(W0[0])) << "the float before W was written";
+  cudaFree(dA);
+  cudaFree(dB);
+  cudaFree(dW);
 }
 
 // Argument checks happen before any CUDA call, so they need no device.

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <torch/cuda.h>
 #include <torch/optim/adamw.h>
 
 #include <chrono>
@@ -173,17 +174,27 @@ class StepRecorder {
   std::thread thread_;
 };
 
-// Adds the seconds between its construction and its destruction to s.timing[phase].
+// Adds the seconds between its construction and its destruction to s.timing[phase]. On CUDA the
+// device is waited for at both ends, so that a phase's kernels count in that phase and not in
+// the next one that happens to wait for them.
 class PhaseTimer {
  public:
-  PhaseTimer(Trainer::State& s, const char* phase) : s_(s), phase_(phase), start_(std::chrono::steady_clock::now()) {}
+  PhaseTimer(Trainer::State& s, const char* phase) : s_(s), phase_(phase) {
+    WaitForDevice();
+    start_ = std::chrono::steady_clock::now();
+  }
   ~PhaseTimer() {
+    WaitForDevice();
     s_.timing[phase_] += std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
   }
   PhaseTimer(const PhaseTimer&) = delete;
   PhaseTimer& operator=(const PhaseTimer&) = delete;
 
  private:
+  void WaitForDevice() const {
+    if (s_.model && s_.model->device().is_cuda()) torch::cuda::synchronize(s_.model->device().index());
+  }
+
   Trainer::State& s_;
   const char* phase_;
   std::chrono::steady_clock::time_point start_;

@@ -183,6 +183,7 @@ Result<std::vector<Completion>> Generator::Generate(const std::vector<std::vecto
         draw_row = at::arange(rows0, at::TensorOptions().dtype(at::kLong).device(dev));
       }
       at::Tensor pos = at::tensor(row_pos, at::kLong).view({-1, 1}).to(dev);
+      at::Tensor slot;  // static_shapes: the next token's cache slot, on the device
       // The steps since the host's last look, per row, on the device.
       at::Tensor pending_tokens = at::empty({rows0, look_every}, at::TensorOptions().dtype(at::kLong).device(dev));
       at::Tensor pending_logps = at::empty({rows0, look_every}, at::TensorOptions().dtype(at::kFloat).device(dev));
@@ -260,9 +261,15 @@ Result<std::vector<Completion>> Generator::Generate(const std::vector<std::vecto
         a.positions = pos;
         a.attention_mask = at::Tensor();
         a.ids_in_vocab = true;  // sampled from the model's own vocabulary
-        pos = pos + 1;
+        if (options_.static_shapes) {
+          if (!slot.defined()) slot = at::full({1}, cache.length(), pos.options());
+          a.cache_slots = slot;
+        }
         FERRY_ASSIGN_OR_RETURN(hidden, model_.Hidden(a));
         logits = model_.Logits(hidden.squeeze(1), lora);
+        // In place, after the forward that read them (in stream order on a device).
+        pos.add_(1);
+        if (slot.defined()) slot.add_(1);
       }
       return Status::OK();
     }));

@@ -61,6 +61,12 @@ struct GeneratorOptions {
   // The completions are the same whatever the value. Default: 0 = 1 on the CPU (a look costs
   // nothing there), 16 on CUDA.
   int64_t finish_check_every = 0;
+  // Every decoding step with the same shapes: the cache's whole capacity attended (the slots not
+  // yet filled masked), the step's slot and positions read from device tensors updated in place
+  // (ForwardArgs::cache_slots): what capturing the step as a CUDA graph needs. The same tokens
+  // as without, up to rounding; slower on the CPU (early steps attend over empty slots).
+  // Default: false.
+  bool static_shapes = false;
 };
 
 class Generator {

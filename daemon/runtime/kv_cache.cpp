@@ -23,6 +23,13 @@ void KvCache::Append(const at::Tensor& valid) {
   length_ += t;
 }
 
+void KvCache::AppendAt(const at::Tensor& slots, const at::Tensor& valid) {
+  const int64_t t = valid.size(1);
+  TORCH_CHECK(length_ + t <= capacity_, "KV cache full: ", length_, " + ", t, " > ", capacity_);
+  valid_.index_copy_(1, slots, valid);
+  length_ += t;
+}
+
 void KvCache::Clear() {
   length_ = 0;
   valid_.zero_();

@@ -31,6 +31,9 @@ class KvCache {
 
   // Marks `t` new slots filled; `valid` [B, t] says which are real tokens. REQUIRES: room.
   void Append(const at::Tensor& valid);
+  // Append for slots given on the device (long [t]): valid is written there by index.
+  // REQUIRES: `slots` are length() .. length() + t - 1, room.
+  void AppendAt(const at::Tensor& slots, const at::Tensor& valid);
   // Forgets everything (keeps the memory).
   void Clear();
   // Keeps only `rows` (a long tensor of row indices, repeats allowed) in that order: copies the

@@ -24,6 +24,7 @@ struct CausalLM::Context {
   bool training = false;
   KvCache* cache = nullptr;
   int64_t batch = 0, tokens = 0, start = 0, keys = 0;
+  at::Tensor slots;            // long [T] on the device: ForwardArgs::cache_slots (keys = the whole capacity)
   at::Tensor blocked;          // bool [B, 1, 1, T, S]: key not visible to the query
   at::Tensor blocked_sliding;  // the same for sliding-window layers
   // [B, T, 1, D] in the compute dtype: cos, and sin with its first half negated, so that
@@ -194,8 +195,13 @@ at::Tensor CausalLM::Attention(const Layer& L, int index, const at::Tensor& x, c
   if (c.cache) {
     at::Tensor& kc = c.cache->key(index);
     at::Tensor& vc = c.cache->value(index);
-    kc.narrow(2, c.start, T).copy_(k);
-    vc.narrow(2, c.start, T).copy_(v);
+    if (c.slots.defined()) {
+      kc.index_copy_(2, c.slots, k);
+      vc.index_copy_(2, c.slots, v);
+    } else {
+      kc.narrow(2, c.start, T).copy_(k);
+      vc.narrow(2, c.start, T).copy_(v);
+    }
     keys = kc.narrow(2, 0, S);
     values = vc.narrow(2, 0, S);
     if (at::GradMode::is_enabled()) {
@@ -271,6 +277,16 @@ Result<at::Tensor> CausalLM::Hidden(const ForwardArgs& a) const {
                                      std::to_string(B));
     }
     start = a.cache->length();
+    if (a.cache_slots.defined()) {
+      if (a.cache_slots.dim() != 1 || a.cache_slots.size(0) != T || a.cache_slots.scalar_type() != at::kLong ||
+          a.cache_slots.device() != device_) {
+        return Status::InvalidArgument("forward: cache_slots must be a long tensor [" + std::to_string(T) + "] on " +
+                                       device_.str());
+      }
+      if (at::GradMode::is_enabled()) {
+        return Status::InvalidArgument("forward: cache_slots is for decoding without autograd");
+      }
+    }
     if (start + T > a.cache->capacity()) {
       return Status::InvalidArgument("forward: KV cache full (" + std::to_string(start) + " + " + std::to_string(T) +
                                      " tokens > capacity " + std::to_string(a.cache->capacity()) + ")");
@@ -293,18 +309,27 @@ Result<at::Tensor> CausalLM::Hidden(const ForwardArgs& a) const {
     c.tokens = T;
     c.start = start;
     c.keys = start + T;
+    if (a.cache && a.cache_slots.defined()) {
+      c.slots = a.cache_slots;
+      c.keys = a.cache->capacity();
+    }
     const auto bool_opts = at::TensorOptions().dtype(at::kBool).device(device_);
     at::Tensor valid_new = a.attention_mask.defined() ? a.attention_mask.to(bool_opts) : at::ones({B, T}, bool_opts);
     at::Tensor valid;
     if (a.cache) {
-      a.cache->Append(valid_new);
+      if (c.slots.defined()) {
+        a.cache->AppendAt(c.slots, valid_new);
+      } else {
+        a.cache->Append(valid_new);
+      }
       valid = a.cache->valid().narrow(1, 0, c.keys);
     } else {
       valid = valid_new;
     }
     const auto long_opts = at::TensorOptions().dtype(at::kLong).device(device_);
     at::Tensor key_slot = at::arange(c.keys, long_opts).view({1, c.keys});
-    at::Tensor query_slot = at::arange(start, start + T, long_opts).view({T, 1});
+    at::Tensor query_slot =
+        c.slots.defined() ? c.slots.view({T, 1}) : at::arange(start, start + T, long_opts).view({T, 1});
     at::Tensor allowed = key_slot.le(query_slot).unsqueeze(0).logical_and(valid.unsqueeze(1));  // [B, T, S]
     c.blocked = allowed.logical_not().view({B, 1, 1, T, c.keys});
     if (config_.sliding_window > 0) {

@@ -121,6 +121,12 @@ struct ForwardArgs {
   KvCache* cache = nullptr;           // when set: the T tokens are appended to it (slots length..length+T)
   // Recompute each decoder layer in the backward pass instead of keeping its activations.
   bool checkpoint_layers = false;
+  // With a cache, no autograd: the T tokens' slots as a long tensor [T] on the model's device
+  // (they must be length() .. length() + T - 1). The forward then writes them there by index and
+  // attends over the cache's whole capacity (slots not yet filled are masked), so every decoding
+  // step has the same shapes and reads its offsets from device memory: what a captured CUDA
+  // graph needs. Undefined: the offsets come from length() and only the filled slots are read.
+  at::Tensor cache_slots;
   // The caller knows every id lies in the vocabulary (a token this model sampled): the range
   // check, which waits for the device to read the ids' minimum and maximum, is skipped.
   bool ids_in_vocab = false;

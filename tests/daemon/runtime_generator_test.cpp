@@ -5,6 +5,7 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <map>
 #include <string>
 #include <utility>
@@ -191,8 +192,8 @@ TEST_F(GeneratorTest, ABatchOfMixedLengthsEqualsEachPromptAlone) {
 // The host looks at the tokens every finish_check_every steps (on CUDA, 16: the steps between
 // run without waiting for the device), and each completion's draws are its own: the same
 // completions, EOS and stop strings ending rows at different steps and the cache compacted at
-// other times, whether it looks every step, every 5th or once at the end; and whether the
-// prompts are batched together or one by one.
+// other times, whether it looks every step, every 5th or once at the end; whether the prompts
+// are batched together or one by one; and with every step's shapes the same (static_shapes).
 TEST_F(GeneratorTest, CompletionsAreTheSameWhateverTheLookCadenceAndTheBatching) {
   GeneratorOptions opts;
   opts.token_bytes = [](int32_t id) { return std::string(1, static_cast<char>('a' + id % 26)); };
@@ -216,7 +217,8 @@ TEST_F(GeneratorTest, CompletionsAreTheSameWhateverTheLookCadenceAndTheBatching)
 
   auto run = [&](int64_t every, int64_t max_batch) {
     GeneratorOptions o = opts;
-    o.finish_check_every = every;
+    o.finish_check_every = std::abs(every);
+    o.static_shapes = every < 0;
     o.max_batch = max_batch;
     auto r = Generator(*model_, o).Generate(prompts, 4, p);
     EXPECT_TRUE(r.ok()) << r.status().ToString();
@@ -229,7 +231,9 @@ TEST_F(GeneratorTest, CompletionsAreTheSameWhateverTheLookCadenceAndTheBatching)
   EXPECT_GT(finishes[Completion::Finish::kEos], 0) << "no row ended at the EOS";
   EXPECT_GT(finishes[Completion::Finish::kEos] + finishes[Completion::Finish::kStop], 6)
       << "too few rows ended early to compact the cache";
-  for (const auto& [every, max_batch] : {std::pair<int64_t, int64_t>{5, 64}, {64, 64}, {1, 4}, {3, 1}}) {
+  // The last two: every step with the same shapes (GeneratorOptions::static_shapes).
+  for (const auto& [every, max_batch] :
+       {std::pair<int64_t, int64_t>{5, 64}, {64, 64}, {1, 4}, {3, 1}, {-1, 64}, {-7, 64}}) {
     const std::vector<Completion> got = run(every, max_batch);
     ASSERT_EQ(got.size(), want.size());
     for (size_t i = 0; i < got.size(); ++i) {

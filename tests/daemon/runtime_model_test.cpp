@@ -36,7 +36,9 @@ at::Tensor FullForwardLogprobs(const CausalLM& m, const at::Tensor& ids) {
 }
 
 // The same, computed by a prefill of `prompt` tokens and then one token per step on a KV cache.
-at::Tensor CachedLogprobs(const CausalLM& m, const at::Tensor& ids, int64_t prompt) {
+// With `static_slots`, the decoding steps pass their slot as a device tensor (ForwardArgs::
+// cache_slots) and attend over the whole capacity.
+at::Tensor CachedLogprobs(const CausalLM& m, const at::Tensor& ids, int64_t prompt, bool static_slots = false) {
   const int64_t B = ids.size(0), T = ids.size(1);
   KvCache cache(m.config(), B, T, m.dtype(), m.device());
   std::vector<at::Tensor> out;
@@ -54,6 +56,7 @@ at::Tensor CachedLogprobs(const CausalLM& m, const at::Tensor& ids, int64_t prom
     if (t == T - 1) break;
     a.input_ids = ids.narrow(1, t, 1);
     a.positions = Positions(B, t, 1);
+    if (static_slots) a.cache_slots = at::full({1}, t, at::kLong);
     logits = m.Forward(a);
     EXPECT_TRUE(logits.ok()) << logits.status().ToString();
     last = at::log_softmax(logits->to(at::kFloat), -1);
@@ -134,6 +137,40 @@ TEST(RuntimeModel, ForwardWithoutAutogradEqualsTheAutogradForwardExactly) {
         << (*with_grad - *without).abs().max().item<double>();
   }
   at::set_num_threads(threads);
+}
+
+// Decoding steps with their slot on the device attend over the whole cache (static shapes, for a
+// captured CUDA graph): the same log-probabilities as the steps that read only the filled slots,
+// and the full forward's; refused with autograd or a slot tensor of the wrong shape.
+TEST(RuntimeModel, StaticSlotDecodingEqualsTheFilledSlotDecoding) {
+  ScopedTempDir dir;
+  TinyModelSpec spec;
+  spec.model_type = "qwen2";
+  auto m = LoadTiny(dir, spec);
+  ASSERT_NE(m, nullptr);
+  at::manual_seed(3);
+  const at::Tensor ids = at::randint(3, spec.vocab, {2, 40}, at::kLong);
+  at::NoGradGuard no_grad;
+  const at::Tensor dynamic = CachedLogprobs(*m, ids, 8);
+  const at::Tensor fixed = CachedLogprobs(*m, ids, 8, /*static_slots=*/true);
+  EXPECT_LT((dynamic - fixed).abs().max().item<double>(), 1e-5);
+  EXPECT_LT((FullForwardLogprobs(*m, ids) - fixed).abs().max().item<double>(), 1e-5);
+
+  KvCache cache(m->config(), 2, 16, m->dtype(), m->device());
+  ForwardArgs a;
+  a.cache = &cache;
+  a.input_ids = ids.narrow(1, 0, 1);
+  a.positions = Positions(2, 0, 1);
+  a.cache_slots = at::zeros({2}, at::kLong);
+  auto wrong = m->Forward(a);
+  ASSERT_FALSE(wrong.ok());
+  EXPECT_NE(wrong.status().message().find("cache_slots must be a long tensor [1]"), std::string::npos)
+      << wrong.status().ToString();
+  a.cache_slots = at::zeros({1}, at::kLong);
+  at::AutoGradMode grad(true);
+  auto with_grad = m->Forward(a);
+  ASSERT_FALSE(with_grad.ok());
+  EXPECT_NE(with_grad.status().message().find("without autograd"), std::string::npos) << with_grad.status().ToString();
 }
 
 // The fused attention kernel (at::scaled_dot_product_attention) is refused where this LibTorch

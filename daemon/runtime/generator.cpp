@@ -122,8 +122,9 @@ Result<std::vector<Completion>> Generator::Generate(const std::vector<std::vecto
   std::mt19937_64 rng(params.seed);
   const int64_t per_batch = std::max<int64_t>(1, options_.max_batch / n);
   const at::Device dev = model_.device();
-  const int64_t look_every = options_.finish_check_every > 0 ? options_.finish_check_every : (dev.is_cuda() ? 16 : 1);
   const int64_t max_new = params.max_new_tokens;
+  const int64_t look_every = std::min(
+      max_new, options_.finish_check_every > 0 ? options_.finish_check_every : (dev.is_cuda() ? int64_t{16} : 1));
   size_t max_stop = 0;
   for (const auto& stop : params.stop_strings) max_stop = std::max(max_stop, stop.size());
 

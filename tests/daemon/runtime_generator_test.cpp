@@ -231,9 +231,10 @@ TEST_F(GeneratorTest, CompletionsAreTheSameWhateverTheLookCadenceAndTheBatching)
   EXPECT_GT(finishes[Completion::Finish::kEos], 0) << "no row ended at the EOS";
   EXPECT_GT(finishes[Completion::Finish::kEos] + finishes[Completion::Finish::kStop], 6)
       << "too few rows ended early to compact the cache";
-  // The last two: every step with the same shapes (GeneratorOptions::static_shapes).
+  // Negative: every step with the same shapes (GeneratorOptions::static_shapes). 2^40: one look
+  // at the end (the pending tokens' buffer holds max_new_tokens steps, not 2^40).
   for (const auto& [every, max_batch] :
-       {std::pair<int64_t, int64_t>{5, 64}, {64, 64}, {1, 4}, {3, 1}, {-1, 64}, {-7, 64}}) {
+       {std::pair<int64_t, int64_t>{5, 64}, {64, 64}, {1, 4}, {3, 1}, {-1, 64}, {-7, 64}, {int64_t{1} << 40, 64}}) {
     const std::vector<Completion> got = run(every, max_batch);
     ASSERT_EQ(got.size(), want.size());
     for (size_t i = 0; i < got.size(); ++i) {

@@ -4,9 +4,12 @@
 //
 // Usage: ferry_bench_generate --model DIR [--batch 16] [--prompt-len 128] [--new-tokens 128]
 //          [--threads 2] [--dtype f32|bf16|model] [--device cpu|cuda] [--seed 1] [--skinny-rows N]
-//          [--small-attention N]
+//          [--small-attention N] [--attention auto|eager|fused] [--finish-check-every N] [--static-shapes]
 // --skinny-rows: ModelOptions::skinny_linear_rows (0: every linear layer on the BLAS).
 // --small-attention: ModelOptions::small_attention_product (0: every attention product on bmm).
+// --attention: ModelOptions::attention_kernel (auto: fused on CUDA where the LibTorch has it).
+// --finish-check-every: GeneratorOptions::finish_check_every (0: the default, 1 on the CPU, 16 on
+// CUDA); --static-shapes: GeneratorOptions::static_shapes. The JSON line names all three.
 // Prompts are random token ids (seeded); EOS is ignored so every row decodes exactly
 // --new-tokens tokens; decoding is greedy. kv_cache_bytes: the generator's cache for the run
 // (keys and values of every layer for batch x (prompt + new) positions in the compute dtype);
@@ -55,7 +58,8 @@ int Usage() {
   std::fprintf(stderr,
                "usage: ferry_bench_generate --model DIR [--batch 16] [--prompt-len 128] [--new-tokens 128]\n"
                "                            [--threads 2] [--dtype f32|bf16|model] [--device cpu|cuda] [--seed 1]\n"
-               "                            [--skinny-rows N] [--small-attention N]\n");
+               "                            [--skinny-rows N] [--small-attention N] [--attention auto|eager|fused]\n"
+               "                            [--finish-check-every N] [--static-shapes]\n");
   return 2;
 }
 
@@ -67,6 +71,9 @@ int main(int argc, char** argv) {
   uint64_t seed = 1;
   int64_t skinny_rows = ferry::runtime::ModelOptions().skinny_linear_rows;
   int64_t small_attention = ferry::runtime::ModelOptions().small_attention_product;
+  std::string attention = "auto";
+  int64_t finish_check_every = 0;
+  bool static_shapes = false;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     auto next = [&]() -> std::string { return i + 1 < argc ? argv[++i] : ""; };
@@ -80,10 +87,15 @@ int main(int argc, char** argv) {
     else if (a == "--seed") seed = std::strtoull(next().c_str(), nullptr, 10);
     else if (a == "--skinny-rows") skinny_rows = std::atoll(next().c_str());
     else if (a == "--small-attention") small_attention = std::atoll(next().c_str());
+    else if (a == "--attention") attention = next();
+    else if (a == "--finish-check-every") finish_check_every = std::atoll(next().c_str());
+    else if (a == "--static-shapes") static_shapes = true;
     else return Usage();
   }
   if (model_dir.empty() || batch < 1 || prompt_len < 1 || new_tokens < 1) return Usage();
   if (device != "cpu" && device != "cuda") return Usage();
+  if (attention != "auto" && attention != "eager" && attention != "fused") return Usage();
+  if (finish_check_every < 0) return Usage();
   if (device == "cuda" && !at::hasCUDA()) {
     std::fprintf(stderr, "ferry_bench_generate: --device cuda, but this LibTorch or machine has no CUDA device\n");
     return 1;
@@ -96,6 +108,8 @@ int main(int argc, char** argv) {
   if (dtype == "bf16") opts.dtype = at::kBFloat16;
   opts.skinny_linear_rows = skinny_rows;
   opts.small_attention_product = small_attention;
+  if (attention == "eager") opts.attention_kernel = ferry::runtime::AttentionKernel::kEager;
+  if (attention == "fused") opts.attention_kernel = ferry::runtime::AttentionKernel::kFused;
   {
     // Start LibTorch's CPU side (BLAS, thread pool) before the baseline.
     at::Tensor w = at::ones({64, 64});
@@ -144,6 +158,8 @@ int main(int argc, char** argv) {
 
   ferry::runtime::GeneratorOptions gopts;
   gopts.max_batch = batch;
+  gopts.finish_check_every = finish_check_every;
+  gopts.static_shapes = static_shapes;
   ferry::runtime::Generator gen(m, gopts);
   ferry::runtime::SamplingParams p;
   p.temperature = 0;
@@ -166,7 +182,7 @@ int main(int argc, char** argv) {
       "\"generate_s\": %.4f, \"generated_tokens\": %lld, \"generate_tokens_per_s\": %.2f, \"peak_rss_bytes\": %lld, "
       "\"rss_before_load_bytes\": %lld, \"rss_after_load_bytes\": %lld, \"load_peak_rss_bytes\": %lld, "
       "\"model_peak_bytes\": %lld, \"weight_bytes\": %lld, \"kv_cache_bytes\": %lld, \"memory_ratio\": %.4f, "
-      "\"blas\": \"%s\"}\n",
+      "\"blas\": \"%s\", \"attention\": \"%s\", \"finish_check_every\": %lld, \"static_shapes\": %s}\n",
       device.c_str(), static_cast<long long>(batch), static_cast<long long>(prompt_len),
       static_cast<long long>(new_tokens), static_cast<long long>(threads), c10::toString(m.dtype()), load_s, prefill_s,
       static_cast<double>(batch * prompt_len) / prefill_s, generate_s, static_cast<long long>(generated),
@@ -174,6 +190,8 @@ int main(int argc, char** argv) {
       static_cast<long long>(rss_before_load), static_cast<long long>(rss_after_load),
       static_cast<long long>(load_peak_rss), static_cast<long long>(model_peak),
       static_cast<long long>(m.weight_bytes()), static_cast<long long>(kv_cache_bytes),
-      static_cast<double>(model_peak) / static_cast<double>(floor_bytes), ferry::runtime::LoadedBlas().library.c_str());
+      static_cast<double>(model_peak) / static_cast<double>(floor_bytes), ferry::runtime::LoadedBlas().library.c_str(),
+      std::string(ferry::runtime::AttentionKernelName(m.attention_kernel())).c_str(),
+      static_cast<long long>(finish_check_every), static_shapes ? "true" : "false");
   return 0;
 }

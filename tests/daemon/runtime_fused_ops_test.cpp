@@ -208,6 +208,18 @@ at::Tensor EagerAttention(const at::Tensor& q, const at::Tensor& k, const at::Te
   return at::matmul(at::softmax(scores, -1), vv).transpose(1, 2).reshape({B, T, nH * D});
 }
 
+// The attention of `inputs` (q, k, v) under `blocked` and its gradients for the output gradient
+// `dy`: {y, dq, dk, dv}, by the F64 eager reference or by ScaledDotProductAttention with `o`.
+std::vector<at::Tensor> AttentionAndGradients(const std::vector<at::Tensor>& inputs, const at::Tensor& blocked,
+                                              const at::Tensor& dy, bool reference, const AttentionOptions& o) {
+  std::vector<at::Tensor> in;
+  for (const at::Tensor& t : inputs) in.push_back((reference ? t.to(at::kDouble) : t.clone()).requires_grad_(true));
+  const at::Tensor y = reference ? EagerAttention(in[0], in[1], in[2], blocked)
+                                 : ScaledDotProductAttention(in[0], in[1], in[2], blocked, o);
+  (y * (reference ? dy.to(at::kDouble) : dy)).sum().backward();
+  return {y.detach(), in[0].grad(), in[1].grad(), in[2].grad()};
+}
+
 TEST(AttentionTest, BothProductPathsAndChunksEqualEagerAttentionForwardAndBackward) {
   at::manual_seed(8);
   const int64_t B = 2, T = 5, nH = 4, nKV = 2, D = 8;
@@ -219,12 +231,7 @@ TEST(AttentionTest, BothProductPathsAndChunksEqualEagerAttentionForwardAndBackwa
   blocked[0].select(1, 1).fill_(true);
   blocked = blocked.view({B, 1, 1, T, T});
   auto run = [&](bool reference, const AttentionOptions& o) {
-    std::vector<at::Tensor> in;
-    for (const at::Tensor& t : inputs) in.push_back((reference ? t.to(at::kDouble) : t.clone()).requires_grad_(true));
-    const at::Tensor y = reference ? EagerAttention(in[0], in[1], in[2], blocked)
-                                   : ScaledDotProductAttention(in[0], in[1], in[2], blocked, o);
-    (y * (reference ? dy.to(at::kDouble) : dy)).sum().backward();
-    return std::vector<at::Tensor>{y.detach(), in[0].grad(), in[1].grad(), in[2].grad()};
+    return AttentionAndGradients(inputs, blocked, dy, reference, o);
   };
   const std::vector<at::Tensor> want = run(true, {});
   const char* names[] = {"y", "dq", "dk", "dv"};
@@ -261,12 +268,7 @@ TEST(AttentionTest, FusedKernelEqualsEagerAttentionForwardAndBackward) {
   const AttentionOptions fused{.kernel = AttentionKernel::kFused};
   const AttentionOptions eager{.kernel = AttentionKernel::kEager};
   auto run = [&](bool reference, const at::Tensor& blocked, const at::Tensor& dy, const AttentionOptions& o) {
-    std::vector<at::Tensor> in;
-    for (const at::Tensor& t : inputs) in.push_back((reference ? t.to(at::kDouble) : t.clone()).requires_grad_(true));
-    const at::Tensor y = reference ? EagerAttention(in[0], in[1], in[2], blocked)
-                                   : ScaledDotProductAttention(in[0], in[1], in[2], blocked, o);
-    (y * (reference ? dy.to(at::kDouble) : dy)).sum().backward();
-    return std::vector<at::Tensor>{y.detach(), in[0].grad(), in[1].grad(), in[2].grad()};
+    return AttentionAndGradients(inputs, blocked, dy, reference, o);
   };
   const char* names[] = {"y", "dq", "dk", "dv"};
   at::Tensor dy = at::randn({B, T, nH * D});

@@ -148,6 +148,15 @@ at::Tensor HeadProduct(Product kind, const at::Tensor& a, const at::Tensor& b, i
   return out.view(shape);
 }
 
+}  // namespace
+
+at::Tensor AttentionMaskFor(AttentionKernel kernel, const at::Tensor& blocked, at::ScalarType dtype) {
+  if (kernel != AttentionKernel::kFused) return blocked;
+  return at::zeros(blocked.sizes(), blocked.options().dtype(dtype)).masked_fill_(blocked, Lowest(dtype));
+}
+
+namespace {
+
 #if FERRY_HAVE_SDPA
 // transformers' sdpa_attention_forward: keys and values repeated to the query heads (repeat_kv;
 // the GQA flag would send a masked call to the math kernel on CUDA), an additive mask, no dropout.
@@ -161,9 +170,11 @@ at::Tensor FusedAttention(const at::Tensor& q, const at::Tensor& keys, const at:
     k = keys.unsqueeze(2).expand({B, nKV, G, S, D}).reshape({B, nH, S, D});
     v = values.unsqueeze(2).expand({B, nKV, G, S, D}).reshape({B, nH, S, D});
   }
-  const at::Tensor mask = at::zeros({B, 1, T, S}, q.options().requires_grad(false))
-                              .masked_fill_(blocked.view({B, 1, T, S}), Lowest(q.scalar_type()));
-  const at::Tensor out = at::scaled_dot_product_attention(q.transpose(1, 2), k, v, mask, /*dropout_p=*/0.0,
+  const at::Tensor mask = blocked.scalar_type() == at::kBool
+                              ? AttentionMaskFor(AttentionKernel::kFused, blocked, q.scalar_type())
+                              : blocked;
+  const at::Tensor out = at::scaled_dot_product_attention(q.transpose(1, 2), k, v, mask.view({B, 1, T, S}),
+                                                          /*dropout_p=*/0.0,
                                                           /*is_causal=*/false, 1.0 / std::sqrt(static_cast<double>(D)));
   return out.transpose(1, 2).reshape({B, T, nH * D});
 }

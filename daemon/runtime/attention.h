@@ -56,9 +56,15 @@ struct AttentionOptions {
   int64_t small_product = 4096;
 };
 
+// The mask in the form `kernel` (resolved) reads: `blocked` itself for the eager kernel; for the
+// fused one, additive in `dtype` (0 where visible, the dtype's lowest value where blocked), the
+// same shape. A forward makes it once for all its layers.
+at::Tensor AttentionMaskFor(AttentionKernel kernel, const at::Tensor& blocked, at::ScalarType dtype);
+
 // Attention output [B, T, nH * D] for queries q [B, T, nH, D] (RoPE applied) over keys and
 // values [B, nKV, S, D], where `blocked` [B, 1, 1, T, S] (bool) marks each key a query may not
-// see. Query head h reads KV head h / (nH / nKV). Gradients flow to q, keys and values.
+// see; the fused kernel also takes AttentionMaskFor's additive form of it, in q's dtype. Query
+// head h reads KV head h / (nH / nKV). Gradients flow to q, keys and values.
 // REQUIRES: nKV divides nH; one dtype and device throughout.
 at::Tensor ScaledDotProductAttention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
                                      const at::Tensor& blocked, const AttentionOptions& options);

@@ -24,8 +24,10 @@ struct CausalLM::Context {
   bool training = false;
   KvCache* cache = nullptr;
   int64_t batch = 0, tokens = 0, start = 0, keys = 0;
-  at::Tensor slots;            // long [T] on the device: ForwardArgs::cache_slots (keys = the whole capacity)
-  at::Tensor blocked;          // bool [B, 1, 1, T, S]: key not visible to the query
+  at::Tensor slots;  // long [T] on the device: ForwardArgs::cache_slots (keys = the whole capacity)
+  // [B, 1, 1, T, S]: which keys each query may not see, as the attention kernel reads it
+  // (AttentionMaskFor: bool, or additive for the fused kernel), made once for every layer.
+  at::Tensor blocked;
   at::Tensor blocked_sliding;  // the same for sliding-window layers
   // [B, T, 1, D] in the compute dtype: cos, and sin with its first half negated, so that
   // rotate_half(x) * sin = SwapHalves(x) * sin_signed (the same products, bit for bit).
@@ -331,10 +333,11 @@ Result<at::Tensor> CausalLM::Hidden(const ForwardArgs& a) const {
     at::Tensor query_slot =
         c.slots.defined() ? c.slots.view({T, 1}) : at::arange(start, start + T, long_opts).view({T, 1});
     at::Tensor allowed = key_slot.le(query_slot).unsqueeze(0).logical_and(valid.unsqueeze(1));  // [B, T, S]
-    c.blocked = allowed.logical_not().view({B, 1, 1, T, c.keys});
+    c.blocked = AttentionMaskFor(attention_.kernel, allowed.logical_not().view({B, 1, 1, T, c.keys}), dtype_);
     if (config_.sliding_window > 0) {
       at::Tensor in_window = (query_slot - key_slot).lt(config_.sliding_window).unsqueeze(0);
-      c.blocked_sliding = allowed.logical_and(in_window).logical_not().view({B, 1, 1, T, c.keys});
+      c.blocked_sliding = AttentionMaskFor(
+          attention_.kernel, allowed.logical_and(in_window).logical_not().view({B, 1, 1, T, c.keys}), dtype_);
     }
     at::Tensor angles = a.positions.to(device_).to(at::kFloat).unsqueeze(-1) * inv_freq_.view({1, 1, -1});
     at::Tensor emb = at::cat({angles, angles}, -1);  // [B, T, D]

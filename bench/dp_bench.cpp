@@ -12,6 +12,11 @@
 // running: the gradient all-reduce (the demo adapter's size), the rollout gather and the
 // end-of-step gather, each the median of 200: what the collectives themselves cost a step.
 //
+// The machine's own ceiling is measured in the same reps: two independent one-process runs at
+// once (no collective, nothing shared but the machine), whose completions per second against
+// one run alone bound what any 2-rank run can reach here. The 2-rank ratio is printed against
+// it too: the part of the machine's parallelism the ranks keep.
+//
 // A GEMM calibration (F32 at::mm 512 x 1024 x 1024 on one thread, the median GFLOP/s of 7) is
 // printed before and after: other work on the machine shows as a drop.
 //
@@ -52,15 +57,20 @@ struct Run {
   std::map<std::string, double> timing;  // mean of timing/* and step_time over the timed steps
 };
 
-// One `ferryd train` run; the seconds between the --json lines of the timed steps.
+double ChildCpuSeconds() {
+  rusage u{};
+  ::getrusage(RUSAGE_CHILDREN, &u);
+  return static_cast<double>(u.ru_utime.tv_sec + u.ru_stime.tv_sec) +
+         static_cast<double>(u.ru_utime.tv_usec + u.ru_stime.tv_usec) / 1e6;
+}
+
+// One `ferryd train` run; the seconds between the --json lines of the timed steps. `cores` is
+// left 0 (the caller measures it around runs that overlap).
 Run TrainOnce(const fs::path& config, const fs::path& dir, int nproc, int steps, int warmup) {
   std::string cmd = std::string(FERRYD_PATH) + " train --json --config " + config.string() + " --dir " + dir.string() +
                     " --max-steps " + std::to_string(steps);
   if (nproc > 1) cmd += " --nproc-per-node " + std::to_string(nproc);
   cmd += " 2>" + (dir.string() + ".log");
-  rusage before{};
-  ::getrusage(RUSAGE_CHILDREN, &before);
-  const double start = Now();
   FILE* p = ::popen(cmd.c_str(), "r");
   if (p == nullptr) {
     std::fprintf(stderr, "cannot run %s\n", cmd.c_str());
@@ -78,15 +88,7 @@ Run TrainOnce(const fs::path& config, const fs::path& dir, int nproc, int steps,
                  dir.string().c_str());
     std::exit(1);
   }
-  const double wall = Now() - start;
-  rusage after{};
-  ::getrusage(RUSAGE_CHILDREN, &after);
-  auto cpu = [](const rusage& u) {
-    return static_cast<double>(u.ru_utime.tv_sec + u.ru_stime.tv_sec) +
-           static_cast<double>(u.ru_utime.tv_usec + u.ru_stime.tv_usec) / 1e6;
-  };
   Run r;
-  r.cores = (cpu(after) - cpu(before)) / wall;
   r.seconds_per_step = (stamps.back() - stamps[static_cast<size_t>(warmup) - 1]) / static_cast<double>(steps - warmup);
   for (size_t i = static_cast<size_t>(warmup); i < lines.size(); ++i) {
     for (const auto& [k, v] : lines[i].items()) {
@@ -96,6 +98,26 @@ Run TrainOnce(const fs::path& config, const fs::path& dir, int nproc, int steps,
     }
   }
   return r;
+}
+
+// TrainOnce with the cores busy over the run.
+Run TrainMeasured(const fs::path& config, const fs::path& dir, int nproc, int steps, int warmup) {
+  const double cpu = ChildCpuSeconds(), start = Now();
+  Run r = TrainOnce(config, dir, nproc, steps, warmup);
+  r.cores = (ChildCpuSeconds() - cpu) / (Now() - start);
+  return r;
+}
+
+// Two independent one-process runs at once: the seconds per step of each, and the cores busy.
+std::pair<double, double> TrainPair(const fs::path& config, const fs::path& dir, int steps, int warmup) {
+  const double cpu = ChildCpuSeconds(), start = Now();
+  Run other;
+  std::thread t([&] { other = TrainOnce(config, dir.string() + "-b", 1, steps, warmup); });
+  const Run one = TrainOnce(config, dir.string() + "-a", 1, steps, warmup);
+  t.join();
+  const double cores = (ChildCpuSeconds() - cpu) / (Now() - start);
+  // Completions per second of the pair, as seconds per step of one run producing them all.
+  return {2.0 / (1.0 / one.seconds_per_step + 1.0 / other.seconds_per_step), cores};
 }
 
 struct Collectives {
@@ -211,13 +233,13 @@ int main(int argc, char** argv) {
       "(%d timed) x %d reps\n",
       batch, steps, steps - warmup, reps);
   std::printf("calibration before: F32 GEMM 512x1024x1024 %.1f GFLOP/s (1 thread)\n", CalibrationGflops());
-  std::vector<double> one, two, one_cores, two_cores;
+  std::vector<double> one, two, pair, one_cores, two_cores, pair_cores;
   int64_t adapter_bytes = 0;
   std::map<std::string, std::vector<double>> one_timing, two_timing;
   for (int r = 0; r < reps; ++r) {
     for (int nproc : {1, 2}) {
       const fs::path dir = work / ("run-" + std::to_string(nproc) + "-" + std::to_string(r));
-      const Run run = TrainOnce(config, dir, nproc, steps, warmup);
+      const Run run = TrainMeasured(config, dir, nproc, steps, warmup);
       if (adapter_bytes == 0) {
         // The demo adapter's size: its checkpoint's safetensors file (the header is small).
         for (const auto& e : fs::directory_iterator(dir)) {
@@ -234,19 +256,39 @@ int main(int argc, char** argv) {
       std::fflush(stdout);
       fs::remove_all(dir);
     }
+    const fs::path dir = work / ("pair-" + std::to_string(r));
+    const auto [s, cores] = TrainPair(config, dir, steps, warmup);
+    pair.push_back(s);
+    pair_cores.push_back(cores);
+    std::printf(
+        "  rep %d, 2 independent runs at once: %.4f s/step each (harmonic), %.0f completions/s, %.2f cores busy\n",
+        r + 1, s, 2.0 * batch / s, cores);
+    std::fflush(stdout);
+    fs::remove_all(dir.string() + "-a");
+    fs::remove_all(dir.string() + "-b");
   }
   const double s1 = Median(one), s2 = Median(two);
-  const double c1 = batch / s1, c2 = 2.0 * batch / s2;
+  const double c1 = batch / s1, c2 = 2.0 * batch / s2, cp = 2.0 * batch / Median(pair);
   std::printf("\n%-34s %12s %14s\n", "", "s/step", "completions/s");
   std::printf("%-34s %12.4f %14.0f\n", "1 rank x 1 thread", s1, c1);
   std::printf("%-34s %12.4f %14.0f\n", "2 ranks x 1 thread (Gloo)", s2, c2);
+  std::printf("%-34s %12.4f %14.0f\n", "2 independent runs at once", Median(pair), cp);
   std::printf("throughput ratio, 2 ranks / 1 rank: %.2fx (target >= 1.7x)\n", c2 / c1);
+  std::printf(
+      "the machine's ceiling, 2 independent runs / 1 run: %.2fx; the 2 ranks keep %.0f%% of it "
+      "(per rep: ",
+      cp / c1, 100.0 * (c2 / c1) / (cp / c1));
+  for (int r = 0; r < reps; ++r) {
+    std::printf("%s%.2fx of %.2fx", r ? ", " : "", one[r] * 2 / two[r], one[r] * 2 / pair[r]);
+  }
+  std::printf(")\n");
   // "One thread" is the model's: the process also runs its store record, RocksDB, the
   // generator's proof and the kernel's file work on the other core.
   std::printf(
-      "cores busy (CPU seconds of every process and thread per second): 1 rank %.2f, 2 ranks %.2f; "
-      "completions per CPU second: 1 rank %.0f, 2 ranks %.0f\n",
-      Median(one_cores), Median(two_cores), c1 / Median(one_cores), c2 / Median(two_cores));
+      "cores busy (CPU seconds of every process and thread per second): 1 rank %.2f, 2 ranks %.2f, 2 runs "
+      "%.2f; completions per CPU second: 1 rank %.0f, 2 ranks %.0f, 2 runs %.0f\n",
+      Median(one_cores), Median(two_cores), Median(pair_cores), c1 / Median(one_cores), c2 / Median(two_cores),
+      cp / Median(pair_cores));
   const double comm = Median(two_timing["timing/communication"]);
   const double step = Median(two_timing["step_time"]);
   std::printf("collectives, 2 ranks: %.4f s of a %.4f s step = %.1f%% (target <= 5%%)\n", comm, step,

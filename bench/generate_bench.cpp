@@ -5,11 +5,14 @@
 // Usage: ferry_bench_generate --model DIR [--batch 16] [--prompt-len 128] [--new-tokens 128]
 //          [--threads 2] [--dtype f32|bf16|model] [--device cpu|cuda] [--seed 1] [--skinny-rows N]
 //          [--small-attention N] [--attention auto|eager|fused] [--finish-check-every N] [--static-shapes]
+//          [--cuda-graphs]
 // --skinny-rows: ModelOptions::skinny_linear_rows (0: every linear layer on the BLAS).
 // --small-attention: ModelOptions::small_attention_product (0: every attention product on bmm).
 // --attention: ModelOptions::attention_kernel (auto: fused on CUDA where the LibTorch has it).
 // --finish-check-every: GeneratorOptions::finish_check_every (0: the default, 1 on the CPU, 16 on
-// CUDA); --static-shapes: GeneratorOptions::static_shapes. The JSON line names all three.
+// CUDA); --static-shapes: GeneratorOptions::static_shapes; --cuda-graphs: GeneratorOptions::cuda_graphs
+// (each decoding step replayed from a CUDA graph; its one eager step and capture per batch size
+// are inside generate_s). The JSON line names all four.
 // Prompts are random token ids (seeded); EOS is ignored so every row decodes exactly
 // --new-tokens tokens; decoding is greedy. kv_cache_bytes: the generator's cache for the run
 // (keys and values of every layer for batch x (prompt + new) positions in the compute dtype);
@@ -59,7 +62,7 @@ int Usage() {
                "usage: ferry_bench_generate --model DIR [--batch 16] [--prompt-len 128] [--new-tokens 128]\n"
                "                            [--threads 2] [--dtype f32|bf16|model] [--device cpu|cuda] [--seed 1]\n"
                "                            [--skinny-rows N] [--small-attention N] [--attention auto|eager|fused]\n"
-               "                            [--finish-check-every N] [--static-shapes]\n");
+               "                            [--finish-check-every N] [--static-shapes] [--cuda-graphs]\n");
   return 2;
 }
 
@@ -73,7 +76,7 @@ int main(int argc, char** argv) {
   int64_t small_attention = ferry::runtime::ModelOptions().small_attention_product;
   std::string attention = "auto";
   int64_t finish_check_every = 0;
-  bool static_shapes = false;
+  bool static_shapes = false, cuda_graphs = false;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     auto next = [&]() -> std::string { return i + 1 < argc ? argv[++i] : ""; };
@@ -90,6 +93,7 @@ int main(int argc, char** argv) {
     else if (a == "--attention") attention = next();
     else if (a == "--finish-check-every") finish_check_every = std::atoll(next().c_str());
     else if (a == "--static-shapes") static_shapes = true;
+    else if (a == "--cuda-graphs") cuda_graphs = true;
     else return Usage();
   }
   if (model_dir.empty() || batch < 1 || prompt_len < 1 || new_tokens < 1) return Usage();
@@ -160,6 +164,7 @@ int main(int argc, char** argv) {
   gopts.max_batch = batch;
   gopts.finish_check_every = finish_check_every;
   gopts.static_shapes = static_shapes;
+  gopts.cuda_graphs = cuda_graphs;
   ferry::runtime::Generator gen(m, gopts);
   ferry::runtime::SamplingParams p;
   p.temperature = 0;
@@ -182,7 +187,8 @@ int main(int argc, char** argv) {
       "\"generate_s\": %.4f, \"generated_tokens\": %lld, \"generate_tokens_per_s\": %.2f, \"peak_rss_bytes\": %lld, "
       "\"rss_before_load_bytes\": %lld, \"rss_after_load_bytes\": %lld, \"load_peak_rss_bytes\": %lld, "
       "\"model_peak_bytes\": %lld, \"weight_bytes\": %lld, \"kv_cache_bytes\": %lld, \"memory_ratio\": %.4f, "
-      "\"blas\": \"%s\", \"attention\": \"%s\", \"finish_check_every\": %lld, \"static_shapes\": %s}\n",
+      "\"blas\": \"%s\", \"attention\": \"%s\", \"finish_check_every\": %lld, \"static_shapes\": %s, "
+      "\"cuda_graphs\": %s}\n",
       device.c_str(), static_cast<long long>(batch), static_cast<long long>(prompt_len),
       static_cast<long long>(new_tokens), static_cast<long long>(threads), c10::toString(m.dtype()), load_s, prefill_s,
       static_cast<double>(batch * prompt_len) / prefill_s, generate_s, static_cast<long long>(generated),
@@ -192,6 +198,6 @@ int main(int argc, char** argv) {
       static_cast<long long>(m.weight_bytes()), static_cast<long long>(kv_cache_bytes),
       static_cast<double>(model_peak) / static_cast<double>(floor_bytes), ferry::runtime::LoadedBlas().library.c_str(),
       std::string(ferry::runtime::AttentionKernelName(m.attention_kernel())).c_str(),
-      static_cast<long long>(finish_check_every), static_shapes ? "true" : "false");
+      static_cast<long long>(finish_check_every), static_shapes ? "true" : "false", cuda_graphs ? "true" : "false");
   return 0;
 }

@@ -120,7 +120,15 @@ endforeach()
 list(REMOVE_DUPLICATES ferry_torch_rpath_dirs)
 
 set(FERRY_HAVE_TORCH ON)
-message(STATUS "LibTorch ${Torch_VERSION}: CMake files in ${ferry_torch_cmake}, libraries in ${ferry_torch_lib_dirs}")
+# A CUDA LibTorch (PyPI's) appends libc10_cuda and the CUDA libraries as TORCH_CUDA_LIBRARIES;
+# Debian's CPU build sets none. The runtime's CUDA-only parts (cuda_graph.cpp) compile on this.
+if(TORCH_CUDA_LIBRARIES)
+  set(FERRY_TORCH_CUDA ON)
+else()
+  set(FERRY_TORCH_CUDA OFF)
+endif()
+message(STATUS "LibTorch ${Torch_VERSION}: CMake files in ${ferry_torch_cmake}, libraries in ${ferry_torch_lib_dirs}, "
+  "CUDA ${FERRY_TORCH_CUDA}")
 # Before any target is defined, so that they reach every program and plugin of the build.
 add_link_options("LINKER:--push-state,--no-as-needed,-lstdc++,--pop-state")
 if(ferry_torch_rpath_dirs)

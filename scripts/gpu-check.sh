@@ -9,13 +9,17 @@
 #   deps      the GPU kit's Debian libraries (.gpu-kit/deps.sh into /opt/ferrydeps) where .gpu-kit exists;
 #             else the system's (a machine set up by scripts/setup.sh)
 #   build     Release against the python's PyPI torch (Torch_DIR), CUDA arch 90 (CUDA_ARCH), tests on:
-#             ferryd, the CUDA kernel tests, daemon_runtime_test, daemon_trainer_test, ferry_bench_cuda_merge
+#             ferryd, the CUDA kernel tests, daemon_runtime_test, daemon_trainer_test, ferry_bench_cuda_merge,
+#             ferry_bench_generate, ferry_bench_make_model
 #   kernels   kernels_cuda_test and kernels_cuda_lora_merge_test: the cast, 4-bit and merge kernels
 #             against the CPU reference, bit for bit (the streaming merge kernel's first run)
 #   runtime   daemon_runtime_test's CUDA cases: every transformers fixture on CUDA (the fused attention
 #             kernel there by default, the generator looking every 16 steps), the attention and generator tests
+#             (GeneratorTest.CudaGraphStepsGiveTheEagerStepsCompletions: the CUDA graphs' first run)
 #   trainer   daemon_trainer_test's CUDA trainer test (the NF4 fixture trained on cuda:0)
 #   merge     ferry_bench_cuda_merge: 4 GiB F32, r 16, then fan_in_fan_out (target: >= 0.7 of a device copy)
+#   decode    ferry_bench_generate on a Qwen2-0.5B-shaped random BF16 model, batch 64, 128 prompt + 256 new
+#             tokens: eager steps, static shapes, CUDA graphs (target: >= 20,000 tokens/s)
 # Every phase's output is in $OUT (default /tmp/gpu-check)/<phase>.log; summary.txt (one line a phase:
 # name, ok | failed rcN | timeout | skipped, seconds) is printed last. Exit 0 when every phase passed.
 # Environment: FERRY_PYTHON (the python whose torch to build against; python3), B (build dir;
@@ -73,7 +77,7 @@ build() {
     -DCMAKE_POLICY_VERSION_MINIMUM=3.5 | tee "$OUT/configure.txt" || return 1
   grep -q "Ferry: torch=ON cuda=ON" "$OUT/configure.txt" || { echo "configured without torch or CUDA"; return 1; }
   cmake --build "$B" -j "$JOBS" --target ferryd kernels_cuda_test kernels_cuda_lora_merge_test daemon_runtime_test \
-    daemon_trainer_test ferry_bench_cuda_merge -- -k 0
+    daemon_trainer_test ferry_bench_cuda_merge ferry_bench_generate ferry_bench_make_model -- -k 0
 }
 
 # A test program with LD_LIBRARY_PATH for the kit's libraries, one gtest filter.
@@ -91,12 +95,25 @@ runtime() {
 trainer() {
   gtest tests/daemon/daemon_trainer_test '*Cuda*'
 }
+decode() {
+  local m=$OUT/decode-model
+  rm -rf "$m"
+  "$B/bench/ferry_bench_make_model" --base "$m/base" --adapter "$m/adapter" --hidden 896 --intermediate 4864 \
+    --layers 24 --vocab 151936 --heads 14 --kv-heads 2 >/dev/null || return 1
+  local flags
+  for flags in "" "--static-shapes" "--cuda-graphs"; do
+    # shellcheck disable=SC2086
+    LD_LIBRARY_PATH=${FERRY_LD_LIBRARY_PATH:-} "$B/bench/ferry_bench_generate" --model "$m/base" --device cuda \
+      --dtype bf16 --batch 64 --prompt-len 128 --new-tokens 256 $flags || return 1
+  done
+  rm -rf "$m"
+}
 merge() {
   local bench=$B/bench/ferry_bench_cuda_merge
   LD_LIBRARY_PATH=${FERRY_LD_LIBRARY_PATH:-} "$bench" --out 32768 --in 32768 --r 16 &&
     LD_LIBRARY_PATH=${FERRY_LD_LIBRARY_PATH:-} "$bench" --out 8192 --in 32768 --r 16 --fan-in-fan-out
 }
-export -f deps build gtest kernels runtime trainer merge
+export -f deps build gtest kernels runtime trainer decode merge
 export ROOT OUT B JOBS CUDA_ARCH PYTHON
 
 if phase deps 120 10 -- deps; then
@@ -107,6 +124,7 @@ if phase deps 120 10 -- deps; then
     phase runtime 120 20 -- runtime
     phase trainer 60 15 -- trainer
     phase merge 60 15 -- merge
+    phase decode 90 30 -- decode
   fi
 fi
 echo "### summary ($OUT/summary.txt)"

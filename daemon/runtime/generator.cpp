@@ -5,10 +5,13 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <memory>
+#include <optional>
 #include <random>
 #include <string>
 #include <tuple>
 
+#include "daemon/runtime/cuda_graph.h"
 #include "daemon/runtime/torch_util.h"
 
 namespace ferry::runtime {
@@ -101,6 +104,16 @@ Result<std::vector<Completion>> Generator::Generate(const std::vector<std::vecto
   if (n < 1) return Status::InvalidArgument("the number of completions per prompt must be >= 1");
   FERRY_RETURN_IF_ERROR(CheckParams(params, static_cast<bool>(options_.token_bytes)));
   const ModelConfig& cfg = model_.config();
+  const bool graphs = options_.cuda_graphs;
+  if (graphs && !CudaGraphsAvailable()) {
+    return Status::Unsupported(
+        "cuda_graphs: this build's LibTorch has no CUDA (build against a CUDA LibTorch: "
+        "scripts/build-pytorch.sh)");
+  }
+  if (graphs && !model_.device().is_cuda()) {
+    return Status::Unsupported("cuda_graphs: the model is on " + model_.device().str() + ", not a CUDA device");
+  }
+  const bool static_shapes = options_.static_shapes || graphs;
   for (size_t i = 0; i < prompts.size(); ++i) {
     if (prompts[i].empty()) return Status::InvalidArgument("prompt " + std::to_string(i) + " is empty");
     for (int32_t id : prompts[i]) {
@@ -132,6 +145,10 @@ Result<std::vector<Completion>> Generator::Generate(const std::vector<std::vecto
     const size_t np = std::min(prompts.size() - first, static_cast<size_t>(per_batch));
     FERRY_RETURN_IF_ERROR(GuardTorch("generating", [&]() -> Status {
       at::NoGradGuard no_grad;
+      // With graphs, the whole batch runs on a side stream: the capture needs one, and the
+      // eager steps before it set cuBLAS and the allocator up on that same stream.
+      std::optional<SideStream> side;
+      if (graphs) side.emplace(dev);
       int64_t P = 0;
       for (size_t i = 0; i < np; ++i) P = std::max<int64_t>(P, static_cast<int64_t>(prompts[first + i].size()));
       const int64_t B0 = static_cast<int64_t>(np);
@@ -190,6 +207,12 @@ Result<std::vector<Completion>> Generator::Generate(const std::vector<std::vecto
       at::Tensor pending_logps = at::empty({rows0, look_every}, at::TensorOptions().dtype(at::kFloat).device(dev));
       std::vector<std::string> text(row_completion.size());  // decoded bytes, for stop strings
       int64_t pending = 0;
+      // cuda_graphs: the step captured at the current batch size (reset by a compaction, which
+      // replaces the cache and positions it was captured on), its input ids and logits (read and
+      // written in place by every replay), and the eager steps run since the last compaction.
+      std::unique_ptr<CudaGraph> graph;
+      at::Tensor graph_ids, graph_logits;
+      int64_t eager_steps = 0;
       for (int64_t step = 0; step < max_new; ++step) {
         const Sampled s = Sample(logits, params, draws.defined() ? draws[step].index_select(0, draw_row) : draws);
         const int64_t rows = static_cast<int64_t>(row_completion.size());
@@ -247,6 +270,8 @@ Result<std::vector<Completion>> Generator::Generate(const std::vector<std::vecto
               tx.push_back(std::move(text[r]));
             }
             const at::Tensor k = at::tensor(keep, at::kLong).to(dev);
+            graph.reset();
+            eager_steps = 0;
             cache = cache.Select(k);
             pos = pos.index_select(0, k);
             if (draw_row.defined()) draw_row = draw_row.index_select(0, k);
@@ -262,15 +287,39 @@ Result<std::vector<Completion>> Generator::Generate(const std::vector<std::vecto
         a.positions = pos;
         a.attention_mask = at::Tensor();
         a.ids_in_vocab = true;  // sampled from the model's own vocabulary
-        if (options_.static_shapes) {
+        if (static_shapes) {
           if (!slot.defined()) slot = at::full({1}, cache.length(), pos.options());
           a.cache_slots = slot;
+        }
+        if (graphs && !graph && eager_steps > 0) {
+          // Capture this step (nothing runs), then replay it below. The capture ran the host's
+          // side of the forward, which counted the step's slot as filled: it is not, yet.
+          graph_ids = a.input_ids.clone();
+          a.input_ids = graph_ids;
+          const int64_t filled = cache.length();
+          FERRY_ASSIGN_OR_RETURN(graph, CudaGraph::Capture(dev, [&]() -> Status {
+                                   FERRY_ASSIGN_OR_RETURN(at::Tensor h, model_.Hidden(a));
+                                   graph_logits = model_.Logits(h.squeeze(1), lora);
+                                   pos.add_(1);
+                                   slot.add_(1);
+                                   return Status::OK();
+                                 }));
+          cache.set_length(filled);
+        } else if (graph) {
+          graph_ids.copy_(a.input_ids);
+        }
+        if (graph) {
+          graph->Replay();
+          cache.set_length(cache.length() + 1);  // the replay filled the step's slot
+          logits = graph_logits;
+          continue;
         }
         FERRY_ASSIGN_OR_RETURN(hidden, model_.Hidden(a));
         logits = model_.Logits(hidden.squeeze(1), lora);
         // In place, after the forward that read them (in stream order on a device).
         pos.add_(1);
         if (slot.defined()) slot.add_(1);
+        ++eager_steps;
       }
       return Status::OK();
     }));

@@ -67,6 +67,14 @@ struct GeneratorOptions {
   // as without, up to rounding. Early steps attend over empty slots too: no slower on the demo's
   // short contexts, more so the longer max_new_tokens is against the prompt. Default: false.
   bool static_shapes = false;
+  // Each decoding step replayed from a CUDA graph (cuda_graph.h): the step (the forward, the
+  // LM head, the positions and cache slot advanced) is captured after one eager step at each
+  // batch size (a new capture after every compaction) and replayed with the sampled tokens
+  // copied in; sampling stays outside the graph. Implies static_shapes. The same completions as
+  // the eager static-shape steps (the same kernels on the same tensors). Refused (kUnsupported)
+  // on a CPU model or a LibTorch without CUDA. Default: false (not yet measured on a GPU:
+  // scripts/gpu-check.sh compares it with the eager steps).
+  bool cuda_graphs = false;
 };
 
 class Generator {

@@ -30,6 +30,11 @@ void KvCache::AppendAt(const at::Tensor& slots, const at::Tensor& valid) {
   length_ += t;
 }
 
+void KvCache::set_length(int64_t filled) {
+  TORCH_CHECK(filled >= 0 && filled <= capacity_, "KV cache length ", filled, " outside [0, ", capacity_, "]");
+  length_ = filled;
+}
+
 void KvCache::Clear() {
   length_ = 0;
   valid_.zero_();

@@ -34,6 +34,10 @@ class KvCache {
   // Append for slots given on the device (long [t]): valid is written there by index.
   // REQUIRES: `slots` are length() .. length() + t - 1, room.
   void AppendAt(const at::Tensor& slots, const at::Tensor& valid);
+  // Sets the count of filled slots the host keeps, for work it did not see: a captured decoding
+  // step (cuda_graph.h) fills its slot on the device at every replay, while the capture ran the
+  // host code (AppendAt's count) once without filling anything. REQUIRES: 0 <= filled <= capacity.
+  void set_length(int64_t filled);
   // Forgets everything (keeps the memory).
   void Clear();
   // Keeps only `rows` (a long tensor of row indices, repeats allowed) in that order: copies the

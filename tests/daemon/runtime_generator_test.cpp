@@ -5,12 +5,15 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
+#include <array>
 #include <cstdlib>
 #include <map>
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include "daemon/runtime/cuda_graph.h"
 #include "daemon/runtime/generator.h"
 #include "tests/daemon/runtime_test_util.h"
 #include "tests/temp_dir.h"
@@ -243,6 +246,102 @@ TEST_F(GeneratorTest, CompletionsAreTheSameWhateverTheLookCadenceAndTheBatching)
       ASSERT_EQ(got[i].logprobs.size(), want[i].logprobs.size());
       for (size_t t = 0; t < got[i].logprobs.size(); ++t) {
         EXPECT_NEAR(got[i].logprobs[t], want[i].logprobs[t], 1e-5) << every << "/" << max_batch << ": " << i;
+      }
+    }
+  }
+}
+
+// cuda_graphs where no graph can be captured: refused, naming why (Debian's LibTorch has no
+// CUDA; a CUDA LibTorch with the model on the CPU).
+TEST_F(GeneratorTest, CudaGraphsAreRefusedWhereTheyCannotRun) {
+  GeneratorOptions o;
+  o.cuda_graphs = true;
+  SamplingParams p;
+  p.max_new_tokens = 3;
+  auto r = Generator(*model_, o).Generate({{5, 17}}, 2, p);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), StatusCode::kUnsupported);
+  const std::string want = CudaGraphsAvailable() ? "cuda_graphs: the model is on cpu, not a CUDA device"
+                                                 : "cuda_graphs: this build's LibTorch has no CUDA";
+  EXPECT_NE(r.status().message().find(want), std::string::npos) << r.status().ToString();
+}
+
+// Each decoding step replayed from a CUDA graph gives the completions the eager steps give at
+// the same (static) shapes: tokens, finishes and log-probabilities, greedy and sampled, with
+// compactions (a new capture at each batch size) and looks every 1, 3 and 16 steps, under a
+// LoRA adapter too. Needs a CUDA device and a CUDA LibTorch (scripts/gpu-check.sh runs it).
+TEST_F(GeneratorTest, CudaGraphStepsGiveTheEagerStepsCompletions) {
+  if (!CudaGraphsAvailable() || !at::hasCUDA()) GTEST_SKIP() << "no CUDA device (this LibTorch or machine)";
+  ModelOptions mo;
+  mo.device = at::Device(at::kCUDA, 0);
+  auto m = CausalLM::Load(dir_.path() / "m", mo);
+  ASSERT_TRUE(m.ok()) << m.status().ToString();
+  const CausalLM& model = **m;
+  // A LoRA adapter with B != 0 on every projection, so the adapter's products are in the graph.
+  std::vector<LoraModule> modules;
+  modules.reserve(static_cast<size_t>(model.num_layers()) * kNumProj);
+  LoraBinding binding;
+  at::manual_seed(3);
+  for (int l = 0; l < model.num_layers(); ++l) {
+    std::array<const LoraModule*, kNumProj> row{};
+    for (Proj pr : kAllProj) {
+      const Linear& lin = model.layer_linear(l, pr);
+      LoraModule mod;
+      mod.a = at::randn({4, lin.in}, at::TensorOptions().device(mo.device)) * 0.1;
+      mod.b = at::randn({lin.out, 4}, at::TensorOptions().device(mo.device)) * 0.1;
+      mod.scaling = 2.0;
+      modules.push_back(mod);
+      row[static_cast<size_t>(pr)] = &modules.back();
+    }
+    binding.layers.push_back(row);
+  }
+  GeneratorOptions opts;
+  opts.token_bytes = [](int32_t id) { return std::string(1, static_cast<char>('a' + id % 26)); };
+  const std::vector<std::vector<int32_t>> prompts = {{5, 17, 33}, {9, 4, 70, 71, 12, 3}, {7}};
+  for (const LoraBinding* lora : std::array<const LoraBinding*, 2>{nullptr, &binding}) {
+    for (double temperature : {0.0, 0.9}) {
+      SamplingParams p;
+      p.temperature = temperature;
+      p.max_new_tokens = 40;
+      p.seed = 11;
+      // As EOS, the token most completions of a free run hold, so rows finish and the cache is
+      // compacted (a new capture at the smaller batch).
+      auto free_run = Generator(model, opts).Generate(prompts, 4, p, lora);
+      ASSERT_TRUE(free_run.ok()) << free_run.status().ToString();
+      std::map<int32_t, int> counts;
+      for (const Completion& c : *free_run) {
+        for (int32_t t : std::set<int32_t>(c.token_ids.begin(), c.token_ids.end())) ++counts[t];
+      }
+      const auto commonest = std::max_element(counts.begin(), counts.end(),
+                                              [](const auto& x, const auto& y) { return x.second < y.second; });
+      p.eos_token_ids = {commonest->first};
+      for (int64_t every : {1, 3, 16}) {
+        GeneratorOptions o = opts;
+        o.finish_check_every = every;
+        o.static_shapes = true;
+        auto eager = Generator(model, o).Generate(prompts, 4, p, lora);
+        o.cuda_graphs = true;
+        auto replayed = Generator(model, o).Generate(prompts, 4, p, lora);
+        ASSERT_TRUE(eager.ok()) << eager.status().ToString();
+        ASSERT_TRUE(replayed.ok()) << replayed.status().ToString();
+        const std::string what = std::string(lora ? "lora" : "base") + ", T " + std::to_string(temperature) +
+                                 ", every " + std::to_string(every);
+        int early = 0;
+        ASSERT_EQ(replayed->size(), eager->size());
+        for (size_t i = 0; i < eager->size(); ++i) {
+          const Completion &want = (*eager)[i], &got = (*replayed)[i];
+          early += want.finish != Completion::Finish::kLength;
+          EXPECT_EQ(got.token_ids, want.token_ids) << what << ": completion " << i;
+          EXPECT_EQ(got.finish, want.finish) << what << ": completion " << i;
+          ASSERT_EQ(got.logprobs.size(), want.logprobs.size()) << what;
+          for (size_t t = 0; t < got.logprobs.size(); ++t) {
+            EXPECT_NEAR(got.logprobs[t], want.logprobs[t], 1e-5) << what << ": completion " << i << ", token " << t;
+          }
+        }
+        // Sampled rows differ, so most end early; greedy rows of one prompt are one sequence.
+        if (temperature > 0) {
+          EXPECT_GE(early, 6) << what << ": too few rows ended early to compact the cache";
+        }
       }
     }
   }

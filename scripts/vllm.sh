@@ -62,6 +62,16 @@ start() {
     env+=(VLLM_TARGET_DEVICE=cpu VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-1}" VLLM_CPU_OMP_THREADS_BIND=nobind
       OMP_NUM_THREADS="${FERRY_VLLM_THREADS:-1}")
     dev+=(--enforce-eager)
+    # The model runs inside the engine process (uni executor), not in a worker process of its own:
+    # the worker polls its shared-memory queue for 1 s after every message (shm_broadcast's
+    # SpinCondition), so a server answering a trainer every few tenths of a second kept one of a
+    # small machine's cores spinning, and a trainer beside it stalled in its OpenMP barriers.
+    # vLLM's CPU platform turns uni into mp unless V1 multiprocessing is off; the API server still
+    # runs the engine in a process of its own.
+    if [ "${FERRY_VLLM_EXECUTOR:-uni}" = uni ]; then
+      env+=(VLLM_ENABLE_V1_MULTIPROCESSING=0)
+      dev+=(--distributed-executor-backend uni)
+    fi
   fi
   # The vllm-cpu repack cannot run `vllm serve` (its distribution is not named "vllm"); the module entry works.
   # processed_logprobs: sampled tokens' log-probabilities under the temperature, as TRL's vllm-serve asks

@@ -173,6 +173,51 @@ TEST(RuntimeModel, StaticSlotDecodingEqualsTheFilledSlotDecoding) {
   EXPECT_NE(with_grad.status().message().find("without autograd"), std::string::npos) << with_grad.status().ToString();
 }
 
+// What a captured decoding step's replays rely on (GeneratorOptions::cuda_graphs): a static-slot
+// step whose host count is set back (KvCache::set_length, as after the capture) and run again
+// writes the same slot and gives the same logits, bit for bit, and the steps after it are those
+// of a run where every step ran once. A length outside [0, capacity] is refused.
+TEST(RuntimeModel, AStaticStepRunAgainAfterItsCountIsSetBackGivesTheSameLogits) {
+  ScopedTempDir dir;
+  TinyModelSpec spec;
+  auto m = LoadTiny(dir, spec);
+  ASSERT_NE(m, nullptr);
+  at::manual_seed(5);
+  const at::Tensor ids = at::randint(3, spec.vocab, {2, 20}, at::kLong);
+  at::NoGradGuard no_grad;
+  const int64_t prompt = 6;
+  // Each decoding step's logits; `twice`: every step is run, set back, and run again.
+  auto decode = [&](bool twice) {
+    KvCache cache(m->config(), 2, 20, m->dtype(), m->device());
+    ForwardArgs a;
+    a.cache = &cache;
+    a.input_ids = ids.narrow(1, 0, prompt);
+    a.positions = Positions(2, 0, prompt);
+    EXPECT_TRUE(m->Forward(a).ok());
+    std::vector<at::Tensor> out;
+    for (int64_t t = prompt; t < ids.size(1); ++t) {
+      a.input_ids = ids.narrow(1, t, 1);
+      a.positions = Positions(2, t, 1);
+      a.cache_slots = at::full({1}, t, at::kLong);
+      auto first = m->Forward(a);
+      EXPECT_TRUE(first.ok()) << first.status().ToString();
+      if (twice) {
+        EXPECT_EQ(cache.length(), t + 1);
+        cache.set_length(t);
+        auto again = m->Forward(a);
+        EXPECT_TRUE(again.ok()) << again.status().ToString();
+        EXPECT_TRUE(at::equal(*first, *again)) << "step " << t;
+      }
+      EXPECT_EQ(cache.length(), t + 1);
+      out.push_back(*first);
+    }
+    EXPECT_THROW(cache.set_length(21), c10::Error);
+    EXPECT_THROW(cache.set_length(-1), c10::Error);
+    return at::cat(out, 1);
+  };
+  EXPECT_TRUE(at::equal(decode(false), decode(true)));
+}
+
 // The fused attention kernel (at::scaled_dot_product_attention) is refused where this LibTorch
 // lacks it, naming the function and the version; where it has it, the model runs it, and the
 // KV-cache decode over it equals its full forward.

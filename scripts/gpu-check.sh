@@ -16,7 +16,7 @@
 #   runtime   daemon_runtime_test's CUDA cases: every transformers fixture on CUDA (the fused attention
 #             kernel there by default, the generator looking every 16 steps), the attention and generator tests
 #             (GeneratorTest.CudaGraphStepsGiveTheEagerStepsCompletions: the CUDA graphs' first run)
-#   trainer   daemon_trainer_test's CUDA trainer test (the NF4 fixture trained on cuda:0)
+#   trainer   daemon_trainer_test's CUDA trainer test (the NF4 fixture trained on cuda:0) and NCCL group tests
 #   merge     ferry_bench_cuda_merge: 4 GiB F32, r 16, then fan_in_fan_out (target: >= 0.7 of a device copy)
 #   decode    ferry_bench_generate on a Qwen2-0.5B-shaped random BF16 model, batch 64, 128 prompt + 256 new
 #             tokens: eager steps, static shapes, CUDA graphs (target: >= 20,000 tokens/s)
@@ -93,7 +93,7 @@ runtime() {
   gtest tests/daemon/daemon_runtime_test 'Cuda/*:FusedAttention/*:AttentionTest.*:GeneratorTest.*:RuntimeModel.Fused*'
 }
 trainer() {
-  gtest tests/daemon/daemon_trainer_test '*Cuda*'
+  gtest tests/daemon/daemon_trainer_test '*Cuda*:ProcessGroupTest.Nccl*'
 }
 decode() {
   local m=$OUT/decode-model

@@ -5,6 +5,9 @@
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
+#ifdef USE_C10D_NCCL  // a LibTorch built with NCCL (PyPI's CUDA torch)
+#include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
+#endif
 
 #include <arpa/inet.h>
 #include <netdb.h>
@@ -24,6 +27,12 @@ namespace ferry::dist {
 namespace {
 
 using Clock = std::chrono::steady_clock;
+
+#ifdef USE_C10D_NCCL
+using Collectives = c10d::Backend;  // ProcessGroupGloo's and ProcessGroupNCCL's base (torch >= 2)
+#else
+using Collectives = c10d::ProcessGroupGloo;
+#endif
 
 std::string FirstLine(const std::string& s) {
   const size_t nl = s.find('\n');
@@ -138,8 +147,12 @@ struct ProcessGroup::Impl {
   GroupOptions options;
   c10::intrusive_ptr<c10d::TCPStore> store;  // the main thread's connection
   c10::intrusive_ptr<c10d::Store> keys;      // store under "<prefix>/ferry/"
-  c10::intrusive_ptr<c10d::ProcessGroupGloo> pg;
+  c10::intrusive_ptr<Collectives> pg;
+  // NCCL's collectives take tensors on the rank's device: a host tensor travels through it.
+  std::optional<at::Device> device;
   std::vector<RankInfo> ranks;
+
+  at::Tensor ToGroup(const at::Tensor& t) const { return device && !t.is_cuda() ? t.to(*device) : t; }
 
   std::thread heartbeat;
   std::mutex mu;
@@ -242,11 +255,20 @@ ProcessGroup::~ProcessGroup() {
   }
   impl_->cv.notify_all();
   if (impl_->heartbeat.joinable()) impl_->heartbeat.join();
+#ifdef USE_C10D_NCCL
+  // NCCL's communicators end cleanly (torch warns when a group is destroyed without this).
+  if (impl_->device && impl_->pg) {
+    try {
+      impl_->pg->shutdown();
+    } catch (const std::exception&) {
+    }
+  }
+#endif
 }
 
 namespace {
 
-// Why this ferryd cannot run `launch` on NCCL, said plainly.
+// Why this ferryd cannot run `launch` on NCCL, said plainly; empty when it can.
 std::string NcclRefusal(const Launch& launch) {
   const std::string head = "backend \"nccl\": ";
   const at::CUDAHooksInterface& cuda = at::detail::getCUDAHooks();
@@ -254,41 +276,66 @@ std::string NcclRefusal(const Launch& launch) {
     return head +
            "this LibTorch is a CPU build (Debian's libtorch-dev is), so it has no CUDA and no NCCL; use \"gloo\"";
   }
+#ifndef USE_C10D_NCCL
+  static_cast<void>(launch);
+  return head + "this LibTorch was built without NCCL (no USE_C10D_NCCL); use \"gloo\"";
+#else
   const int devices = cuda.getNumGPUs();
   if (devices == 0) return head + "this host has no CUDA device; use \"gloo\"";
-  if (launch.local_world_size > devices) {
+  if (launch.local_world_size > devices || launch.local_rank >= devices) {
     return head + std::to_string(launch.local_world_size) + " ranks on this host but " + std::to_string(devices) +
            " CUDA device(s): NCCL runs one rank per device and refuses two ranks on one GPU (\"Duplicate GPU "
            "detected\"); use \"gloo\", or one device per local rank";
   }
-  return head + "ferryd's collectives are Gloo's; an NCCL process group is not built into it yet; use \"gloo\"";
+  return "";
+#endif
+}
+
+// The process group of `options.backend`, on the store under "<prefix>/pg".
+c10::intrusive_ptr<Collectives> NewGroup(const Launch& launch, const GroupOptions& options, const std::string& bind,
+                                         const c10::intrusive_ptr<c10d::TCPStore>& store) {
+  auto prefixed = c10::make_intrusive<c10d::PrefixStore>(options.prefix + "/pg", store);
+#ifdef USE_C10D_NCCL
+  if (options.backend == "nccl") {
+    // A collective that times out throws from wait() (as Gloo's do) instead of NCCL's watchdog
+    // ending the process, so that the rank at fault can be named. A user's own setting stays.
+    ::setenv("TORCH_NCCL_BLOCKING_WAIT", "1", /*overwrite=*/0);
+    auto opts = c10d::ProcessGroupNCCL::Options::create();
+    opts->timeout = options.timeout;
+    return c10::make_intrusive<c10d::ProcessGroupNCCL>(prefixed, launch.rank, launch.world_size, opts);
+  }
+#endif
+  auto opts = c10d::ProcessGroupGloo::Options::create(options.timeout);
+  const char* ifname = std::getenv("GLOO_SOCKET_IFNAME");
+  opts->devices.push_back(bind.empty() ? c10d::ProcessGroupGloo::createDeviceForInterface(ifname)
+                                       : c10d::ProcessGroupGloo::createDeviceForHostname(bind));
+  opts->threads = 1;
+  return c10::make_intrusive<c10d::ProcessGroupGloo>(prefixed, launch.rank, launch.world_size, opts);
 }
 
 }  // namespace
 
 Result<std::unique_ptr<ProcessGroup>> ProcessGroup::Join(const Launch& launch, const GroupOptions& options) {
-  if (options.backend != "gloo") {
-    if (options.backend == "nccl") return Status::Unsupported(NcclRefusal(launch));
+  const bool nccl = options.backend == "nccl";
+  if (!nccl && options.backend != "gloo") {
     return Status::InvalidArgument("backend \"" + options.backend + "\": not \"gloo\" or \"nccl\"");
+  }
+  if (nccl) {
+    if (std::string why = NcclRefusal(launch); !why.empty()) return Status::Unsupported(why);
   }
   auto impl = std::make_unique<Impl>();
   impl->launch = launch;
   impl->options = options;
+  if (nccl) impl->device = at::Device(at::kCUDA, static_cast<at::DeviceIndex>(launch.local_rank));
   const std::string where = launch.master_addr + ":" + std::to_string(launch.master_port);
   std::string bind;
-  if (const char* ifname = std::getenv("GLOO_SOCKET_IFNAME"); ifname == nullptr || *ifname == '\0') {
+  if (const char* ifname = std::getenv("GLOO_SOCKET_IFNAME"); !nccl && (ifname == nullptr || *ifname == '\0')) {
     FERRY_ASSIGN_OR_RETURN(bind, AddressTowards(launch.master_addr, launch.master_port));
   }
   try {
     impl->store = ConnectStore(launch, launch.rank == 0, options.timeout);
     impl->keys = impl->Prefixed(impl->store);
-    auto opts = c10d::ProcessGroupGloo::Options::create(options.timeout);
-    const char* ifname = std::getenv("GLOO_SOCKET_IFNAME");
-    opts->devices.push_back(bind.empty() ? c10d::ProcessGroupGloo::createDeviceForInterface(ifname)
-                                         : c10d::ProcessGroupGloo::createDeviceForHostname(bind));
-    opts->threads = 1;
-    auto prefixed = c10::make_intrusive<c10d::PrefixStore>(options.prefix + "/pg", impl->store);
-    impl->pg = c10::make_intrusive<c10d::ProcessGroupGloo>(prefixed, launch.rank, launch.world_size, opts);
+    impl->pg = NewGroup(launch, options, bind, impl->store);
   } catch (const std::exception& e) {
     return Status::Unavailable("rank " + std::to_string(launch.rank) + " of " + std::to_string(launch.world_size) +
                                ": the rendezvous at MASTER_ADDR:MASTER_PORT " + where + " did not complete (" +
@@ -319,25 +366,27 @@ std::string ProcessGroup::Describe(int r) const { return impl_->DescribeRank(r);
 
 Status ProcessGroup::AllReduceSum(at::Tensor& t, const std::string& what) {
   return impl_->Run(what, [&] {
-    std::vector<at::Tensor> v{t};
+    std::vector<at::Tensor> v{impl_->ToGroup(t)};
     impl_->pg->allreduce(v)->wait();
+    if (!v[0].is_same(t)) t.copy_(v[0]);
   });
 }
 
 Result<at::Tensor> ProcessGroup::AllGather(const at::Tensor& t, const std::string& what) {
+  std::vector<at::Tensor> in{impl_->ToGroup(t.contiguous())};
   std::vector<std::vector<at::Tensor>> out(1);
-  for (int r = 0; r < size(); ++r) out[0].push_back(at::empty_like(t));
-  std::vector<at::Tensor> in{t.contiguous()};
+  for (int r = 0; r < size(); ++r) out[0].push_back(at::empty_like(in[0]));
   FERRY_RETURN_IF_ERROR(impl_->Run(what, [&] { impl_->pg->allgather(out, in)->wait(); }));
-  return at::stack(out[0]);
+  return at::stack(out[0]).to(t.device());
 }
 
 Status ProcessGroup::Broadcast(at::Tensor& t, int root, const std::string& what) {
   return impl_->Run(what, [&] {
-    std::vector<at::Tensor> v{t};
+    std::vector<at::Tensor> v{impl_->ToGroup(t)};
     c10d::BroadcastOptions o;
     o.rootRank = root;
     impl_->pg->broadcast(v, o)->wait();
+    if (!v[0].is_same(t)) t.copy_(v[0]);
   });
 }
 

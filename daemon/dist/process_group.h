@@ -74,9 +74,13 @@ class ProcessGroup {
   // connects to MASTER_ADDR:MASTER_PORT, the process group is built, and the ranks exchange
   // host and pid. Gloo binds the address this host reaches MASTER_ADDR from (127.0.0.1 for
   // a loopback MASTER_ADDR), or the interface GLOO_SOCKET_IFNAME names, as torch does.
-  // Errors: kInvalidArgument for an unknown backend; kUnsupported for NCCL, saying why (a CPU LibTorch; more
-  // local ranks than CUDA devices, which NCCL refuses; no NCCL group in ferryd yet); kUnavailable
-  // naming MASTER_ADDR:MASTER_PORT when the rendezvous does not complete within the timeout.
+  // NCCL runs on device cuda:LOCAL_RANK and sets TORCH_NCCL_BLOCKING_WAIT=1 unless it is set,
+  // so that a collective past the timeout fails (and names the rank) instead of NCCL's watchdog
+  // ending the process.
+  // Errors: kInvalidArgument for an unknown backend; kUnsupported for NCCL, saying why (a CPU
+  // LibTorch or one without NCCL; no CUDA device; more local ranks than CUDA devices, which
+  // NCCL refuses); kUnavailable naming MASTER_ADDR:MASTER_PORT when the rendezvous does not
+  // complete within the timeout.
   static Result<std::unique_ptr<ProcessGroup>> Join(const Launch& launch, const GroupOptions& options);
   ~ProcessGroup();
   ProcessGroup(const ProcessGroup&) = delete;
@@ -93,7 +97,8 @@ class ProcessGroup {
 
   // The collectives. `what` names the operation in errors ("step 3: the gradients"). Each
   // returns kUnavailable naming the rank that failed (see the top of this file) when a peer died,
-  // hung past the timeout or reported a failure. Tensors: contiguous, on the group's device.
+  // hung past the timeout or reported a failure. Tensors: contiguous; on NCCL, a host tensor goes
+  // through the rank's device and comes back (results are where the input was).
   // Sums `t` over the ranks, in place.
   [[nodiscard]] Status AllReduceSum(at::Tensor& t, const std::string& what);
   // Every rank's `t` (equal shapes), stacked: [world, ...t's shape].

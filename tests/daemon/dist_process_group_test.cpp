@@ -68,9 +68,24 @@ TEST(LaunchFromEnvTest, ErrorsNameTheVariable) {
   EXPECT_NE(not_number.status().message().find("RANK=\"x\""), std::string::npos) << not_number.status().message();
 }
 
-// NCCL is refused, saying why: a CPU LibTorch (Debian's), no CUDA device, or more local ranks
-// than devices (NCCL refuses two ranks on one GPU).
+int CudaDevices() {
+  const at::CUDAHooksInterface& cuda = at::detail::getCUDAHooks();
+  return cuda.hasCUDART() ? cuda.getNumGPUs() : 0;
+}
+
+// Whether this LibTorch has NCCL's process group (PyPI's CUDA torch; Debian's has none).
+constexpr bool kHaveNccl =
+#ifdef USE_C10D_NCCL
+    true;
+#else
+    false;
+#endif
+
+// NCCL is refused, saying why: a CPU LibTorch (Debian's) or one without NCCL, no CUDA device,
+// or more local ranks than devices (NCCL refuses two ranks on one GPU).
 TEST(ProcessGroupTest, NcclIsRefusedSayingWhy) {
+  const int devices = CudaDevices();
+  if (kHaveNccl && devices >= 2) GTEST_SKIP() << devices << " CUDA devices: 2 local ranks on NCCL can run here";
   Launch l;
   l.world_size = 2;
   l.local_world_size = 2;
@@ -80,22 +95,25 @@ TEST(ProcessGroupTest, NcclIsRefusedSayingWhy) {
   ASSERT_FALSE(g.ok());
   EXPECT_EQ(g.status().code(), StatusCode::kUnsupported);
   const std::string m = g.status().message();
-  const at::CUDAHooksInterface& cuda = at::detail::getCUDAHooks();
-  if (!cuda.hasCUDART()) {
+  if (!at::detail::getCUDAHooks().hasCUDART()) {
     EXPECT_NE(m.find("this LibTorch is a CPU build"), std::string::npos) << m;
     EXPECT_NE(m.find("no NCCL"), std::string::npos) << m;
-  } else if (cuda.getNumGPUs() == 0) {
+  } else if (!kHaveNccl) {
+    EXPECT_NE(m.find("this LibTorch was built without NCCL"), std::string::npos) << m;
+  } else if (devices == 0) {
     EXPECT_NE(m.find("this host has no CUDA device"), std::string::npos) << m;
-  } else if (cuda.getNumGPUs() < 2) {
+  } else {
     EXPECT_NE(m.find("2 ranks on this host but 1 CUDA device(s)"), std::string::npos) << m;
     EXPECT_NE(m.find("refuses two ranks on one GPU"), std::string::npos) << m;
   }
   EXPECT_NE(m.find("use \"gloo\""), std::string::npos) << m;
 }
 
-// Two ranks in threads; `body(rank, group)` runs on each.
+// Two ranks in threads; `body(rank, group)` runs on each. On NCCL rank r is local rank r
+// (device r).
 template <typename Fn>
-void RunTwoRanks(Fn body, std::chrono::milliseconds timeout = std::chrono::seconds(20)) {
+void RunTwoRanks(Fn body, std::chrono::milliseconds timeout = std::chrono::seconds(20),
+                 const std::string& backend = "gloo") {
   auto free_port = FreeLoopbackPort();
   ASSERT_TRUE(free_port.ok()) << free_port.status().ToString();
   const int port = *free_port;
@@ -103,9 +121,12 @@ void RunTwoRanks(Fn body, std::chrono::milliseconds timeout = std::chrono::secon
     Launch l;
     l.rank = r;
     l.world_size = 2;
+    l.local_rank = r;
+    l.local_world_size = 2;
     l.master_addr = "127.0.0.1";
     l.master_port = port;
     GroupOptions o;
+    o.backend = backend;
     o.timeout = timeout;
     o.prefix = "test";
     auto g = ProcessGroup::Join(l, o);
@@ -117,33 +138,43 @@ void RunTwoRanks(Fn body, std::chrono::milliseconds timeout = std::chrono::secon
   t1.join();
 }
 
+// Every collective on rank r of a two-rank group, with its tensors on `device` (on NCCL, host
+// tensors travel through the rank's device and come back where they were).
+void CheckCollectives(int r, ProcessGroup& g, const at::Device& device) {
+  EXPECT_EQ(g.rank(), r);
+  EXPECT_EQ(g.size(), 2);
+  ASSERT_EQ(g.ranks().size(), 2u);
+  EXPECT_EQ(g.ranks()[1].pid, ::getpid());  // both threads of this process
+
+  at::Tensor t = at::full({3}, static_cast<float>(r + 1), at::TensorOptions(device));
+  ASSERT_TRUE(g.AllReduceSum(t, "sum").ok());
+  EXPECT_EQ(t.device(), device);
+  EXPECT_TRUE(t.cpu().equal(at::full({3}, 3.0f))) << t;
+
+  auto all =
+      g.AllGather(at::full({2}, static_cast<int64_t>(10 * r), at::TensorOptions(device).dtype(at::kLong)), "gather");
+  ASSERT_TRUE(all.ok()) << all.status().ToString();
+  EXPECT_EQ(all->device(), device);
+  EXPECT_EQ(all->sizes(), (std::vector<int64_t>{2, 2}));
+  EXPECT_EQ((*all)[1][0].item<int64_t>(), 10);
+
+  at::Tensor b = at::full({4}, static_cast<double>(r == 1 ? 7 : 0), at::TensorOptions(device).dtype(at::kDouble));
+  ASSERT_TRUE(g.Broadcast(b, 1, "broadcast").ok());
+  EXPECT_EQ(b.device(), device);
+  EXPECT_TRUE(b.cpu().equal(at::full({4}, 7.0, at::kDouble)));
+
+  auto bytes = g.AllGatherBytes(std::string(static_cast<size_t>(r * 5 + 1), static_cast<char>('a' + r)), "bytes");
+  ASSERT_TRUE(bytes.ok());
+  EXPECT_EQ((*bytes)[0], "a");
+  EXPECT_EQ((*bytes)[1], "bbbbbb");
+  auto text = g.BroadcastBytes(r == 0 ? "from rank 0" : "", 0, "text");
+  ASSERT_TRUE(text.ok());
+  EXPECT_EQ(*text, "from rank 0");
+}
+
 TEST(ProcessGroupTest, CollectivesOverTwoRanks) {
   RunTwoRanks([](int r, ProcessGroup& g) {
-    EXPECT_EQ(g.rank(), r);
-    EXPECT_EQ(g.size(), 2);
-    ASSERT_EQ(g.ranks().size(), 2u);
-    EXPECT_EQ(g.ranks()[1].pid, ::getpid());  // both threads of this process
-
-    at::Tensor t = at::full({3}, static_cast<float>(r + 1));
-    ASSERT_TRUE(g.AllReduceSum(t, "sum").ok());
-    EXPECT_TRUE(t.equal(at::full({3}, 3.0f))) << t;
-
-    auto all = g.AllGather(at::full({2}, static_cast<int64_t>(10 * r), at::kLong), "gather");
-    ASSERT_TRUE(all.ok()) << all.status().ToString();
-    EXPECT_EQ(all->sizes(), (std::vector<int64_t>{2, 2}));
-    EXPECT_EQ((*all)[1][0].item<int64_t>(), 10);
-
-    at::Tensor b = at::full({4}, static_cast<double>(r == 1 ? 7 : 0), at::kDouble);
-    ASSERT_TRUE(g.Broadcast(b, 1, "broadcast").ok());
-    EXPECT_TRUE(b.equal(at::full({4}, 7.0, at::kDouble)));
-
-    auto bytes = g.AllGatherBytes(std::string(static_cast<size_t>(r * 5 + 1), static_cast<char>('a' + r)), "bytes");
-    ASSERT_TRUE(bytes.ok());
-    EXPECT_EQ((*bytes)[0], "a");
-    EXPECT_EQ((*bytes)[1], "bbbbbb");
-    auto text = g.BroadcastBytes(r == 0 ? "from rank 0" : "", 0, "text");
-    ASSERT_TRUE(text.ok());
-    EXPECT_EQ(*text, "from rank 0");
+    CheckCollectives(r, g, at::kCPU);
 
     if (r == 0) {
       std::this_thread::sleep_for(std::chrono::milliseconds(1500));  // longer than one Await poll
@@ -154,6 +185,69 @@ TEST(ProcessGroupTest, CollectivesOverTwoRanks) {
       EXPECT_EQ(*go, "1");
     }
   });
+}
+
+// A one-rank NCCL group (what one GPU allows): every collective runs through NCCL on the
+// device, host tensors included, and gives them back where they were.
+TEST(ProcessGroupTest, NcclGroupOfOneRunsTheCollectivesOnTheCudaDevice) {
+  if (!kHaveNccl || CudaDevices() < 1) GTEST_SKIP() << "needs a LibTorch with NCCL and a CUDA device";
+  auto port = FreeLoopbackPort();
+  ASSERT_TRUE(port.ok()) << port.status().ToString();
+  Launch l;
+  l.master_port = *port;
+  GroupOptions o;
+  o.backend = "nccl";
+  o.timeout = std::chrono::seconds(60);
+  auto g = ProcessGroup::Join(l, o);
+  ASSERT_TRUE(g.ok()) << g.status().ToString();
+  EXPECT_EQ((*g)->backend(), "nccl");
+  for (const at::Device device : {at::Device(at::kCUDA, 0), at::Device(at::kCPU)}) {
+    at::Tensor t = at::arange(5, at::TensorOptions(device).dtype(at::kFloat));
+    ASSERT_TRUE((*g)->AllReduceSum(t, "sum").ok());
+    EXPECT_EQ(t.device(), device);
+    EXPECT_TRUE(t.cpu().equal(at::arange(5, at::kFloat))) << t;
+    auto all = (*g)->AllGather(at::full({3}, 4.0, at::TensorOptions(device).dtype(at::kDouble)), "gather");
+    ASSERT_TRUE(all.ok()) << all.status().ToString();
+    EXPECT_EQ(all->device(), device);
+    EXPECT_EQ(all->sizes(), (std::vector<int64_t>{1, 3}));
+    EXPECT_TRUE(all->cpu().equal(at::full({1, 3}, 4.0, at::kDouble)));
+  }
+  auto bytes = (*g)->AllGatherBytes("one rank", "bytes");
+  ASSERT_TRUE(bytes.ok()) << bytes.status().ToString();
+  EXPECT_EQ(*bytes, std::vector<std::string>{"one rank"});
+  auto text = (*g)->BroadcastBytes("from rank 0", 0, "text");
+  ASSERT_TRUE(text.ok()) << text.status().ToString();
+  EXPECT_EQ(*text, "from rank 0");
+}
+
+// Two ranks on two devices, where the host has them.
+TEST(ProcessGroupTest, NcclCollectivesOverTwoRanksOnTwoCudaDevices) {
+  if (!kHaveNccl || CudaDevices() < 2) GTEST_SKIP() << "needs a LibTorch with NCCL and 2 CUDA devices";
+  RunTwoRanks([](int r, ProcessGroup& g) { CheckCollectives(r, g, at::Device(at::kCUDA, r)); },
+              std::chrono::seconds(60), "nccl");
+  RunTwoRanks([](int r, ProcessGroup& g) { CheckCollectives(r, g, at::kCPU); }, std::chrono::seconds(60), "nccl");
+}
+
+TEST(ProcessGroupTest, NcclRankThatStopsAnsweringIsNamed) {
+  if (!kHaveNccl || CudaDevices() < 2) GTEST_SKIP() << "needs a LibTorch with NCCL and 2 CUDA devices";
+  std::promise<Status> seen;
+  RunTwoRanks(
+      [&](int r, ProcessGroup& g) {
+        at::Tensor t = at::ones({8}, at::TensorOptions(at::Device(at::kCUDA, r)));
+        if (r == 1) {
+          EXPECT_TRUE(g.AllReduceSum(t, "warm-up").ok());  // the communicator exists on both ranks
+          return;                                          // gone without a word
+        }
+        EXPECT_TRUE(g.AllReduceSum(t, "warm-up").ok());
+        std::this_thread::sleep_for(std::chrono::milliseconds(100));
+        seen.set_value(g.AllReduceSum(t, "step 2: averaging the LoRA gradients"));
+      },
+      std::chrono::seconds(10), "nccl");
+  const Status s = seen.get_future().get();
+  ASSERT_FALSE(s.ok());
+  EXPECT_EQ(s.code(), StatusCode::kUnavailable);
+  EXPECT_NE(s.message().find("step 2: averaging the LoRA gradients: rank 1 (host "), std::string::npos) << s.message();
+  EXPECT_NE(s.message().find("stopped answering"), std::string::npos) << s.message();
 }
 
 TEST(ProcessGroupTest, AFailedRankIsNamedWithItsError) {

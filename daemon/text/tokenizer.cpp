@@ -58,6 +58,8 @@ std::optional<int32_t> TokenizerImpl::Find(std::string_view token) const {
 void TokenizerImpl::Index() {
   token_text.assign(static_cast<size_t>(vocab_size), std::string());
   special.assign(static_cast<size_t>(vocab_size), 0);
+  added_index.clear();
+  special_forms.clear();
   for (int32_t id = 0; id < model->size(); ++id) token_text[id] = model->token(id);
   for (const AddedToken& t : added.tokens()) {
     token_text[t.id] = t.form;

@@ -2,9 +2,15 @@
 // and the JSON path of the field at fault.
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
+#include <cctype>
+#include <cerrno>
+#include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <string>
 #include <unordered_map>
+#include <unordered_set>
 #include <utility>
 
 #include "core/json_limits.h"
@@ -637,18 +643,7 @@ class Parser {
     for (size_t i = 0; i < list->size(); ++i) {
       const json& e = (*list)[i];
       const std::string at = Index("added_tokens", i);
-      FERRY_RETURN_IF_ERROR(RequireObject(e, at));
-      AddedToken t;
-      FERRY_ASSIGN_OR_RETURN(t.content, String(e, at, "content"));
-      if (t.content.empty()) return Corrupt(Join(at, "content"), "is empty");
-      if (t.content.size() > kMaxTokenBytes) {
-        return Unsupported(Join(at, "content"), "is longer than " + std::to_string(kMaxTokenBytes) + " bytes");
-      }
-      FERRY_ASSIGN_OR_RETURN(t.special, Bool(e, at, "special", false));
-      FERRY_ASSIGN_OR_RETURN(t.normalized, Bool(e, at, "normalized", !t.special));
-      FERRY_ASSIGN_OR_RETURN(t.single_word, Bool(e, at, "single_word", false));
-      FERRY_ASSIGN_OR_RETURN(t.lstrip, Bool(e, at, "lstrip", false));
-      FERRY_ASSIGN_OR_RETURN(t.rstrip, Bool(e, at, "rstrip", false));
+      FERRY_ASSIGN_OR_RETURN(AddedToken t, AddedTokenAt(e, at));
       const json* id_json = Find(e, "id");
       if (id_json == nullptr) return Corrupt(Join(at, "id"), "is missing");
       FERRY_ASSIGN_OR_RETURN(const uint64_t id, Unsigned(*id_json, Join(at, "id"), UINT32_MAX));
@@ -668,16 +663,39 @@ class Parser {
       }
       if (!model_id) ++next_id;
       t.id = static_cast<int32_t>(id);
-      t.form = t.content;
-      if (t.normalized && normalizer != nullptr) {
-        std::string form = t.content;
-        FERRY_RETURN_IF_ERROR(normalizer->Apply(&form).WithContext(src_ + ": " + at));
-        t.form = std::move(form);
-      }
+      FERRY_RETURN_IF_ERROR(SetForm(normalizer, at, &t));
       tokens.push_back(std::move(t));
     }
     *vocab_size = static_cast<int32_t>(next_id);
     return AddedVocabulary(std::move(tokens));
+  }
+
+  // An added token's object (tokenizers' AddedToken fields; the id, where there is one, is the
+  // caller's): content, special (default false), normalized (default: not special),
+  // single_word, lstrip, rstrip (default false).
+  Result<AddedToken> AddedTokenAt(const json& e, const std::string& at) const {
+    FERRY_RETURN_IF_ERROR(RequireObject(e, at));
+    AddedToken t;
+    FERRY_ASSIGN_OR_RETURN(t.content, String(e, at, "content"));
+    if (t.content.empty()) return Corrupt(Join(at, "content"), "is empty");
+    if (t.content.size() > kMaxTokenBytes) {
+      return Unsupported(Join(at, "content"), "is longer than " + std::to_string(kMaxTokenBytes) + " bytes");
+    }
+    FERRY_ASSIGN_OR_RETURN(t.special, Bool(e, at, "special", false));
+    FERRY_ASSIGN_OR_RETURN(t.normalized, Bool(e, at, "normalized", !t.special));
+    FERRY_ASSIGN_OR_RETURN(t.single_word, Bool(e, at, "single_word", false));
+    FERRY_ASSIGN_OR_RETURN(t.lstrip, Bool(e, at, "lstrip", false));
+    FERRY_ASSIGN_OR_RETURN(t.rstrip, Bool(e, at, "rstrip", false));
+    return t;
+  }
+
+  // What an added token matches and decodes from: its content, normalized when it says so.
+  Status SetForm(const Normalizer* normalizer, const std::string& at, AddedToken* t) const {
+    t->form = t->content;
+    if (t->normalized && normalizer != nullptr) {
+      FERRY_RETURN_IF_ERROR(normalizer->Apply(&t->form).WithContext(src_ + ": " + at));
+    }
+    return Status::OK();
   }
 
   const std::string& source() const { return src_; }
@@ -782,9 +800,182 @@ Result<std::unique_ptr<TokenizerImpl>> Parse(std::string_view text, std::string_
   return impl;
 }
 
-// tokenizer_config.json's special tokens and chat template.
-Status ApplyTokenizerConfig(const json& j, std::string_view source, TokenizerImpl* impl) {
+// A special token of tokenizer_config.json (a named one, or one of extra_special_tokens): a
+// string (special, not normalized, as transformers' AddedToken(token, special=True)) or an
+// added token's object.
+Result<AddedToken> ConfigSpecialToken(const Parser& p, const json& v, const std::string& at) {
+  if (v.is_string()) {
+    AddedToken t;
+    t.content = v.get<std::string>();
+    if (t.content.empty()) return p.Corrupt(at, "is empty");
+    if (t.content.size() > kMaxTokenBytes) {
+      return p.Unsupported(at, "is longer than " + std::to_string(kMaxTokenBytes) + " bytes");
+    }
+    t.special = true;
+    t.normalized = false;
+    return t;
+  }
+  if (!v.is_object()) return p.Corrupt(at, "must be a string, {\"content\": ...} or null, not " + TypeName(v));
+  return p.AddedTokenAt(v, at);
+}
+
+// The tokens tokenizer_config.json declares that tokenizer.json lacks or declares otherwise,
+// added as transformers 5 adds them when it loads a directory (TokenizersBackend.__init__, then
+// tokenizers' add_tokens): first added_tokens_decoder's entries by id, each unless an added
+// token equal to it in content and every flag exists; then the named special tokens (bos_token,
+// eos_token, unk_token, sep_token, pad_token, cls_token, mask_token; special whatever their
+// object says) and extra_special_tokens (or additional_special_tokens), each unless an added
+// token has its content. A token whose content is an added token's replaces it in place (same
+// id; a special one stays special, as in tokenizers' special set); one in the model's vocabulary
+// takes its id there; any other the next id after the vocabulary's. The ids written in
+// added_tokens_decoder are not used, as upstream.
+Status AddConfigTokens(const json& j, std::string_view text, const Parser& p, TokenizerImpl* impl) {
+  // The keys of the top-level object (key "") or of one of its objects, in the file's order
+  // (json keeps them sorted; transformers adds named tokens in the order it reads them).
+  std::optional<nlohmann::ordered_json> ordered;
+  const auto key_order = [&](const std::string& key) -> std::vector<std::string> {
+    if (!ordered) ordered = nlohmann::ordered_json::parse(text.begin(), text.end());
+    const nlohmann::ordered_json& o = key.empty() ? *ordered : ordered->at(key);
+    std::vector<std::string> keys;
+    for (const auto& [k, v] : o.items()) keys.push_back(k);
+    return keys;
+  };
+  std::vector<AddedToken> to_add;
+  if (const json* d = Parser::Find(j, "added_tokens_decoder"); d != nullptr && !d->is_null()) {
+    FERRY_RETURN_IF_ERROR(p.RequireObject(*d, "added_tokens_decoder"));
+    if (d->size() > kMaxAddedTokens) {
+      return p.Unsupported("added_tokens_decoder", "has " + std::to_string(d->size()) + " entries (at most " +
+                                                       std::to_string(kMaxAddedTokens) + ")");
+    }
+    std::vector<std::pair<uint64_t, AddedToken>> by_id;
+    for (const auto& [key, value] : d->items()) {
+      const std::string at = "added_tokens_decoder." + Quote(key);
+      char* end = nullptr;
+      errno = 0;
+      const unsigned long long id = std::strtoull(key.c_str(), &end, 10);
+      if (key.empty() || !std::isdigit(static_cast<unsigned char>(key[0])) || *end != '\0' || errno != 0 ||
+          id > INT32_MAX) {
+        return p.Corrupt(at, "is not a token id");
+      }
+      FERRY_ASSIGN_OR_RETURN(AddedToken t, p.AddedTokenAt(value, at));
+      by_id.emplace_back(id, std::move(t));
+    }
+    std::sort(by_id.begin(), by_id.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
+    for (auto& [id, t] : by_id) {
+      const bool declared = std::any_of(impl->added.tokens().begin(), impl->added.tokens().end(), [&](const auto& a) {
+        return a.content == t.content && a.special == t.special && a.normalized == t.normalized &&
+               a.single_word == t.single_word && a.lstrip == t.lstrip && a.rstrip == t.rstrip;
+      });
+      if (!declared) to_add.push_back(std::move(t));
+    }
+  }
+  std::unordered_set<std::string> known;
+  for (const AddedToken& t : impl->added.tokens()) known.insert(t.content);
+  for (const AddedToken& t : to_add) known.insert(t.content);
+  const auto add_special = [&](const json& v, const std::string& at, bool named) -> Status {
+    if (v.is_null()) return Status::OK();
+    FERRY_ASSIGN_OR_RETURN(AddedToken t, ConfigSpecialToken(p, v, at));
+    if (named) t.special = true;
+    if (known.insert(t.content).second) to_add.push_back(std::move(t));
+    return Status::OK();
+  };
+  static constexpr const char* kNamed[] = {"bos_token", "eos_token", "unk_token", "sep_token",
+                                           "pad_token", "cls_token", "mask_token"};
+  for (const char* key : kNamed) {
+    if (const json* v = Parser::Find(j, key)) FERRY_RETURN_IF_ERROR(add_special(*v, key, /*named=*/true));
+  }
+  // extra_special_tokens as transformers 5 reads it (from_pretrained, then the base class):
+  // additional_special_tokens stands in for it when it is missing or empty, or an object; an
+  // object is named tokens ({"image_token": "<image>"}) and a list is unnamed special tokens.
+  const auto falsy = [](const json* v) {
+    return v == nullptr || v->is_null() || ((v->is_array() || v->is_object() || v->is_string()) && v->empty()) ||
+           (v->is_boolean() && !v->get<bool>()) || (v->is_number() && v->get<double>() == 0);
+  };
+  const json* named_extras = nullptr;
+  std::string list_key = "extra_special_tokens";
+  const json* list = Parser::Find(j, list_key);
+  if (list != nullptr && list->is_object() && !list->empty()) {
+    named_extras = list;
+    list = nullptr;
+  }
+  if (falsy(list) && Parser::Find(j, "additional_special_tokens") != nullptr) {
+    list_key = "additional_special_tokens";
+    list = Parser::Find(j, list_key);
+  }
+  if (!falsy(list) && !list->is_array()) return p.Corrupt(list_key, "must be a list, not " + TypeName(*list));
+  // Named after the seven, in this order: the file's other "*_token" keys with a string value
+  // (model-specific names), then extra_special_tokens' names (one already named takes its place).
+  struct Named {
+    std::string name, path;
+    const json* value;
+  };
+  std::vector<Named> model_specific;
+  for (const std::string& key : key_order("")) {
+    const json& v = j.at(key);
+    if (key.ends_with("_token") && v.is_string() &&
+        std::find(std::begin(kNamed), std::end(kNamed), key) == std::end(kNamed)) {
+      model_specific.push_back({key, key, &v});
+    }
+  }
+  if (named_extras != nullptr) {
+    for (const std::string& name : key_order("extra_special_tokens")) {
+      Named e{name, Parser::Join("extra_special_tokens", name), &named_extras->at(name)};
+      auto it =
+          std::find_if(model_specific.begin(), model_specific.end(), [&](const Named& m) { return m.name == name; });
+      if (it != model_specific.end()) {
+        *it = std::move(e);
+      } else {
+        model_specific.push_back(std::move(e));
+      }
+    }
+  }
+  for (const Named& m : model_specific) FERRY_RETURN_IF_ERROR(add_special(*m.value, m.path, /*named=*/true));
+  if (!falsy(list)) {
+    for (size_t i = 0; i < list->size(); ++i) {
+      FERRY_RETURN_IF_ERROR(add_special((*list)[i], Parser::Index(list_key, i), /*named=*/false));
+    }
+  }
+  if (to_add.empty()) return Status::OK();
+
+  std::vector<AddedToken> tokens = impl->added.tokens();
+  if (tokens.size() + to_add.size() > kMaxAddedTokens) {
+    return p.Unsupported("added_tokens_decoder",
+                         "makes more than " + std::to_string(kMaxAddedTokens) + " added tokens");
+  }
+  std::unordered_map<std::string, size_t> index;
+  int64_t max_added = -1;
+  for (size_t i = 0; i < tokens.size(); ++i) {
+    index.emplace(tokens[i].content, i);
+    max_added = std::max<int64_t>(max_added, tokens[i].id);
+  }
+  const int64_t model_size = impl->model->size();
+  for (AddedToken& t : to_add) {
+    FERRY_RETURN_IF_ERROR(p.SetForm(impl->normalizer.get(), "the added token " + Quote(t.content), &t));
+    if (auto it = index.find(t.content); it != index.end()) {
+      AddedToken& old = tokens[it->second];
+      t.id = old.id;
+      t.special = t.special || old.special;
+      old = std::move(t);
+      continue;
+    }
+    const std::optional<int32_t> model_id = impl->model->Find(t.content);
+    const int64_t id = model_id ? *model_id : max_added >= model_size ? max_added + 1 : model_size;
+    if (id > INT32_MAX) return p.Unsupported("added_tokens_decoder", "makes an id past 2^31 - 1");
+    t.id = static_cast<int32_t>(id);
+    max_added = std::max(max_added, id);
+    index.emplace(t.content, tokens.size());
+    tokens.push_back(std::move(t));
+  }
+  impl->vocab_size = static_cast<int32_t>(std::max<int64_t>(impl->vocab_size, max_added + 1));
+  impl->added = AddedVocabulary(std::move(tokens));
+  impl->Index();
+  return Status::OK();
+}
+
+// tokenizer_config.json's added and special tokens and chat template.
+Status ApplyTokenizerConfig(const json& j, std::string_view text, std::string_view source, TokenizerImpl* impl) {
   Parser p(source);
+  FERRY_RETURN_IF_ERROR(AddConfigTokens(j, text, p, impl));
   const auto token_of = [&](const char* key) -> Result<std::optional<int32_t>> {
     const json* v = Parser::Find(j, key);
     if (v == nullptr || v->is_null()) return std::optional<int32_t>();
@@ -851,7 +1042,9 @@ Result<std::unique_ptr<TokenizerImpl>> ParseDirectory(SourceText tokenizer_json,
                              config ? &*config : nullptr, tokenizer_config ? tokenizer_config->source : "",
                              model ? &*model : nullptr, model_config ? model_config->source : "", tokenizer_json.text));
   FERRY_ASSIGN_OR_RETURN(auto impl, Parse(tokenizer_json.text, tokenizer_json.source, llama ? &*llama : nullptr));
-  if (config) FERRY_RETURN_IF_ERROR(ApplyTokenizerConfig(*config, tokenizer_config->source, impl.get()));
+  if (config) {
+    FERRY_RETURN_IF_ERROR(ApplyTokenizerConfig(*config, tokenizer_config->text, tokenizer_config->source, impl.get()));
+  }
   return impl;
 }
 

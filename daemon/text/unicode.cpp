@@ -1,5 +1,7 @@
 #include "daemon/text/unicode.h"
 
+#include <algorithm>
+#include <iterator>
 #include <memory>
 
 #include <unicode/bytestream.h>
@@ -7,6 +9,8 @@
 #include <unicode/uchar.h>
 #include <unicode/uniset.h>
 #include <unicode/utypes.h>
+
+#include "daemon/text/unicode_classes.inc"
 
 namespace ferry::text {
 namespace {
@@ -180,8 +184,16 @@ bool IsWordChar(char32_t cp) {
   const auto c = static_cast<UChar32>(cp);
   if (u_hasBinaryProperty(c, UCHAR_ALPHABETIC) || u_hasBinaryProperty(c, UCHAR_JOIN_CONTROL)) return true;
   const int8_t type = u_charType(c);
-  return type == U_NON_SPACING_MARK || type == U_ENCLOSING_MARK || type == U_COMBINING_SPACING_MARK ||
-         type == U_DECIMAL_DIGIT_NUMBER || type == U_CONNECTOR_PUNCTUATION;
+  if (type == U_NON_SPACING_MARK || type == U_ENCLOSING_MARK || type == U_COMBINING_SPACING_MARK ||
+      type == U_DECIMAL_DIGIT_NUMBER || type == U_CONNECTOR_PUNCTUATION) {
+    return true;
+  }
+  // Characters of Unicode versions after the ICU's (Debian 12's ICU 72 has Unicode 15.0; the
+  // Rust regex crate `tokenizers` uses has 16.0), from the generated table.
+  const auto* end = std::end(kExtraWordRanges);
+  const auto* it = std::upper_bound(std::begin(kExtraWordRanges), end, cp,
+                                    [](char32_t v, const auto& range) { return v < range[0]; });
+  return it != std::begin(kExtraWordRanges) && cp <= (*(it - 1))[1];
 }
 
 bool IsWhiteSpace(char32_t cp) {

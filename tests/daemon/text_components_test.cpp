@@ -345,5 +345,22 @@ TEST(Utf8Test, Nfc) {
   EXPECT_EQ(*NormalizeNfc("e\xE0\xA2\x98\xCC\xA3"), "e\xE0\xA2\x98\xCC\xA3");
 }
 
+// The Rust regex crate's \w, which decides a single_word added token (fixtures/tokenizers'
+// random strings compare it with the package's); its Unicode 16.0 is newer than Debian's ICU.
+TEST(UnicodeTest, WordCharactersFollowTheTokenizersPackagesUnicode) {
+  for (char32_t cp : {U'a', U'Z', U'_', U'7', U'\u00E9', U'\u0301', U'\u0663', U'\u200D', U'\u24B6'}) {
+    EXPECT_TRUE(IsWordChar(cp)) << std::hex << static_cast<uint32_t>(cp);
+  }
+  // Unicode 15.1 and 16.0: CJK extension I, Garay, Todhri, Sunuwar, Garay digits.
+  for (char32_t cp : {U'\U0002EBF0', U'\U00010D4A', U'\U000105C0', U'\U00011BC0', U'\U00010D40'}) {
+    EXPECT_TRUE(IsWordChar(cp)) << std::hex << static_cast<uint32_t>(cp);
+  }
+  // Not word characters: punctuation, symbols, spaces, an unassigned code point, Kaktovik
+  // numerals (No, not Nd).
+  for (char32_t cp : {U' ', U'-', U'<', U'\u00A0', U'\u2028', U'\U0001F600', U'\U0002EE5E', U'\U0001D2C0'}) {
+    EXPECT_FALSE(IsWordChar(cp)) << std::hex << static_cast<uint32_t>(cp);
+  }
+}
+
 }  // namespace
 }  // namespace ferry::text

@@ -2,9 +2,11 @@
 // fixtures/tokenizers/generate.py made with them; plus the API's errors and properties.
 #include "daemon/text/tokenizer.h"
 
+#include <algorithm>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <optional>
 #include <ostream>
 #include <string>
 #include <thread>
@@ -267,6 +269,8 @@ const DirectoryFixture kDirectoryFixtures[] = {
     {"llama2-legacy", "mistral"},             // model_type mistral: TokenizersBackend, the file's normalizer
     {"llama2-legacy", "tokenizers-backend"},  // TokenizersBackend named: the file's normalizer
     {"llama3-style", "llama-class"},          // LlamaTokenizerFast on a byte-level file: TokenizersBackend
+    {"qwen2-style", "added-tokens"},          // tokenizer_config.json's added and special tokens
+    {"qwen2-style", "named-extras"},          // extra_special_tokens as transformers 5's object
 };
 
 std::string DirectoryFixtureName(const DirectoryFixture& f) {
@@ -467,9 +471,23 @@ TEST(TokenizerTest, BadTokenizerConfigNamesFileAndField) {
     StatusCode code;
     std::string needle;
   } cases[] = {
-      {R"({"bos_token": "<nope>"})", StatusCode::kCorruption, ": bos_token \"<nope>\" is not a token of "},
-      {R"({"eos_token": {"content": "<nope2>"}})", StatusCode::kCorruption, ": eos_token \"<nope2>\" is not a token"},
       {R"({"pad_token": 7})", StatusCode::kCorruption, ": pad_token must be a string, {\"content\": ...} or null"},
+      {R"({"eos_token": {"content": ""}})", StatusCode::kCorruption, ": eos_token.content is empty"},
+      {R"({"added_tokens_decoder": []})", StatusCode::kCorruption,
+       ": added_tokens_decoder must be an object, not array"},
+      {R"({"added_tokens_decoder": {"x1": {"content": "a"}}})", StatusCode::kCorruption,
+       ": added_tokens_decoder.\"x1\" is not a token id"},
+      {R"({"added_tokens_decoder": {"-1": {"content": "a"}}})", StatusCode::kCorruption,
+       ": added_tokens_decoder.\"-1\" is not a token id"},
+      {R"({"added_tokens_decoder": {"5": {"content": "a", "lstrip": 1}}})", StatusCode::kCorruption,
+       ": added_tokens_decoder.\"5\".lstrip must be true or false"},
+      {R"({"added_tokens_decoder": {"5": "<a>"}})", StatusCode::kCorruption,
+       ": added_tokens_decoder.\"5\" must be an object, not string"},
+      {R"({"extra_special_tokens": 3})", StatusCode::kCorruption, ": extra_special_tokens must be a list, not number"},
+      {R"({"extra_special_tokens": {"image_token": 3}})", StatusCode::kCorruption,
+       ": extra_special_tokens.image_token must be a string, {\"content\": ...} or null, not number"},
+      {R"({"additional_special_tokens": [{"content": 1}]})", StatusCode::kCorruption,
+       ": additional_special_tokens[0].content must be a string, not number"},
       {R"({"add_bos_token": "yes"})", StatusCode::kCorruption, ": add_bos_token must be true or false"},
       {R"({"chat_template": 3})", StatusCode::kCorruption, ": chat_template must be a string or a list"},
       {R"({"tokenizer_class": 3})", StatusCode::kCorruption, ": tokenizer_class must be a string, not number"},
@@ -484,6 +502,23 @@ TEST(TokenizerTest, BadTokenizerConfigNamesFileAndField) {
     EXPECT_EQ(tok.status().code(), c.code) << tok.status().ToString();
     EXPECT_EQ(tok.status().message().rfind(config.string() + ":", 0), 0u) << tok.status().message();
     EXPECT_NE(tok.status().message().find(c.needle), std::string::npos) << tok.status().message();
+  }
+  // A special token tokenizer.json lacks is added, as transformers adds it (the corpus
+  // comparison of the qwen2-style.added-tokens directory checks the rest against transformers).
+  WriteFile(config, R"({"bos_token": "<nope>", "eos_token": {"content": "<|im_end|>"}})");
+  {
+    auto added = Tokenizer::FromDirectory(dir.path());
+    ASSERT_TRUE(added.ok()) << added.status().ToString();
+    const std::optional<int32_t> id = added->TokenId("<nope>");
+    ASSERT_TRUE(id.has_value());
+    EXPECT_EQ(*id, 914);  // after the file's 909 model tokens and 5 added ones
+    EXPECT_EQ(added->bos_id(), id);
+    auto ids = added->Encode("a<nope>b");
+    ASSERT_TRUE(ids.ok()) << ids.status().ToString();
+    EXPECT_EQ(std::count(ids->begin(), ids->end(), *id), 1) << ::testing::PrintToString(*ids);
+    auto text = added->Decode(*ids, {.skip_special_tokens = true});
+    ASSERT_TRUE(text.ok());
+    EXPECT_EQ(*text, "ab");
   }
   WriteFile(config, R"({"chat_template": [{"name": "tool_use", "template": "T"}, {"name": "default", "template": "D"}],
                         "bos_token": null, "eos_token": {"content": "<|im_end|>", "lstrip": false}})");

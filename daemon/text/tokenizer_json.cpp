@@ -833,11 +833,15 @@ Status AddConfigTokens(const json& j, std::string_view text, const Parser& p, To
   // The keys of the top-level object (key "") or of one of its objects, in the file's order
   // (json keeps them sorted; transformers adds named tokens in the order it reads them).
   std::optional<nlohmann::ordered_json> ordered;
-  const auto key_order = [&](const std::string& key) -> std::vector<std::string> {
-    if (!ordered) ordered = nlohmann::ordered_json::parse(text.begin(), text.end());
-    const nlohmann::ordered_json& o = key.empty() ? *ordered : ordered->at(key);
+  const auto key_order = [&](const std::string& key) -> Result<std::vector<std::string>> {
     std::vector<std::string> keys;
-    for (const auto& [k, v] : o.items()) keys.push_back(k);
+    try {
+      if (!ordered) ordered = nlohmann::ordered_json::parse(text.begin(), text.end());
+      const nlohmann::ordered_json& o = key.empty() ? *ordered : ordered->at(key);
+      for (const auto& [k, v] : o.items()) keys.push_back(k);
+    } catch (const nlohmann::ordered_json::exception& e) {  // the text parsed as json already
+      return p.Corrupt(key.empty() ? "the top-level object" : key, std::string("cannot be read in order: ") + e.what());
+    }
     return keys;
   };
   std::vector<AddedToken> to_add;
@@ -861,11 +865,13 @@ Status AddConfigTokens(const json& j, std::string_view text, const Parser& p, To
       by_id.emplace_back(id, std::move(t));
     }
     std::sort(by_id.begin(), by_id.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
+    std::unordered_map<std::string_view, const AddedToken*> file;
+    for (const AddedToken& a : impl->added.tokens()) file.emplace(a.content, &a);
     for (auto& [id, t] : by_id) {
-      const bool declared = std::any_of(impl->added.tokens().begin(), impl->added.tokens().end(), [&](const auto& a) {
-        return a.content == t.content && a.special == t.special && a.normalized == t.normalized &&
-               a.single_word == t.single_word && a.lstrip == t.lstrip && a.rstrip == t.rstrip;
-      });
+      const auto it = file.find(t.content);
+      const bool declared = it != file.end() && it->second->special == t.special &&
+                            it->second->normalized == t.normalized && it->second->single_word == t.single_word &&
+                            it->second->lstrip == t.lstrip && it->second->rstrip == t.rstrip;
       if (!declared) to_add.push_back(std::move(t));
     }
   }
@@ -888,8 +894,9 @@ Status AddConfigTokens(const json& j, std::string_view text, const Parser& p, To
   // additional_special_tokens stands in for it when it is missing or empty, or an object; an
   // object is named tokens ({"image_token": "<image>"}) and a list is unnamed special tokens.
   const auto falsy = [](const json* v) {
-    return v == nullptr || v->is_null() || ((v->is_array() || v->is_object() || v->is_string()) && v->empty()) ||
-           (v->is_boolean() && !v->get<bool>()) || (v->is_number() && v->get<double>() == 0);
+    return v == nullptr || v->is_null() || ((v->is_array() || v->is_object()) && v->empty()) ||
+           (v->is_string() && v->get_ref<const std::string&>().empty()) || (v->is_boolean() && !v->get<bool>()) ||
+           (v->is_number() && v->get<double>() == 0);
   };
   const json* named_extras = nullptr;
   std::string list_key = "extra_special_tokens";
@@ -910,21 +917,24 @@ Status AddConfigTokens(const json& j, std::string_view text, const Parser& p, To
     const json* value;
   };
   std::vector<Named> model_specific;
-  for (const std::string& key : key_order("")) {
+  std::unordered_map<std::string, size_t> named_at;
+  FERRY_ASSIGN_OR_RETURN(const std::vector<std::string> top_keys, key_order(""));
+  for (const std::string& key : top_keys) {
     const json& v = j.at(key);
     if (key.ends_with("_token") && v.is_string() &&
         std::find(std::begin(kNamed), std::end(kNamed), key) == std::end(kNamed)) {
+      named_at.emplace(key, model_specific.size());
       model_specific.push_back({key, key, &v});
     }
   }
   if (named_extras != nullptr) {
-    for (const std::string& name : key_order("extra_special_tokens")) {
+    FERRY_ASSIGN_OR_RETURN(const std::vector<std::string> names, key_order("extra_special_tokens"));
+    for (const std::string& name : names) {
       Named e{name, Parser::Join("extra_special_tokens", name), &named_extras->at(name)};
-      auto it =
-          std::find_if(model_specific.begin(), model_specific.end(), [&](const Named& m) { return m.name == name; });
-      if (it != model_specific.end()) {
-        *it = std::move(e);
+      if (auto it = named_at.find(name); it != named_at.end()) {
+        model_specific[it->second] = std::move(e);
       } else {
+        named_at.emplace(name, model_specific.size());
         model_specific.push_back(std::move(e));
       }
     }

@@ -30,8 +30,8 @@ CC=clang CXX=clang++ cmake -S "$repo" -B "$build" -G Ninja \
   -DFERRY_FUZZ=ON -DFERRY_BUILD_TESTS=OFF -DFERRY_BUILD_BENCH=OFF -DFERRY_WITH_CUDA=OFF \
   -DFERRY_WITH_TORCH=OFF -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
 
-targets=(fuzz_safetensors_header fuzz_sync_message fuzz_run_config fuzz_tokenizer fuzz_tokenizer_json fuzz_control_message
-  fuzz_checkpoint_state fuzz_model_config)
+targets=(fuzz_safetensors_header fuzz_sync_message fuzz_run_config fuzz_tokenizer fuzz_tokenizer_json fuzz_tokenizer_config
+  fuzz_control_message fuzz_checkpoint_state fuzz_model_config)
 [[ -f "$repo/fuzz/adapter_config_fuzz.cpp" ]] && targets+=(fuzz_adapter_config)
 ninja -C "$build" -j"$jobs" "${targets[@]}"
 

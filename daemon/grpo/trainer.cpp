@@ -437,6 +437,14 @@ Result<std::unique_ptr<Trainer::State>> CreateState(const TrainOptions& options,
     vo.base_dir = c.model_name_or_path;
     vo.tolerance = s->model->dtype() == at::kFloat ? 1e-4 : 1e-1;
     vo.reference_threads = ReferenceThreadsFor(vo.url, at::get_num_threads());
+    if (device.is_cpu() && vo.reference_threads > 0) {
+      if (const std::vector<int64_t> workers = VllmWorkerProcesses(); !workers.empty()) {
+        say("warning: a vLLM on this machine runs its model in a worker process (pid " + std::to_string(workers[0]) +
+            "): on a CPU server it spins on a core for a second after every request, which this trainer loses "
+            "(steps 2-3x slower on 2 cores); start it with --distributed-executor-backend uni and "
+            "VLLM_ENABLE_V1_MULTIPROCESSING=0, as scripts/vllm.sh does (docs/vllm.md)");
+      }
+    }
     FERRY_ASSIGN_OR_RETURN(s->vllm, VllmGenerator::Create(vo, s->model.get(), s->store.get()));
   } else {
     s->generator = std::make_unique<ColocatedGenerator>(s->channel.get(), go);

@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdlib>
 #include <fstream>
 #include <future>
 #include <thread>
@@ -47,6 +48,22 @@ int ReferenceThreadsFor(const std::string& url, int threads) {
     loopback = host == "localhost" || (dotted && host.rfind("127.", 0) == 0);
   }
   return loopback ? std::max(1, threads / 2) : 0;
+}
+
+std::vector<int64_t> VllmWorkerProcesses(const std::filesystem::path& proc) {
+  std::vector<int64_t> pids;
+  std::error_code ec;
+  for (fs::directory_iterator it(proc, ec), end; !ec && it != end; it.increment(ec)) {
+    const std::string name = it->path().filename().string();
+    if (name.empty() || name.find_first_not_of("0123456789") != std::string::npos) continue;
+    std::ifstream in(it->path() / "cmdline", std::ios::binary);
+    std::string title;
+    std::getline(in, title, '\0');  // argv[0], which setproctitle rewrites
+    const size_t at = title.find("::Worker");
+    if (at != std::string::npos && at > 0) pids.push_back(std::strtoll(name.c_str(), nullptr, 10));
+  }
+  std::sort(pids.begin(), pids.end());
+  return pids;
 }
 
 VllmGenerator::VllmGenerator(VllmGeneratorOptions options, std::unique_ptr<engine::VllmClient> client,

@@ -7,10 +7,13 @@
 #include <torch/optim/adamw.h>
 #include <nlohmann/json.hpp>
 
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
+#include <csignal>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -763,6 +766,37 @@ TEST(VllmGeneratorTest, ReferenceThreadsAreHalfTheCoresForAServerOnThisMachine) 
   EXPECT_EQ(ReferenceThreadsFor("http://127.example.org:8000", 16), 0);
   EXPECT_EQ(ReferenceThreadsFor("http://[fe80::1]:8000", 16), 0);
   EXPECT_EQ(ReferenceThreadsFor("http://localhost.example.org", 16), 0);
+}
+
+// A process titled as vLLM's multiprocess executor titles its model workers is found (a real
+// process: argv[0] is what setproctitle rewrites); other processes are not.
+TEST(VllmGeneratorTest, AWorkerOfVllmsMultiprocessExecutorIsFound) {
+  auto spawn = [](const char* title) {
+    const pid_t pid = ::fork();
+    if (pid == 0) {
+      ::execl("/bin/sleep", title, "30", static_cast<char*>(nullptr));
+      ::_exit(127);
+    }
+    return pid;
+  };
+  const pid_t worker = spawn("VLLM::Worker_TP0");
+  const pid_t other = spawn("sleep");
+  ASSERT_GT(worker, 0);
+  ASSERT_GT(other, 0);
+  std::vector<int64_t> found;
+  for (int i = 0; i < 100 && std::find(found.begin(), found.end(), worker) == found.end(); ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));  // until exec has run
+    found = VllmWorkerProcesses();
+  }
+  EXPECT_NE(std::find(found.begin(), found.end(), worker), found.end());
+  EXPECT_EQ(std::find(found.begin(), found.end(), other), found.end());
+  EXPECT_TRUE(std::is_sorted(found.begin(), found.end()));
+  for (const pid_t pid : {worker, other}) {
+    ::kill(pid, SIGKILL);
+    ::waitpid(pid, nullptr, 0);
+  }
+  found = VllmWorkerProcesses();
+  EXPECT_EQ(std::find(found.begin(), found.end(), worker), found.end());
 }
 
 }  // namespace

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <map>
 #include <string>
 #include <unordered_map>
 #include <unordered_set>
@@ -673,7 +674,9 @@ class Parser {
   // An added token's object (tokenizers' AddedToken fields; the id, where there is one, is the
   // caller's): content, special (default false), normalized (default: not special),
   // single_word, lstrip, rstrip (default false).
-  Result<AddedToken> AddedTokenAt(const json& e, const std::string& at) const {
+  // `force_special`: special whatever the object says (normalized then defaults to false, as
+  // tokenizers resolves an unset normalized from the final special flag).
+  Result<AddedToken> AddedTokenAt(const json& e, const std::string& at, bool force_special = false) const {
     FERRY_RETURN_IF_ERROR(RequireObject(e, at));
     AddedToken t;
     FERRY_ASSIGN_OR_RETURN(t.content, String(e, at, "content"));
@@ -682,6 +685,7 @@ class Parser {
       return Unsupported(Join(at, "content"), "is longer than " + std::to_string(kMaxTokenBytes) + " bytes");
     }
     FERRY_ASSIGN_OR_RETURN(t.special, Bool(e, at, "special", false));
+    t.special = t.special || force_special;
     FERRY_ASSIGN_OR_RETURN(t.normalized, Bool(e, at, "normalized", !t.special));
     FERRY_ASSIGN_OR_RETURN(t.single_word, Bool(e, at, "single_word", false));
     FERRY_ASSIGN_OR_RETURN(t.lstrip, Bool(e, at, "lstrip", false));
@@ -802,8 +806,9 @@ Result<std::unique_ptr<TokenizerImpl>> Parse(std::string_view text, std::string_
 
 // A special token of tokenizer_config.json (a named one, or one of extra_special_tokens): a
 // string (special, not normalized, as transformers' AddedToken(token, special=True)) or an
-// added token's object.
-Result<AddedToken> ConfigSpecialToken(const Parser& p, const json& v, const std::string& at) {
+// added token's object. `named`: special whatever the object says (transformers makes every
+// named token special), and not normalized unless the object says so.
+Result<AddedToken> ConfigSpecialToken(const Parser& p, const json& v, const std::string& at, bool named) {
   if (v.is_string()) {
     AddedToken t;
     t.content = v.get<std::string>();
@@ -816,22 +821,32 @@ Result<AddedToken> ConfigSpecialToken(const Parser& p, const json& v, const std:
     return t;
   }
   if (!v.is_object()) return p.Corrupt(at, "must be a string, {\"content\": ...} or null, not " + TypeName(v));
-  return p.AddedTokenAt(v, at);
+  return p.AddedTokenAt(v, at, /*force_special=*/named);
 }
 
 // The tokens tokenizer_config.json declares that tokenizer.json lacks or declares otherwise,
-// added as transformers 5 adds them when it loads a directory (TokenizersBackend.__init__, then
-// tokenizers' add_tokens): first added_tokens_decoder's entries by id, each unless an added
-// token equal to it in content and every flag exists; then the named special tokens (bos_token,
-// eos_token, unk_token, sep_token, pad_token, cls_token, mask_token; special whatever their
-// object says) and extra_special_tokens (or additional_special_tokens), each unless an added
-// token has its content. A token whose content is an added token's replaces it in place (same
-// id; a special one stays special, as in tokenizers' special set); one in the model's vocabulary
-// takes its id there; any other the next id after the vocabulary's. The ids written in
-// added_tokens_decoder are not used, as upstream.
-Status AddConfigTokens(const json& j, std::string_view text, const Parser& p, TokenizerImpl* impl) {
+// added as transformers 5 adds them when it loads a directory (from_pretrained, the base
+// class's __init__, TokenizersBackend.__init__, then tokenizers' add_tokens):
+//   1. added_tokens_decoder's entries in id order (the last of a file's keys for one id), each
+//      unless an added token equal to it in content and every flag exists; one whose content
+//      is a named token's is special;
+//   2. the named tokens: bos_token, eos_token, unk_token, sep_token, pad_token, cls_token,
+//      mask_token (`defaults` stands in for those the file does not have: the tokenizer
+//      class's own), then the file's other "*_token" keys with a string or an
+//      {"__type": "AddedToken"} value, in the file's order, then the names of an
+//      extra_special_tokens object (one of the above replaces its value in place); each
+//      special, unless an added token has its content;
+//   3. an extra_special_tokens list (additional_special_tokens where extra_special_tokens is
+//      missing, empty or an object), each unless an added token has its content.
+// A token whose content is an added token's replaces it in place (same id; a special one stays
+// special, as in tokenizers' special set); one in the model's vocabulary takes its id there; any
+// other the next id after the vocabulary's. The ids written in added_tokens_decoder are not used,
+// as upstream. Returns the named tokens' contents by name (bos_token ...).
+Result<std::map<std::string, std::string>> AddConfigTokens(const json& j, std::string_view text, const Parser& p,
+                                                           const std::map<std::string, std::string>& defaults,
+                                                           TokenizerImpl* impl) {
   // The keys of the top-level object (key "") or of one of its objects, in the file's order
-  // (json keeps them sorted; transformers adds named tokens in the order it reads them).
+  // (json keeps them sorted; transformers reads them in order).
   std::optional<nlohmann::ordered_json> ordered;
   const auto key_order = [&](const std::string& key) -> Result<std::vector<std::string>> {
     std::vector<std::string> keys;
@@ -844,6 +859,76 @@ Status AddConfigTokens(const json& j, std::string_view text, const Parser& p, To
     }
     return keys;
   };
+
+  // The named tokens, in transformers' order, with where each value is.
+  struct Named {
+    std::string name, path;
+    const json* value;
+  };
+  static constexpr const char* kNamed[] = {"bos_token", "eos_token", "unk_token", "sep_token",
+                                           "pad_token", "cls_token", "mask_token"};
+  std::vector<Named> named;
+  std::unordered_map<std::string, size_t> named_at;
+  std::vector<json> default_values;  // stable storage for `defaults`
+  default_values.reserve(std::size(kNamed));
+  for (const char* key : kNamed) {  // each has its place, set or not (an extra may set it)
+    const json* v = Parser::Find(j, key);
+    if (v == nullptr) {
+      auto d = defaults.find(key);
+      if (d != defaults.end()) v = &default_values.emplace_back(d->second);
+    }
+    named_at.emplace(key, named.size());
+    named.push_back({key, key, v});
+  }
+  FERRY_ASSIGN_OR_RETURN(const std::vector<std::string> top_keys, key_order(""));
+  for (const std::string& key : top_keys) {
+    const json& v = j.at(key);
+    const bool tagged = v.is_object() && v.contains("__type") && v["__type"] == "AddedToken";
+    if (key.ends_with("_token") && (v.is_string() || tagged) && !named_at.contains(key)) {
+      named_at.emplace(key, named.size());
+      named.push_back({key, key, &v});
+    }
+  }
+  // extra_special_tokens as transformers 5 reads it: an object is named tokens, a list unnamed
+  // ones, and additional_special_tokens stands in for a list that is missing or empty.
+  const auto falsy = [](const json* v) {
+    return v == nullptr || v->is_null() || ((v->is_array() || v->is_object()) && v->empty()) ||
+           (v->is_string() && v->get_ref<const std::string&>().empty()) || (v->is_boolean() && !v->get<bool>()) ||
+           (v->is_number() && v->get<double>() == 0);
+  };
+  std::string list_key = "extra_special_tokens";
+  const json* list = Parser::Find(j, list_key);
+  if (list != nullptr && list->is_object() && !list->empty()) {
+    FERRY_ASSIGN_OR_RETURN(const std::vector<std::string> names, key_order(list_key));
+    for (const std::string& name : names) {
+      Named e{name, Parser::Join(list_key, name), &list->at(name)};
+      if (auto it = named_at.find(name); it != named_at.end()) {
+        named[it->second] = std::move(e);
+      } else {
+        named_at.emplace(name, named.size());
+        named.push_back(std::move(e));
+      }
+    }
+    list = nullptr;
+  }
+  if (falsy(list) && Parser::Find(j, "additional_special_tokens") != nullptr) {
+    list_key = "additional_special_tokens";
+    list = Parser::Find(j, list_key);
+  }
+  if (!falsy(list) && !list->is_array()) return p.Corrupt(list_key, "must be a list, not " + TypeName(*list));
+
+  std::vector<AddedToken> named_tokens;
+  std::map<std::string, std::string> contents;  // name -> content
+  std::unordered_set<std::string> named_contents;
+  for (const Named& m : named) {
+    if (m.value == nullptr || m.value->is_null()) continue;
+    FERRY_ASSIGN_OR_RETURN(AddedToken t, ConfigSpecialToken(p, *m.value, m.path, /*named=*/true));
+    contents[m.name] = t.content;
+    named_contents.insert(t.content);
+    named_tokens.push_back(std::move(t));
+  }
+
+  // 1. added_tokens_decoder.
   std::vector<AddedToken> to_add;
   if (const json* d = Parser::Find(j, "added_tokens_decoder"); d != nullptr && !d->is_null()) {
     FERRY_RETURN_IF_ERROR(p.RequireObject(*d, "added_tokens_decoder"));
@@ -851,8 +936,9 @@ Status AddConfigTokens(const json& j, std::string_view text, const Parser& p, To
       return p.Unsupported("added_tokens_decoder", "has " + std::to_string(d->size()) + " entries (at most " +
                                                        std::to_string(kMaxAddedTokens) + ")");
     }
-    std::vector<std::pair<uint64_t, AddedToken>> by_id;
-    for (const auto& [key, value] : d->items()) {
+    std::map<uint64_t, AddedToken> by_id;  // the file's last entry for an id ("7" and "07")
+    FERRY_ASSIGN_OR_RETURN(const std::vector<std::string> keys, key_order("added_tokens_decoder"));
+    for (const std::string& key : keys) {
       const std::string at = "added_tokens_decoder." + Quote(key);
       char* end = nullptr;
       errno = 0;
@@ -861,10 +947,14 @@ Status AddConfigTokens(const json& j, std::string_view text, const Parser& p, To
           id > INT32_MAX) {
         return p.Corrupt(at, "is not a token id");
       }
-      FERRY_ASSIGN_OR_RETURN(AddedToken t, p.AddedTokenAt(value, at));
-      by_id.emplace_back(id, std::move(t));
+      const json& value = d->at(key);
+      bool is_named = false;
+      if (value.is_object()) {
+        const json* c = Parser::Find(value, "content");
+        is_named = c != nullptr && c->is_string() && named_contents.contains(c->get<std::string>());
+      }
+      FERRY_ASSIGN_OR_RETURN(by_id[id], p.AddedTokenAt(value, at, /*force_special=*/is_named));
     }
-    std::sort(by_id.begin(), by_id.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
     std::unordered_map<std::string_view, const AddedToken*> file;
     for (const AddedToken& a : impl->added.tokens()) file.emplace(a.content, &a);
     for (auto& [id, t] : by_id) {
@@ -875,82 +965,26 @@ Status AddConfigTokens(const json& j, std::string_view text, const Parser& p, To
       if (!declared) to_add.push_back(std::move(t));
     }
   }
+  // 2. and 3., each unless an added token (of the file or of the above) has its content.
   std::unordered_set<std::string> known;
   for (const AddedToken& t : impl->added.tokens()) known.insert(t.content);
   for (const AddedToken& t : to_add) known.insert(t.content);
-  const auto add_special = [&](const json& v, const std::string& at, bool named) -> Status {
-    if (v.is_null()) return Status::OK();
-    FERRY_ASSIGN_OR_RETURN(AddedToken t, ConfigSpecialToken(p, v, at));
-    if (named) t.special = true;
+  for (AddedToken& t : named_tokens) {
     if (known.insert(t.content).second) to_add.push_back(std::move(t));
-    return Status::OK();
-  };
-  static constexpr const char* kNamed[] = {"bos_token", "eos_token", "unk_token", "sep_token",
-                                           "pad_token", "cls_token", "mask_token"};
-  for (const char* key : kNamed) {
-    if (const json* v = Parser::Find(j, key)) FERRY_RETURN_IF_ERROR(add_special(*v, key, /*named=*/true));
   }
-  // extra_special_tokens as transformers 5 reads it (from_pretrained, then the base class):
-  // additional_special_tokens stands in for it when it is missing or empty, or an object; an
-  // object is named tokens ({"image_token": "<image>"}) and a list is unnamed special tokens.
-  const auto falsy = [](const json* v) {
-    return v == nullptr || v->is_null() || ((v->is_array() || v->is_object()) && v->empty()) ||
-           (v->is_string() && v->get_ref<const std::string&>().empty()) || (v->is_boolean() && !v->get<bool>()) ||
-           (v->is_number() && v->get<double>() == 0);
-  };
-  const json* named_extras = nullptr;
-  std::string list_key = "extra_special_tokens";
-  const json* list = Parser::Find(j, list_key);
-  if (list != nullptr && list->is_object() && !list->empty()) {
-    named_extras = list;
-    list = nullptr;
-  }
-  if (falsy(list) && Parser::Find(j, "additional_special_tokens") != nullptr) {
-    list_key = "additional_special_tokens";
-    list = Parser::Find(j, list_key);
-  }
-  if (!falsy(list) && !list->is_array()) return p.Corrupt(list_key, "must be a list, not " + TypeName(*list));
-  // Named after the seven, in this order: the file's other "*_token" keys with a string value
-  // (model-specific names), then extra_special_tokens' names (one already named takes its place).
-  struct Named {
-    std::string name, path;
-    const json* value;
-  };
-  std::vector<Named> model_specific;
-  std::unordered_map<std::string, size_t> named_at;
-  FERRY_ASSIGN_OR_RETURN(const std::vector<std::string> top_keys, key_order(""));
-  for (const std::string& key : top_keys) {
-    const json& v = j.at(key);
-    if (key.ends_with("_token") && v.is_string() &&
-        std::find(std::begin(kNamed), std::end(kNamed), key) == std::end(kNamed)) {
-      named_at.emplace(key, model_specific.size());
-      model_specific.push_back({key, key, &v});
-    }
-  }
-  if (named_extras != nullptr) {
-    FERRY_ASSIGN_OR_RETURN(const std::vector<std::string> names, key_order("extra_special_tokens"));
-    for (const std::string& name : names) {
-      Named e{name, Parser::Join("extra_special_tokens", name), &named_extras->at(name)};
-      if (auto it = named_at.find(name); it != named_at.end()) {
-        model_specific[it->second] = std::move(e);
-      } else {
-        named_at.emplace(name, model_specific.size());
-        model_specific.push_back(std::move(e));
-      }
-    }
-  }
-  for (const Named& m : model_specific) FERRY_RETURN_IF_ERROR(add_special(*m.value, m.path, /*named=*/true));
   if (!falsy(list)) {
     for (size_t i = 0; i < list->size(); ++i) {
-      FERRY_RETURN_IF_ERROR(add_special((*list)[i], Parser::Index(list_key, i), /*named=*/false));
+      FERRY_ASSIGN_OR_RETURN(AddedToken t,
+                             ConfigSpecialToken(p, (*list)[i], Parser::Index(list_key, i), /*named=*/false));
+      if (known.insert(t.content).second) to_add.push_back(std::move(t));
     }
   }
-  if (to_add.empty()) return Status::OK();
+  if (to_add.empty()) return contents;
 
+  const std::string what = "the added and special tokens";
   std::vector<AddedToken> tokens = impl->added.tokens();
   if (tokens.size() + to_add.size() > kMaxAddedTokens) {
-    return p.Unsupported("added_tokens_decoder",
-                         "makes more than " + std::to_string(kMaxAddedTokens) + " added tokens");
+    return p.Unsupported(what, "are more than " + std::to_string(kMaxAddedTokens));
   }
   std::unordered_map<std::string, size_t> index;
   int64_t max_added = -1;
@@ -970,7 +1004,7 @@ Status AddConfigTokens(const json& j, std::string_view text, const Parser& p, To
     }
     const std::optional<int32_t> model_id = impl->model->Find(t.content);
     const int64_t id = model_id ? *model_id : max_added >= model_size ? max_added + 1 : model_size;
-    if (id > INT32_MAX) return p.Unsupported("added_tokens_decoder", "makes an id past 2^31 - 1");
+    if (id > INT32_MAX) return p.Unsupported(what, "make an id past 2^31 - 1");
     t.id = static_cast<int32_t>(id);
     max_added = std::max(max_added, id);
     index.emplace(t.content, tokens.size());
@@ -979,26 +1013,20 @@ Status AddConfigTokens(const json& j, std::string_view text, const Parser& p, To
   impl->vocab_size = static_cast<int32_t>(std::max<int64_t>(impl->vocab_size, max_added + 1));
   impl->added = AddedVocabulary(std::move(tokens));
   impl->Index();
-  return Status::OK();
+  return contents;
 }
 
 // tokenizer_config.json's added and special tokens and chat template.
-Status ApplyTokenizerConfig(const json& j, std::string_view text, std::string_view source, TokenizerImpl* impl) {
+// `defaults`: the tokenizer class's own named tokens, for those the file does not name.
+Status ApplyTokenizerConfig(const json& j, std::string_view text, std::string_view source,
+                            const std::map<std::string, std::string>& defaults, TokenizerImpl* impl) {
   Parser p(source);
-  FERRY_RETURN_IF_ERROR(AddConfigTokens(j, text, p, impl));
+  FERRY_ASSIGN_OR_RETURN(const auto named, AddConfigTokens(j, text, p, defaults, impl));
   const auto token_of = [&](const char* key) -> Result<std::optional<int32_t>> {
-    const json* v = Parser::Find(j, key);
-    if (v == nullptr || v->is_null()) return std::optional<int32_t>();
-    std::string content;
-    if (v->is_string()) {
-      content = v->get<std::string>();
-    } else if (v->is_object()) {
-      FERRY_ASSIGN_OR_RETURN(content, p.String(*v, key, "content"));
-    } else {
-      return p.Corrupt(key, "must be a string, {\"content\": ...} or null, not " + TypeName(*v));
-    }
-    const std::optional<int32_t> id = impl->Find(content);
-    if (!id) return p.Corrupt(key, Quote(content) + " is not a token of " + impl->source);
+    auto it = named.find(key);
+    if (it == named.end()) return std::optional<int32_t>();
+    const std::optional<int32_t> id = impl->Find(it->second);
+    if (!id) return p.Corrupt(key, Quote(it->second) + " is not a token of " + impl->source);  // added above
     return id;
   };
   FERRY_ASSIGN_OR_RETURN(impl->bos, token_of("bos_token"));
@@ -1053,7 +1081,11 @@ Result<std::unique_ptr<TokenizerImpl>> ParseDirectory(SourceText tokenizer_json,
                              model ? &*model : nullptr, model_config ? model_config->source : "", tokenizer_json.text));
   FERRY_ASSIGN_OR_RETURN(auto impl, Parse(tokenizer_json.text, tokenizer_json.source, llama ? &*llama : nullptr));
   if (config) {
-    FERRY_RETURN_IF_ERROR(ApplyTokenizerConfig(*config, tokenizer_config->text, tokenizer_config->source, impl.get()));
+    // LlamaTokenizer's own unk_token, bos_token and eos_token stand in for those the file lacks.
+    std::map<std::string, std::string> defaults;
+    if (llama) defaults = {{"unk_token", "<unk>"}, {"bos_token", "<s>"}, {"eos_token", "</s>"}};
+    FERRY_RETURN_IF_ERROR(
+        ApplyTokenizerConfig(*config, tokenizer_config->text, tokenizer_config->source, defaults, impl.get()));
   }
   return impl;
 }

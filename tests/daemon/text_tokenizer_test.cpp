@@ -268,6 +268,7 @@ const DirectoryFixture kDirectoryFixtures[] = {
     {"llama2-legacy", "model-config-class"},  // LlamaTokenizer named by config.json only
     {"llama2-legacy", "mistral"},             // model_type mistral: TokenizersBackend, the file's normalizer
     {"llama2-legacy", "tokenizers-backend"},  // TokenizersBackend named: the file's normalizer
+    {"llama2-legacy", "class-defaults"},      // no named tokens: LlamaTokenizer's own
     {"llama3-style", "llama-class"},          // LlamaTokenizerFast on a byte-level file: TokenizersBackend
     {"qwen2-style", "added-tokens"},          // tokenizer_config.json's added and special tokens
     {"qwen2-style", "named-extras"},          // extra_special_tokens as transformers 5's object
@@ -294,6 +295,18 @@ class DirectoryTest : public ::testing::TestWithParam<DirectoryFixture> {};
 // the Llama-2 directories transformers builds LlamaTokenizer, which replaces the file's legacy
 // normalizer by Metaspace: leading spaces, space runs and text after <s> / </s> tokenize
 // differently from the tokenizers package, and ferry follows transformers.
+// A LlamaTokenizer directory that names no special tokens has the class's own (transformers'
+// LlamaTokenizer.__init__: unk_token "<unk>", bos_token "<s>", eos_token "</s>").
+TEST(DirectoryClassDefaultsTest, LlamaTokenizersOwnSpecialTokensStandInForMissingOnes) {
+  ferry::testing::ScopedTempDir tmp("ferry_text_");
+  auto tok = Tokenizer::FromDirectory(DirectoryFixturePath({"llama2-legacy", "class-defaults"}, tmp.path()));
+  ASSERT_TRUE(tok.ok()) << tok.status().ToString();
+  ASSERT_TRUE(tok->TokenId("</s>").has_value());
+  EXPECT_EQ(tok->bos_id(), tok->TokenId("<s>"));
+  EXPECT_EQ(tok->eos_id(), tok->TokenId("</s>"));
+  EXPECT_FALSE(tok->pad_id().has_value());
+}
+
 TEST_P(DirectoryTest, CorpusMatchesTransformersAutoTokenizer) {
   const DirectoryFixture& f = GetParam();
   const std::string name = DirectoryFixtureName(f);

@@ -2,7 +2,8 @@
 // the input is the file, beside the qwen2-style fixture's tokenizer.json. Any bytes must load
 // or be refused with a Status, never crash, hang or allocate without bound; the tokens the
 // config adds (added_tokens_decoder, named, model-specific and extra special tokens) must
-// leave a tokenizer whose every id decodes and whose bos, eos and pad ids are tokens.
+// leave a tokenizer whose ids decode (the first 4,096 are checked one by one) and whose bos,
+// eos and pad ids are tokens.
 #include <unistd.h>
 
 #include <cstddef>

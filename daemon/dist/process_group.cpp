@@ -30,6 +30,15 @@ using Clock = std::chrono::steady_clock;
 
 #ifdef USE_C10D_NCCL
 using Collectives = c10d::Backend;  // ProcessGroupGloo's and ProcessGroupNCCL's base (torch >= 2)
+
+// A collective that times out throws from wait() (as Gloo's do) instead of NCCL's watchdog
+// ending the process, so that the rank at fault can be named. Set while the program starts,
+// before any thread could read the environment (setenv beside a getenv is a data race); a
+// user's own setting stays.
+[[maybe_unused]] const bool kNcclBlockingWait = [] {
+  ::setenv("TORCH_NCCL_BLOCKING_WAIT", "1", /*overwrite=*/0);
+  return true;
+}();
 #else
 using Collectives = c10d::ProcessGroupGloo;
 #endif
@@ -158,6 +167,7 @@ struct ProcessGroup::Impl {
   std::mutex mu;
   std::condition_variable cv;
   bool stopping = false;
+  std::atomic<bool> failed{false};  // a collective failed: NCCL's communicators are aborted, not flushed
 
   c10::intrusive_ptr<c10d::Store> Prefixed(const c10::intrusive_ptr<c10d::TCPStore>& s) const {
     return c10::make_intrusive<c10d::PrefixStore>(options.prefix + "/ferry", s);
@@ -241,9 +251,34 @@ struct ProcessGroup::Impl {
       fn();
       return Status::OK();
     } catch (const std::exception& e) {
+      failed = true;
       return Failed(what, e);
     }
   }
+
+  // A step of this rank alone (a copy to or from its device): its failure is this rank's, not a
+  // peer's.
+  template <typename Fn>
+  static Status Local(const std::string& what, Fn&& fn) {
+    try {
+      fn();
+      return Status::OK();
+    } catch (const std::exception& e) {
+      return Status::Internal(what + ": " + FirstLine(e.what()));
+    }
+  }
+
+  // `op` on `t` in place, through the rank's device on NCCL.
+  template <typename Op>
+  Status InPlace(at::Tensor& t, const std::string& what, Op&& op) {
+    std::vector<at::Tensor> v(1);
+    FERRY_RETURN_IF_ERROR(Local(what + ": moving the tensor to " + DescribeDevice(), [&] { v[0] = ToGroup(t); }));
+    FERRY_RETURN_IF_ERROR(Run(what, [&] { op(v); }));
+    if (v[0].is_same(t)) return Status::OK();
+    return Local(what + ": copying the result back from " + DescribeDevice(), [&] { t.copy_(v[0]); });
+  }
+
+  std::string DescribeDevice() const { return device ? device->str() : "the CPU"; }
 };
 
 ProcessGroup::ProcessGroup(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
@@ -256,10 +291,16 @@ ProcessGroup::~ProcessGroup() {
   impl_->cv.notify_all();
   if (impl_->heartbeat.joinable()) impl_->heartbeat.join();
 #ifdef USE_C10D_NCCL
-  // NCCL's communicators end cleanly (torch warns when a group is destroyed without this).
+  // NCCL's communicators end cleanly (torch warns when a group is destroyed without this):
+  // flushed after a run that went well, aborted after a failed collective (a flush could wait
+  // for a peer that is gone).
   if (impl_->device && impl_->pg) {
     try {
-      impl_->pg->shutdown();
+      if (impl_->failed) {
+        impl_->pg->abort();
+      } else {
+        impl_->pg->shutdown();
+      }
     } catch (const std::exception&) {
     }
   }
@@ -282,10 +323,15 @@ std::string NcclRefusal(const Launch& launch) {
 #else
   const int devices = cuda.getNumGPUs();
   if (devices == 0) return head + "this host has no CUDA device; use \"gloo\"";
-  if (launch.local_world_size > devices || launch.local_rank >= devices) {
+  if (launch.local_world_size > devices) {
     return head + std::to_string(launch.local_world_size) + " ranks on this host but " + std::to_string(devices) +
            " CUDA device(s): NCCL runs one rank per device and refuses two ranks on one GPU (\"Duplicate GPU "
            "detected\"); use \"gloo\", or one device per local rank";
+  }
+  if (launch.local_rank >= devices) {
+    return head + "LOCAL_RANK=" + std::to_string(launch.local_rank) + " but this host has " + std::to_string(devices) +
+           " CUDA device(s) (cuda:0 to cuda:" + std::to_string(devices - 1) +
+           "): NCCL runs rank r of a host on device r; check LOCAL_RANK and LOCAL_WORLD_SIZE";
   }
   return "";
 #endif
@@ -297,9 +343,6 @@ c10::intrusive_ptr<Collectives> NewGroup(const Launch& launch, const GroupOption
   auto prefixed = c10::make_intrusive<c10d::PrefixStore>(options.prefix + "/pg", store);
 #ifdef USE_C10D_NCCL
   if (options.backend == "nccl") {
-    // A collective that times out throws from wait() (as Gloo's do) instead of NCCL's watchdog
-    // ending the process, so that the rank at fault can be named. A user's own setting stays.
-    ::setenv("TORCH_NCCL_BLOCKING_WAIT", "1", /*overwrite=*/0);
     auto opts = c10d::ProcessGroupNCCL::Options::create();
     opts->timeout = options.timeout;
     return c10::make_intrusive<c10d::ProcessGroupNCCL>(prefixed, launch.rank, launch.world_size, opts);
@@ -365,28 +408,28 @@ const std::vector<RankInfo>& ProcessGroup::ranks() const { return impl_->ranks; 
 std::string ProcessGroup::Describe(int r) const { return impl_->DescribeRank(r); }
 
 Status ProcessGroup::AllReduceSum(at::Tensor& t, const std::string& what) {
-  return impl_->Run(what, [&] {
-    std::vector<at::Tensor> v{impl_->ToGroup(t)};
-    impl_->pg->allreduce(v)->wait();
-    if (!v[0].is_same(t)) t.copy_(v[0]);
-  });
+  return impl_->InPlace(t, what, [&](std::vector<at::Tensor>& v) { impl_->pg->allreduce(v)->wait(); });
 }
 
 Result<at::Tensor> ProcessGroup::AllGather(const at::Tensor& t, const std::string& what) {
-  std::vector<at::Tensor> in{impl_->ToGroup(t.contiguous())};
+  std::vector<at::Tensor> in(1);
   std::vector<std::vector<at::Tensor>> out(1);
-  for (int r = 0; r < size(); ++r) out[0].push_back(at::empty_like(in[0]));
+  FERRY_RETURN_IF_ERROR(impl_->Local(what + ": moving the tensor to " + impl_->DescribeDevice(), [&] {
+    in[0] = impl_->ToGroup(t.contiguous());
+    for (int r = 0; r < size(); ++r) out[0].push_back(at::empty_like(in[0]));
+  }));
   FERRY_RETURN_IF_ERROR(impl_->Run(what, [&] { impl_->pg->allgather(out, in)->wait(); }));
-  return at::stack(out[0]).to(t.device());
+  at::Tensor all;
+  FERRY_RETURN_IF_ERROR(impl_->Local(what + ": copying the result back from " + impl_->DescribeDevice(),
+                                     [&] { all = at::stack(out[0]).to(t.device()); }));
+  return all;
 }
 
 Status ProcessGroup::Broadcast(at::Tensor& t, int root, const std::string& what) {
-  return impl_->Run(what, [&] {
-    std::vector<at::Tensor> v{impl_->ToGroup(t)};
+  return impl_->InPlace(t, what, [&](std::vector<at::Tensor>& v) {
     c10d::BroadcastOptions o;
     o.rootRank = root;
     impl_->pg->broadcast(v, o)->wait();
-    if (!v[0].is_same(t)) t.copy_(v[0]);
   });
 }
 

@@ -59,8 +59,7 @@ std::vector<int64_t> VllmWorkerProcesses(const std::filesystem::path& proc) {
     std::ifstream in(it->path() / "cmdline", std::ios::binary);
     std::string title;
     std::getline(in, title, '\0');  // argv[0], which setproctitle rewrites
-    const size_t at = title.find("::Worker");
-    if (at != std::string::npos && at > 0) pids.push_back(std::strtoll(name.c_str(), nullptr, 10));
+    if (title.find("::Worker") != std::string::npos) pids.push_back(std::strtoll(name.c_str(), nullptr, 10));
   }
   std::sort(pids.begin(), pids.end());
   return pids;

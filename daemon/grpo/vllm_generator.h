@@ -65,7 +65,8 @@ int ReferenceThreadsFor(const std::string& url, int threads);
 
 // The processes under `proc` (/proc) that are the model workers of a vLLM started with its
 // default multiprocess executor (vLLM titles them "VLLM::Worker..."; the prefix is
-// VLLM_PROCESS_NAME_PREFIX's): their pids, ascending. On a CPU server such a worker spins on a
+// VLLM_PROCESS_NAME_PREFIX's, possibly empty): their pids, ascending. Any server's, not only the
+// one a run uses: a warning's evidence, not a proof. On a CPU server such a worker spins on a
 // core for a second after every message from its engine (docs/vllm.md), which a trainer on the
 // same machine loses. scripts/vllm.sh runs a CPU server's model in its engine process instead.
 std::vector<int64_t> VllmWorkerProcesses(const std::filesystem::path& proc = "/proc");

@@ -781,6 +781,14 @@ TEST(VllmGeneratorTest, AWorkerOfVllmsMultiprocessExecutorIsFound) {
   };
   const pid_t worker = spawn("VLLM::Worker_TP0");
   const pid_t other = spawn("sleep");
+  struct Reap {  // the children end with the test, whatever fails
+    pid_t pids[2];
+    ~Reap() {
+      for (const pid_t pid : pids) {
+        if (pid > 0 && ::kill(pid, SIGKILL) == 0) ::waitpid(pid, nullptr, 0);
+      }
+    }
+  } reap{{worker, other}};
   ASSERT_GT(worker, 0);
   ASSERT_GT(other, 0);
   std::vector<int64_t> found;
@@ -791,10 +799,9 @@ TEST(VllmGeneratorTest, AWorkerOfVllmsMultiprocessExecutorIsFound) {
   EXPECT_NE(std::find(found.begin(), found.end(), worker), found.end());
   EXPECT_EQ(std::find(found.begin(), found.end(), other), found.end());
   EXPECT_TRUE(std::is_sorted(found.begin(), found.end()));
-  for (const pid_t pid : {worker, other}) {
-    ::kill(pid, SIGKILL);
-    ::waitpid(pid, nullptr, 0);
-  }
+  ::kill(worker, SIGKILL);
+  ::waitpid(worker, nullptr, 0);
+  reap.pids[0] = 0;  // reaped: its pid may be another process's by now
   found = VllmWorkerProcesses();
   EXPECT_EQ(std::find(found.begin(), found.end(), worker), found.end());
 }

@@ -1,5 +1,6 @@
 // ferry_text on hostile or unsupported tokenizer.json files (one test per refusal, each
 // asserting the code and the JSON path named), and the UTF-8 rules it relies on.
+#include <fstream>
 #include <string>
 #include <vector>
 
@@ -8,6 +9,7 @@
 
 #include "daemon/text/tokenizer.h"
 #include "daemon/text/unicode.h"
+#include "tests/daemon/text_test_util.h"
 
 namespace ferry::text {
 namespace {
@@ -343,6 +345,25 @@ TEST(Utf8Test, Nfc) {
   // U+0898 (Unicode 14) is left alone like every character after Unicode 9.0: "e" U+0898
   // U+0323 does not become U+1EB9 U+0898 as Unicode 14 NFC would make it.
   EXPECT_EQ(*NormalizeNfc("e\xE0\xA2\x98\xCC\xA3"), "e\xE0\xA2\x98\xCC\xA3");
+}
+
+// IsWordChar on every code point against the `tokenizers` package's \w (the Rust regex crate's,
+// which decides single_word), as fixtures/tokenizers/generate.py wrote it.
+TEST(UnicodeTest, WordCharactersAreThePackagesOnEveryCodePoint) {
+  std::ifstream in(testing::TokenizerFixtures() / "expected" / "word_chars.json");
+  const json expected = json::parse(in);
+  std::vector<bool> word(0x110000, false);
+  for (const auto& r : expected.at("ranges")) {
+    for (uint32_t cp = r[0].get<uint32_t>(); cp <= r[1].get<uint32_t>(); ++cp) word[cp] = true;
+  }
+  int wrong = 0;
+  for (uint32_t cp = 0; cp < 0x110000; ++cp) {
+    if (cp >= 0xD800 && cp <= 0xDFFF) continue;  // surrogates are no characters
+    if (IsWordChar(cp) != word[cp] && ++wrong <= 10) {
+      ADD_FAILURE() << "U+" << std::hex << cp << ": IsWordChar " << IsWordChar(cp) << ", the package " << word[cp];
+    }
+  }
+  EXPECT_EQ(wrong, 0);
 }
 
 // The Rust regex crate's \w, which decides a single_word added token (fixtures/tokenizers'

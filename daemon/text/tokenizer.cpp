@@ -101,13 +101,17 @@ Result<Tokenizer> Tokenizer::FromDirectory(const std::filesystem::path& dir) {
   const std::string json_source = json_path.string();
   const auto config_path = dir / "tokenizer_config.json";
   const auto model_config_path = dir / "config.json";
-  const std::string config_source = config_path.string(), model_config_source = model_config_path.string();
+  const auto map_path = dir / "special_tokens_map.json";
+  const std::string config_source = config_path.string(), model_config_source = model_config_path.string(),
+                    map_source = map_path.string();
   FERRY_ASSIGN_OR_RETURN(const std::optional<std::string> config, ReadOptionalFile(config_path));
   FERRY_ASSIGN_OR_RETURN(const std::optional<std::string> model_config, ReadOptionalFile(model_config_path));
-  std::optional<SourceText> config_text, model_config_text;
+  FERRY_ASSIGN_OR_RETURN(const std::optional<std::string> special_tokens_map, ReadOptionalFile(map_path));
+  std::optional<SourceText> config_text, model_config_text, map_text;
   if (config) config_text = SourceText{*config, config_source};
   if (model_config) model_config_text = SourceText{*model_config, model_config_source};
-  FERRY_ASSIGN_OR_RETURN(auto impl, ParseDirectory({text, json_source}, config_text, model_config_text));
+  if (special_tokens_map) map_text = SourceText{*special_tokens_map, map_source};
+  FERRY_ASSIGN_OR_RETURN(auto impl, ParseDirectory({text, json_source}, config_text, model_config_text, map_text));
   return Tokenizer(std::move(impl));
 }
 

@@ -59,6 +59,7 @@ struct SourceText {
 // (auto_tokenizer.h), then tokenizer_config.json's special tokens and chat template.
 Result<std::unique_ptr<TokenizerImpl>> ParseDirectory(SourceText tokenizer_json,
                                                       std::optional<SourceText> tokenizer_config,
-                                                      std::optional<SourceText> model_config);
+                                                      std::optional<SourceText> model_config,
+                                                      std::optional<SourceText> special_tokens_map = std::nullopt);
 
 }  // namespace ferry::text

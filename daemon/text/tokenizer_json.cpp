@@ -964,6 +964,15 @@ Result<std::map<std::string, std::string>> AddConfigTokens(const json& j, std::s
                             it->second->lstrip == t.lstrip && it->second->rstrip == t.rstrip;
       if (!declared) to_add.push_back(std::move(t));
     }
+  } else {
+    // Without it transformers takes tokenizer.json's added tokens for it (the legacy loading):
+    // those named by a named token become special.
+    for (const AddedToken& a : impl->added.tokens()) {
+      if (a.special || !named_contents.contains(a.content)) continue;
+      AddedToken t = a;
+      t.special = true;
+      to_add.push_back(std::move(t));
+    }
   }
   // 2. and 3., each unless an added token (of the file or of the above) has its content.
   std::unordered_set<std::string> known;
@@ -1064,13 +1073,69 @@ Result<std::unique_ptr<TokenizerImpl>> ParseTokenizerJson(std::string_view text,
   return Parse(text, source, /*llama=*/nullptr);
 }
 
+// transformers' legacy loading of a directory whose tokenizer_config.json has no
+// added_tokens_decoder (as transformers before 4.34 saved it) or that has none:
+// special_tokens_map.json's values are set over tokenizer_config.json's, an object as a special
+// AddedToken, an extra_special_tokens list merged into the config's (tokenization_utils_base.py,
+// _from_pretrained). The merged configuration's text.
+Result<std::string> MergeSpecialTokensMap(std::optional<SourceText> tokenizer_config, SourceText special_tokens_map) {
+  FERRY_ASSIGN_OR_RETURN(const json checked,
+                         ParseJsonText(special_tokens_map.text, special_tokens_map.source, kMaxTokenizerConfigBytes));
+  Parser p(special_tokens_map.source);
+  for (const auto& [key, value] : checked.items()) {
+    if (!value.is_string() && !value.is_object() && !value.is_array() && !value.is_null()) {
+      return p.Corrupt(key, "must be a string, an object, a list or null, not " + TypeName(value));
+    }
+  }
+  try {
+    nlohmann::ordered_json doc =
+        tokenizer_config ? nlohmann::ordered_json::parse(tokenizer_config->text.begin(), tokenizer_config->text.end())
+                         : nlohmann::ordered_json::object();
+    const auto special = [](nlohmann::ordered_json token) {
+      if (token.is_object()) {
+        token.erase("special");
+        token["special"] = true;
+        token["__type"] = "AddedToken";
+      }
+      return token;
+    };
+    const nlohmann::ordered_json map =
+        nlohmann::ordered_json::parse(special_tokens_map.text.begin(), special_tokens_map.text.end());
+    for (const auto& [key, value] : map.items()) {
+      if (key == "extra_special_tokens" && value.is_array()) {
+        nlohmann::ordered_json merged =
+            doc.contains(key) && doc[key].is_array() ? doc[key] : nlohmann::ordered_json::array();
+        for (const auto& token : value) {
+          nlohmann::ordered_json t = special(token);
+          if (std::find(merged.begin(), merged.end(), t) == merged.end()) merged.push_back(std::move(t));
+        }
+        doc[key] = std::move(merged);
+      } else {
+        doc[key] = key == "extra_special_tokens" ? value : special(value);
+      }
+    }
+    return doc.dump();
+  } catch (const nlohmann::ordered_json::exception& e) {  // both parsed as json already
+    return p.Corrupt("the file", std::string("cannot be merged: ") + e.what());
+  }
+}
+
 Result<std::unique_ptr<TokenizerImpl>> ParseDirectory(SourceText tokenizer_json,
                                                       std::optional<SourceText> tokenizer_config,
-                                                      std::optional<SourceText> model_config) {
+                                                      std::optional<SourceText> model_config,
+                                                      std::optional<SourceText> special_tokens_map) {
   std::optional<json> config, model;
   if (tokenizer_config) {
     FERRY_ASSIGN_OR_RETURN(config,
                            ParseJsonText(tokenizer_config->text, tokenizer_config->source, kMaxTokenizerConfigBytes));
+  }
+  std::string merged_text, merged_source;
+  if (special_tokens_map && !(config && config->contains("added_tokens_decoder"))) {
+    FERRY_ASSIGN_OR_RETURN(merged_text, MergeSpecialTokensMap(tokenizer_config, *special_tokens_map));
+    merged_source = (tokenizer_config ? std::string(tokenizer_config->source) + " with " : std::string()) +
+                    std::string(special_tokens_map->source);
+    FERRY_ASSIGN_OR_RETURN(config, ParseJsonText(merged_text, merged_source, 2 * kMaxTokenizerConfigBytes));
+    tokenizer_config = SourceText{merged_text, merged_source};
   }
   if (model_config) {
     FERRY_ASSIGN_OR_RETURN(model, ParseJsonText(model_config->text, model_config->source, kMaxTokenizerConfigBytes));

@@ -272,6 +272,7 @@ const DirectoryFixture kDirectoryFixtures[] = {
     {"llama3-style", "llama-class"},          // LlamaTokenizerFast on a byte-level file: TokenizersBackend
     {"qwen2-style", "added-tokens"},          // tokenizer_config.json's added and special tokens
     {"qwen2-style", "named-extras"},          // extra_special_tokens as transformers 5's object
+    {"qwen2-style", "legacy-map"},            // special_tokens_map.json over a config of before 4.34
 };
 
 std::string DirectoryFixtureName(const DirectoryFixture& f) {

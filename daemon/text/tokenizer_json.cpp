@@ -1073,8 +1073,9 @@ Result<std::unique_ptr<TokenizerImpl>> ParseTokenizerJson(std::string_view text,
   return Parse(text, source, /*llama=*/nullptr);
 }
 
-// transformers' legacy loading of a directory whose tokenizer_config.json has no
-// added_tokens_decoder (as transformers before 4.34 saved it) or that has none:
+// transformers' loading of a directory whose tokenizer_config.json has no added_tokens_decoder
+// (transformers 5 saves none for a tokenizers-backed tokenizer, nor did transformers before
+// 4.34 for any) or that has none:
 // special_tokens_map.json's values are set over tokenizer_config.json's, an object as a special
 // AddedToken, an extra_special_tokens list merged into the config's (tokenization_utils_base.py,
 // _from_pretrained). The merged configuration's text.

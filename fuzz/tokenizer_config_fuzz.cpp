@@ -1,5 +1,6 @@
-// libFuzzer target for a model directory's tokenizer_config.json (Tokenizer::FromDirectory):
-// the input is the file, beside the qwen2-style fixture's tokenizer.json. Any bytes must load
+// libFuzzer target for a model directory's tokenizer_config.json and special_tokens_map.json
+// (Tokenizer::FromDirectory), beside the qwen2-style fixture's tokenizer.json: the input is the
+// first file, or the first, a NUL byte and the second (JSON text has no NUL of its own). Any bytes must load
 // or be refused with a Status, never crash, hang or allocate without bound; the tokens the
 // config adds (added_tokens_decoder, named, model-specific and extra special tokens) must
 // leave a tokenizer whose ids decode (the first 4,096 are checked one by one) and whose bos,
@@ -12,6 +13,7 @@
 #include <filesystem>
 #include <fstream>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "daemon/text/tokenizer.h"
@@ -41,11 +43,17 @@ const fs::path& Directory() {
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const fs::path& dir = Directory();
-  {
-    std::ofstream out(dir / "tokenizer_config.json", std::ios::binary | std::ios::trunc);
-    out.write(reinterpret_cast<const char*>(data), static_cast<std::streamsize>(size));
+  const std::string_view input(reinterpret_cast<const char*>(data), size);
+  const size_t nul = input.find('\0');
+  const auto write = [&](const char* name, std::string_view bytes) {
+    std::ofstream out(dir / name, std::ios::binary | std::ios::trunc);
+    out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
     if (!out) std::abort();
-  }
+  };
+  write("tokenizer_config.json", input.substr(0, nul));
+  std::error_code ec;
+  fs::remove(dir / "special_tokens_map.json", ec);
+  if (nul != std::string_view::npos) write("special_tokens_map.json", input.substr(nul + 1));
   auto t = ferry::text::Tokenizer::FromDirectory(dir);
   if (!t.ok()) {
     if (t.status().code() == ferry::StatusCode::kOk) std::abort();

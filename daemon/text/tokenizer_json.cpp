@@ -829,7 +829,8 @@ Result<AddedToken> ConfigSpecialToken(const Parser& p, const json& v, const std:
 // class's __init__, TokenizersBackend.__init__, then tokenizers' add_tokens):
 //   1. added_tokens_decoder's entries in id order (the last of a file's keys for one id), each
 //      unless an added token equal to it in content and every flag exists; one whose content
-//      is a named token's is special;
+//      is a named token's is special (without added_tokens_decoder, tokenizer.json's added
+//      tokens stand for it);
 //   2. the named tokens: bos_token, eos_token, unk_token, sep_token, pad_token, cls_token,
 //      mask_token (`defaults` stands in for those the file does not have: the tokenizer
 //      class's own), then the file's other "*_token" keys with a string or an

@@ -256,15 +256,16 @@ struct ProcessGroup::Impl {
     }
   }
 
-  // A step of this rank alone (a copy to or from its device): its failure is this rank's, not a
-  // peer's.
+  // A step of this rank alone, a copy to or from its device (`step`: "moving the tensor to",
+  // "copying the result back from"): its failure is this rank's, not a peer's. The message is
+  // built only then.
   template <typename Fn>
-  static Status Local(const std::string& what, Fn&& fn) {
+  Status Local(const std::string& what, const char* step, Fn&& fn) const {
     try {
       fn();
       return Status::OK();
     } catch (const std::exception& e) {
-      return Status::Internal(what + ": " + FirstLine(e.what()));
+      return Status::Internal(what + ": " + step + " " + DescribeDevice() + ": " + FirstLine(e.what()));
     }
   }
 
@@ -272,10 +273,10 @@ struct ProcessGroup::Impl {
   template <typename Op>
   Status InPlace(at::Tensor& t, const std::string& what, Op&& op) {
     std::vector<at::Tensor> v(1);
-    FERRY_RETURN_IF_ERROR(Local(what + ": moving the tensor to " + DescribeDevice(), [&] { v[0] = ToGroup(t); }));
+    FERRY_RETURN_IF_ERROR(Local(what, "moving the tensor to", [&] { v[0] = ToGroup(t); }));
     FERRY_RETURN_IF_ERROR(Run(what, [&] { op(v); }));
     if (v[0].is_same(t)) return Status::OK();
-    return Local(what + ": copying the result back from " + DescribeDevice(), [&] { t.copy_(v[0]); });
+    return Local(what, "copying the result back from", [&] { t.copy_(v[0]); });
   }
 
   std::string DescribeDevice() const { return device ? device->str() : "the CPU"; }
@@ -414,14 +415,14 @@ Status ProcessGroup::AllReduceSum(at::Tensor& t, const std::string& what) {
 Result<at::Tensor> ProcessGroup::AllGather(const at::Tensor& t, const std::string& what) {
   std::vector<at::Tensor> in(1);
   std::vector<std::vector<at::Tensor>> out(1);
-  FERRY_RETURN_IF_ERROR(impl_->Local(what + ": moving the tensor to " + impl_->DescribeDevice(), [&] {
+  FERRY_RETURN_IF_ERROR(impl_->Local(what, "moving the tensor to", [&] {
     in[0] = impl_->ToGroup(t.contiguous());
     for (int r = 0; r < size(); ++r) out[0].push_back(at::empty_like(in[0]));
   }));
   FERRY_RETURN_IF_ERROR(impl_->Run(what, [&] { impl_->pg->allgather(out, in)->wait(); }));
   at::Tensor all;
-  FERRY_RETURN_IF_ERROR(impl_->Local(what + ": copying the result back from " + impl_->DescribeDevice(),
-                                     [&] { all = at::stack(out[0]).to(t.device()); }));
+  FERRY_RETURN_IF_ERROR(
+      impl_->Local(what, "copying the result back from", [&] { all = at::stack(out[0]).to(t.device()); }));
   return all;
 }
 

@@ -680,10 +680,7 @@ class Parser {
     FERRY_RETURN_IF_ERROR(RequireObject(e, at));
     AddedToken t;
     FERRY_ASSIGN_OR_RETURN(t.content, String(e, at, "content"));
-    if (t.content.empty()) return Corrupt(Join(at, "content"), "is empty");
-    if (t.content.size() > kMaxTokenBytes) {
-      return Unsupported(Join(at, "content"), "is longer than " + std::to_string(kMaxTokenBytes) + " bytes");
-    }
+    FERRY_RETURN_IF_ERROR(CheckTokenContent(t.content, Join(at, "content")));
     FERRY_ASSIGN_OR_RETURN(t.special, Bool(e, at, "special", false));
     t.special = t.special || force_special;
     FERRY_ASSIGN_OR_RETURN(t.normalized, Bool(e, at, "normalized", !t.special));
@@ -691,6 +688,15 @@ class Parser {
     FERRY_ASSIGN_OR_RETURN(t.lstrip, Bool(e, at, "lstrip", false));
     FERRY_ASSIGN_OR_RETURN(t.rstrip, Bool(e, at, "rstrip", false));
     return t;
+  }
+
+  // An added token's text at `at`: not empty, at most kMaxTokenBytes.
+  Status CheckTokenContent(const std::string& content, const std::string& at) const {
+    if (content.empty()) return Corrupt(at, "is empty");
+    if (content.size() > kMaxTokenBytes) {
+      return Unsupported(at, "is longer than " + std::to_string(kMaxTokenBytes) + " bytes");
+    }
+    return Status::OK();
   }
 
   // What an added token matches and decodes from: its content, normalized when it says so.
@@ -812,10 +818,7 @@ Result<AddedToken> ConfigSpecialToken(const Parser& p, const json& v, const std:
   if (v.is_string()) {
     AddedToken t;
     t.content = v.get<std::string>();
-    if (t.content.empty()) return p.Corrupt(at, "is empty");
-    if (t.content.size() > kMaxTokenBytes) {
-      return p.Unsupported(at, "is longer than " + std::to_string(kMaxTokenBytes) + " bytes");
-    }
+    FERRY_RETURN_IF_ERROR(p.CheckTokenContent(t.content, at));
     t.special = true;
     t.normalized = false;
     return t;

@@ -2,6 +2,7 @@
 
 #include <ATen/detail/CUDAHooksInterface.h>
 
+#include <torch/csrc/distributed/c10d/FileStore.hpp>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
@@ -99,7 +100,14 @@ Result<std::string> AddressTowards(const std::string& master, int port) {
   return out;
 }
 
-c10::intrusive_ptr<c10d::TCPStore> ConnectStore(const Launch& l, bool server, std::chrono::milliseconds timeout) {
+// The rendezvous store: a FileStore at the launch's file (numWorkers -1: it never deletes the
+// file; the launcher removes its directory), or a TCPStore that rank 0 hosts (`server`).
+c10::intrusive_ptr<c10d::Store> ConnectStore(const Launch& l, bool server, std::chrono::milliseconds timeout) {
+  if (!l.rendezvous_file.empty()) {
+    auto file = c10::make_intrusive<c10d::FileStore>(l.rendezvous_file, -1);
+    file->setTimeout(timeout);
+    return file;
+  }
   c10d::TCPStoreOptions so;
   so.port = static_cast<uint16_t>(l.master_port);
   so.isServer = server;
@@ -129,6 +137,11 @@ Result<int> FreeLoopbackPort() {
   return static_cast<int>(ntohs(a.sin_port));
 }
 
+std::string Launch::Rendezvous() const {
+  if (!rendezvous_file.empty()) return "the file " + rendezvous_file;
+  return "MASTER_ADDR:MASTER_PORT " + master_addr + ":" + std::to_string(master_port);
+}
+
 Result<Launch> LaunchFromEnv(const std::function<const char*(const char*)>& getenv_fn) {
   const std::function<const char*(const char*)> getenv =
       getenv_fn ? getenv_fn : [](const char* name) -> const char* { return std::getenv(name); };
@@ -141,6 +154,10 @@ Result<Launch> LaunchFromEnv(const std::function<const char*(const char*)>& gete
   FERRY_ASSIGN_OR_RETURN(l.local_world_size, IntVar(getenv, "LOCAL_WORLD_SIZE", 1, l.world_size, 1));
   FERRY_ASSIGN_OR_RETURN(l.local_rank, IntVar(getenv, "LOCAL_RANK", 0, l.world_size - 1, 0));
   if (!l.distributed()) return l;
+  if (const char* file = getenv("FERRY_RENDEZVOUS_FILE"); file != nullptr && *file != '\0') {
+    l.rendezvous_file = file;
+    return l;
+  }
   const char* addr = getenv("MASTER_ADDR");
   if (addr == nullptr || *addr == '\0') {
     return Status::InvalidArgument("environment variable MASTER_ADDR is not set (WORLD_SIZE=" +
@@ -154,8 +171,8 @@ Result<Launch> LaunchFromEnv(const std::function<const char*(const char*)>& gete
 struct ProcessGroup::Impl {
   Launch launch;
   GroupOptions options;
-  c10::intrusive_ptr<c10d::TCPStore> store;  // the main thread's connection
-  c10::intrusive_ptr<c10d::Store> keys;      // store under "<prefix>/ferry/"
+  c10::intrusive_ptr<c10d::Store> store;  // the main thread's connection
+  c10::intrusive_ptr<c10d::Store> keys;   // store under "<prefix>/ferry/"
   c10::intrusive_ptr<Collectives> pg;
   // NCCL's collectives take tensors on the rank's device: a host tensor travels through it.
   std::optional<at::Device> device;
@@ -169,7 +186,7 @@ struct ProcessGroup::Impl {
   bool stopping = false;
   std::atomic<bool> failed{false};  // a collective failed: NCCL's communicators are aborted, not flushed
 
-  c10::intrusive_ptr<c10d::Store> Prefixed(const c10::intrusive_ptr<c10d::TCPStore>& s) const {
+  c10::intrusive_ptr<c10d::Store> Prefixed(const c10::intrusive_ptr<c10d::Store>& s) const {
     return c10::make_intrusive<c10d::PrefixStore>(options.prefix + "/ferry", s);
   }
 
@@ -229,7 +246,10 @@ struct ProcessGroup::Impl {
       }
       if (!stopped.empty()) return stopped + " stopped answering (killed, crashed or hung)";
       return "";
-    } catch (const std::exception&) {
+    } catch (const std::exception& e) {
+      if (!launch.rendezvous_file.empty()) {
+        return "the rendezvous file " + launch.rendezvous_file + " can no longer be read (" + FirstLine(e.what()) + ")";
+      }
       return DescribeRank(0) + " is gone (the rendezvous store it hosts at " + launch.master_addr + ":" +
              std::to_string(launch.master_port) + " no longer answers)";
     }
@@ -340,7 +360,7 @@ std::string NcclRefusal(const Launch& launch) {
 
 // The process group of `options.backend`, on the store under "<prefix>/pg".
 c10::intrusive_ptr<Collectives> NewGroup(const Launch& launch, const GroupOptions& options, const std::string& bind,
-                                         const c10::intrusive_ptr<c10d::TCPStore>& store) {
+                                         const c10::intrusive_ptr<c10d::Store>& store) {
   auto prefixed = c10::make_intrusive<c10d::PrefixStore>(options.prefix + "/pg", store);
 #ifdef USE_C10D_NCCL
   if (options.backend == "nccl") {
@@ -371,10 +391,13 @@ Result<std::unique_ptr<ProcessGroup>> ProcessGroup::Join(const Launch& launch, c
   impl->launch = launch;
   impl->options = options;
   if (nccl) impl->device = at::Device(at::kCUDA, static_cast<at::DeviceIndex>(launch.local_rank));
-  const std::string where = launch.master_addr + ":" + std::to_string(launch.master_port);
   std::string bind;
   if (const char* ifname = std::getenv("GLOO_SOCKET_IFNAME"); !nccl && (ifname == nullptr || *ifname == '\0')) {
-    FERRY_ASSIGN_OR_RETURN(bind, AddressTowards(launch.master_addr, launch.master_port));
+    if (launch.rendezvous_file.empty()) {
+      FERRY_ASSIGN_OR_RETURN(bind, AddressTowards(launch.master_addr, launch.master_port));
+    } else {
+      bind = "127.0.0.1";  // ranks of one host
+    }
   }
   try {
     impl->store = ConnectStore(launch, launch.rank == 0, options.timeout);
@@ -382,7 +405,7 @@ Result<std::unique_ptr<ProcessGroup>> ProcessGroup::Join(const Launch& launch, c
     impl->pg = NewGroup(launch, options, bind, impl->store);
   } catch (const std::exception& e) {
     return Status::Unavailable("rank " + std::to_string(launch.rank) + " of " + std::to_string(launch.world_size) +
-                               ": the rendezvous at MASTER_ADDR:MASTER_PORT " + where + " did not complete (" +
+                               ": the rendezvous at " + launch.Rendezvous() + " did not complete (" +
                                FirstLine(e.what()) + ")");
   }
   impl->StartHeartbeat();

@@ -1,17 +1,21 @@
 // Data-parallel ranks on PyTorch's c10d: torchrun's environment, the rendezvous through c10d's
-// TCPStore, and a Gloo (CPU) or NCCL (CUDA, where the LibTorch has it) process group, with the
-// few collectives the trainer needs. Whatever the backend, a collective that fails because a
-// peer died, hung or gave up is turned into an error that names the rank, its host and pid.
+// TCPStore (or its FileStore, for ranks on one host), and a Gloo (CPU) or NCCL (CUDA, where
+// the LibTorch has it) process group, with the few collectives the trainer needs. Whatever the
+// backend, a collective that fails because a peer died, hung or gave up is turned into an error
+// that names the rank, its host and pid.
 //
 // How a failed peer is named: every rank keeps a heartbeat in the store (a counter it adds to
 // from a thread of its own, every kHeartbeatInterval) and, when it fails cleanly, posts its
 // error there (ReportFailure) before it exits. A collective that throws then looks for a
 // posted error, else for a heartbeat that stopped (killed, or hung: SIGSTOP stops every thread
-// of a process); a store that no longer answers means rank 0, which hosts it, is gone.
+// of a process); a TCPStore that no longer answers means rank 0, which hosts it, is gone.
 //
 // Store keys (under GroupOptions::prefix): rank/<r> = "<host> <pid>", hb/<r> the heartbeat,
-// err/<r> a posted failure, and what Post writes. The store and Gloo's connections are
+// err/<r> a posted failure, and what Post writes. The TCPStore and Gloo's connections are
 // torch's own: unauthenticated TCP, as every torchrun job has; run ranks on a private network.
+// The TCPStore of torch listens on every interface of rank 0's host; ranks that share a host
+// meet through a FileStore instead (FERRY_RENDEZVOUS_FILE, what `ferryd --nproc-per-node`
+// sets), and then nothing of theirs listens beyond loopback.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -28,7 +32,8 @@
 namespace ferry::dist {
 
 // torchrun's environment: RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR,
-// MASTER_PORT (the names every PyTorch launcher sets).
+// MASTER_PORT (the names every PyTorch launcher sets); or, in place of MASTER_ADDR and
+// MASTER_PORT, FERRY_RENDEZVOUS_FILE.
 struct Launch {
   int rank = 0;
   int world_size = 1;
@@ -36,7 +41,14 @@ struct Launch {
   int local_world_size = 1;
   std::string master_addr = "127.0.0.1";
   int master_port = 29500;
+  // When set, the ranks meet through c10d's FileStore at this path (a path no earlier run
+  // used, in a directory only this user can enter), not a TCPStore: no socket listens for the
+  // rendezvous, and Gloo binds 127.0.0.1 (or GLOO_SOCKET_IFNAME's interface, for ranks on
+  // several hosts that share the file's filesystem). MASTER_ADDR and MASTER_PORT are not used.
+  std::string rendezvous_file;
   bool distributed() const { return world_size > 1; }
+  // Where the ranks meet, for messages: "MASTER_ADDR:MASTER_PORT host:port" or "the file PATH".
+  std::string Rendezvous() const;
 };
 
 // A TCP port on 127.0.0.1 nobody listens on now (the kernel's choice): MASTER_PORT for local
@@ -46,7 +58,7 @@ Result<int> FreeLoopbackPort();
 // Reads torchrun's variables through `getenv` (::getenv by default). With none of RANK and
 // WORLD_SIZE set: one process (world size 1). Errors (kInvalidArgument) name the variable: a
 // value that is not a number, a rank outside [0, WORLD_SIZE), WORLD_SIZE > 1 without
-// MASTER_ADDR or MASTER_PORT, a port outside 1..65535.
+// MASTER_ADDR or MASTER_PORT (and without FERRY_RENDEZVOUS_FILE), a port outside 1..65535.
 Result<Launch> LaunchFromEnv(const std::function<const char*(const char*)>& getenv = nullptr);
 
 struct GroupOptions {
@@ -71,16 +83,17 @@ class ProcessGroup {
   static constexpr std::chrono::milliseconds kHeartbeatInterval{250};
 
   // Joins the job `launch` describes: rank 0 hosts the TCPStore on MASTER_PORT, every rank
-  // connects to MASTER_ADDR:MASTER_PORT, the process group is built, and the ranks exchange
-  // host and pid. Gloo binds the address this host reaches MASTER_ADDR from (127.0.0.1 for
-  // a loopback MASTER_ADDR), or the interface GLOO_SOCKET_IFNAME names, as torch does.
+  // connects to MASTER_ADDR:MASTER_PORT (or every rank opens the rendezvous file), the process
+  // group is built, and the ranks exchange host and pid. Gloo binds the address this host
+  // reaches MASTER_ADDR from (127.0.0.1 for a loopback MASTER_ADDR or a rendezvous file), or
+  // the interface GLOO_SOCKET_IFNAME names, as torch does.
   // NCCL runs on device cuda:LOCAL_RANK and sets TORCH_NCCL_BLOCKING_WAIT=1 unless it is set,
   // so that a collective past the timeout fails (and names the rank) instead of NCCL's watchdog
   // ending the process.
   // Errors: kInvalidArgument for an unknown backend; kUnsupported for NCCL, saying why (a CPU
   // LibTorch or one without NCCL; no CUDA device; more local ranks than CUDA devices, which
-  // NCCL refuses); kUnavailable naming MASTER_ADDR:MASTER_PORT when the rendezvous does not
-  // complete within the timeout.
+  // NCCL refuses); kUnavailable naming MASTER_ADDR:MASTER_PORT (or the file) when the
+  // rendezvous does not complete within the timeout.
   static Result<std::unique_ptr<ProcessGroup>> Join(const Launch& launch, const GroupOptions& options);
   ~ProcessGroup();
   ProcessGroup(const ProcessGroup&) = delete;

@@ -7,10 +7,10 @@
 #include <atomic>
 #include <cerrno>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
+#include <string>
 #include <thread>
-
-#include "daemon/dist/process_group.h"
 
 namespace ferry::ferryd {
 namespace {
@@ -25,16 +25,43 @@ int ExitCode(int status) {
   return 1;
 }
 
+// The ranks' rendezvous: c10d's FileStore in a directory of its own (mkdtemp: mode 0700), so
+// that no socket listens for it; removed with its file when the ranks have ended.
+class RendezvousDir {
+ public:
+  static Result<RendezvousDir> Create() {
+    const char* tmp = std::getenv("TMPDIR");
+    std::string templ = std::string(tmp != nullptr && *tmp != '\0' ? tmp : "/tmp") + "/ferryd-ranks-XXXXXX";
+    if (::mkdtemp(templ.data()) == nullptr) {
+      return Status::IOError("creating the ranks' rendezvous directory " + templ + ": " + std::strerror(errno));
+    }
+    return RendezvousDir(templ);
+  }
+  RendezvousDir(RendezvousDir&& o) noexcept : dir_(std::move(o.dir_)) { o.dir_.clear(); }
+  RendezvousDir& operator=(RendezvousDir&&) = delete;
+  ~RendezvousDir() {
+    if (dir_.empty()) return;
+    ::unlink(file().c_str());
+    ::rmdir(dir_.c_str());
+  }
+  std::string file() const { return dir_ + "/store"; }
+
+ private:
+  explicit RendezvousDir(std::string dir) : dir_(std::move(dir)) {}
+  std::string dir_;
+};
+
 }  // namespace
 
 Result<int> RunLocalRanks(int nproc, const std::vector<std::string>& argv, std::chrono::seconds grace) {
-  FERRY_ASSIGN_OR_RETURN(int port, dist::FreeLoopbackPort());
+  FERRY_ASSIGN_OR_RETURN(RendezvousDir rendezvous, RendezvousDir::Create());
+  const std::string store = rendezvous.file();
   struct sigaction sa {};
   sa.sa_handler = OnSignal;
   sigemptyset(&sa.sa_mask);
   ::sigaction(SIGTERM, &sa, nullptr);
   ::sigaction(SIGINT, &sa, nullptr);
-  std::fprintf(stderr, "ferryd: starting %d local ranks (MASTER_ADDR 127.0.0.1, MASTER_PORT %d)\n", nproc, port);
+  std::fprintf(stderr, "ferryd: starting %d local ranks (rendezvous file %s)\n", nproc, store.c_str());
   std::fflush(nullptr);
   std::vector<pid_t> pids;
   for (int r = 0; r < nproc; ++r) {
@@ -46,13 +73,12 @@ Result<int> RunLocalRanks(int nproc, const std::vector<std::string>& argv, std::
       return Status::IOError(std::string("starting rank ") + std::to_string(r) + ": fork: " + std::strerror(err));
     }
     if (pid == 0) {
-      const std::string n = std::to_string(nproc), rank = std::to_string(r), p = std::to_string(port);
+      const std::string n = std::to_string(nproc), rank = std::to_string(r);
       ::setenv("RANK", rank.c_str(), 1);
       ::setenv("LOCAL_RANK", rank.c_str(), 1);
       ::setenv("WORLD_SIZE", n.c_str(), 1);
       ::setenv("LOCAL_WORLD_SIZE", n.c_str(), 1);
-      ::setenv("MASTER_ADDR", "127.0.0.1", 1);
-      ::setenv("MASTER_PORT", p.c_str(), 1);
+      ::setenv("FERRY_RENDEZVOUS_FILE", store.c_str(), 1);
       ::signal(SIGTERM, SIG_DFL);
       ::signal(SIGINT, SIG_DFL);
       std::vector<char*> args;

@@ -365,8 +365,11 @@ Result<std::unique_ptr<dist::ProcessGroup>> JoinGroup(const run::RunConfig& conf
   go.prefix = "ferry/" + config.store.run;
   Result<std::unique_ptr<dist::ProcessGroup>> g = dist::ProcessGroup::Join(launch, go);
   if (!g.ok()) return g.status().WithContext(config.source.string() + ": [distributed]");
-  std::fprintf(stderr, "ferryd: rank %d of %d (local rank %d), %s on %s:%d\n", launch.rank, launch.world_size,
-               launch.local_rank, go.backend.c_str(), launch.master_addr.c_str(), launch.master_port);
+  const std::string where = launch.rendezvous_file.empty()
+                                ? launch.master_addr + ":" + std::to_string(launch.master_port)
+                                : "the rendezvous file " + launch.rendezvous_file;
+  std::fprintf(stderr, "ferryd: rank %d of %d (local rank %d), %s on %s\n", launch.rank, launch.world_size,
+               launch.local_rank, go.backend.c_str(), where.c_str());
   return g;
 }
 
@@ -547,7 +550,8 @@ void SetTrainCommand(CLI::App& app) {
                   "tcp://HOST:PORT (needs [publish] key and allow); overrides [publish] endpoint");
   cmd->add_option("--nproc-per-node", f->nproc_per_node,
                   "start this many local data-parallel ranks (as torchrun --nproc-per-node; each a ferryd process "
-                  "with torchrun's environment). Without it, torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, "
+                  "with torchrun's RANK and WORLD_SIZE, meeting through a private rendezvous file: nothing listens "
+                  "beyond loopback). Without it, torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, "
                   "MASTER_PORT, LOCAL_RANK) is honoured")
       ->check(CLI::Range(1, 1024));
   cmd->callback([f] {

@@ -1,11 +1,14 @@
 // daemon/dist: torchrun's environment, and a real two-rank Gloo group (two threads of this
-// process, each with its own TCPStore connection and process group, over loopback TCP).
+// process, each with its own store connection and process group, over loopback TCP), meeting
+// through a TCPStore or through a rendezvous file (c10d's FileStore).
 #include <gtest/gtest.h>
 
 #include <ATen/detail/CUDAHooksInterface.h>
 
+#include <stdlib.h>
 #include <unistd.h>
 
+#include <filesystem>
 #include <future>
 #include <map>
 #include <string>
@@ -68,6 +71,21 @@ TEST(LaunchFromEnvTest, ErrorsNameTheVariable) {
   EXPECT_NE(not_number.status().message().find("RANK=\"x\""), std::string::npos) << not_number.status().message();
 }
 
+// FERRY_RENDEZVOUS_FILE stands in for MASTER_ADDR and MASTER_PORT, which are then not read.
+TEST(LaunchFromEnvTest, ARendezvousFileTakesThePlaceOfTheMasterAddress) {
+  auto l = FromMap(
+      {{"RANK", "1"}, {"WORLD_SIZE", "2"}, {"FERRY_RENDEZVOUS_FILE", "/run/x/store"}, {"MASTER_PORT", "not a port"}});
+  ASSERT_TRUE(l.ok()) << l.status().ToString();
+  EXPECT_EQ(l->rank, 1);
+  EXPECT_EQ(l->rendezvous_file, "/run/x/store");
+  EXPECT_EQ(l->Rendezvous(), "the file /run/x/store");
+
+  auto tcp = FromMap({{"RANK", "1"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "h"}, {"MASTER_PORT", "29400"}});
+  ASSERT_TRUE(tcp.ok()) << tcp.status().ToString();
+  EXPECT_EQ(tcp->rendezvous_file, "");
+  EXPECT_EQ(tcp->Rendezvous(), "MASTER_ADDR:MASTER_PORT h:29400");
+}
+
 int CudaDevices() {
   const at::CUDAHooksInterface& cuda = at::detail::getCUDAHooks();
   return cuda.hasCUDART() ? cuda.getNumGPUs() : 0;
@@ -109,14 +127,37 @@ TEST(ProcessGroupTest, NcclIsRefusedSayingWhy) {
   EXPECT_NE(m.find("use \"gloo\""), std::string::npos) << m;
 }
 
+// How the ranks of a test meet: through a TCPStore on a free loopback port, or through a
+// rendezvous file in a fresh private directory.
+enum class Meet { kTcpStore, kFile };
+
+// A fresh directory (mkdtemp), removed with what is in it.
+class TempDir {
+ public:
+  TempDir() {
+    std::string t = (std::filesystem::temp_directory_path() / "ferry_dist_test_XXXXXX").string();
+    if (::mkdtemp(t.data()) != nullptr) path_ = t;
+  }
+  ~TempDir() {
+    std::error_code ec;
+    if (!path_.empty()) std::filesystem::remove_all(path_, ec);
+  }
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+};
+
 // Two ranks in threads; `body(rank, group)` runs on each. On NCCL rank r is local rank r
 // (device r).
 template <typename Fn>
 void RunTwoRanks(Fn body, std::chrono::milliseconds timeout = std::chrono::seconds(20),
-                 const std::string& backend = "gloo") {
+                 const std::string& backend = "gloo", Meet meet = Meet::kTcpStore) {
   auto free_port = FreeLoopbackPort();
   ASSERT_TRUE(free_port.ok()) << free_port.status().ToString();
   const int port = *free_port;
+  TempDir dir;
+  ASSERT_FALSE(dir.path().empty());
   auto rank = [&](int r) {
     Launch l;
     l.rank = r;
@@ -125,6 +166,7 @@ void RunTwoRanks(Fn body, std::chrono::milliseconds timeout = std::chrono::secon
     l.local_world_size = 2;
     l.master_addr = "127.0.0.1";
     l.master_port = port;
+    if (meet == Meet::kFile) l.rendezvous_file = dir.path() + "/store";
     GroupOptions o;
     o.backend = backend;
     o.timeout = timeout;
@@ -172,19 +214,45 @@ void CheckCollectives(int r, ProcessGroup& g, const at::Device& device) {
   EXPECT_EQ(*text, "from rank 0");
 }
 
-TEST(ProcessGroupTest, CollectivesOverTwoRanks) {
-  RunTwoRanks([](int r, ProcessGroup& g) {
-    CheckCollectives(r, g, at::kCPU);
+// A rendezvous file nobody can create: the rank gives up after the timeout, naming the file.
+TEST(ProcessGroupTest, ARendezvousFileThatCannotBeOpenedIsNamed) {
+  TempDir dir;
+  ASSERT_FALSE(dir.path().empty());
+  Launch l;
+  l.world_size = 2;
+  l.local_world_size = 2;
+  l.rendezvous_file = dir.path() + "/missing/store";
+  GroupOptions o;
+  o.timeout = std::chrono::seconds(1);
+  auto g = ProcessGroup::Join(l, o);
+  ASSERT_FALSE(g.ok());
+  EXPECT_EQ(g.status().code(), StatusCode::kUnavailable);
+  EXPECT_NE(
+      g.status().message().find("rank 0 of 2: the rendezvous at the file " + l.rendezvous_file + " did not complete ("),
+      std::string::npos)
+      << g.status().message();
+}
 
-    if (r == 0) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(1500));  // longer than one Await poll
-      ASSERT_TRUE(g.Post("go/0", "1").ok());
-    } else {
-      auto go = g.Await("go/0", 0, "waiting");
-      ASSERT_TRUE(go.ok()) << go.status().ToString();
-      EXPECT_EQ(*go, "1");
-    }
-  });
+class ProcessGroupMeetTest : public ::testing::TestWithParam<Meet> {};
+
+INSTANTIATE_TEST_SUITE_P(Stores, ProcessGroupMeetTest, ::testing::Values(Meet::kTcpStore, Meet::kFile),
+                         [](const auto& info) { return info.param == Meet::kFile ? "File" : "TcpStore"; });
+
+TEST_P(ProcessGroupMeetTest, CollectivesOverTwoRanks) {
+  RunTwoRanks(
+      [](int r, ProcessGroup& g) {
+        CheckCollectives(r, g, at::kCPU);
+
+        if (r == 0) {
+          std::this_thread::sleep_for(std::chrono::milliseconds(1500));  // longer than one Await poll
+          ASSERT_TRUE(g.Post("go/0", "1").ok());
+        } else {
+          auto go = g.Await("go/0", 0, "waiting");
+          ASSERT_TRUE(go.ok()) << go.status().ToString();
+          EXPECT_EQ(*go, "1");
+        }
+      },
+      std::chrono::seconds(20), "gloo", GetParam());
 }
 
 // A one-rank NCCL group (what one GPU allows): every collective runs through NCCL on the
@@ -250,16 +318,18 @@ TEST(ProcessGroupTest, NcclRankThatStopsAnsweringIsNamed) {
   EXPECT_NE(s.message().find("stopped answering"), std::string::npos) << s.message();
 }
 
-TEST(ProcessGroupTest, AFailedRankIsNamedWithItsError) {
+TEST_P(ProcessGroupMeetTest, AFailedRankIsNamedWithItsError) {
   std::promise<Status> seen;
-  RunTwoRanks([&](int r, ProcessGroup& g) {
-    if (r == 1) {
-      g.ReportFailure("step 4: reward command 'score.sh' exited with code 3");
-      return;  // the group is destroyed: its connections close
-    }
-    at::Tensor t = at::ones({8});
-    seen.set_value(g.AllReduceSum(t, "step 4: averaging the LoRA gradients"));
-  });
+  RunTwoRanks(
+      [&](int r, ProcessGroup& g) {
+        if (r == 1) {
+          g.ReportFailure("step 4: reward command 'score.sh' exited with code 3");
+          return;  // the group is destroyed: its connections close
+        }
+        at::Tensor t = at::ones({8});
+        seen.set_value(g.AllReduceSum(t, "step 4: averaging the LoRA gradients"));
+      },
+      std::chrono::seconds(20), "gloo", GetParam());
   const Status s = seen.get_future().get();
   ASSERT_FALSE(s.ok());
   EXPECT_EQ(s.code(), StatusCode::kUnavailable);
@@ -268,7 +338,7 @@ TEST(ProcessGroupTest, AFailedRankIsNamedWithItsError) {
       << s.message();
 }
 
-TEST(ProcessGroupTest, ARankThatStopsAnsweringIsNamed) {
+TEST_P(ProcessGroupMeetTest, ARankThatStopsAnsweringIsNamed) {
   std::promise<Status> seen;
   RunTwoRanks(
       [&](int r, ProcessGroup& g) {
@@ -277,7 +347,7 @@ TEST(ProcessGroupTest, ARankThatStopsAnsweringIsNamed) {
         at::Tensor t = at::ones({8});
         seen.set_value(g.AllReduceSum(t, "step 2: gathering the rewards"));
       },
-      std::chrono::seconds(5));
+      std::chrono::seconds(5), "gloo", GetParam());
   const Status s = seen.get_future().get();
   ASSERT_FALSE(s.ok());
   EXPECT_EQ(s.code(), StatusCode::kUnavailable);

@@ -5,8 +5,10 @@
 #              store holds each step once; `ferry convert` of the last checkpoint is the version
 #              the ranks acknowledged
 #           2. `ferry daemon start --nproc-per-node 2 --detach`: status lists both ranks (host,
-#              pid, step, the same generator version); pause, a snapshot (its checkpoint merged is
-#              that version), resume, stop
+#              pid, step, the same generator version); nothing of the launcher or the ranks
+#              listens beyond loopback (they meet through a rendezvous file in a private
+#              directory, removed at the end); pause, a snapshot (its checkpoint merged is that
+#              version), resume, stop
 #           3. kill -9 of rank 1 (launched through torchrun's environment): rank 0 exits within
 #              the [distributed] timeout naming rank 1; the same start command resumes both from
 #              rank 0's newest checkpoint, and metrics.jsonl ends with every step once; a run
@@ -132,6 +134,17 @@ assert ranks[0]["pid"] == j["pid"] and ranks[1]["pid"] != j["pid"], ranks
 EOF
 "$FERRY" daemon status --dir "$RUN" | grep -q "^  rank 1  host .*generator_version $VERSION" \
   || fail "status text: $("$FERRY" daemon status --dir "$RUN")"
+# Local ranks open no socket beyond loopback (torch's TCPStore would listen on every interface):
+# they meet through c10d's FileStore in a directory only this user can enter.
+LAUNCHER=$(ps -o ppid= -p "$(python3 -c 'import json,sys; print(json.loads(sys.argv[1])["pid"])' "$STATUS")" | tr -d ' ')
+RDZV=$(grep -o 'rendezvous file [^ )]*' "$RUN/ferryd.log" | head -1 | cut -d' ' -f3)
+[ -n "$RDZV" ] && [ -f "$RDZV" ] || fail "no rendezvous file in the log: $(head -3 "$RUN/ferryd.log")"
+[ "$(stat -c %a "$(dirname "$RDZV")")" = 700 ] || fail "the rendezvous directory's mode: $(stat -c %a "$(dirname "$RDZV")")"
+for p in $LAUNCHER $(python3 -c 'import json,sys; print(" ".join(str(r["pid"]) for r in json.loads(sys.argv[1])["ranks"]))' "$STATUS"); do
+  LISTENING=$(ss -Hltnp | grep "pid=$p," | awk '{print $4}' || true)
+  OPEN=$(grep -v -E '^(127\.0\.0\.1|\[::1\]|\[::ffff:127\.0\.0\.1\]):[0-9]+$' <<<"$LISTENING" | grep . || true)
+  [ -z "$OPEN" ] || fail "process $p listens beyond loopback: $OPEN"
+done
 # A snapshot while paused: rank 0 writes the checkpoint; merged, it is the version every rank holds.
 SNAP=$("$FERRY" daemon snapshot --dir "$RUN" --json) || fail "daemon snapshot: $SNAP"
 CKPT=$(python3 -c 'import json,sys; print(json.loads(sys.argv[1])["checkpoint"])' "$SNAP")
@@ -146,6 +159,8 @@ for _ in $(seq 100); do
   [ $alive = 0 ] && break; sleep 0.1
 done
 [ $alive = 0 ] || fail "ranks $PIDS still run 10 s after stop"
+for _ in $(seq 50); do [ -e "$(dirname "$RDZV")" ] || break; sleep 0.1; done
+[ ! -e "$(dirname "$RDZV")" ] || fail "the rendezvous directory $(dirname "$RDZV") is left after stop"
 
 echo "== 3. kill -9 of rank 1: rank 0 names it; the same command resumes both"
 demo_config "$WORK/kill.toml" 64 60 10

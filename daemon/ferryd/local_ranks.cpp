@@ -31,11 +31,13 @@ class RendezvousDir {
  public:
   static Result<RendezvousDir> Create() {
     const char* tmp = std::getenv("TMPDIR");
-    std::string templ = std::string(tmp != nullptr && *tmp != '\0' ? tmp : "/tmp") + "/ferryd-ranks-XXXXXX";
-    if (::mkdtemp(templ.data()) == nullptr) {
-      return Status::IOError("creating the ranks' rendezvous directory " + templ + ": " + std::strerror(errno));
+    const std::string parent = tmp != nullptr && *tmp != '\0' ? tmp : "/tmp";
+    std::string path = parent + "/ferryd-ranks-XXXXXX";
+    if (::mkdtemp(path.data()) == nullptr) {
+      return Status::IOError("creating the ranks' rendezvous directory in " + parent + " (TMPDIR): " +
+                             std::strerror(errno));
     }
-    return RendezvousDir(templ);
+    return RendezvousDir(path);
   }
   RendezvousDir(RendezvousDir&& o) noexcept : dir_(std::move(o.dir_)) { o.dir_.clear(); }
   RendezvousDir& operator=(RendezvousDir&&) = delete;

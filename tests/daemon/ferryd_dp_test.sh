@@ -91,6 +91,12 @@ fi
 echo "== 1. the demo: 2 ranks x 64 completions against 1 process x 128"
 demo_config "$WORK/one.toml" 128 150
 demo_config "$WORK/two.toml" 64 150
+# No rendezvous directory can be made: an error naming where, before any rank starts.
+set +e; TMPDIR="$WORK/none" "$FERRYD" train --config "$WORK/two.toml" --dir "$WORK/none-run" --nproc-per-node 2 \
+  2>"$WORK/none.log"; RC=$?; set -e
+[ $RC -ne 0 ] && [ ! -e "$WORK/none-run" ] || fail "an unusable TMPDIR: exit $RC"
+grep -q "error: creating the ranks' rendezvous directory in $WORK/none (TMPDIR): No such file or directory" \
+  "$WORK/none.log" || fail "an unusable TMPDIR: $(cat "$WORK/none.log")"
 "$FERRYD" train --config "$WORK/one.toml" --dir "$WORK/one" 2>"$WORK/one.log" || fail "1 rank: $(tail -3 "$WORK/one.log")"
 "$FERRYD" train --config "$WORK/two.toml" --dir "$WORK/two" --nproc-per-node 2 2>"$WORK/two.log" \
   || fail "2 ranks: $(tail -5 "$WORK/two.log")"

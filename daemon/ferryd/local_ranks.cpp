@@ -34,8 +34,8 @@ class RendezvousDir {
     const std::string parent = tmp != nullptr && *tmp != '\0' ? tmp : "/tmp";
     std::string path = parent + "/ferryd-ranks-XXXXXX";
     if (::mkdtemp(path.data()) == nullptr) {
-      return Status::IOError("creating the ranks' rendezvous directory in " + parent + " (TMPDIR): " +
-                             std::strerror(errno));
+      return Status::IOError("creating the ranks' rendezvous directory in " + parent +
+                             " (TMPDIR): " + std::strerror(errno));
     }
     return RendezvousDir(path);
   }

@@ -11,6 +11,7 @@
 #endif
 
 #include <arpa/inet.h>
+#include <fcntl.h>
 #include <netdb.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
@@ -117,6 +118,20 @@ c10::intrusive_ptr<c10d::Store> ConnectStore(const Launch& l, bool server, std::
   return c10::make_intrusive<c10d::TCPStore>(l.master_addr, so);
 }
 
+// With a rendezvous file, rank r's heartbeat is a counter overwritten in place in a file beside
+// it (c10d's FileStore appends every add, so heartbeats in it would grow the file without end).
+std::string HeartbeatFile(const Launch& l, int r) { return l.rendezvous_file + ".hb" + std::to_string(r); }
+
+// The counter in `path`; 0 while the file is missing or short.
+int64_t ReadHeartbeatFile(const std::string& path) {
+  int64_t n = 0;
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return 0;
+  if (::pread(fd, &n, sizeof(n), 0) != static_cast<ssize_t>(sizeof(n))) n = 0;
+  ::close(fd);
+  return n;
+}
+
 std::vector<uint8_t> Bytes(const std::string& s) { return {s.begin(), s.end()}; }
 std::string String(const std::vector<uint8_t>& b) { return {b.begin(), b.end()}; }
 
@@ -192,25 +207,45 @@ struct ProcessGroup::Impl {
 
   void StartHeartbeat() {
     heartbeat = std::thread([this] {
-      c10::intrusive_ptr<c10d::Store> beat;
-      try {
-        beat = Prefixed(ConnectStore(launch, /*server=*/false, std::chrono::seconds(10)));
-      } catch (const std::exception&) {
-        return;  // the others will see no heartbeat
+      // A beat adds to "hb/<rank>" in the store, or (rendezvous file) counts in this rank's file.
+      c10::intrusive_ptr<c10d::Store> store;
+      int fd = -1;
+      if (launch.rendezvous_file.empty()) {
+        try {
+          store = Prefixed(ConnectStore(launch, /*server=*/false, std::chrono::seconds(10)));
+        } catch (const std::exception&) {
+          return;  // the others will see no heartbeat
+        }
+      } else {
+        fd = ::open(HeartbeatFile(launch, launch.rank).c_str(), O_WRONLY | O_CREAT | O_CLOEXEC, 0600);
+        if (fd < 0) return;  // the others will see no heartbeat
       }
       const std::string key = "hb/" + std::to_string(launch.rank);
+      int64_t count = 0;
       std::unique_lock<std::mutex> lock(mu);
       while (!stopping) {
         lock.unlock();
-        try {
-          beat->add(key, 1);
-        } catch (const std::exception&) {
-          // The store (rank 0) is gone: the collectives will say so.
+        if (fd >= 0) {
+          ++count;
+          if (::pwrite(fd, &count, sizeof(count), 0) != static_cast<ssize_t>(sizeof(count))) --count;
+        } else {
+          try {
+            store->add(key, 1);
+          } catch (const std::exception&) {
+            // The store (rank 0) is gone: the collectives will say so.
+          }
         }
         lock.lock();
         cv.wait_for(lock, kHeartbeatInterval, [this] { return stopping; });
       }
+      if (fd >= 0) ::close(fd);
     });
+  }
+
+  // Rank r's heartbeat count, read through `s` (a connection to the store) or from its file.
+  int64_t Beats(c10d::Store& s, int r) const {
+    if (!launch.rendezvous_file.empty()) return ReadHeartbeatFile(HeartbeatFile(launch, r));
+    return s.add("hb/" + std::to_string(r), 0);
   }
 
   std::string DescribeRank(int r) const {
@@ -236,12 +271,12 @@ struct ProcessGroup::Impl {
       };
       if (std::string p = posted(); !p.empty()) return p;
       std::vector<int64_t> before(static_cast<size_t>(launch.world_size));
-      for (int r = 0; r < launch.world_size; ++r) before[static_cast<size_t>(r)] = s->add("hb/" + std::to_string(r), 0);
+      for (int r = 0; r < launch.world_size; ++r) before[static_cast<size_t>(r)] = Beats(*s, r);
       std::this_thread::sleep_for(kHeartbeatInterval * 5);
       if (std::string p = posted(); !p.empty()) return p;
       std::string stopped;
       for (int r = 0; r < launch.world_size; ++r) {
-        if (r == launch.rank || s->add("hb/" + std::to_string(r), 0) != before[static_cast<size_t>(r)]) continue;
+        if (r == launch.rank || Beats(*s, r) != before[static_cast<size_t>(r)]) continue;
         stopped += (stopped.empty() ? "" : ", ") + DescribeRank(r);
       }
       if (!stopped.empty()) return stopped + " stopped answering (killed, crashed or hung)";
@@ -488,7 +523,6 @@ Status ProcessGroup::Post(const std::string& key, const std::string& value) {
 
 Result<std::string> ProcessGroup::Await(const std::string& key, int poster, const std::string& what) {
   const std::string k = "post/" + key;
-  const std::string hb = "hb/" + std::to_string(poster);
   int64_t last_beat = -1;
   Clock::time_point last_change = Clock::now();
   try {
@@ -499,7 +533,7 @@ Result<std::string> ProcessGroup::Await(const std::string& key, int poster, cons
       } catch (const c10::Error&) {
         // Not posted within a second: still waiting, as long as the poster's heartbeat goes on.
       }
-      const int64_t beat = impl_->keys->add(hb, 0);
+      const int64_t beat = impl_->Beats(*impl_->keys, poster);
       if (beat != last_beat) {
         last_beat = beat;
         last_change = Clock::now();

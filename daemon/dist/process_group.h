@@ -10,9 +10,11 @@
 // posted error, else for a heartbeat that stopped (killed, or hung: SIGSTOP stops every thread
 // of a process); a TCPStore that no longer answers means rank 0, which hosts it, is gone.
 //
-// Store keys (under GroupOptions::prefix): rank/<r> = "<host> <pid>", hb/<r> the heartbeat,
-// err/<r> a posted failure, and what Post writes. The TCPStore and Gloo's connections are
-// torch's own: unauthenticated TCP, as every torchrun job has; run ranks on a private network.
+// Store keys (under GroupOptions::prefix): rank/<r> = "<host> <pid>", hb/<r> the heartbeat
+// (with a rendezvous file, a counter in the file beside it, <file>.hb<r>, overwritten in place:
+// c10d's FileStore appends every write), err/<r> a posted failure, and what Post writes. The
+// TCPStore and Gloo's connections are torch's own: unauthenticated TCP, as every torchrun job
+// has; run ranks on a private network.
 // The TCPStore of torch listens on every interface of rank 0's host; ranks that share a host
 // meet through a FileStore instead (FERRY_RENDEZVOUS_FILE, what `ferryd --nproc-per-node`
 // sets), and then nothing of theirs listens beyond loopback.

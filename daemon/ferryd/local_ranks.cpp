@@ -1,5 +1,7 @@
 #include "daemon/ferryd/local_ranks.h"
 
+#include <dirent.h>
+#include <fcntl.h>
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -41,9 +43,16 @@ class RendezvousDir {
   }
   RendezvousDir(RendezvousDir&& o) noexcept : dir_(std::move(o.dir_)) { o.dir_.clear(); }
   RendezvousDir& operator=(RendezvousDir&&) = delete;
-  ~RendezvousDir() {
+  ~RendezvousDir() {  // the store and the ranks' heartbeat files, then the directory
     if (dir_.empty()) return;
-    ::unlink(file().c_str());
+    if (DIR* d = ::opendir(dir_.c_str()); d != nullptr) {
+      while (const dirent* e = ::readdir(d)) {
+        if (std::strcmp(e->d_name, ".") != 0 && std::strcmp(e->d_name, "..") != 0) {
+          ::unlinkat(::dirfd(d), e->d_name, 0);
+        }
+      }
+      ::closedir(d);
+    }
     ::rmdir(dir_.c_str());
   }
   std::string file() const { return dir_ + "/store"; }

@@ -8,11 +8,14 @@
 #include <stdlib.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <filesystem>
+#include <fstream>
 #include <future>
 #include <map>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "daemon/dist/process_group.h"
 
@@ -127,10 +130,6 @@ TEST(ProcessGroupTest, NcclIsRefusedSayingWhy) {
   EXPECT_NE(m.find("use \"gloo\""), std::string::npos) << m;
 }
 
-// How the ranks of a test meet: through a TCPStore on a free loopback port, or through a
-// rendezvous file in a fresh private directory.
-enum class Meet { kTcpStore, kFile };
-
 // A fresh directory (mkdtemp), removed with what is in it.
 class TempDir {
  public:
@@ -148,16 +147,15 @@ class TempDir {
   std::string path_;
 };
 
-// Two ranks in threads; `body(rank, group)` runs on each. On NCCL rank r is local rank r
-// (device r).
+// Two ranks in threads; `body(rank, group)` runs on each. They meet through a TCPStore on a
+// free loopback port, or through `rendezvous_file` when it is set. On NCCL rank r is local
+// rank r (device r).
 template <typename Fn>
 void RunTwoRanks(Fn body, std::chrono::milliseconds timeout = std::chrono::seconds(20),
-                 const std::string& backend = "gloo", Meet meet = Meet::kTcpStore) {
+                 const std::string& backend = "gloo", const std::string& rendezvous_file = "") {
   auto free_port = FreeLoopbackPort();
   ASSERT_TRUE(free_port.ok()) << free_port.status().ToString();
   const int port = *free_port;
-  TempDir dir;
-  ASSERT_FALSE(dir.path().empty());
   auto rank = [&](int r) {
     Launch l;
     l.rank = r;
@@ -166,7 +164,7 @@ void RunTwoRanks(Fn body, std::chrono::milliseconds timeout = std::chrono::secon
     l.local_world_size = 2;
     l.master_addr = "127.0.0.1";
     l.master_port = port;
-    if (meet == Meet::kFile) l.rendezvous_file = dir.path() + "/store";
+    l.rendezvous_file = rendezvous_file;
     GroupOptions o;
     o.backend = backend;
     o.timeout = timeout;
@@ -233,7 +231,51 @@ TEST(ProcessGroupTest, ARendezvousFileThatCannotBeOpenedIsNamed) {
       << g.status().message();
 }
 
-class ProcessGroupMeetTest : public ::testing::TestWithParam<Meet> {};
+// The heartbeats of ranks that meet through a file count in files of their own, overwritten in
+// place: the rendezvous file does not grow while the ranks run (c10d's FileStore appends every
+// write), and the directory holds the store and one heartbeat file per rank.
+TEST(ProcessGroupTest, HeartbeatsDoNotGrowTheRendezvousFile) {
+  TempDir dir;
+  ASSERT_FALSE(dir.path().empty());
+  const std::string file = dir.path() + "/store";
+  RunTwoRanks(
+      [&](int r, ProcessGroup& g) {
+        at::Tensor t = at::ones({2});
+        ASSERT_TRUE(g.AllReduceSum(t, "first").ok());
+        if (r == 0) {
+          auto beats = [&] {  // rank 1's count
+            int64_t n = -1;
+            std::ifstream in(file + ".hb1", std::ios::binary);
+            in.read(reinterpret_cast<char*>(&n), sizeof(n));
+            return n;
+          };
+          const auto size = std::filesystem::file_size(file);
+          const int64_t before = beats();
+          std::this_thread::sleep_for(ProcessGroup::kHeartbeatInterval * 6);
+          EXPECT_GE(beats(), before + 3);
+          EXPECT_EQ(std::filesystem::file_size(file + ".hb1"), sizeof(int64_t));
+          EXPECT_EQ(std::filesystem::file_size(file), size);
+        }
+        ASSERT_TRUE(g.AllReduceSum(t, "last").ok());
+      },
+      std::chrono::seconds(20), "gloo", file);
+  std::vector<std::string> names;
+  for (const auto& e : std::filesystem::directory_iterator(dir.path())) names.push_back(e.path().filename());
+  std::sort(names.begin(), names.end());
+  EXPECT_EQ(names, (std::vector<std::string>{"store", "store.hb0", "store.hb1"}));
+}
+
+// How the ranks of a test meet: through a TCPStore, or through a rendezvous file in a fresh
+// private directory.
+enum class Meet { kTcpStore, kFile };
+
+class ProcessGroupMeetTest : public ::testing::TestWithParam<Meet> {
+ protected:
+  void SetUp() override { ASSERT_FALSE(dir_.path().empty()); }
+  // The ranks' rendezvous file ("" for a TCPStore).
+  std::string File() const { return GetParam() == Meet::kFile ? dir_.path() + "/store" : ""; }
+  TempDir dir_;
+};
 
 INSTANTIATE_TEST_SUITE_P(Stores, ProcessGroupMeetTest, ::testing::Values(Meet::kTcpStore, Meet::kFile),
                          [](const auto& info) { return info.param == Meet::kFile ? "File" : "TcpStore"; });
@@ -252,7 +294,7 @@ TEST_P(ProcessGroupMeetTest, CollectivesOverTwoRanks) {
           EXPECT_EQ(*go, "1");
         }
       },
-      std::chrono::seconds(20), "gloo", GetParam());
+      std::chrono::seconds(20), "gloo", File());
 }
 
 // A one-rank NCCL group (what one GPU allows): every collective runs through NCCL on the
@@ -329,7 +371,7 @@ TEST_P(ProcessGroupMeetTest, AFailedRankIsNamedWithItsError) {
         at::Tensor t = at::ones({8});
         seen.set_value(g.AllReduceSum(t, "step 4: averaging the LoRA gradients"));
       },
-      std::chrono::seconds(20), "gloo", GetParam());
+      std::chrono::seconds(20), "gloo", File());
   const Status s = seen.get_future().get();
   ASSERT_FALSE(s.ok());
   EXPECT_EQ(s.code(), StatusCode::kUnavailable);
@@ -347,7 +389,7 @@ TEST_P(ProcessGroupMeetTest, ARankThatStopsAnsweringIsNamed) {
         at::Tensor t = at::ones({8});
         seen.set_value(g.AllReduceSum(t, "step 2: gathering the rewards"));
       },
-      std::chrono::seconds(5), "gloo", GetParam());
+      std::chrono::seconds(5), "gloo", File());
   const Status s = seen.get_future().get();
   ASSERT_FALSE(s.ok());
   EXPECT_EQ(s.code(), StatusCode::kUnavailable);

@@ -15,10 +15,6 @@ namespace {
 
 using json = nlohmann::json;
 
-std::string StepWhat(const Trainer::State& s, const std::string& what) {
-  return "step " + std::to_string(s.step + 1) + ": " + what;
-}
-
 at::Tensor DigestTensor(const store::Digest& d) {
   at::Tensor t = at::empty({16}, at::kByte);
   std::memcpy(t.data_ptr<uint8_t>(), &d.hi, 8);
@@ -140,7 +136,7 @@ Status ShareStartState(Trainer::State& s) {
 Result<at::Tensor> GatherRows(Trainer::State& s, const at::Tensor& local, const std::string& what) {
   if (!s.group) return local;
   PhaseTimer timer(s, "communication");
-  FERRY_ASSIGN_OR_RETURN(at::Tensor all, s.group->AllGather(local.contiguous(), StepWhat(s, what)));
+  FERRY_ASSIGN_OR_RETURN(at::Tensor all, s.group->AllGather(local.contiguous(), what));
   std::vector<int64_t> shape = local.sizes().vec();
   shape[0] *= s.group->size();
   return all.reshape(shape);
@@ -150,14 +146,14 @@ Result<int64_t> SumOverRanks(Trainer::State& s, int64_t value, const std::string
   if (!s.group) return value;
   PhaseTimer timer(s, "communication");
   at::Tensor t = at::full({1}, value, at::kLong);
-  FERRY_RETURN_IF_ERROR(s.group->AllReduceSum(t, StepWhat(s, what)));
+  FERRY_RETURN_IF_ERROR(s.group->AllReduceSum(t, what));
   return t.item<int64_t>();
 }
 
 Status AverageGradients(Trainer::State& s) {
   if (!s.group) return Status::OK();
   PhaseTimer timer(s, "communication");
-  const std::string what = StepWhat(s, "averaging the LoRA gradients");
+  const std::string what = "averaging the LoRA gradients";
   return runtime::GuardTorch(what, [&]() -> Status {
     at::NoGradGuard no_grad;
     std::vector<at::Tensor> params = s.adapter->parameters();
@@ -209,14 +205,15 @@ store::Digest GetDigest(const at::Tensor& row, int64_t at) {
   return store::Digest{(v(0) << 32) | v(1), (v(2) << 32) | v(3)};
 }
 
-Status ShareStepEnd(Trainer::State& s, const store::Digest& acked, Metrics& metrics, bool check_adapter) {
+Status ShareStepEnd(Trainer::State& s, const store::Digest& acked, Metrics& metrics, bool check_adapter,
+                    bool at_start) {
   if (!s.group) {
     s.rank_versions = {acked.Hex()};
     return Status::OK();
   }
   PhaseTimer timer(s, "communication");
   dist::ProcessGroup& g = *s.group;
-  const std::string when = s.step == 0 ? "at the start" : "step " + std::to_string(s.step);
+  const std::string when = at_start ? "at the start: " : "";  // a step's errors: Trainer::Step names it
   // [acked id (4), the metrics' names (4), rank 0's word (1), the metrics' values]
   std::vector<double> values;
   PutDigest(values, acked);
@@ -226,13 +223,13 @@ Status ShareStepEnd(Trainer::State& s, const store::Digest& acked, Metrics& metr
   values.push_back(g.rank() == 0 && s.ask_before_step && s.ask_before_step() ? 1.0 : 0.0);
   for (const auto& [k, v] : metrics) values.push_back(v);
   FERRY_ASSIGN_OR_RETURN(at::Tensor all, g.AllGather(at::tensor(values, at::kDouble),
-                                                     when + ": gathering the acknowledged ids and the metrics"));
+                                                     when + "gathering the acknowledged ids and the metrics"));
   s.await_word = all[0][8].item<double>() != 0;
   s.rank_versions.clear();
   for (int r = 0; r < g.size(); ++r) s.rank_versions.push_back(GetDigest(all[r], 0).Hex());
   for (int r = 1; r < g.size(); ++r) {
     if (s.rank_versions[static_cast<size_t>(r)] != s.rank_versions[0]) {
-      return Status::Corruption(when + ": the generator of " + g.Describe(r) + " acknowledged " +
+      return Status::Corruption(when + "the generator of " + g.Describe(r) + " acknowledged " +
                                 s.rank_versions[static_cast<size_t>(r)] + " but that of " + g.Describe(0) +
                                 " acknowledged " + s.rank_versions[0] +
                                 ": the ranks do not hold the same weights (a base that differs between hosts, or "
@@ -241,7 +238,7 @@ Status ShareStepEnd(Trainer::State& s, const store::Digest& acked, Metrics& metr
   }
   for (int r = 0; r < g.size(); ++r) {
     if (GetDigest(all[r], 4) != GetDigest(all[g.rank()], 4)) {
-      return Status::Internal(when + ": the metrics of " + g.Describe(r) + " have other names than " +
+      return Status::Internal(when + "the metrics of " + g.Describe(r) + " have other names than " +
                               g.Describe(g.rank()) + "'s");
     }
   }
@@ -256,10 +253,10 @@ Status ShareStepEnd(Trainer::State& s, const store::Digest& acked, Metrics& metr
   }
   if (!check_adapter) return Status::OK();
   FERRY_ASSIGN_OR_RETURN(store::Digest mine, AdapterDigest(s));
-  FERRY_ASSIGN_OR_RETURN(at::Tensor adapters, g.AllGather(DigestTensor(mine), when + ": comparing the adapters"));
+  FERRY_ASSIGN_OR_RETURN(at::Tensor adapters, g.AllGather(DigestTensor(mine), when + "comparing the adapters"));
   for (int r = 1; r < g.size(); ++r) {
     if (!adapters[r].equal(adapters[0])) {
-      return Status::Corruption(when + ": the adapter parameters of " + g.Describe(r) + " (digest " +
+      return Status::Corruption(when + "the adapter parameters of " + g.Describe(r) + " (digest " +
                                 DigestOf(adapters[r]).Hex() + ") differ from those of " + g.Describe(0) + " (digest " +
                                 DigestOf(adapters[0]).Hex() + "); the run stops");
     }

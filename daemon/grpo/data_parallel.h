@@ -39,6 +39,8 @@ inline constexpr int64_t kGradientBucketBytes = int64_t{32} << 20;
 // Rank 0's start state onto every rank (see the top). REQUIRES: s.group.
 [[nodiscard]] Status ShareStartState(Trainer::State& s);
 
+// The collectives of a step; `what` names the operation in errors (Trainer::Step puts the
+// step's number in front).
 // Every rank's rows of `local` ([n, ...], equal shapes), in rank order: [W * n, ...]. Without
 // a group: `local`.
 [[nodiscard]] Result<at::Tensor> GatherRows(Trainer::State& s, const at::Tensor& local, const std::string& what);
@@ -50,15 +52,17 @@ inline constexpr int64_t kGradientBucketBytes = int64_t{32} << 20;
 // then defined). Without a group: nothing.
 [[nodiscard]] Status AverageGradients(Trainer::State& s);
 
-// The end of a step (or the start, with no metrics), in one gather: rank 0's word on whether
+// The end of a step (or, `at_start`, the start, with no metrics), in one gather: rank 0's word on whether
 // the ranks wait for it before the next step (s.ask_before_step, into s.await_word); the snapshot id each
 // rank's generator acknowledged (`acked`, this rank's) into s.rank_versions, kCorruption naming
 // the rank, its host and both ids when one differs from rank 0's; the names of the metrics
 // (kInternal when they differ); and `metrics` combined over the ranks: the mean, or the min /
 // max of those whose last name part starts or ends with min / max. With check_adapter, a
 // second gather compares the ranks' adapter digests (kCorruption likewise). Without a group:
-// s.rank_versions = {acked}, `metrics` unchanged.
-[[nodiscard]] Status ShareStepEnd(Trainer::State& s, const store::Digest& acked, Metrics& metrics, bool check_adapter);
+// s.rank_versions = {acked}, `metrics` unchanged. Errors begin "at the start: " at the start;
+// a step's name no step (Trainer::Step puts its number in front, as for every error of a step).
+[[nodiscard]] Status ShareStepEnd(Trainer::State& s, const store::Digest& acked, Metrics& metrics, bool check_adapter,
+                                  bool at_start = false);
 
 // Whether the run's step `step` is one whose adapter digests the ranks compare.
 bool AdapterCheckDue(const Trainer::State& s, int64_t step);

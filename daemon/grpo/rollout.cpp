@@ -258,9 +258,8 @@ Result<Rollout> MakeRollout(Trainer::State& s) {
   const double generation_wait = std::chrono::duration<double>(std::chrono::steady_clock::now() - wait_start).count();
   const int64_t staleness = s.step - version_step;
   if (staleness < 0 || staleness > c.max_staleness) {
-    return Status::Internal("step " + std::to_string(s.step + 1) + ": completions of a version " +
-                            std::to_string(staleness) + " steps old (max_staleness " + std::to_string(c.max_staleness) +
-                            ")");
+    return Status::Internal("completions of a version " + std::to_string(staleness) + " steps old (max_staleness " +
+                            std::to_string(c.max_staleness) + ")");
   }
   if (c.max_staleness > 0 && s.vllm) FERRY_RETURN_IF_ERROR(StartNextGeneration(s));
   const std::vector<const run::Example*>& examples = drawn.examples;

@@ -483,7 +483,7 @@ Result<std::unique_ptr<Trainer::State>> CreateState(const TrainOptions& options,
     s->generator_version = acked.Hex();
     s->generator_step = restored.step;
     Metrics none;
-    FERRY_RETURN_IF_ERROR(ShareStepEnd(*s, acked, none, /*check_adapter=*/s->group != nullptr));
+    FERRY_RETURN_IF_ERROR(ShareStepEnd(*s, acked, none, /*check_adapter=*/s->group != nullptr, /*at_start=*/true));
     s->await_word = true;  // before the first step, the ranks wait for rank 0's word
   }
   s->generator_snapshot = first.snapshot;
@@ -583,8 +583,7 @@ Result<StepResult> TakeStep(Trainer::State& s) {
     auto generation_done = [&s] {
       if (s.inflight) s.inflight->completions.wait();
     };
-    FERRY_RETURN_IF_ERROR(s.vllm->Adopt(*s.adapter, h.snapshot->manifest_id(), generation_done)
-                              .WithContext("step " + std::to_string(s.step)));
+    FERRY_RETURN_IF_ERROR(s.vllm->Adopt(*s.adapter, h.snapshot->manifest_id(), generation_done));
     s.generator_version = h.snapshot->manifest_id().Hex();
     s.generator_step = s.step;
     step_metrics["timing/adopt"] =
@@ -597,8 +596,8 @@ Result<StepResult> TakeStep(Trainer::State& s) {
     }
     FERRY_ASSIGN_OR_RETURN(store::Digest acked, std::move(synced));
     if (acked != h.snapshot->manifest_id()) {
-      return Status::Corruption("step " + std::to_string(s.step) + ": the generator acknowledged " + acked.Hex() +
-                                " but the snapshot after the update is " + h.snapshot->manifest_id().Hex());
+      return Status::Corruption("the generator acknowledged " + acked.Hex() + " but the snapshot after the update is " +
+                                h.snapshot->manifest_id().Hex());
     }
     s.generator_version = acked.Hex();
     s.generator_step = s.step;
@@ -633,7 +632,8 @@ Result<StepResult> TakeStep(Trainer::State& s) {
 
   if (s.options.on_snapshot) s.options.on_snapshot(h.snapshot->manifest_id(), h.snapshot);
   FERRY_ASSIGN_OR_RETURN(std::function<Status()> record, PrepareRecord(s, h, step_metrics));
-  const std::string what = "step " + std::to_string(s.step) + ": recording it in the store " + s.store_dir.string();
+  // (Written in the background under Run, a failure is seen by a later step: the step is named.)
+  const std::string what = "recording step " + std::to_string(s.step) + " in the store " + s.store_dir.string();
   if (s.recorder) {
     // Under Run: the record is written while the next step computes; timing/record is then
     // the previous step's (written in the background, outside step_time).

@@ -633,6 +633,17 @@ struct DpResult {
   std::vector<std::map<std::string, double>> metrics;  // per step (rank 0's)
 };
 
+// Rank `rank` of `world` (threads of this process) on a loopback TCPStore at `port`.
+Result<std::unique_ptr<dist::ProcessGroup>> JoinRank(int rank, int world, int port, std::chrono::seconds timeout) {
+  dist::Launch l;
+  l.rank = rank;
+  l.world_size = world;
+  l.master_port = port;
+  dist::GroupOptions go;
+  go.timeout = timeout;
+  return dist::ProcessGroup::Join(l, go);
+}
+
 // Trains 3 steps with `world` ranks (threads of this process, one Gloo group) at a global
 // batch of 4 prompts x 4 completions, `extra` added to the config.
 DpResult TrainWithRanks(const fs::path& root, int world, const std::string& extra) {
@@ -652,13 +663,7 @@ DpResult TrainWithRanks(const fs::path& root, int world, const std::string& extr
     TrainOptions o = Options(r.config);
     o.completions_for_testing = FixedCompletions;
     if (world > 1) {
-      dist::Launch l;
-      l.rank = rk;
-      l.world_size = world;
-      l.master_port = port;
-      dist::GroupOptions go;
-      go.timeout = std::chrono::seconds(60);
-      auto g = dist::ProcessGroup::Join(l, go);
+      auto g = JoinRank(rk, world, port, std::chrono::seconds(60));
       ASSERT_TRUE(g.ok()) << g.status().ToString();
       group = std::move(*g);
       o.group = group.get();
@@ -727,6 +732,44 @@ INSTANTIATE_TEST_SUITE_P(LossTypes, DataParallelTest,
                                            "loss_type = \"grpo\"\nscale_rewards = \"none\"\n",
                                            "loss_type = \"grpo\"\nbeta = 0.04\n",
                                            "loss_type = \"grpo\"\nscale_rewards = \"none\"\nbeta = 0.04\n"));
+
+// A rank that leaves after step 1: rank 0's step 2 fails naming the step once, the collective
+// and the rank (kUnavailable), and refuses another step.
+TEST(DataParallelFailureTest, ARankThatLeavesIsNamedWithTheStepOnce) {
+  TempDir tmp;
+  RunFiles r = MakeRun(tmp.path(), at::kFloat, 3, 100);
+  std::string text = ReadText(r.config);
+  text.replace(text.find("threads = 2"), 11, "threads = 1");
+  WriteText(r.config, text);
+  auto free_port = dist::FreeLoopbackPort();
+  ASSERT_TRUE(free_port.ok()) << free_port.status().ToString();
+  Status second = Status::OK(), third = Status::OK();
+  auto rank = [&](int rk) {
+    auto g = JoinRank(rk, 2, *free_port, std::chrono::seconds(10));
+    ASSERT_TRUE(g.ok()) << g.status().ToString();
+    TrainOptions o = Options(r.config);
+    o.completions_for_testing = FixedCompletions;
+    o.group = g->get();
+    auto trainer = Trainer::Create(o);
+    ASSERT_TRUE(trainer.ok()) << trainer.status().ToString();
+    auto first = (*trainer)->Step();
+    ASSERT_TRUE(first.ok()) << first.status().ToString();
+    if (rk == 1) return;  // gone: its trainer and group end here
+    second = (*trainer)->Step().status();
+    third = (*trainer)->Step().status();
+  };
+  std::thread one(rank, 1);
+  rank(0);
+  one.join();
+  ASSERT_FALSE(second.ok());
+  EXPECT_EQ(second.code(), StatusCode::kUnavailable) << second.ToString();
+  const std::string m = second.message();
+  EXPECT_EQ(m.rfind("step 2: gathering the rewards and completion lengths: rank 1 (host ", 0), 0u) << m;
+  EXPECT_NE(m.find("stopped answering"), std::string::npos) << m;
+  EXPECT_EQ(m.find("step 2: step 2"), std::string::npos) << m;
+  EXPECT_EQ(third.code(), StatusCode::kFailedPrecondition) << third.ToString();
+  EXPECT_NE(third.message().find("step 2: an earlier step failed on this rank"), std::string::npos) << third.message();
+}
 
 TEST(DataParallelConfigTest, ARankTakesWholeGroups) {
   TempDir tmp;

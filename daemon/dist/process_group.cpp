@@ -2,6 +2,7 @@
 
 #include <ATen/detail/CUDAHooksInterface.h>
 
+#include <torch/version.h>
 #include <torch/csrc/distributed/c10d/FileStore.hpp>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
@@ -102,7 +103,8 @@ Result<std::string> AddressTowards(const std::string& master, int port) {
 }
 
 // The rendezvous store: a FileStore at the launch's file (numWorkers -1: it never deletes the
-// file; the launcher removes its directory), or a TCPStore that rank 0 hosts (`server`).
+// file; the launcher removes its directory), or a TCPStore that rank 0 hosts (`server`), or
+// torchrun's agent's, under this attempt's prefix (torch's _create_c10d_store).
 c10::intrusive_ptr<c10d::Store> ConnectStore(const Launch& l, bool server, std::chrono::milliseconds timeout) {
   if (!l.rendezvous_file.empty()) {
     auto file = c10::make_intrusive<c10d::FileStore>(l.rendezvous_file, -1);
@@ -111,11 +113,13 @@ c10::intrusive_ptr<c10d::Store> ConnectStore(const Launch& l, bool server, std::
   }
   c10d::TCPStoreOptions so;
   so.port = static_cast<uint16_t>(l.master_port);
-  so.isServer = server;
-  so.numWorkers = server ? c10::optional<std::size_t>(static_cast<size_t>(l.world_size)) : c10::nullopt;
+  so.isServer = server && !l.agent_store;
+  so.numWorkers = so.isServer ? c10::optional<std::size_t>(static_cast<size_t>(l.world_size)) : c10::nullopt;
   so.waitWorkers = false;
   so.timeout = timeout;
-  return c10::make_intrusive<c10d::TCPStore>(l.master_addr, so);
+  auto tcp = c10::make_intrusive<c10d::TCPStore>(l.master_addr, so);
+  if (!l.agent_store) return tcp;
+  return c10::make_intrusive<c10d::PrefixStore>("/worker/attempt_" + std::to_string(l.restart_count), tcp);
 }
 
 // With a rendezvous file, rank r's heartbeat is a counter overwritten in place in a file beside
@@ -154,7 +158,8 @@ Result<int> FreeLoopbackPort() {
 
 std::string Launch::Rendezvous() const {
   if (!rendezvous_file.empty()) return "the file " + rendezvous_file;
-  return "MASTER_ADDR:MASTER_PORT " + master_addr + ":" + std::to_string(master_port);
+  return "MASTER_ADDR:MASTER_PORT " + master_addr + ":" + std::to_string(master_port) +
+         (agent_store ? " (torchrun's store)" : "");
 }
 
 Result<Launch> LaunchFromEnv(const std::function<const char*(const char*)>& getenv_fn) {
@@ -180,6 +185,11 @@ Result<Launch> LaunchFromEnv(const std::function<const char*(const char*)>& gete
   }
   l.master_addr = addr;
   FERRY_ASSIGN_OR_RETURN(l.master_port, IntVar(getenv, "MASTER_PORT", 1, 65535, std::nullopt));
+  const char* agent = getenv("TORCHELASTIC_USE_AGENT_STORE");
+  l.agent_store = agent != nullptr && std::string(agent) == "True";  // torch compares with str(True)
+  if (l.agent_store) {
+    FERRY_ASSIGN_OR_RETURN(l.restart_count, IntVar(getenv, "TORCHELASTIC_RESTART_COUNT", 0, 1 << 30, 0));
+  }
   return l;
 }
 
@@ -284,6 +294,10 @@ struct ProcessGroup::Impl {
     } catch (const std::exception& e) {
       if (!launch.rendezvous_file.empty()) {
         return "the rendezvous file " + launch.rendezvous_file + " can no longer be read (" + FirstLine(e.what()) + ")";
+      }
+      if (launch.agent_store) {
+        return "torchrun's rendezvous store at " + launch.master_addr + ":" + std::to_string(launch.master_port) +
+               " no longer answers (its agent is gone)";
       }
       return DescribeRank(0) + " is gone (the rendezvous store it hosts at " + launch.master_addr + ":" +
              std::to_string(launch.master_port) + " no longer answers)";
@@ -439,9 +453,18 @@ Result<std::unique_ptr<ProcessGroup>> ProcessGroup::Join(const Launch& launch, c
     impl->keys = impl->Prefixed(impl->store);
     impl->pg = NewGroup(launch, options, bind, impl->store);
   } catch (const std::exception& e) {
+    std::string hint;
+    if (launch.agent_store && TORCH_VERSION_MAJOR < 2) {
+      // torch >= 2's TCPStore servers first ask a client to validate itself; 1.13's cannot.
+      hint = "; if torchrun comes from torch >= 2, its store does not talk to this LibTorch " +
+             std::to_string(TORCH_VERSION_MAJOR) + "." + std::to_string(TORCH_VERSION_MINOR) +
+             ": run torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 and its c10d rendezvous (--standalone, or "
+             "--rdzv-backend c10d), so that rank 0 hosts the store, or start local ranks with `ferryd train "
+             "--nproc-per-node N`";
+    }
     return Status::Unavailable("rank " + std::to_string(launch.rank) + " of " + std::to_string(launch.world_size) +
                                ": the rendezvous at " + launch.Rendezvous() + " did not complete (" +
-                               FirstLine(e.what()) + ")");
+                               FirstLine(e.what()) + ")" + hint);
   }
   impl->StartHeartbeat();
   auto group = std::unique_ptr<ProcessGroup>(new ProcessGroup(std::move(impl)));

@@ -34,8 +34,9 @@
 namespace ferry::dist {
 
 // torchrun's environment: RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR,
-// MASTER_PORT (the names every PyTorch launcher sets); or, in place of MASTER_ADDR and
-// MASTER_PORT, FERRY_RENDEZVOUS_FILE.
+// MASTER_PORT (the names every PyTorch launcher sets), TORCHELASTIC_USE_AGENT_STORE and
+// TORCHELASTIC_RESTART_COUNT (torchrun's own); or, in place of MASTER_ADDR and MASTER_PORT,
+// FERRY_RENDEZVOUS_FILE.
 struct Launch {
   int rank = 0;
   int world_size = 1;
@@ -43,6 +44,12 @@ struct Launch {
   int local_world_size = 1;
   std::string master_addr = "127.0.0.1";
   int master_port = 29500;
+  // torchrun (torch >= 1.9's elastic agent) hosts the TCPStore at MASTER_ADDR:MASTER_PORT
+  // itself and says so with TORCHELASTIC_USE_AGENT_STORE=True: every rank then connects to it
+  // (rank 0 hosts none), under "/worker/attempt_<TORCHELASTIC_RESTART_COUNT>", as torch's
+  // env:// rendezvous does.
+  bool agent_store = false;
+  int restart_count = 0;
   // When set, the ranks meet through c10d's FileStore at this path (a path no earlier run
   // used, in a directory only this user can enter), not a TCPStore: no socket listens for the
   // rendezvous, and Gloo binds 127.0.0.1 (or GLOO_SOCKET_IFNAME's interface, for ranks on
@@ -84,8 +91,9 @@ class ProcessGroup {
  public:
   static constexpr std::chrono::milliseconds kHeartbeatInterval{250};
 
-  // Joins the job `launch` describes: rank 0 hosts the TCPStore on MASTER_PORT, every rank
-  // connects to MASTER_ADDR:MASTER_PORT (or every rank opens the rendezvous file), the process
+  // Joins the job `launch` describes: rank 0 hosts the TCPStore on MASTER_PORT (unless
+  // torchrun's agent hosts it), every rank connects to MASTER_ADDR:MASTER_PORT (or every rank
+  // opens the rendezvous file), the process
   // group is built, and the ranks exchange host and pid. Gloo binds the address this host
   // reaches MASTER_ADDR from (127.0.0.1 for a loopback MASTER_ADDR or a rendezvous file), or
   // the interface GLOO_SOCKET_IFNAME names, as torch does.

@@ -1,6 +1,7 @@
 // ferryd: the GRPO daemon and its model runtime. `ferryd generate` samples from a model (and
 // adapter); `ferryd train` runs GRPO; `ferryd probe` computes the reference prompt
 // log-probabilities a vLLM server's are checked against. Operated by people through `ferry daemon ...`.
+#include <torch/version.h>
 #include <CLI/CLI.hpp>
 
 #include <cstdio>
@@ -32,7 +33,7 @@ int SetUpTorch(int threads) {
 int main(int argc, char** argv) {
   CLI::App app{"ferryd: GRPO with a co-located generator that provably runs the trainer's weights"};
   app.require_subcommand(1);
-  app.set_version_flag("--version", "ferryd 0.1.0");
+  app.set_version_flag("--version", "ferryd 0.1.0 (LibTorch " TORCH_VERSION ")");
   ferry::ferryd::SetGenerateCommand(app);
   ferry::ferryd::SetTrainCommand(app);
   ferry::ferryd::SetProbeCommand(app);

@@ -374,13 +374,15 @@ Result<std::unique_ptr<dist::ProcessGroup>> JoinGroup(const run::RunConfig& conf
 }
 
 Status RunTrain(const TrainFlags& f) {
-  InstallSignalHandlers();
   // Checked before anything is created: the config and the endpoints here, the rest by
   // Trainer::Create, which takes the run lock (claim_dir) only once its own checks passed.
   FERRY_ASSIGN_OR_RETURN(run::RunConfig config, run::LoadRunConfig(f.config));
   FERRY_ASSIGN_OR_RETURN(Serving serving, CheckServing(f, config));
   const fs::path dir = fs::absolute(f.dir.empty() ? config.output_dir : f.dir);
   FERRY_ASSIGN_OR_RETURN(std::unique_ptr<dist::ProcessGroup> group, JoinGroup(config));
+  // From here SIGTERM and SIGINT stop the run at a step boundary; until now (nothing written
+  // yet, the rendezvous perhaps waiting for other ranks) they end the process at once.
+  InstallSignalHandlers();
   const int rank = group ? group->rank() : 0;
   std::optional<control::RunLock> lock;
   bool lock_file_created = false;

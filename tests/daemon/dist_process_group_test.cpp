@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <ATen/detail/CUDAHooksInterface.h>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include <stdlib.h>
 #include <unistd.h>
@@ -11,6 +12,7 @@
 #include <algorithm>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <future>
 #include <map>
 #include <string>
@@ -89,6 +91,35 @@ TEST(LaunchFromEnvTest, ARendezvousFileTakesThePlaceOfTheMasterAddress) {
   EXPECT_EQ(tcp->Rendezvous(), "MASTER_ADDR:MASTER_PORT h:29400");
 }
 
+// torchrun's agent hosts the store (TORCHELASTIC_USE_AGENT_STORE=True, compared with Python's
+// str(True) as torch does); its restart count names the attempt.
+TEST(LaunchFromEnvTest, TorchrunsAgentStoreIsRead) {
+  std::map<std::string, std::string> env = {{"RANK", "1"},
+                                            {"WORLD_SIZE", "2"},
+                                            {"MASTER_ADDR", "localhost"},
+                                            {"MASTER_PORT", "29400"},
+                                            {"TORCHELASTIC_USE_AGENT_STORE", "True"},
+                                            {"TORCHELASTIC_RESTART_COUNT", "3"}};
+  auto l = FromMap(env);
+  ASSERT_TRUE(l.ok()) << l.status().ToString();
+  EXPECT_TRUE(l->agent_store);
+  EXPECT_EQ(l->restart_count, 3);
+  EXPECT_EQ(l->Rendezvous(), "MASTER_ADDR:MASTER_PORT localhost:29400 (torchrun's store)");
+
+  env["TORCHELASTIC_USE_AGENT_STORE"] = "False";
+  auto own = FromMap(env);
+  ASSERT_TRUE(own.ok()) << own.status().ToString();
+  EXPECT_FALSE(own->agent_store);
+  EXPECT_EQ(own->restart_count, 0);
+
+  env["TORCHELASTIC_USE_AGENT_STORE"] = "True";
+  env["TORCHELASTIC_RESTART_COUNT"] = "-1";
+  auto bad = FromMap(env);
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("TORCHELASTIC_RESTART_COUNT=\"-1\""), std::string::npos)
+      << bad.status().message();
+}
+
 int CudaDevices() {
   const at::CUDAHooksInterface& cuda = at::detail::getCUDAHooks();
   return cuda.hasCUDART() ? cuda.getNumGPUs() : 0;
@@ -148,11 +179,11 @@ class TempDir {
 };
 
 // Two ranks in threads; `body(rank, group)` runs on each. They meet through a TCPStore on a
-// free loopback port, or through `rendezvous_file` when it is set. On NCCL rank r is local
-// rank r (device r).
+// free loopback port that rank 0 hosts, or as `adjust` changes their Launch. On NCCL rank r is
+// local rank r (device r).
 template <typename Fn>
 void RunTwoRanks(Fn body, std::chrono::milliseconds timeout = std::chrono::seconds(20),
-                 const std::string& backend = "gloo", const std::string& rendezvous_file = "") {
+                 const std::string& backend = "gloo", const std::function<void(Launch&)>& adjust = nullptr) {
   auto free_port = FreeLoopbackPort();
   ASSERT_TRUE(free_port.ok()) << free_port.status().ToString();
   const int port = *free_port;
@@ -164,7 +195,7 @@ void RunTwoRanks(Fn body, std::chrono::milliseconds timeout = std::chrono::secon
     l.local_world_size = 2;
     l.master_addr = "127.0.0.1";
     l.master_port = port;
-    l.rendezvous_file = rendezvous_file;
+    if (adjust) adjust(l);
     GroupOptions o;
     o.backend = backend;
     o.timeout = timeout;
@@ -258,11 +289,32 @@ TEST(ProcessGroupTest, HeartbeatsDoNotGrowTheRendezvousFile) {
         }
         ASSERT_TRUE(g.AllReduceSum(t, "last").ok());
       },
-      std::chrono::seconds(20), "gloo", file);
+      std::chrono::seconds(20), "gloo", [&](Launch& l) { l.rendezvous_file = file; });
   std::vector<std::string> names;
   for (const auto& e : std::filesystem::directory_iterator(dir.path())) names.push_back(e.path().filename());
   std::sort(names.begin(), names.end());
   EXPECT_EQ(names, (std::vector<std::string>{"store", "store.hb0", "store.hb1"}));
+}
+
+// Under torchrun, its agent hosts the store: no rank hosts one, and the ranks' keys are under
+// "/worker/attempt_<restart count>" (torch's env:// rendezvous does the same).
+TEST(ProcessGroupTest, RanksMeetInTheStoreTorchrunsAgentHosts) {
+  auto port = FreeLoopbackPort();
+  ASSERT_TRUE(port.ok()) << port.status().ToString();
+  c10d::TCPStoreOptions so;
+  so.port = static_cast<uint16_t>(*port);
+  so.isServer = true;
+  so.waitWorkers = false;
+  so.timeout = std::chrono::seconds(20);
+  auto agent = c10::make_intrusive<c10d::TCPStore>("127.0.0.1", so);
+  RunTwoRanks([](int r, ProcessGroup& g) { CheckCollectives(r, g, at::kCPU); }, std::chrono::seconds(20), "gloo",
+              [&](Launch& l) {
+                l.master_port = *port;
+                l.agent_store = true;
+                l.restart_count = 3;
+              });
+  EXPECT_TRUE(agent->check({"/worker/attempt_3/test/ferry/hb/0", "/worker/attempt_3/test/ferry/hb/1"}));
+  EXPECT_FALSE(agent->check({"test/ferry/hb/0"}));
 }
 
 // How the ranks of a test meet: through a TCPStore, or through a rendezvous file in a fresh
@@ -272,8 +324,11 @@ enum class Meet { kTcpStore, kFile };
 class ProcessGroupMeetTest : public ::testing::TestWithParam<Meet> {
  protected:
   void SetUp() override { ASSERT_FALSE(dir_.path().empty()); }
-  // The ranks' rendezvous file ("" for a TCPStore).
-  std::string File() const { return GetParam() == Meet::kFile ? dir_.path() + "/store" : ""; }
+  // How the ranks meet: the rendezvous file, or (nothing to change) a TCPStore.
+  std::function<void(Launch&)> Meeting() const {
+    if (GetParam() == Meet::kTcpStore) return nullptr;
+    return [file = dir_.path() + "/store"](Launch& l) { l.rendezvous_file = file; };
+  }
   TempDir dir_;
 };
 
@@ -294,7 +349,7 @@ TEST_P(ProcessGroupMeetTest, CollectivesOverTwoRanks) {
           EXPECT_EQ(*go, "1");
         }
       },
-      std::chrono::seconds(20), "gloo", File());
+      std::chrono::seconds(20), "gloo", Meeting());
 }
 
 // A one-rank NCCL group (what one GPU allows): every collective runs through NCCL on the
@@ -371,7 +426,7 @@ TEST_P(ProcessGroupMeetTest, AFailedRankIsNamedWithItsError) {
         at::Tensor t = at::ones({8});
         seen.set_value(g.AllReduceSum(t, "step 4: averaging the LoRA gradients"));
       },
-      std::chrono::seconds(20), "gloo", File());
+      std::chrono::seconds(20), "gloo", Meeting());
   const Status s = seen.get_future().get();
   ASSERT_FALSE(s.ok());
   EXPECT_EQ(s.code(), StatusCode::kUnavailable);
@@ -389,7 +444,7 @@ TEST_P(ProcessGroupMeetTest, ARankThatStopsAnsweringIsNamed) {
         at::Tensor t = at::ones({8});
         seen.set_value(g.AllReduceSum(t, "step 2: gathering the rewards"));
       },
-      std::chrono::seconds(5), "gloo", File());
+      std::chrono::seconds(5), "gloo", Meeting());
   const Status s = seen.get_future().get();
   ASSERT_FALSE(s.ok());
   EXPECT_EQ(s.code(), StatusCode::kUnavailable);

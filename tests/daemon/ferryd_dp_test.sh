@@ -15,6 +15,11 @@
 #              resumed under another world size (1 -> 2 -> 1 ranks) goes on from the checkpoint
 #           4. a base corrupted on one rank's "host" (a flipped weight byte) is caught by the
 #              acknowledged-id comparison, naming the rank and both ids
+#           5. the real torchrun (PyPI torch's, from the venv scripts/vllm.sh caches): `torchrun
+#              --standalone --nproc-per-node 2 --no-python ferryd train` trains; torch >= 2's
+#              torchrun hosts the store itself (TORCHELASTIC_USE_AGENT_STORE): a ferryd on a
+#              LibTorch of the same major version joins it, one on Debian's 1.13 (whose client it
+#              refuses) says what to set, and trains with it set
 #   hosts   two "hosts": each rank in a network namespace of its own (a veth pair, addresses
 #           10.231.0.1/2, its own host name) made by the test, launched through torchrun's
 #           environment with MASTER_ADDR the first namespace's address. Exit 77 (skipped) when
@@ -236,4 +241,30 @@ set +e; wait "$R0"; RC0=$?; wait "$R1"; RC1=$?; set -e
 [ $RC0 -ne 0 ] && [ $RC1 -ne 0 ] || fail "the ranks ran on different bases (exit codes $RC0, $RC1)"
 grep -q "at the start: the generator of rank 1 (host .*) acknowledged [0-9a-f]\{32\} but that of rank 0 (host .*) acknowledged [0-9a-f]\{32\}" \
   "$WORK/rank0.log" || fail "rank 0's error: $(tail -2 "$WORK/rank0.log")"
+
+echo "== 5. the real torchrun"
+PY=$(bash "$FIXTURES/../scripts/vllm.sh" python) || fail "no torchrun: bash scripts/vllm.sh setup creates the venv that has it"
+TORCHRUN=$(dirname "$PY")/torchrun
+[ -x "$TORCHRUN" ] || fail "no $TORCHRUN"
+TORCH_MAJOR=$("$PY" -c 'import torch; print(torch.__version__.split(".")[0])')
+LIBTORCH_MAJOR=$("$FERRYD" --version | sed -n 's/.*(LibTorch \([0-9]*\)\..*/\1/p')
+[ -n "$LIBTORCH_MAJOR" ] || fail "ferryd --version names no LibTorch: $("$FERRYD" --version)"
+demo_config "$WORK/tr.toml" 64 20 30
+torchrun_ferryd() {  # torchrun_ferryd RUN_DIR [env...]: 2 local ranks on this host
+  env "${@:2}" "$TORCHRUN" --standalone --nproc-per-node 2 --no-python "$FERRYD" train --config "$WORK/tr.toml" \
+    --dir "$1" >"$1.log" 2>&1
+}
+if [ "$TORCH_MAJOR" -ge 2 ] && [ "$LIBTORCH_MAJOR" -lt 2 ]; then
+  set +e; torchrun_ferryd "$WORK/tr-agent"; RC=$?; set -e
+  [ $RC -ne 0 ] || fail "LibTorch $LIBTORCH_MAJOR joined torch $TORCH_MAJOR's store"
+  grep -q "error: .*rank [01] of 2: the rendezvous at MASTER_ADDR:MASTER_PORT .* (torchrun's store) did not complete .*run torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" \
+    "$WORK/tr-agent.log" || fail "torchrun's store refused, but not said so: $(grep error: "$WORK/tr-agent.log" | head -2)"
+  torchrun_ferryd "$WORK/tr" TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 || fail "torchrun, rank 0's store: $(grep error: "$WORK/tr.log" | head -3)"
+else
+  torchrun_ferryd "$WORK/tr" || fail "torchrun, its agent's store: $(grep error: "$WORK/tr.log" | head -3)"
+  grep -q "failed to bind" "$WORK/tr.log" && fail "a rank tried to host torchrun's store: $(grep -m1 'failed to bind' "$WORK/tr.log")"
+fi
+grep -q "rank 1 of 2 (local rank 1), gloo on" "$WORK/tr.log" || fail "torchrun: no rank 1: $(head -5 "$WORK/tr.log")"
+[ "$(grep -c '"step"' "$WORK/tr/metrics.jsonl")" = 2 ] && [ -d "$WORK/tr/checkpoint-20" ] \
+  || fail "torchrun: metrics.jsonl has $(grep -c '"step"' "$WORK/tr/metrics.jsonl") lines, checkpoints: $(ls "$WORK/tr")"
 echo PASS

@@ -104,7 +104,7 @@ Result<std::string> AddressTowards(const std::string& master, int port) {
 
 // The rendezvous store: a FileStore at the launch's file (numWorkers -1: it never deletes the
 // file; the launcher removes its directory), or a TCPStore that rank 0 hosts (`server`), or
-// torchrun's agent's, under this attempt's prefix (torch's _create_c10d_store).
+// torchrun's agent's, under this attempt's prefix.
 c10::intrusive_ptr<c10d::Store> ConnectStore(const Launch& l, bool server, std::chrono::milliseconds timeout) {
   if (!l.rendezvous_file.empty()) {
     auto file = c10::make_intrusive<c10d::FileStore>(l.rendezvous_file, -1);
@@ -175,6 +175,11 @@ Result<Launch> LaunchFromEnv(const std::function<const char*(const char*)>& gete
   FERRY_ASSIGN_OR_RETURN(l.local_rank, IntVar(getenv, "LOCAL_RANK", 0, l.world_size - 1, 0));
   if (!l.distributed()) return l;
   if (const char* file = getenv("FERRY_RENDEZVOUS_FILE"); file != nullptr && *file != '\0') {
+    if (l.local_world_size != l.world_size) {
+      return Status::InvalidArgument(
+          "FERRY_RENDEZVOUS_FILE is for ranks of one host, but LOCAL_WORLD_SIZE=" + std::to_string(l.local_world_size) +
+          " is not WORLD_SIZE=" + std::to_string(l.world_size) + " (ranks on several hosts meet at MASTER_ADDR)");
+    }
     l.rendezvous_file = file;
     return l;
   }
@@ -215,25 +220,32 @@ struct ProcessGroup::Impl {
     return c10::make_intrusive<c10d::PrefixStore>(options.prefix + "/ferry", s);
   }
 
-  void StartHeartbeat() {
-    heartbeat = std::thread([this] {
-      // A beat adds to "hb/<rank>" in the store, or (rendezvous file) counts in this rank's file.
-      c10::intrusive_ptr<c10d::Store> store;
-      int fd = -1;
-      if (launch.rendezvous_file.empty()) {
-        try {
-          store = Prefixed(ConnectStore(launch, /*server=*/false, std::chrono::seconds(10)));
-        } catch (const std::exception&) {
-          return;  // the others will see no heartbeat
-        }
-      } else {
-        fd = ::open(HeartbeatFile(launch, launch.rank).c_str(), O_WRONLY | O_CREAT | O_CLOEXEC, 0600);
-        if (fd < 0) return;  // the others will see no heartbeat
+  // Beats once here (a rank's first beat is in place before it joins any collective: a count
+  // never seen means "never beat", not "stopped"), then every kHeartbeatInterval from a thread.
+  // Errors: kIOError naming this rank's heartbeat file when it cannot be written.
+  Status StartHeartbeat() {
+    // A beat adds to "hb/<rank>" in the store, or (rendezvous file) counts in this rank's file.
+    c10::intrusive_ptr<c10d::Store> store;
+    int fd = -1;
+    const std::string key = "hb/" + std::to_string(launch.rank);
+    if (launch.rendezvous_file.empty()) {
+      store = Prefixed(ConnectStore(launch, /*server=*/false, std::chrono::seconds(10)));  // throws: Join's
+      store->add(key, 1);
+    } else {
+      const std::string path = HeartbeatFile(launch, launch.rank);
+      fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+      const int64_t first = 1;
+      if (fd < 0 || ::pwrite(fd, &first, sizeof(first), 0) != static_cast<ssize_t>(sizeof(first))) {
+        const int err = errno;
+        if (fd >= 0) ::close(fd);
+        return Status::IOError("rank " + std::to_string(launch.rank) + ": writing its heartbeat file " + path + ": " +
+                               std::strerror(err));
       }
-      const std::string key = "hb/" + std::to_string(launch.rank);
-      int64_t count = 0;
+    }
+    heartbeat = std::thread([this, store, fd, key] {
+      int64_t count = 1;
       std::unique_lock<std::mutex> lock(mu);
-      while (!stopping) {
+      while (!cv.wait_for(lock, kHeartbeatInterval, [this] { return stopping; })) {
         lock.unlock();
         if (fd >= 0) {
           ++count;
@@ -246,10 +258,10 @@ struct ProcessGroup::Impl {
           }
         }
         lock.lock();
-        cv.wait_for(lock, kHeartbeatInterval, [this] { return stopping; });
       }
       if (fd >= 0) ::close(fd);
     });
+    return Status::OK();
   }
 
   // Rank r's heartbeat count, read through `s` (a connection to the store) or from its file.
@@ -441,17 +453,17 @@ Result<std::unique_ptr<ProcessGroup>> ProcessGroup::Join(const Launch& launch, c
   impl->options = options;
   if (nccl) impl->device = at::Device(at::kCUDA, static_cast<at::DeviceIndex>(launch.local_rank));
   std::string bind;
-  if (const char* ifname = std::getenv("GLOO_SOCKET_IFNAME"); !nccl && (ifname == nullptr || *ifname == '\0')) {
-    if (launch.rendezvous_file.empty()) {
-      FERRY_ASSIGN_OR_RETURN(bind, AddressTowards(launch.master_addr, launch.master_port));
-    } else {
-      bind = "127.0.0.1";  // ranks of one host
-    }
+  if (!launch.rendezvous_file.empty()) {
+    bind = "127.0.0.1";  // ranks of one host: loopback, whatever GLOO_SOCKET_IFNAME says
+  } else if (const char* ifname = std::getenv("GLOO_SOCKET_IFNAME"); !nccl && (ifname == nullptr || *ifname == '\0')) {
+    FERRY_ASSIGN_OR_RETURN(bind, AddressTowards(launch.master_addr, launch.master_port));
   }
+  Status heartbeat;
   try {
     impl->store = ConnectStore(launch, launch.rank == 0, options.timeout);
     impl->keys = impl->Prefixed(impl->store);
     impl->pg = NewGroup(launch, options, bind, impl->store);
+    heartbeat = impl->StartHeartbeat();
   } catch (const std::exception& e) {
     std::string hint;
     if (launch.agent_store && TORCH_VERSION_MAJOR < 2) {
@@ -466,7 +478,7 @@ Result<std::unique_ptr<ProcessGroup>> ProcessGroup::Join(const Launch& launch, c
                                ": the rendezvous at " + launch.Rendezvous() + " did not complete (" +
                                FirstLine(e.what()) + ")" + hint);
   }
-  impl->StartHeartbeat();
+  FERRY_RETURN_IF_ERROR(heartbeat);
   auto group = std::unique_ptr<ProcessGroup>(new ProcessGroup(std::move(impl)));
   FERRY_ASSIGN_OR_RETURN(std::vector<std::string> who,
                          group->AllGatherBytes(HostName() + " " + std::to_string(::getpid()), "the rendezvous"));

@@ -44,16 +44,16 @@ struct Launch {
   int local_world_size = 1;
   std::string master_addr = "127.0.0.1";
   int master_port = 29500;
-  // torchrun (torch >= 1.9's elastic agent) hosts the TCPStore at MASTER_ADDR:MASTER_PORT
-  // itself and says so with TORCHELASTIC_USE_AGENT_STORE=True: every rank then connects to it
-  // (rank 0 hosts none), under "/worker/attempt_<TORCHELASTIC_RESTART_COUNT>", as torch's
-  // env:// rendezvous does.
+  // torchrun's agent may host the TCPStore at MASTER_ADDR:MASTER_PORT itself, and says so with
+  // TORCHELASTIC_USE_AGENT_STORE=True: every rank then connects to it (rank 0 hosts none),
+  // under "/worker/attempt_<TORCHELASTIC_RESTART_COUNT>", so that a restarted attempt never
+  // reads the keys of a failed one.
   bool agent_store = false;
   int restart_count = 0;
-  // When set, the ranks meet through c10d's FileStore at this path (a path no earlier run
-  // used, in a directory only this user can enter), not a TCPStore: no socket listens for the
-  // rendezvous, and Gloo binds 127.0.0.1 (or GLOO_SOCKET_IFNAME's interface, for ranks on
-  // several hosts that share the file's filesystem). MASTER_ADDR and MASTER_PORT are not used.
+  // When set, the ranks (of one host: LOCAL_WORLD_SIZE = WORLD_SIZE) meet through c10d's
+  // FileStore at this path (a path no earlier run used, in a directory only this user can
+  // enter), not a TCPStore: no socket listens for the rendezvous, and Gloo binds 127.0.0.1
+  // (GLOO_SOCKET_IFNAME is not read). MASTER_ADDR and MASTER_PORT are not used.
   std::string rendezvous_file;
   bool distributed() const { return world_size > 1; }
   // Where the ranks meet, for messages: "MASTER_ADDR:MASTER_PORT host:port" or "the file PATH".
@@ -67,7 +67,8 @@ Result<int> FreeLoopbackPort();
 // Reads torchrun's variables through `getenv` (::getenv by default). With none of RANK and
 // WORLD_SIZE set: one process (world size 1). Errors (kInvalidArgument) name the variable: a
 // value that is not a number, a rank outside [0, WORLD_SIZE), WORLD_SIZE > 1 without
-// MASTER_ADDR or MASTER_PORT (and without FERRY_RENDEZVOUS_FILE), a port outside 1..65535.
+// MASTER_ADDR or MASTER_PORT (and without FERRY_RENDEZVOUS_FILE), a port outside 1..65535,
+// FERRY_RENDEZVOUS_FILE with LOCAL_WORLD_SIZE < WORLD_SIZE.
 Result<Launch> LaunchFromEnv(const std::function<const char*(const char*)>& getenv = nullptr);
 
 struct GroupOptions {
@@ -97,6 +98,8 @@ class ProcessGroup {
   // group is built, and the ranks exchange host and pid. Gloo binds the address this host
   // reaches MASTER_ADDR from (127.0.0.1 for a loopback MASTER_ADDR or a rendezvous file), or
   // the interface GLOO_SOCKET_IFNAME names, as torch does.
+  // Errors also: kIOError when this rank's heartbeat file (with a rendezvous file) cannot be
+  // written.
   // NCCL runs on device cuda:LOCAL_RANK and sets TORCH_NCCL_BLOCKING_WAIT=1 unless it is set,
   // so that a collective past the timeout fails (and names the rank) instead of NCCL's watchdog
   // ending the process.

@@ -70,8 +70,8 @@ Result<int> RunLocalRanks(int nproc, const std::vector<std::string>& argv, std::
   struct sigaction sa {};
   sa.sa_handler = OnSignal;
   sigemptyset(&sa.sa_mask);
-  ::sigaction(SIGTERM, &sa, nullptr);
-  ::sigaction(SIGINT, &sa, nullptr);
+  // Passed on to the ranks; the launcher itself stays to reap them and remove the rendezvous.
+  for (int sig : {SIGTERM, SIGINT, SIGHUP, SIGQUIT}) ::sigaction(sig, &sa, nullptr);
   std::fprintf(stderr, "ferryd: starting %d local ranks (rendezvous file %s)\n", nproc, store.c_str());
   std::fflush(nullptr);
   std::vector<pid_t> pids;
@@ -90,8 +90,10 @@ Result<int> RunLocalRanks(int nproc, const std::vector<std::string>& argv, std::
       ::setenv("WORLD_SIZE", n.c_str(), 1);
       ::setenv("LOCAL_WORLD_SIZE", n.c_str(), 1);
       ::setenv("FERRY_RENDEZVOUS_FILE", store.c_str(), 1);
-      ::signal(SIGTERM, SIG_DFL);
-      ::signal(SIGINT, SIG_DFL);
+      // NCCL's bootstrap sockets on loopback too (it would take the first other interface);
+      // a user's own choice stays.
+      ::setenv("NCCL_SOCKET_IFNAME", "lo", /*overwrite=*/0);
+      for (int sig : {SIGTERM, SIGINT, SIGHUP, SIGQUIT}) ::signal(sig, SIG_DFL);
       std::vector<char*> args;
       for (const std::string& a : argv) args.push_back(const_cast<char*>(a.c_str()));
       args.push_back(nullptr);

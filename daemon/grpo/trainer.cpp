@@ -632,8 +632,9 @@ Result<StepResult> TakeStep(Trainer::State& s) {
 
   if (s.options.on_snapshot) s.options.on_snapshot(h.snapshot->manifest_id(), h.snapshot);
   FERRY_ASSIGN_OR_RETURN(std::function<Status()> record, PrepareRecord(s, h, step_metrics));
-  // (Written in the background under Run, a failure is seen by a later step: the step is named.)
-  const std::string what = "recording step " + std::to_string(s.step) + " in the store " + s.store_dir.string();
+  // Written in the background under Run, a failure is seen by a later step: it names this one.
+  const std::string what = (s.recorder ? "recording step " + std::to_string(s.step) : std::string("recording it")) +
+                           " in the store " + s.store_dir.string();
   if (s.recorder) {
     // Under Run: the record is written while the next step computes; timing/record is then
     // the previous step's (written in the background, outside step_time).

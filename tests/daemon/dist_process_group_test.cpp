@@ -78,12 +78,24 @@ TEST(LaunchFromEnvTest, ErrorsNameTheVariable) {
 
 // FERRY_RENDEZVOUS_FILE stands in for MASTER_ADDR and MASTER_PORT, which are then not read.
 TEST(LaunchFromEnvTest, ARendezvousFileTakesThePlaceOfTheMasterAddress) {
-  auto l = FromMap(
-      {{"RANK", "1"}, {"WORLD_SIZE", "2"}, {"FERRY_RENDEZVOUS_FILE", "/run/x/store"}, {"MASTER_PORT", "not a port"}});
+  std::map<std::string, std::string> env = {{"RANK", "1"},
+                                            {"WORLD_SIZE", "2"},
+                                            {"LOCAL_WORLD_SIZE", "2"},
+                                            {"FERRY_RENDEZVOUS_FILE", "/run/x/store"},
+                                            {"MASTER_PORT", "not a port"}};
+  auto l = FromMap(env);
   ASSERT_TRUE(l.ok()) << l.status().ToString();
   EXPECT_EQ(l->rank, 1);
   EXPECT_EQ(l->rendezvous_file, "/run/x/store");
   EXPECT_EQ(l->Rendezvous(), "the file /run/x/store");
+  // Ranks of one host only.
+  env["LOCAL_WORLD_SIZE"] = "1";
+  auto hosts = FromMap(env);
+  ASSERT_FALSE(hosts.ok());
+  EXPECT_NE(hosts.status().message().find(
+                "FERRY_RENDEZVOUS_FILE is for ranks of one host, but LOCAL_WORLD_SIZE=1 is not WORLD_SIZE=2"),
+            std::string::npos)
+      << hosts.status().message();
 
   auto tcp = FromMap({{"RANK", "1"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "h"}, {"MASTER_PORT", "29400"}});
   ASSERT_TRUE(tcp.ok()) << tcp.status().ToString();
@@ -297,7 +309,7 @@ TEST(ProcessGroupTest, HeartbeatsDoNotGrowTheRendezvousFile) {
 }
 
 // Under torchrun, its agent hosts the store: no rank hosts one, and the ranks' keys are under
-// "/worker/attempt_<restart count>" (torch's env:// rendezvous does the same).
+// "/worker/attempt_<restart count>".
 TEST(ProcessGroupTest, RanksMeetInTheStoreTorchrunsAgentHosts) {
   auto port = FreeLoopbackPort();
   ASSERT_TRUE(port.ok()) << port.status().ToString();
@@ -341,7 +353,9 @@ TEST_P(ProcessGroupMeetTest, CollectivesOverTwoRanks) {
         CheckCollectives(r, g, at::kCPU);
 
         if (r == 0) {
-          std::this_thread::sleep_for(std::chrono::milliseconds(1500));  // longer than one Await poll
+          // Longer than one Await poll: 1 s on a TCPStore, 2 s on a FileStore (whose wait counts
+          // whole seconds).
+          std::this_thread::sleep_for(std::chrono::milliseconds(2500));
           ASSERT_TRUE(g.Post("go/0", "1").ok());
         } else {
           auto go = g.Await("go/0", 0, "waiting");
@@ -433,6 +447,28 @@ TEST_P(ProcessGroupMeetTest, AFailedRankIsNamedWithItsError) {
   EXPECT_NE(s.message().find("step 4: averaging the LoRA gradients: rank 1 (host "), std::string::npos) << s.message();
   EXPECT_NE(s.message().find("failed: step 4: reward command 'score.sh' exited with code 3"), std::string::npos)
       << s.message();
+}
+
+// A rank waiting for a word (Await) from a rank that leaves without posting it: named by its
+// stopped heartbeat, not a wait without end. (Ranks meeting at a rendezvous file: when the rank
+// that hosts LibTorch 1.13's TCPStore leaves, the store's own client thread in the others may
+// end their process with "Connection reset by peer", an exception nothing can catch.)
+TEST(ProcessGroupTest, AnAwaitedRankThatLeavesIsNamed) {
+  TempDir dir;
+  ASSERT_FALSE(dir.path().empty());
+  std::promise<Result<std::string>> seen;
+  RunTwoRanks(
+      [&](int r, ProcessGroup& g) {
+        if (r == 0) return;  // gone without a word
+        seen.set_value(g.Await("go/0", 0, "before step 1"));
+      },
+      std::chrono::seconds(20), "gloo", [&](Launch& l) { l.rendezvous_file = dir.path() + "/store"; });
+  const Result<std::string> s = seen.get_future().get();
+  ASSERT_FALSE(s.ok());
+  EXPECT_EQ(s.status().code(), StatusCode::kUnavailable);
+  const std::string m = s.status().message();
+  EXPECT_EQ(m.rfind("before step 1: rank 0 (host ", 0), 0u) << m;
+  EXPECT_NE(m.find("stopped answering"), std::string::npos) << m;
 }
 
 TEST_P(ProcessGroupMeetTest, ARankThatStopsAnsweringIsNamed) {

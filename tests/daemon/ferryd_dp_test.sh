@@ -151,11 +151,30 @@ LAUNCHER=$(ps -o ppid= -p "$(python3 -c 'import json,sys; print(json.loads(sys.a
 RDZV=$(grep -o 'rendezvous file [^ )]*' "$RUN/ferryd.log" | head -1 | cut -d' ' -f3)
 [ -n "$RDZV" ] && [ -f "$RDZV" ] || fail "no rendezvous file in the log: $(head -3 "$RUN/ferryd.log")"
 [ "$(stat -c %a "$(dirname "$RDZV")")" = 700 ] || fail "the rendezvous directory's mode: $(stat -c %a "$(dirname "$RDZV")")"
-for p in $LAUNCHER $(python3 -c 'import json,sys; print(" ".join(str(r["pid"]) for r in json.loads(sys.argv[1])["ranks"]))' "$STATUS"); do
-  LISTENING=$(ss -Hltnp | grep "pid=$p," | awk '{print $4}' || true)
-  OPEN=$(grep -v -E '^(127\.0\.0\.1|\[::1\]|\[::ffff:127\.0\.0\.1\]):[0-9]+$' <<<"$LISTENING" | grep . || true)
-  [ -z "$OPEN" ] || fail "process $p listens beyond loopback: $OPEN"
-done
+# From /proc: the TCP sockets of the launcher and the ranks (each rank has some: its Gloo
+# connections), none of them a listener beyond loopback.
+RANK_PIDS=$(python3 -c 'import json,sys; print(" ".join(str(r["pid"]) for r in json.loads(sys.argv[1])["ranks"]))' "$STATUS")
+python3 - "$LAUNCHER" $RANK_PIDS <<'EOF' || fail "a socket of the run listens beyond loopback (above)"
+import os, sys
+tcp = {}  # inode -> (state, local address in hex)
+for name in ("tcp", "tcp6"):
+    for line in open(f"/proc/net/{name}").readlines()[1:]:
+        f = line.split()
+        tcp[f[9]] = (f[3], f[1].split(":")[0])
+loopback = {"0100007F", "00000000000000000000000001000000", "0000000000000000FFFF00000100007F"}
+ok = True
+for i, pid in enumerate(sys.argv[1:]):
+    links = [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")]
+    mine = [tcp[l[8:-1]] for l in links if l.startswith("socket:[") and l[8:-1] in tcp]
+    if i > 0 and not mine:
+        print(f"rank pid {pid}: no TCP socket found (it has Gloo connections)")
+        ok = False
+    for state, addr in mine:
+        if state == "0A" and addr not in loopback:
+            print(f"pid {pid} listens on {addr}")
+            ok = False
+sys.exit(0 if ok else 1)
+EOF
 # A snapshot while paused: rank 0 writes the checkpoint; merged, it is the version every rank holds.
 SNAP=$("$FERRY" daemon snapshot --dir "$RUN" --json) || fail "daemon snapshot: $SNAP"
 CKPT=$(python3 -c 'import json,sys; print(json.loads(sys.argv[1])["checkpoint"])' "$SNAP")

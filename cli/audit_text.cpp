@@ -163,11 +163,11 @@ std::string AuditToText(const AuditReport& r) {
     for (const auto& [k, value] : v.metrics) metrics += (metrics.empty() ? "" : " ") + k + "=" + FormatNumber(value, 6);
     if (e.delta_norm)
       metrics += (metrics.empty() ? "" : " ") + std::string("delta_norm=") + FormatNumber(*e.delta_norm, 4);
-    std::snprintf(line, sizeof line, "  %-10s %4llu %8s  %-12s  %-12s  %-8s  %s\n", v.run.c_str(),
-                  static_cast<unsigned long long>(v.sequence), v.step ? std::to_string(*v.step).c_str() : "-",
-                  ShortId(v.id).c_str(), v.parent ? ShortId(*v.parent).c_str() : "-",
-                  std::string(KindName(v.kind)).c_str(), metrics.c_str());
-    s += line;
+    // The run's name and the metrics (about 30 for a ferryd step) outside the fixed-size buffer.
+    std::snprintf(line, sizeof line, " %4llu %8s  %-12s  %-12s  %-8s  ", static_cast<unsigned long long>(v.sequence),
+                  v.step ? std::to_string(*v.step).c_str() : "-", ShortId(v.id).c_str(),
+                  v.parent ? ShortId(*v.parent).c_str() : "-", std::string(KindName(v.kind)).c_str());
+    s += "  " + v.run + std::string(v.run.size() < 10 ? 10 - v.run.size() : 0, ' ') + line + metrics + "\n";
   }
   s += "\nReceivers (" + std::to_string(r.receivers.size()) + " events)\n";
   if (r.receivers.empty()) s += "  none recorded\n";

@@ -29,6 +29,7 @@
 #include "cli/store_common.h"
 #include "cli/sync_engine.h"
 #include "core/text.h"
+#include "store/engine_report.h"
 #include "sync/endpoints.h"
 #include "sync/publisher.h"
 #include "sync/receiver.h"
@@ -414,9 +415,11 @@ void RunStatus(const StatusFlags& f) {
     j["lost"] = r.lost.has_value();
     if (r.lost) j["lost_detail"] = *r.lost;
     // The engine the receiver drives: what it was last proven to serve, and a mismatch since.
+    // A record that is not a valid report is shown as such ("invalid"), never as a proof.
     auto engine_json = [](const store::Event& e) {
-      Json d = Json::parse(e.detail, nullptr, false);
-      if (!d.is_object()) d = Json::object();
+      Result<store::EngineReport> report = store::ParseEngineReport(e.detail, e.type == store::Event::Type::kEngine);
+      Json d =
+          report.ok() ? Json::parse(store::EngineReportJson(*report)) : Json{{"invalid", report.status().message()}};
       d["version"] = e.version.Hex();
       d["time"] = FormatTime(e.time_ns);
       return d;
@@ -438,20 +441,28 @@ void RunStatus(const StatusFlags& f) {
     std::printf("%-24s %-12s %-8s %-5s %-20s %-20s %s\n", j["receiver"].get<std::string>().c_str(), version.c_str(),
                 j["version"].is_null() ? "-" : (j["verified"].get<bool>() ? "yes" : "NO"), lag.c_str(),
                 text(j["time"]).c_str(), text(j["last_seen"]).c_str(), j["lost"].get<bool>() ? "LOST" : "ok");
+    auto figure = [](const Json& v) {
+      return v.is_number() ? FormatNumber(v.get<double>(), 3) : std::string("not finite");
+    };
     if (j.contains("engine")) {
       const Json& e = j["engine"];
-      std::printf("  engine %s %s serves %s as %s, proven %s (largest difference %s)\n",
-                  e.value("engine", std::string("?")).c_str(), e.value("url", std::string("?")).c_str(),
-                  e["version"].get<std::string>().substr(0, 12).c_str(), e.value("model", std::string("?")).c_str(),
-                  e["time"].get<std::string>().c_str(),
-                  e.contains("max_diff") && e["max_diff"].is_number()
-                      ? FormatNumber(e["max_diff"].get<double>(), 3).c_str()
-                      : "?");
+      if (e.contains("invalid")) {
+        std::printf("  engine record for %s, %s, is invalid: %s\n",
+                    e["version"].get<std::string>().substr(0, 12).c_str(), e["time"].get<std::string>().c_str(),
+                    e["invalid"].get<std::string>().c_str());
+      } else {
+        std::printf("  engine %s %s serves %s as %s, proven %s (largest difference %s)\n",
+                    e["engine"].get<std::string>().c_str(), e["url"].get<std::string>().c_str(),
+                    e["version"].get<std::string>().substr(0, 12).c_str(), e["model"].get<std::string>().c_str(),
+                    e["time"].get<std::string>().c_str(), figure(e["max_diff"]).c_str());
+      }
     }
     if (j.contains("engine_mismatch")) {
       const Json& e = j["engine_mismatch"];
       std::printf("  engine MISMATCH %s: did not answer as %s (%s)\n", e["time"].get<std::string>().c_str(),
-                  e["version"].get<std::string>().substr(0, 12).c_str(), e.value("why", std::string("?")).c_str());
+                  e["version"].get<std::string>().substr(0, 12).c_str(),
+                  e.contains("invalid") ? ("invalid record: " + e["invalid"].get<std::string>()).c_str()
+                                        : e["why"].get<std::string>().c_str());
     }
   }
 }

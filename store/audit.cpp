@@ -9,9 +9,8 @@
 #include <tuple>
 #include <utility>
 
-#include <nlohmann/json.hpp>
-
 #include "core/text.h"
+#include "store/engine_report.h"
 
 namespace ferry::store {
 namespace {
@@ -419,24 +418,28 @@ Result<AuditReport> AnalyzeAudit(const std::vector<VersionRecord>& all_versions,
       continue;
     }
     if (e->type == Event::Type::kEngine) {
+      Result<EngineReport> r = ParseEngineReport(e->detail, /*proven=*/true);
+      if (!r.ok()) {  // not shown as a proof: a record that does not hold one is an anomaly
+        event_anomalies.push_back({AnomalyKind::kRecorded, e->version, "",
+                                   "an engine record" + (e->receiver.empty() ? std::string() : " by " + e->receiver) +
+                                       " for version " + ShortId(e->version) + " (recorded at " +
+                                       std::to_string(e->time_ns) +
+                                       " ns since the epoch) is invalid: " + r.status().message(),
+                                   std::nullopt});
+        continue;
+      }
       EngineProof p;
       p.receiver = e->receiver;
       p.time_ns = e->time_ns;
       p.version = e->version;
-      const auto d = nlohmann::json::parse(e->detail, nullptr, false);
-      if (d.is_object()) {
-        auto text = [&](const char* k) { return d.contains(k) && d[k].is_string() ? d[k].get<std::string>() : ""; };
-        auto number = [&](const char* k) { return d.contains(k) && d[k].is_number() ? d[k].get<double>() : 0.0; };
-        p.engine = text("engine");
-        p.url = text("url");
-        p.model = text("model");
-        p.max_diff = number("max_diff");
-        p.tolerance = number("tolerance");
-        p.seconds = number("seconds");
-        p.tokens = static_cast<int64_t>(number("tokens"));
-        if (d.contains("previous_diff") && d["previous_diff"].is_number())
-          p.previous_diff = d["previous_diff"].get<double>();
-      }
+      p.engine = r->engine;
+      p.url = r->url;
+      p.model = r->model;
+      p.max_diff = *r->max_diff;  // a proof's is finite
+      p.tolerance = r->tolerance;
+      p.seconds = r->seconds;
+      p.tokens = r->tokens;
+      p.previous_diff = r->previous_diff;
       auto t = timeline_index.find(e->version);
       if (t != timeline_index.end()) {
         auto& list = report.timeline[t->second].served_by;

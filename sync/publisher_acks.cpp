@@ -9,6 +9,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "store/engine_report.h"
 #include "sync/publisher_internal.h"
 
 namespace ferry::sync {
@@ -194,13 +195,9 @@ void Publisher::Impl::HandleEngine(const zmq::message_t& rid, const Message& m, 
   const auto j = nlohmann::json::parse(m.payload, nullptr, false);
   auto bad = [&](const std::string& what) { ReplyError(rid, Status::Corruption("sync ENGINE: " + what)); };
   if (!j.is_object()) return bad("the report is not a JSON object");
-  for (const char* s : {"receiver", "engine", "url", "model"}) {
-    if (!j.contains(s) || !j[s].is_string()) return bad(std::string("field '") + s + "' is not a string");
-  }
-  if (!j.contains("proven") || !j["proven"].is_boolean()) return bad("field 'proven' is not a boolean");
-  for (const char* s : {"tolerance", "max_diff", "seconds"}) {
-    if (!j.contains(s) || !j[s].is_number()) return bad(std::string("field '") + s + "' is not a number");
-  }
+  if (!j.contains("receiver") || !j["receiver"].is_string()) return bad("field 'receiver' is not a string");
+  Result<store::EngineReport> report = store::ParseEngineReport(m.payload, std::nullopt);
+  if (!report.ok()) return bad(report.status().message());
   const std::string receiver = j["receiver"].get<std::string>();
   if (!IsValidReceiverId(receiver)) return bad("field 'receiver' is not [A-Za-z0-9._-]{1,64}");
   if (Status known = Touch(receiver, fd, key); !known.ok()) return ReplyError(rid, known);
@@ -209,16 +206,13 @@ void Publisher::Impl::HandleEngine(const zmq::message_t& rid, const Message& m, 
                                             " is not in this publisher's store"));
   }
   store::Event e;
-  const bool proven = j["proven"].get<bool>();
-  e.type = proven ? store::Event::Type::kEngine : store::Event::Type::kAnomaly;
-  if (!proven) e.anomaly = store::Event::Anomaly::kEngineMismatch;
+  e.type = report->proven ? store::Event::Type::kEngine : store::Event::Type::kAnomaly;
+  if (!report->proven) e.anomaly = store::Event::Anomaly::kEngineMismatch;
   e.receiver = receiver;
   e.version = m.version;
-  nlohmann::json detail = j;
-  detail.erase("receiver");
-  detail.erase("proven");
-  if (!key.empty()) detail["curve_key"] = key;
-  e.detail = detail.dump();
+  // The known fields only, never the report as sent (a copy or dump of hostile nesting recurses).
+  report->curve_key = key;
+  e.detail = store::EngineReportJson(*report);
   Status st = store_->AddEvent(e);
   if (!st.ok()) return ReplyError(rid, st);
   Message r;

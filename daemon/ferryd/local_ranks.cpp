@@ -1,7 +1,6 @@
 #include "daemon/ferryd/local_ranks.h"
 
 #include <dirent.h>
-#include <fcntl.h>
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>

@@ -365,11 +365,8 @@ Result<std::unique_ptr<dist::ProcessGroup>> JoinGroup(const run::RunConfig& conf
   go.prefix = "ferry/" + config.store.run;
   Result<std::unique_ptr<dist::ProcessGroup>> g = dist::ProcessGroup::Join(launch, go);
   if (!g.ok()) return g.status().WithContext(config.source.string() + ": [distributed]");
-  const std::string where = launch.rendezvous_file.empty()
-                                ? launch.master_addr + ":" + std::to_string(launch.master_port)
-                                : "the rendezvous file " + launch.rendezvous_file;
-  std::fprintf(stderr, "ferryd: rank %d of %d (local rank %d), %s on %s\n", launch.rank, launch.world_size,
-               launch.local_rank, go.backend.c_str(), where.c_str());
+  std::fprintf(stderr, "ferryd: rank %d of %d (local rank %d), %s, met at %s\n", launch.rank, launch.world_size,
+               launch.local_rank, go.backend.c_str(), launch.Rendezvous().c_str());
   return g;
 }
 

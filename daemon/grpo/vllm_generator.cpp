@@ -4,7 +4,6 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/core/grad_mode.h>
-#include <nlohmann/json.hpp>
 
 #include <algorithm>
 #include <chrono>
@@ -18,6 +17,7 @@
 #include "core/text.h"
 #include "daemon/runtime/prompt_logprobs.h"
 #include "daemon/runtime/torch_util.h"
+#include "store/engine_report.h"
 
 namespace ferry::grpo {
 namespace {
@@ -107,23 +107,23 @@ Result<std::unique_ptr<VllmGenerator>> VllmGenerator::Create(VllmGeneratorOption
 Status VllmGenerator::Record(const store::Digest& version, const std::string& name, const engine::ProofFigures& proof,
                              double seconds) {
   if (store_ == nullptr) return Status::OK();
-  nlohmann::json d = {{"engine", "vllm"},
-                      {"url", options_.url},
-                      {"model", name},
-                      {"tolerance", proof.tolerance},
-                      {"max_diff", proof.max_diff},
-                      {"previous_diff", proof.previous_diff ? nlohmann::json(*proof.previous_diff) : nlohmann::json()},
-                      {"tokens", proof.tokens},
-                      {"seconds", seconds}};
+  store::EngineReport r;
+  r.engine = "vllm";
+  r.url = options_.url;
+  r.model = name;
+  r.proven = proof.proven;
+  r.tolerance = proof.tolerance;
+  r.max_diff = proof.max_diff;
+  r.previous_diff = proof.previous_diff;
+  r.tokens = proof.tokens;
+  r.seconds = seconds;
+  r.why = proof.why;
   store::Event e;
   e.type = proof.proven ? store::Event::Type::kEngine : store::Event::Type::kAnomaly;
-  if (!proof.proven) {
-    e.anomaly = store::Event::Anomaly::kEngineMismatch;
-    d["why"] = proof.why;
-  }
+  if (!proof.proven) e.anomaly = store::Event::Anomaly::kEngineMismatch;
   e.receiver = options_.receiver_id;
   e.version = version;
-  e.detail = d.dump();
+  e.detail = store::EngineReportJson(r);
   return store_->AddEvent(e);
 }
 

@@ -46,7 +46,8 @@ std::string ServerMessage(const std::string& body) {
     } else if (j.contains("message") && j["message"].is_string()) {
       text = j["message"].get<std::string>();
     } else if (j.contains("detail")) {
-      text = j["detail"].is_string() ? j["detail"].get<std::string>() : j["detail"].dump();
+      // Not dump(): it recurses once per level of a hostile answer's nesting; the body is quoted as it came.
+      if (j["detail"].is_string()) text = j["detail"].get<std::string>();
     }
   }
   return QuoteForMessage(text, kMaxMessageChars);

@@ -31,6 +31,33 @@ TEST(AuditText, GapsAreListedByRun) {
   EXPECT_NE(text.find("run s: missing 7\n"), std::string::npos) << text;
 }
 
+// A timeline row holds all of a step's metrics (ferryd records about 30, TRL's names), each
+// version on its own line: the row was cut at 511 bytes and ran into the next.
+TEST(AuditText, ATimelineRowHoldsEveryMetric) {
+  AuditReport r;
+  for (int i = 0; i < 2; ++i) {
+    store::TimelineEntry e;
+    e.version.id = Digest{static_cast<uint64_t>(i + 1), 1};
+    e.version.run = "a-run-name-longer-than-its-column";
+    e.version.sequence = static_cast<uint64_t>(i + 1);
+    e.version.step = i + 1;
+    e.version.kind = VersionKind::kAdapter;
+    for (int k = 0; k < 40; ++k) e.version.metrics["timing/phase_number_" + std::to_string(k)] = 0.125 * k;
+    r.timeline.push_back(e);
+  }
+  const std::string text = AuditToText(r);
+  for (int i = 0; i < 2; ++i) {
+    const std::string start =
+        "  a-run-name-longer-than-its-column    " + std::to_string(i + 1) + "        " + std::to_string(i + 1) + "  ";
+    const size_t at = text.find(start);
+    ASSERT_NE(at, std::string::npos) << text;
+    const std::string row = text.substr(at, text.find('\n', at) - at);
+    EXPECT_GT(row.size(), 1000u);
+    EXPECT_NE(row.find("timing/phase_number_0=0 "), std::string::npos) << row;
+    EXPECT_TRUE(row.ends_with(" timing/phase_number_9=1.125")) << row;  // the last in name order
+  }
+}
+
 // A base and a step-4 adapter whose lora_B is all zero (a zero_adapter anomaly).
 TEST(AuditJson, JsonReport) {
   VersionRecord base;

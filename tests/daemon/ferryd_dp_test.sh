@@ -86,7 +86,7 @@ if [ "$MODE" = hosts ]; then
   done
   wait "$PID0" || fail "rank 0 (host0) failed: $(tail -5 "$WORK/host0.log")"
   wait "$PID1" || fail "rank 1 (host1) failed: $(tail -5 "$WORK/host1.log")"
-  grep -q "rank 1 of 2 (local rank 0), gloo on 10.231.0.1:29517" "$WORK/host1.log" || fail "rank 1: $(head -3 "$WORK/host1.log")"
+  grep -q "rank 1 of 2 (local rank 0), gloo, met at MASTER_ADDR:MASTER_PORT 10.231.0.1:29517" "$WORK/host1.log" || fail "rank 1: $(head -3 "$WORK/host1.log")"
   [ "$(wc -l < "$RUN/metrics.jsonl")" = 2 ] || fail "metrics.jsonl: $(wc -l < "$RUN/metrics.jsonl") lines, not 2"
   [ -d "$RUN/checkpoint-20" ] || fail "no checkpoint-20 from rank 0"
   echo "PASS (two namespaces, hosts host0 and host1)"
@@ -283,7 +283,7 @@ else
   torchrun_ferryd "$WORK/tr" || fail "torchrun, its agent's store: $(grep error: "$WORK/tr.log" | head -3)"
   grep -q "failed to bind" "$WORK/tr.log" && fail "a rank tried to host torchrun's store: $(grep -m1 'failed to bind' "$WORK/tr.log")"
 fi
-grep -q "rank 1 of 2 (local rank 1), gloo on" "$WORK/tr.log" || fail "torchrun: no rank 1: $(head -5 "$WORK/tr.log")"
+grep -q "rank 1 of 2 (local rank 1), gloo, met at MASTER_ADDR:MASTER_PORT " "$WORK/tr.log" || fail "torchrun: no rank 1: $(head -5 "$WORK/tr.log")"
 [ "$(grep -c '"step"' "$WORK/tr/metrics.jsonl")" = 2 ] && [ -d "$WORK/tr/checkpoint-20" ] \
   || fail "torchrun: metrics.jsonl has $(grep -c '"step"' "$WORK/tr/metrics.jsonl") lines, checkpoints: $(ls "$WORK/tr")"
 echo PASS

@@ -15,6 +15,7 @@
 
 #include "core/mapped_file.h"
 #include "core/safetensors.h"
+#include "store/engine_report.h"
 
 namespace ferry::store {
 namespace {
@@ -332,6 +333,93 @@ TEST(AnalyzeAudit, NeverAcknowledgedListsOnlyPublishedVersions) {
   ASSERT_TRUE(r.ok());
   EXPECT_EQ(r->never_acknowledged, std::vector<Digest>{v[3].id})
       << "the unpublished adapters are not listed; step 2's merged version, published, is";
+}
+
+// An engine's report (store/engine_report.h): the fields' types and ranges, a proof that is
+// not within its tolerance, and a mismatch whose difference was not finite (null).
+TEST(EngineReportTest, FieldsAreCheckedAndAProofMustHoldItsTolerance) {
+  const std::string proof =
+      R"({"engine": "vllm", "url": "http://127.0.0.1:8000", "model": "ferry-abc-1", "tolerance": 0.0001,)"
+      R"( "max_diff": 1.5e-05, "previous_diff": 0.3, "tokens": 69, "seconds": 0.05})";
+  auto ok = ParseEngineReport(proof, true);
+  ASSERT_TRUE(ok.ok()) << ok.status().message();
+  EXPECT_EQ(ok->model, "ferry-abc-1");
+  EXPECT_DOUBLE_EQ(*ok->max_diff, 1.5e-05);
+  EXPECT_DOUBLE_EQ(*ok->previous_diff, 0.3);
+  EXPECT_EQ(ok->tokens, 69);
+  // Written back: the same fields, no "why" for a proof.
+  auto again = ParseEngineReport(EngineReportJson(*ok), true);
+  ASSERT_TRUE(again.ok()) << again.status().message();
+  EXPECT_EQ(again->url, ok->url);
+  EXPECT_EQ(EngineReportJson(*ok).find("why"), std::string::npos);
+
+  auto fails = [](const std::string& text, std::optional<bool> proven, const std::string& what) {
+    auto r = ParseEngineReport(text, proven);
+    ASSERT_FALSE(r.ok()) << text;
+    EXPECT_EQ(r.status().code(), StatusCode::kCorruption);
+    EXPECT_NE(r.status().message().find(what), std::string::npos) << r.status().message();
+  };
+  auto with = [&](const std::string& field, const std::string& value) {
+    std::string t = proof;
+    const size_t at = t.find("\"" + field + "\": ") + field.size() + 4;
+    t.replace(at, t.find_first_of(",}", at) - at, value);
+    return t;
+  };
+  fails(with("max_diff", "0.5"), true, "exceeds its tolerance");
+  fails(with("max_diff", "null"), true, "not finite");
+  fails(with("url", "42"), true, "field 'url' is not a string");
+  fails(with("tokens", "-1"), true, "field 'tokens'");
+  fails(with("tokens", "1.5"), true, "field 'tokens'");
+  fails(with("seconds", "-0.1"), true, "field 'seconds'");
+  fails(with("tolerance", "\"small\""), true, "field 'tolerance'");
+  fails(with("model", "\"" + std::string(kMaxEngineTextBytes + 1, 'm') + "\""), true, "field 'model' has 4097 bytes");
+  fails(proof, std::nullopt, "field 'proven' is not a boolean");
+  fails("[1]", true, "not a JSON object");
+  // A mismatch: its difference may be null (a NaN or Inf), and it says why.
+  std::string mismatch = with("max_diff", "null");
+  mismatch.insert(mismatch.size() - 1, R"(, "why": "the answer is not finite", "proven": false)");
+  auto m = ParseEngineReport(mismatch, std::nullopt);
+  ASSERT_TRUE(m.ok()) << m.status().message();
+  EXPECT_FALSE(m->proven);
+  EXPECT_FALSE(m->max_diff.has_value());
+  EXPECT_EQ(m->why, "the answer is not finite");
+  EXPECT_NE(EngineReportJson(*m).find(R"("max_diff":null)"), std::string::npos) << EngineReportJson(*m);
+  std::string why_number = mismatch;
+  why_number.replace(why_number.find(R"("the answer is not finite")"), 26, "42");
+  fails(why_number, std::nullopt, "field 'why' is not a string");
+}
+
+// An engine record that does not hold a proof (hand-edited, or from an older writer) is an
+// anomaly naming it, never listed as a proof nor as what served the version.
+TEST_F(AuditTest, AnInvalidEngineRecordIsAnAnomalyNotAProof) {
+  VersionRecord base = Import(Base(), VersionKind::kBase);
+  auto add = [&](const std::string& detail, int64_t t) {
+    Event e;
+    e.type = Event::Type::kEngine;
+    e.version = base.id;
+    e.receiver = "gen-e";
+    e.time_ns = t;
+    e.detail = detail;
+    ASSERT_TRUE(store_->AddEvent(e).ok());
+  };
+  add(R"({"engine": "vllm", "url": "http://h:8000", "model": "ferry-1", "tolerance": 0.0001, "max_diff": 0.5,)"
+      R"( "previous_diff": null, "tokens": 69, "seconds": 0.05})",
+      1000);
+  add(R"({"engine": "vllm", "url": "http://h:8000", "model": "ferry-2", "tolerance": 0.0001, "max_diff": 0.00001,)"
+      R"( "previous_diff": null, "tokens": 69, "seconds": 0.05})",
+      2000);
+  AuditReport r = Audit();
+  ASSERT_EQ(r.engines.size(), 1u);
+  EXPECT_EQ(r.engines[0].model, "ferry-2");
+  ASSERT_EQ(r.timeline.size(), 1u);
+  EXPECT_EQ(r.timeline[0].served_by, std::vector<std::string>{"vllm http://h:8000 as ferry-2"});
+  auto recorded = Of(r, AnomalyKind::kRecorded);
+  ASSERT_EQ(recorded.size(), 1u);
+  EXPECT_NE(recorded[0]->message.find("an engine record by gen-e for version " + ShortId(base.id) +
+                                      " (recorded at 1000 ns since the epoch) is invalid: engine report: a proof whose "
+                                      "largest difference (0.500000) exceeds its tolerance"),
+            std::string::npos)
+      << recorded[0]->message;
 }
 
 }  // namespace

@@ -834,6 +834,15 @@ TEST_F(SyncTest, EngineReportsAreRecordedAndMalformedOnesRefused) {
   mismatch.replace(mismatch.find("true"), 4, "false");
   mismatch.insert(mismatch.size() - 1, R"(, "why": "differs by 0.5")");
   ASSERT_TRUE((*r)->ReportEngine(v1_, mismatch).ok());
+  // A mismatch whose difference was not finite (a NaN in the answer: the receiver's JSON has
+  // null) is recorded too; fields the format does not have are not.
+  std::string nonfinite = mismatch;
+  nonfinite.replace(nonfinite.find("1.5e-05"), 7, "null");
+  nonfinite.replace(nonfinite.find("differs by 0.5"), 14, "not finite");
+  nonfinite.insert(nonfinite.size() - 1, R"(, "extra": )" + std::string(1000, '[') + std::string(1000, ']'));
+  ASSERT_LE(nonfinite.size(), kMaxEngineReportBytes);
+  Status recorded = (*r)->ReportEngine(v1_, nonfinite);
+  ASSERT_TRUE(recorded.ok()) << recorded.message();
   // v2 is in the store though not published: recorded; a version outside the store is not.
   Status stored = (*r)->ReportEngine(v2_, proof);
   ASSERT_TRUE(stored.ok()) << stored.message();
@@ -845,7 +854,10 @@ TEST_F(SyncTest, EngineReportsAreRecordedAndMalformedOnesRefused) {
            {R"({"receiver": "bad id!", "engine": "vllm", "url": "u", "model": "m", "proven": true, "tolerance": 1,)"
             R"( "max_diff": 0, "seconds": 0})",
             "'receiver'"},
-           {std::string(kMaxEngineReportBytes + 1, ' '), "payload larger than"}}) {
+           {std::string(kMaxEngineReportBytes + 1, ' '), "payload larger than"},
+           // A proof must hold its own tolerance; a mismatch must say why in text.
+           {std::string(proof).replace(proof.find("1.5e-05"), 7, "0.5"), "exceeds its tolerance"},
+           {std::string(mismatch).replace(mismatch.find(R"("differs by 0.5")"), 16, "42"), "'why'"}}) {
     Status s = (*r)->ReportEngine(v1_, report);
     EXPECT_EQ(s.code(), StatusCode::kCorruption) << report;
     EXPECT_NE(s.message().find(what), std::string::npos) << s.message();
@@ -865,11 +877,13 @@ TEST_F(SyncTest, EngineReportsAreRecordedAndMalformedOnesRefused) {
     if (e.type == store::Event::Type::kAnomaly && e.anomaly == store::Event::Anomaly::kEngineMismatch) {
       ++anomalies;
       EXPECT_EQ(e.version, v1_);
-      EXPECT_NE(e.detail.find("differs by 0.5"), std::string::npos) << e.detail;
+      const bool first = e.detail.find("differs by 0.5") != std::string::npos;
+      EXPECT_NE(e.detail.find(first ? R"("max_diff":1.5e-05)" : R"("max_diff":null,)"), std::string::npos) << e.detail;
+      EXPECT_EQ(e.detail.find("extra"), std::string::npos) << e.detail;
     }
   }
   EXPECT_EQ(engine, 2);  // v1 and v2 (a stored version, published or not)
-  EXPECT_EQ(anomalies, 1);
+  EXPECT_EQ(anomalies, 2);
 }
 
 // The publisher tracks at most kMaxReceivers receiver ids: one more, while all are alive,

@@ -1,11 +1,20 @@
-// The probe's sequences and its judgement (sync/engine/probe.h); the server side is in
+// The probe's sequences and its judgement (sync/engine/probe.h), and the client's handling of
+// an answer no vLLM sends (a hostile server on a real socket); the real server is in
 // engine_vllm_test.cpp.
 #include "sync/engine/probe.h"
 
+#include <arpa/inet.h>
 #include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include <cmath>
 #include <limits>
+#include <string>
+#include <thread>
+
+#include "sync/engine/vllm_client.h"
 
 namespace ferry::engine {
 namespace {
@@ -104,6 +113,52 @@ TEST(ProbeToleranceTest, FollowsTheServersDtype) {
   auto bad = ToleranceForDtype("int8");
   ASSERT_FALSE(bad.ok());
   EXPECT_NE(bad.status().message().find("'int8'"), std::string::npos) << bad.status().message();
+}
+
+// An error answer whose "detail" nests 100,000 arrays (200 KB, far below the answer limit)
+// is an error quoting the body, cut: the message was the detail's dump(), which recurses once
+// per level and overflowed the stack.
+TEST(VllmClientTest, AnErrorAnswerNestedDeeplyIsQuotedNotDumped) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  ASSERT_GE(fd, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof a;
+  ASSERT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a), 0);
+  ASSERT_EQ(::listen(fd, 4), 0);
+  ASSERT_EQ(::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len), 0);
+  const std::string body = R"({"detail": )" + std::string(100000, '[') + std::string(100000, ']') + "}";
+  std::thread server([&] {
+    const int c = ::accept(fd, nullptr, nullptr);
+    if (c < 0) return;
+    std::string request;
+    char buf[4096];
+    while (request.find("\r\n\r\n") == std::string::npos) {
+      const ssize_t n = ::read(c, buf, sizeof buf);
+      if (n <= 0) break;
+      request.append(buf, static_cast<size_t>(n));
+    }
+    const std::string answer =
+        "HTTP/1.1 400 Bad Request\r\nContent-Type: application/json\r\nContent-Length: " + std::to_string(body.size()) +
+        "\r\nConnection: close\r\n\r\n" + body;
+    for (size_t off = 0; off < answer.size();) {
+      const ssize_t n = ::write(c, answer.data() + off, answer.size() - off);
+      if (n <= 0) break;
+      off += static_cast<size_t>(n);
+    }
+    ::close(c);
+  });
+  auto client = VllmClient::Create({"http://127.0.0.1:" + std::to_string(ntohs(a.sin_port)), 30000});
+  ASSERT_TRUE(client.ok()) << client.status().message();
+  auto models = (*client)->Models();
+  server.join();
+  ::close(fd);
+  ASSERT_FALSE(models.ok());
+  EXPECT_EQ(models.status().code(), StatusCode::kFailedPrecondition) << models.status().message();
+  EXPECT_NE(models.status().message().find("HTTP 400 \"{\\\"detail\\\": [[[["), std::string::npos)
+      << models.status().message().substr(0, 300);
+  EXPECT_LT(models.status().message().size(), 1000u);
 }
 
 }  // namespace

@@ -2,6 +2,7 @@
 
 #include <dirent.h>
 #include <signal.h>
+#include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -18,7 +19,14 @@ namespace {
 
 std::atomic<int> g_forward_signal{0};
 
-void OnSignal(int sig) { g_forward_signal.store(sig); }
+// A signal the kernel sent (SI_KERNEL: a terminal's Ctrl-C, Ctrl-\\ or hang-up, which go to the
+// whole foreground process group) reached the ranks too: passing it on would make it their
+// second (a second SIGINT exits at once, with no final checkpoint). One a process sent to the
+// launcher (kill, a supervisor) is passed on.
+void OnSignal(int sig, siginfo_t* info, void*) {
+  if (info != nullptr && info->si_code == SI_KERNEL) return;
+  g_forward_signal.store(sig);
+}
 
 int ExitCode(int status) {
   if (WIFEXITED(status)) return WEXITSTATUS(status);
@@ -67,13 +75,15 @@ Result<int> RunLocalRanks(int nproc, const std::vector<std::string>& argv, std::
   FERRY_ASSIGN_OR_RETURN(RendezvousDir rendezvous, RendezvousDir::Create());
   const std::string store = rendezvous.file();
   struct sigaction sa {};
-  sa.sa_handler = OnSignal;
+  sa.sa_sigaction = OnSignal;
+  sa.sa_flags = SA_SIGINFO;
   sigemptyset(&sa.sa_mask);
   // Passed on to the ranks; the launcher itself stays to reap them and remove the rendezvous.
   for (int sig : {SIGTERM, SIGINT, SIGHUP, SIGQUIT}) ::sigaction(sig, &sa, nullptr);
   std::fprintf(stderr, "ferryd: starting %d local ranks (rendezvous file %s)\n", nproc, store.c_str());
   std::fflush(nullptr);
   std::vector<pid_t> pids;
+  const pid_t launcher = ::getpid();
   for (int r = 0; r < nproc; ++r) {
     const pid_t pid = ::fork();
     if (pid < 0) {
@@ -83,6 +93,10 @@ Result<int> RunLocalRanks(int nproc, const std::vector<std::string>& argv, std::
       return Status::IOError(std::string("starting rank ") + std::to_string(r) + ": fork: " + std::strerror(err));
     }
     if (pid == 0) {
+      // The ranks stop (SIGTERM: at a step's end, with a checkpoint) if the launcher dies
+      // (SIGKILL) without passing anything on.
+      ::prctl(PR_SET_PDEATHSIG, SIGTERM);
+      if (::getppid() != launcher) ::_exit(1);  // it died before prctl
       const std::string n = std::to_string(nproc), rank = std::to_string(r);
       ::setenv("RANK", rank.c_str(), 1);
       ::setenv("LOCAL_RANK", rank.c_str(), 1);

@@ -454,9 +454,13 @@ Status RunTrain(const TrainFlags& f) {
   total = trainer->total_steps();
   first_step = trainer->step();
   if (rank != 0) {
-    // A rank other than 0 trains and follows rank 0's decisions; it serves nothing.
+    // A rank other than 0 trains and follows rank 0's decisions; it serves nothing. A stop
+    // signal it gets alone (torchrun's agent on its host) is passed to rank 0 at the step's end,
+    // which stops every rank there, after its checkpoint.
     started = true;
-    const Status run = trainer->Run();
+    grpo::RunHooks hooks;
+    hooks.pending = [] { return g_stop_signals.load() > 0; };
+    const Status run = trainer->Run(hooks);
     if (!run.ok() && run.code() != StatusCode::kUnavailable) group->ReportFailure(run.message());
     FERRY_RETURN_IF_ERROR(run);
     std::fprintf(stderr, "ferryd[rank %d]: done at step %lld\n", rank, static_cast<long long>(trainer->step()));

@@ -65,6 +65,7 @@ Status ShareStartState(Trainer::State& s) {
     h["num_tokens"] = s.num_tokens;
     h["epoch"] = pos.epoch;
     h["index"] = pos.index;
+    h["dataset_digest"] = s.dataset->digest();
     json steps = json::object();
     for (const auto& [key, p] : s.adapter->named_parameters()) {
       auto it = s.optimizer->state().find(StateKey(p));
@@ -81,6 +82,14 @@ Status ShareStartState(Trainer::State& s) {
   try {
     h = json::parse(text);
     if (g.rank() != 0) {
+      // The same prompts on every host: a dataset file that differs (a stale copy) would train
+      // silently on other data, the weights still agreeing.
+      const std::string theirs = h.at("dataset_digest").get<std::string>();
+      if (theirs != s.dataset->digest()) {
+        return Status::FailedPrecondition(what + ": the dataset " + s.config.dataset.string() + " of " +
+                                          g.Describe(g.rank()) + " has digest " + s.dataset->digest() + ", that of " +
+                                          g.Describe(0) + " " + theirs + "; every rank needs the same dataset");
+      }
       s.step = h.at("step").get<int64_t>();
       s.micro_step = h.at("micro_step").get<int64_t>();
       s.num_tokens = h.at("num_tokens").get<double>();
@@ -214,17 +223,23 @@ Status ShareStepEnd(Trainer::State& s, const store::Digest& acked, Metrics& metr
   PhaseTimer timer(s, "communication");
   dist::ProcessGroup& g = *s.group;
   const std::string when = at_start ? "at the start: " : "";  // a step's errors: Trainer::Step names it
-  // [acked id (4), the metrics' names (4), rank 0's word (1), the metrics' values]
+  // [acked id (4), the metrics' names (4), the rank's word (1), the metrics' values]
   std::vector<double> values;
   PutDigest(values, acked);
   std::string names;
   for (const auto& [k, v] : metrics) names += k + '\n';
   PutDigest(values, store::AuxDigest(names));
-  values.push_back(g.rank() == 0 && s.ask_before_step && s.ask_before_step() ? 1.0 : 0.0);
+  values.push_back(s.ask_before_step && s.ask_before_step() ? 1.0 : 0.0);
   for (const auto& [k, v] : metrics) values.push_back(v);
   FERRY_ASSIGN_OR_RETURN(at::Tensor all, g.AllGather(at::tensor(values, at::kDouble),
                                                      when + "gathering the acknowledged ids and the metrics"));
-  s.await_word = all[0][8].item<double>() != 0;
+  s.await_word = false;
+  s.stop_asked_by = -1;
+  for (int r = 0; r < g.size(); ++r) {
+    if (all[r][8].item<double>() == 0) continue;
+    s.await_word = true;
+    if (r != 0 && s.stop_asked_by < 0) s.stop_asked_by = r;
+  }
   s.rank_versions.clear();
   for (int r = 0; r < g.size(); ++r) s.rank_versions.push_back(GetDigest(all[r], 0).Hex());
   for (int r = 1; r < g.size(); ++r) {

@@ -52,8 +52,9 @@ inline constexpr int64_t kGradientBucketBytes = int64_t{32} << 20;
 // then defined). Without a group: nothing.
 [[nodiscard]] Status AverageGradients(Trainer::State& s);
 
-// The end of a step (or, `at_start`, the start, with no metrics), in one gather: rank 0's word on whether
-// the ranks wait for it before the next step (s.ask_before_step, into s.await_word); the snapshot id each
+// The end of a step (or, `at_start`, the start, with no metrics), in one gather: each rank's word on
+// whether the ranks wait for rank 0's before the next step (s.ask_before_step, into s.await_word, and a
+// rank other than 0 that asked to stop into s.stop_asked_by); the snapshot id each
 // rank's generator acknowledged (`acked`, this rank's) into s.rank_versions, kCorruption naming
 // the rank, its host and both ids when one differs from rank 0's; the names of the metrics
 // (kInternal when they differ); and `metrics` combined over the ranks: the mean, or the min /

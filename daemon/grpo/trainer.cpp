@@ -763,6 +763,8 @@ Status Trainer::RunSteps(const RunHooks& hooks) {
   };
   if (s.group && s.rank == 0) {
     s.ask_before_step = [&hooks] { return hooks.before_step && (!hooks.pending || hooks.pending()); };
+  } else if (s.group) {
+    s.ask_before_step = [&hooks] { return hooks.pending && hooks.pending(); };  // a stop asked here
   }
   struct Forget {
     State& s;
@@ -775,7 +777,12 @@ Status Trainer::RunSteps(const RunHooks& hooks) {
       // anything pending at the last step's end, rank 0 said so then and every rank goes on.
       const std::string key = "go/" + std::to_string(s.step);
       if (s.rank == 0) {
-        const bool go = !hooks.before_step || hooks.before_step();
+        // A rank asked to stop (torchrun's agent, or the user, signalled it alone): every rank stops.
+        if (s.stop_asked_by >= 0 && s.options.on_message) {
+          s.options.on_message(s.group->Describe(s.stop_asked_by) + " was asked to stop: every rank stops after step " +
+                               std::to_string(s.step));
+        }
+        const bool go = s.stop_asked_by < 0 && (!hooks.before_step || hooks.before_step());
         FERRY_RETURN_IF_ERROR(s.group->Post(key, go ? "1" : "0"));
         if (!go) break;
       } else {

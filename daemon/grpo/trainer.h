@@ -107,7 +107,8 @@ struct RunHooks {
   // must not block. A data-parallel run asks it at each step's end (rank 0): when nothing is
   // waiting, every rank goes on to the next step without waiting for rank 0's word, and
   // before_step is next called at the first step's end where something is. Default: none
-  // (before_step is called before every step).
+  // (before_step is called before every step). On a rank other than 0 (whose before_step is
+  // not called): whether it was asked to stop; rank 0 then stops every rank at that step's end.
   std::function<bool()> pending;
   // Called after each step.
   std::function<void(const StepResult&)> after_step;

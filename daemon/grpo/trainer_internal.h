@@ -130,11 +130,16 @@ struct Trainer::State {
   int rank = 0;
   int world = 1;
   std::vector<std::string> rank_versions;  // the last ids the ranks acknowledged
-  // Rank 0: whether to ask hooks.before_step before the next step (Run sets it; null: never).
+  // Whether to ask for rank 0's word before the next step (Run sets it; null: never): on rank 0,
+  // whether hooks.before_step would do anything; on the others, whether this rank was asked to
+  // stop (hooks.pending: a signal).
   std::function<bool()> ask_before_step;
-  // Whether the ranks wait for rank 0's word before the next step (its ask_before_step at the
-  // last step's end; at the start: yes).
+  // Whether the ranks wait for rank 0's word before the next step (some rank's ask_before_step at
+  // the last step's end; at the start: yes).
   bool await_word = true;
+  // The first rank other than 0 that asked to stop at the last step's end (-1: none): rank 0's
+  // word is then to stop, for every rank, after the final checkpoint.
+  int stop_asked_by = -1;
   bool broken = false;  // a step failed with a group: the ranks are out of step
 
   // Seconds spent in each phase of the step being taken (its timing/<phase> metrics).

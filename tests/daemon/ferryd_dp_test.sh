@@ -12,9 +12,12 @@
 #           3. kill -9 of rank 1 (launched through torchrun's environment): rank 0 exits within
 #              the [distributed] timeout naming rank 1; the same start command resumes both from
 #              rank 0's newest checkpoint, and metrics.jsonl ends with every step once; a run
-#              resumed under another world size (1 -> 2 -> 1 ranks) goes on from the checkpoint
+#              resumed under another world size (1 -> 2 -> 1 ranks) goes on from the checkpoint;
+#              a terminal's Ctrl-C (a pty's interrupt character) stops the launcher and both ranks
+#              with the final checkpoint and exit 0, and so does SIGTERM to rank 1 alone
 #           4. a base corrupted on one rank's "host" (a flipped weight byte) is caught by the
-#              acknowledged-id comparison, naming the rank and both ids
+#              acknowledged-id comparison, naming the rank and both ids; a dataset that differs
+#              there is refused at the start, naming the file and both digests
 #           5. the real torchrun (PyPI torch's, from the venv scripts/vllm.sh caches): `torchrun
 #              --standalone --nproc-per-node 2 --no-python ferryd train` trains; torch >= 2's
 #              torchrun hosts the store itself (TORCHELASTIC_USE_AGENT_STORE): a ferryd on a
@@ -243,6 +246,67 @@ d1, d2, d3 = t[0], t[1] - t[0], t[2] - t[1]
 assert 1.7 < d2 / d1 < 2.3 and 1.7 < d2 / d3 < 2.3, t
 PY
 
+echo "== 3c. stop signals: a terminal's Ctrl-C, and SIGTERM to rank 1 alone"
+# Ctrl-C in a terminal goes to the whole foreground process group: the launcher and both ranks.
+# Each rank stops at a step's end, rank 0 writes the final checkpoint, and everything exits 0
+# (the launcher used to pass it on as well: a second SIGINT, which exits at once).
+demo_config "$WORK/stop.toml" 64 100000 10
+sed -i 's/^save_steps = .*/save_steps = 100000/; s/^logging_steps = .*/logging_steps = 1/' "$WORK/stop.toml"
+RUN="$WORK/ctrlc"
+python3 - "$FERRYD" "$WORK/stop.toml" "$RUN" "$WORK/ctrlc.log" <<'PY' || fail "Ctrl-C: $(tail -4 "$WORK/ctrlc.log")"
+import os, pty, select, sys, time
+ferryd, config, run, log = sys.argv[1:]
+pid, fd = pty.fork()  # the child leads a session whose terminal is the pty, in its foreground group
+if pid == 0:
+    os.execv(ferryd, [ferryd, "train", "--config", config, "--dir", run, "--nproc-per-node", "2"])
+out, sent, deadline = b"", False, time.time() + 120
+status = None
+while time.time() < deadline:
+    r, _, _ = select.select([fd], [], [], 0.1)
+    if r:
+        try:
+            out += os.read(fd, 65536)
+        except OSError:
+            pass
+    done, st = os.waitpid(pid, os.WNOHANG)
+    if done:
+        status = st
+        break
+    m = os.path.join(run, "metrics.jsonl")
+    if not sent and os.path.exists(m) and sum(1 for _ in open(m)) >= 5:
+        os.write(fd, b"\x03")  # the terminal's interrupt character: SIGINT to the foreground group
+        sent = True
+open(log, "wb").write(out)
+if status is None:
+    os.kill(pid, 9)
+    sys.exit("still running 120 s after Ctrl-C" if sent else "never reached step 5")
+code = os.waitstatus_to_exitcode(status)
+if code != 0:
+    sys.exit(f"exit code {code} after one Ctrl-C")
+if b"second interrupt" in out:
+    sys.exit("one Ctrl-C was taken for two")
+PY
+LAST=$(tail -1 "$RUN/metrics.jsonl" | sed 's/.*"step":\([0-9]*\).*/\1/')
+[ -f "$RUN/checkpoint-$LAST/adapter_model.safetensors" ] || fail "Ctrl-C left no checkpoint of step $LAST: $(ls "$RUN")"
+# SIGTERM to rank 1 alone (torchrun's agent on a host being preempted signals its own ranks):
+# rank 0 hears of it at the step's end and every rank stops there, with the checkpoint.
+cp "$WORK/kill.toml" "$WORK/kill.saved"
+sed -i 's/^save_steps = .*/save_steps = 100000/; s/^max_steps = .*/max_steps = 100000/' "$WORK/kill.toml"
+RUN="$WORK/term1"
+start_ranks
+for _ in $(seq 300); do [ -f "$RUN/metrics.jsonl" ] && [ "$(wc -l < "$RUN/metrics.jsonl")" -ge 5 ] && break; sleep 0.1; done
+kill -TERM "$R1"
+( sleep 60; kill -9 "$R0" "$R1" 2>/dev/null ) &
+WATCHDOG=$!
+set +e; wait "$R1"; RC1=$?; wait "$R0"; RC0=$?; set -e
+kill "$WATCHDOG" 2>/dev/null || true
+[ "$RC0" = 0 ] && [ "$RC1" = 0 ] || fail "SIGTERM to rank 1: exit codes $RC0, $RC1: $(tail -2 "$WORK/rank0.log") / $(tail -2 "$WORK/rank1.log")"
+LAST=$(tail -1 "$RUN/metrics.jsonl" | sed 's/.*"step":\([0-9]*\).*/\1/')
+grep -q "rank 1 (host .*, pid $R1) was asked to stop: every rank stops after step $LAST" "$WORK/rank0.log" \
+  || fail "rank 0 does not say why it stopped: $(tail -3 "$WORK/rank0.log")"
+[ -f "$RUN/checkpoint-$LAST/adapter_model.safetensors" ] || fail "SIGTERM to rank 1 left no checkpoint of step $LAST"
+mv "$WORK/kill.saved" "$WORK/kill.toml"
+
 echo "== 4. a base that differs on one rank's host is caught by the id comparison"
 cp -r "$WORK/model" "$WORK/model-bad"
 python3 - "$WORK/model-bad/model.safetensors" <<'EOF'
@@ -260,6 +324,19 @@ set +e; wait "$R0"; RC0=$?; wait "$R1"; RC1=$?; set -e
 [ $RC0 -ne 0 ] && [ $RC1 -ne 0 ] || fail "the ranks ran on different bases (exit codes $RC0, $RC1)"
 grep -q "at the start: the generator of rank 1 (host .*) acknowledged [0-9a-f]\{32\} but that of rank 0 (host .*) acknowledged [0-9a-f]\{32\}" \
   "$WORK/rank0.log" || fail "rank 0's error: $(tail -2 "$WORK/rank0.log")"
+# A dataset that differs on rank 1's host (one answer changed: a stale copy) is refused at the
+# start, naming the file and both digests; rank 0 names rank 1's failure.
+sed '1s/"answer": "000"/"answer": "001"/' "$WORK/train.jsonl" > "$WORK/train-bad.jsonl"
+cmp -s "$WORK/train.jsonl" "$WORK/train-bad.jsonl" && fail "could not edit the dataset"
+sed "s|^dataset = .*|dataset = \"$WORK/train-bad.jsonl\"|" "$WORK/kill.toml" > "$WORK/bad-data.toml"
+RUN="$WORK/bad-data"
+start_ranks "$WORK/bad-data.toml"
+set +e; wait "$R0"; RC0=$?; wait "$R1"; RC1=$?; set -e
+[ $RC0 -ne 0 ] && [ $RC1 -ne 0 ] || fail "the ranks ran on different datasets (exit codes $RC0, $RC1)"
+grep -q "the dataset $WORK/train-bad.jsonl of rank 1 (host .*) has digest [0-9a-f]*, that of rank 0 (host .*) [0-9a-f]*; every rank needs the same dataset" \
+  "$WORK/rank1.log" || fail "rank 1's error: $(tail -2 "$WORK/rank1.log")"
+grep -q "rank 1 (host .*) failed: starting: .*every rank needs the same dataset" "$WORK/rank0.log" \
+  || fail "rank 0's error: $(tail -2 "$WORK/rank0.log")"
 
 echo "== 5. the real torchrun"
 PY=$(bash "$FIXTURES/../scripts/vllm.sh" python) || fail "no torchrun: bash scripts/vllm.sh setup creates the venv that has it"

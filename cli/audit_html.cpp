@@ -338,7 +338,7 @@ std::string AuditToHtml(const AuditReport& r, std::string_view title) {
   s += "</div>\n";
 
   s += "<h2 id=\"versions\">Versions</h2>\n<table>\n<tr><th>run</th><th>seq</th><th>step</th><th>id</th><th>parent</th>"
-       "<th>kind</th><th>tensors</th><th>bytes</th><th>metrics</th><th>activated by</th></tr>\n";
+       "<th>kind</th><th>tensors</th><th>bytes</th><th>metrics</th><th>activated by</th><th>served by</th></tr>\n";
   for (const auto& e : r.timeline) {
     const VersionRecord& v = e.version;
     std::string metrics;
@@ -346,11 +346,13 @@ std::string AuditToHtml(const AuditReport& r, std::string_view title) {
       metrics += (metrics.empty() ? "" : ", ") + k + "=" + FormatNumber(value, 6);
     std::string by;
     for (const auto& x : e.activated_by) by += (by.empty() ? "" : ", ") + x;
+    std::string served;
+    for (const auto& x : e.served_by) served += (served.empty() ? "" : ", ") + x;
     s += "<tr><td>" + EscapeHtml(v.run) + "</td><td>" + std::to_string(v.sequence) + "</td><td>" +
          (v.step ? std::to_string(*v.step) : "-") + "</td><td><code>" + ShortId(v.id) + "</code></td><td><code>" +
          (v.parent ? ShortId(*v.parent) : "-") + "</code></td><td>" + std::string(KindName(v.kind)) + "</td><td>" +
          std::to_string(v.tensors.size()) + "</td><td>" + std::to_string(v.total_bytes) + "</td><td>" +
-         EscapeHtml(metrics) + "</td><td>" + EscapeHtml(by) + "</td></tr>\n";
+         EscapeHtml(metrics) + "</td><td>" + EscapeHtml(by) + "</td><td>" + EscapeHtml(served) + "</td></tr>\n";
   }
   s += "</table>\n";
 
@@ -396,7 +398,7 @@ std::string AuditToHtml(const AuditReport& r, std::string_view title) {
          (g.last_missing != g.first_missing ? ".." + std::to_string(g.last_missing) : "") + "</p>\n";
   }
   s += "<h2 id=\"never-acknowledged\">Never acknowledged</h2>\n";
-  if (r.receivers.empty()) {
+  if (r.receivers.empty() && r.engines.empty()) {
     s += "<p>No receiver recorded.</p>\n";
   } else if (r.never_acknowledged.empty()) {
     s += "<p>None.</p>\n";

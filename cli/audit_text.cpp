@@ -167,7 +167,9 @@ std::string AuditToText(const AuditReport& r) {
     std::snprintf(line, sizeof line, " %4llu %8s  %-12s  %-12s  %-8s  ", static_cast<unsigned long long>(v.sequence),
                   v.step ? std::to_string(*v.step).c_str() : "-", ShortId(v.id).c_str(),
                   v.parent ? ShortId(*v.parent).c_str() : "-", std::string(KindName(v.kind)).c_str());
-    s += "  " + v.run + std::string(v.run.size() < 10 ? 10 - v.run.size() : 0, ' ') + line + metrics + "\n";
+    std::string served;
+    for (const auto& x : e.served_by) served += (served.empty() ? "  served by " : ", ") + x;
+    s += "  " + v.run + std::string(v.run.size() < 10 ? 10 - v.run.size() : 0, ' ') + line + metrics + served + "\n";
   }
   s += "\nReceivers (" + std::to_string(r.receivers.size()) + " events)\n";
   if (r.receivers.empty()) s += "  none recorded\n";
@@ -195,7 +197,7 @@ std::string AuditToText(const AuditReport& r) {
          (g.last_missing != g.first_missing ? ".." + std::to_string(g.last_missing) : "") + "\n";
   }
   s += "\nNever acknowledged\n";
-  if (r.receivers.empty()) {
+  if (r.receivers.empty() && r.engines.empty()) {
     s += "  (no receiver recorded)\n";
   } else if (r.never_acknowledged.empty()) {
     s += "  none\n";
@@ -213,8 +215,8 @@ std::string AuditToText(const AuditReport& r) {
       };
       std::string acks;
       for (const auto& a : e.acks) {
-        acks += (acks.empty() ? "" : ", ") + a.receiver + " (" + std::to_string(a.lag) + ")" +
-                (a.digest_reported && !a.digest_matched ? " MISMATCH" : "");
+        acks += (acks.empty() ? "" : ", ") + a.receiver + (a.type == store::Event::Type::kEngine ? " proven" : "") +
+                " (" + std::to_string(a.lag) + ")" + (a.digest_reported && !a.digest_matched ? " MISMATCH" : "");
       }
       std::snprintf(line, sizeof line, "  %6lld  %-12s  %-12s  %10s  %13s  %10s  ", static_cast<long long>(e.step),
                     e.adapter_version ? ShortId(*e.adapter_version).c_str() : "-",

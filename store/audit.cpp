@@ -28,6 +28,16 @@ bool IsReceiverEvent(const Event& e) {
   return e.type == Event::Type::kAcknowledged || e.type == Event::Type::kActivated;
 }
 
+// An inference engine proven to serve the event's version (a valid kEngine record): the
+// generator of a ferryd run with use_vllm, or a receiver's vLLM, took that version.
+bool IsEngineProof(const Event& e) {
+  return e.type == Event::Type::kEngine && ParseEngineReport(e.detail, /*proven=*/true).ok();
+}
+
+// A generator took the event's version: it acknowledged or activated it, or its engine was
+// proven to serve it.
+bool IsTaken(const Event& e) { return IsReceiverEvent(e) || IsEngineProof(e); }
+
 // The tensor that makes an adapter non-zero: a B tensor with l2_norm > 0 (any tensor when
 // the adapter has no B tensors). nullptr when the adapter is zero.
 const TensorRow* NonZeroAdapterTensor(const VersionRecord& adapter) {
@@ -122,7 +132,7 @@ void CollectSteps(const std::vector<const VersionRecord*>& selected, const std::
   }
   if (base && steps.count(0) == 0) {
     for (const Event* ev : relevant) {
-      if (ev->version == *base && IsReceiverEvent(*ev)) {
+      if (ev->version == *base && IsTaken(*ev)) {
         StepEntry& e = steps[0];
         e.merged_version = base;
         step_of[*base] = 0;
@@ -154,7 +164,7 @@ void CollectSteps(const std::vector<const VersionRecord*>& selected, const std::
   };
   std::map<std::string, GeneratorSummary> generators;
   for (const Event* ev : relevant) {
-    if (!IsReceiverEvent(*ev)) continue;
+    if (!IsTaken(*ev)) continue;
     auto it = step_of.find(ev->version);
     if (it == step_of.end()) continue;
     const int64_t n = it->second;
@@ -408,7 +418,7 @@ Result<AuditReport> AnalyzeAudit(const std::vector<VersionRecord>& all_versions,
   for (size_t i = 0; i < report.timeline.size(); ++i) timeline_index[report.timeline[i].version.id] = i;
   std::set<Digest> acknowledged;
   bool any_receiver = false;
-  for (const auto& e : events) any_receiver = any_receiver || IsReceiverEvent(e);
+  for (const auto& e : events) any_receiver = any_receiver || IsTaken(e);
   for (const Event* e : relevant) {
     if (e->type == Event::Type::kAnomaly) {
       event_anomalies.push_back({AnomalyKind::kRecorded, e->version, "",
@@ -446,6 +456,7 @@ Result<AuditReport> AnalyzeAudit(const std::vector<VersionRecord>& all_versions,
         const std::string who = p.engine + " " + p.url + " as " + p.model;
         if (std::find(list.begin(), list.end(), who) == list.end()) list.push_back(who);
       }
+      acknowledged.insert(e->version);  // served, proven: taken as surely as an acknowledgement
       report.engines.push_back(std::move(p));
       continue;
     }

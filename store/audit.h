@@ -8,7 +8,8 @@
 //     receiver computed matched the version it claimed to load;
 //   - gaps: sequence numbers missing between the first and last version of a run;
 //   - published versions never acknowledged by any receiver (only when some receiver exists;
-//     an adapter counts as acknowledged when a merged version made from it was);
+//     an adapter counts as acknowledged when a merged version made from it was; an engine
+//     proven to serve a version, a valid kEngine event, acknowledged it);
 //   - anomalies, by these rules (each names the version, and the tensor where there is one):
 //       merged_equals_base   a merged version whose tensors present in its base_version all
 //                            have the base's digests, although its adapter_version is non-zero
@@ -34,8 +35,10 @@
 // recorded (ferryd records per step an adapter version and the merged version derived from
 // it, both with step = N and the step's metrics, TRL's names) with its adapter version, merged
 // version, metrics and the acknowledged/activated events of either version (in-process or
-// remote receivers alike: the event's receiver names the generator). The run's base version
-// is step 0 when a receiver acknowledged it (the generator's weights before the first step).
+// remote receivers alike: the event's receiver names the generator), and the engine proofs of
+// either (a vLLM proven to serve it: a valid kEngine event, StepAck::type kEngine). The run's
+// base version is step 0 when a receiver acknowledged it (the generator's weights before the
+// first step).
 // A step recorded more than once (a resumed run repeating steps after its last checkpoint)
 // shows its newest record (highest sequence); `records` counts the step's recordings: the
 // most versions of one kind recorded with step N (a step's adapter and the merged version

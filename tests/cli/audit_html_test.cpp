@@ -31,6 +31,7 @@ AuditReport Report() {
   adapter.version.time_ns += 5'000'000'000;
   adapter.version.metrics = {{"reward_mean", 0.25}};
   adapter.activated_by = {"gen-1"};
+  adapter.served_by = {"vllm http://h:8000/<x> as ferry-1"};
   r.timeline = {base, adapter};
   store::ReceiverEvent e;
   e.receiver = "gen-1";
@@ -58,6 +59,8 @@ TEST(AuditHtml, OneSelfContainedPageWithTimelinePlotsAndEscapedText) {
   EXPECT_NE(html.find("<b>digest_mismatch</b>: receiver gen-1 computed &lt;other&gt;"), std::string::npos);
   EXPECT_NE(html.find("run r&lt;&amp;&gt;"), std::string::npos);
   EXPECT_EQ(html.find("r<&>"), std::string::npos) << "unescaped run name";
+  EXPECT_NE(html.find("<th>served by</th>"), std::string::npos);
+  EXPECT_NE(html.find("<td>gen-1</td><td>vllm http://h:8000/&lt;x&gt; as ferry-1</td>"), std::string::npos);
   EXPECT_NE(html.find("MISMATCH (" + store::ShortId(Digest{9, 9}) + ")"), std::string::npos);
   for (const char* external : {"<script", "<link", "src=", "@import", "url("}) {
     EXPECT_EQ(html.find(external), std::string::npos) << external;

@@ -33,6 +33,23 @@ TEST(AuditText, GapsAreListedByRun) {
 
 // A timeline row holds all of a step's metrics (ferryd records about 30, TRL's names), each
 // version on its own line: the row was cut at 511 bytes and ran into the next.
+// A ferryd run whose generator is a vLLM server: each step taken by its proof ("ferryd proven"),
+// each merged version's row naming the server that served it.
+TEST(AuditText, EngineProofsShowInTheStepsAndTheTimeline) {
+  TrainingRun run;
+  run.Build(3, /*engine=*/true);
+  const std::string text = AuditToText(run.Audit());
+  EXPECT_NE(text.find("  ferryd proven (0)\n"), std::string::npos) << text;
+  EXPECT_EQ(text.find("none acknowledged a step"), std::string::npos) << text;
+  EXPECT_EQ(text.find("(no receiver recorded)"), std::string::npos) << text;
+  const size_t row = text.find("  r             5        2  ");  // step 2's merged version
+  ASSERT_NE(row, std::string::npos) << text;
+  EXPECT_NE(text.substr(row, text.find('\n', row) - row)
+                .find("  served by vllm http://127.0.0.1:8000 as ferry-" + TrainingRun::Merged(2).Hex().substr(0, 12)),
+            std::string::npos)
+      << text;
+}
+
 TEST(AuditText, ATimelineRowHoldsEveryMetric) {
   AuditReport r;
   for (int i = 0; i < 2; ++i) {

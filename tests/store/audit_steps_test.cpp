@@ -5,6 +5,7 @@
 // with exactly one fault, and none on a healthy one.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <map>
@@ -175,6 +176,44 @@ TEST(AuditSteps, RemoteGeneratorsLagAndFallingBehind) {
   AuditOptions loose;
   loose.lag_threshold = 4;
   EXPECT_EQ(run.Audit(loose).anomalies.size(), 1u);
+}
+
+// A ferryd run whose generator is a vLLM server records engine proofs, not acknowledgements:
+// each step is taken by "ferryd" (type engine, lag 0), nothing is "never acknowledged", and a
+// server that stops being proven from step 20 on is behind at the run's end. A record that is
+// no proof (its difference above its tolerance) takes nothing.
+TEST(AuditSteps, EngineProofsTakeTheirSteps) {
+  TrainingRun run;
+  run.Build(kSteps, /*engine=*/true);
+  AuditReport healthy = run.Audit();
+  EXPECT_TRUE(healthy.anomalies.empty()) << All(healthy);
+  EXPECT_TRUE(healthy.never_acknowledged.empty());
+  ASSERT_EQ(healthy.steps.size(), static_cast<size_t>(kSteps + 1));  // the base proven: step 0
+  for (const auto& e : healthy.steps) {
+    ASSERT_EQ(e.acks.size(), 1u) << "step " << e.step;
+    EXPECT_EQ(e.acks[0].receiver, "ferryd");
+    EXPECT_EQ(e.acks[0].type, Event::Type::kEngine);
+    EXPECT_EQ(e.acks[0].lag, 0);
+  }
+  ASSERT_EQ(healthy.generators.size(), 1u);
+  EXPECT_EQ(healthy.generators[0].acks, kSteps + 1);
+
+  TrainingRun stalled;
+  stalled.Build(kSteps, /*engine=*/false);
+  stalled.events.erase(std::remove_if(stalled.events.begin(), stalled.events.end(),
+                                      [](const Event& e) { return e.type == Event::Type::kAcknowledged; }),
+                       stalled.events.end());
+  for (int64_t n = 0; n <= kSteps; ++n) {
+    stalled.Prove("ferryd", TrainingRun::Merged(n), n * kStepNs + 100, n < 20 ? 2e-5 : 0.5);
+  }
+  AuditReport r = stalled.Audit();
+  auto behind = Of(r, AnomalyKind::kGeneratorBehind);
+  ASSERT_EQ(behind.size(), 1u) << All(r);
+  EXPECT_EQ(behind[0]->message,
+            "receiver ferryd last acknowledged step 19 but the run ended at step 30: 11 steps behind (rule: > 2)");
+  EXPECT_EQ(Of(r, AnomalyKind::kRecorded).size(), 11u);  // the 11 records that are no proofs
+  EXPECT_TRUE(r.steps[20].acks.empty());
+  EXPECT_EQ(r.never_acknowledged.size(), 11u);  // steps 20..30's merged versions, published
 }
 
 TEST(AuditSteps, AResumedRunIsBackAtItsCheckpointsStep) {

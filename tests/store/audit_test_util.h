@@ -48,7 +48,9 @@ struct TrainingRun {
   static Digest Adapter(int64_t n) { return Digest{0xaaaa000000000000 + static_cast<uint64_t>(n), 1}; }
   static Digest Merged(int64_t n) { return Digest{0xcccc000000000000 + static_cast<uint64_t>(n), 2}; }
 
-  void Build(int64_t steps = kSteps) {
+  // `engine`: the generator is a vLLM server (use_vllm): each step's merged version is proven
+  // by its answers (a kEngine event of receiver "ferryd") instead of acknowledged.
+  void Build(int64_t steps = kSteps, bool engine = false) {
     VersionRecord base;
     base.id = Merged(0);
     base.run = "r";
@@ -57,7 +59,8 @@ struct TrainingRun {
     base.time_ns = 10;
     versions.push_back(base);
     Publish(base.id, 15);
-    Ack("colocated", Merged(0), 20);
+    auto take = [&](const Digest& v, int64_t t) { engine ? Prove("ferryd", v, t) : Ack("colocated", v, t); };
+    take(Merged(0), 20);
     for (int64_t n = 1; n <= steps; ++n) {
       VersionRecord a;
       a.id = Adapter(n);
@@ -79,7 +82,7 @@ struct TrainingRun {
       versions.push_back(a);
       versions.push_back(m);
       Publish(m.id, a.time_ns - 2);
-      Ack("colocated", m.id, a.time_ns - 1);
+      take(m.id, a.time_ns - 1);
     }
   }
   void Publish(const Digest& v, int64_t t) {
@@ -96,6 +99,18 @@ struct TrainingRun {
     e.version = v;
     e.computed = computed ? computed : v;
     e.time_ns = t;
+    events.push_back(e);
+  }
+  // A vLLM proven to serve `v` (`max_diff` above the tolerance 1e-4: a record that is no proof).
+  void Prove(const std::string& receiver, const Digest& v, int64_t t, double max_diff = 2e-5) {
+    Event e;
+    e.type = Event::Type::kEngine;
+    e.receiver = receiver;
+    e.version = v;
+    e.time_ns = t;
+    e.detail = R"({"engine": "vllm", "url": "http://127.0.0.1:8000", "model": "ferry-)" + v.Hex().substr(0, 12) +
+               R"(", "tolerance": 0.0001, "max_diff": )" + std::to_string(max_diff) +
+               R"(, "previous_diff": null, "tokens": 63, "seconds": 0.05})";
     events.push_back(e);
   }
   AuditReport Audit(AuditOptions o = {}) const {

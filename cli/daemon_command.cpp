@@ -169,6 +169,10 @@ void PrintStatusText(const Json& j) {
       // A data-parallel run: one line per rank.
       std::printf("ranks:\n");
       for (const Json& r : v) {
+        if (!r.is_object()) {  // a reply is as hostile as any message: shown, not trusted
+          std::printf("  %s\n", JsonText(r).c_str());
+          continue;
+        }
         std::printf("  rank %s  host %s  pid %s  step %s  generator_version %s\n",
                     ValueText(r.value("rank", Json())).c_str(), ValueText(r.value("host", Json())).c_str(),
                     ValueText(r.value("pid", Json())).c_str(), ValueText(r.value("step", Json())).c_str(),
@@ -213,16 +217,22 @@ void RunStatusCommand(const Flags& f) {
   f.json ? PrintJson(j) : PrintStatusText(j);
 }
 
+// The reply's "state" when it is a string ("" otherwise: a reply is not trusted to be well formed).
+std::string StateOf(const Json& j) {
+  const auto it = j.find("state");
+  return it != j.end() && it->is_string() ? it->get<std::string>() : std::string();
+}
+
 void RunSimple(const Flags& f, ControlCommand command) {
   Json j = CallOrFail(f, command);
   if (command == ControlCommand::kPause) {
     // "pausing" while the step in flight finishes: wait (within --timeout-ms) for "paused",
     // after which no step runs and the status is final.
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(f.timeout_ms);
-    while (j.value("state", "") == "pausing" && std::chrono::steady_clock::now() < deadline) {
+    while (StateOf(j) == "pausing" && std::chrono::steady_clock::now() < deadline) {
       std::this_thread::sleep_for(std::chrono::milliseconds(100));
       const Json status = CallOrFail(f, ControlCommand::kStatus);
-      j["state"] = status.value("state", "");
+      j["state"] = StateOf(status);
     }
   }
   if (f.json) return PrintJson(j);

@@ -233,7 +233,8 @@ struct ProcessGroup::Impl {
       store->add(key, 1);
     } else {
       const std::string path = HeartbeatFile(launch, launch.rank);
-      fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+      // Not through a link someone else placed there: its target would be truncated.
+      fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, 0600);
       const int64_t first = 1;
       if (fd < 0 || ::pwrite(fd, &first, sizeof(first), 0) != static_cast<ssize_t>(sizeof(first))) {
         const int err = errno;
@@ -527,9 +528,25 @@ Status ProcessGroup::Broadcast(at::Tensor& t, int root, const std::string& what)
   });
 }
 
+namespace {
+
+// The most bytes a rank sends in one AllGatherBytes or BroadcastBytes (the start state's header,
+// a host name and pid): a length beyond it, or below 0, is a peer's corruption, not an allocation.
+constexpr int64_t kMaxSharedBytes = int64_t{1} << 26;
+
+Status CheckSharedLength(int64_t n, const std::string& who, const std::string& what) {
+  if (n >= 0 && n <= kMaxSharedBytes) return Status::OK();
+  return Status::Corruption(what + ": " + who + " sent a length of " + std::to_string(n) + " bytes (limit " +
+                            std::to_string(kMaxSharedBytes) + ")");
+}
+
+}  // namespace
+
 Result<std::vector<std::string>> ProcessGroup::AllGatherBytes(const std::string& bytes, const std::string& what) {
   at::Tensor len = at::full({1}, static_cast<int64_t>(bytes.size()), at::kLong);
   FERRY_ASSIGN_OR_RETURN(at::Tensor lens, AllGather(len, what));
+  for (int r = 0; r < size(); ++r)
+    FERRY_RETURN_IF_ERROR(CheckSharedLength(lens[r][0].item<int64_t>(), Describe(r), what));
   const int64_t longest = std::max<int64_t>(lens.max().item<int64_t>(), 1);
   at::Tensor buf = at::zeros({longest}, at::kByte);
   std::memcpy(buf.data_ptr<uint8_t>(), bytes.data(), bytes.size());
@@ -546,6 +563,7 @@ Result<std::string> ProcessGroup::BroadcastBytes(const std::string& bytes, int r
   at::Tensor len = at::full({1}, static_cast<int64_t>(bytes.size()), at::kLong);
   FERRY_RETURN_IF_ERROR(Broadcast(len, root, what));
   const int64_t n = len.item<int64_t>();
+  FERRY_RETURN_IF_ERROR(CheckSharedLength(n, Describe(root), what));
   at::Tensor buf = at::zeros({std::max<int64_t>(n, 1)}, at::kByte);
   if (rank() == root) std::memcpy(buf.data_ptr<uint8_t>(), bytes.data(), bytes.size());
   FERRY_RETURN_IF_ERROR(Broadcast(buf, root, what));

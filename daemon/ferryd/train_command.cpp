@@ -254,9 +254,17 @@ class RunControl {
     j["generator_version"] = generator_version_;
     // The generator serving generator_version: ferryd's own, or a vLLM server and the name it
     // serves the version under (proven there: an engine event in the run's store).
+    // With the newest proof: when (ns since the epoch) and its figures, as its engine event has them.
     j["generator"] =
         generator_.engine == "vllm"
-            ? nlohmann::json{{"engine", "vllm"}, {"url", generator_.url}, {"served_as", generator_.served_as}}
+            ? nlohmann::json{{"engine", "vllm"},
+                             {"url", generator_.url},
+                             {"served_as", generator_.served_as},
+                             {"proven_at_ns", generator_.proven_at_ns},
+                             {"max_diff", generator_.max_diff},
+                             {"tolerance", generator_.tolerance},
+                             {"previous_diff",
+                              generator_.previous_diff ? nlohmann::json(*generator_.previous_diff) : nlohmann::json()}}
             : nlohmann::json{{"engine", generator_.engine}};
     j["last_checkpoint"] = last_checkpoint_.empty() ? nlohmann::json(nullptr) : nlohmann::json(last_checkpoint_);
     j["reward"] = rewards_.empty() ? nlohmann::json(nullptr) : nlohmann::json(rewards_.back());

@@ -142,8 +142,10 @@ Trainer::~Trainer() {
 int64_t Trainer::step() const { return s_->step; }
 const std::string& Trainer::generator_version() const { return s_->generator_version; }
 Trainer::GeneratorInfo Trainer::generator_info() const {
-  if (!s_->vllm) return {"colocated", "", ""};
-  return {"vllm", s_->vllm->url(), s_->vllm->served_name()};
+  if (!s_->vllm) return {"colocated", "", "", 0, 0, 0, std::nullopt};
+  const engine::ProofFigures& p = s_->vllm->last_proof();
+  return {"vllm",     s_->vllm->url(), s_->vllm->served_name(), s_->vllm->proven_at_ns(),
+          p.max_diff, p.tolerance,     p.previous_diff};
 }
 std::shared_ptr<const sync::Snapshot> Trainer::generator_snapshot() const { return s_->generator_snapshot; }
 int64_t Trainer::total_steps() const { return s_->total_steps; }

@@ -177,6 +177,10 @@ class Trainer {
     std::string engine;
     std::string url;
     std::string served_as;
+    // A vLLM's newest proof: when (ns since the epoch; 0: none yet) and its figures.
+    int64_t proven_at_ns = 0;
+    double max_diff = 0, tolerance = 0;
+    std::optional<double> previous_diff;
   };
   GeneratorInfo generator_info() const;
   int64_t total_steps() const;

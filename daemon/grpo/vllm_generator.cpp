@@ -124,6 +124,12 @@ Status VllmGenerator::Record(const store::Digest& version, const std::string& na
   e.receiver = options_.receiver_id;
   e.version = version;
   e.detail = store::EngineReportJson(r);
+  if (proof.proven) {
+    last_proof_ = proof;
+    proven_at_ns_ =
+        std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::system_clock::now().time_since_epoch())
+            .count();
+  }
   return store_->AddEvent(e);
 }
 
@@ -201,22 +207,36 @@ Status VllmGenerator::Adopt(const runtime::LoraAdapter& adapter, const store::Di
       if (!Retryable(last)) return last;
       continue;
     }
-    loaded_.push_back(name);
+    // Loaded: unloaded again on every path but its proof (a retry loads it under a new name),
+    // so that only proven adapters are kept and the oldest of those is the one unloaded.
+    auto drop = [&] {
+      (void)client_->UnloadLoraAdapter(name);  // a failure leaves it to the server's LRU
+      std::error_code ec;
+      fs::remove_all(c.out, ec);
+    };
     if (before_probe) before_probe();
     auto answer = client_->PromptLogProbs(name, probe_);
     if (!answer.ok()) {
       last = answer.status();
+      drop();
       if (!Retryable(last)) return last;
       continue;
     }
-    FERRY_ASSIGN_OR_RETURN(const engine::LogProbs* ref, reference());
-    FERRY_ASSIGN_OR_RETURN(engine::ProofFigures proof,
-                           engine::Judge(*answer, *ref, previous_ ? &*previous_ : nullptr, options_.tolerance));
-    FERRY_RETURN_IF_ERROR(Record(version, name, proof, SecondsSince(start)));
+    Result<const engine::LogProbs*> ref = reference();
+    Result<engine::ProofFigures> judged =
+        ref.ok() ? engine::Judge(*answer, **ref, previous_ ? &*previous_ : nullptr, options_.tolerance)
+                 : Result<engine::ProofFigures>(ref.status());
+    Status recorded = judged.ok() ? Record(version, name, *judged, SecondsSince(start)) : judged.status();
+    if (!recorded.ok()) {
+      drop();
+      return recorded;
+    }
+    const engine::ProofFigures& proof = *judged;
     if (proof.proven) {
       proven_ = version;
       served_name_ = name;
-      previous_ = *ref;
+      previous_ = **ref;
+      loaded_.push_back(name);
       while (loaded_.size() > kKeepLoaded) {
         // A failed unload leaves the adapter to the server's LRU: not an error.
         (void)client_->UnloadLoraAdapter(loaded_.front());
@@ -231,10 +251,7 @@ Status VllmGenerator::Adopt(const runtime::LoraAdapter& adapter, const store::Di
     // Not this version: unloaded, tried again under a new name.
     last = Status::Corruption("vLLM " + options_.url + " did not answer as version " + version.Hex() + " under " +
                               Quote(name) + ": " + proof.why);
-    (void)client_->UnloadLoraAdapter(name);
-    loaded_.pop_back();
-    std::error_code ec;
-    fs::remove_all(c.out, ec);
+    drop();
   }
   return Status::Unavailable("use_vllm: version " + version.Hex() + " was not proven on vLLM " + options_.url +
                              " within vllm_server_timeout (" + FormatNumber(options_.timeout_seconds, 6) +

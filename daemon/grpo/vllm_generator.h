@@ -100,6 +100,9 @@ class VllmGenerator {
 
   const std::string& served_name() const { return served_name_; }
   const std::optional<store::Digest>& proven() const { return proven_; }
+  // The newest proof's figures and when it was recorded (ns since the epoch; 0: none yet).
+  const engine::ProofFigures& last_proof() const { return last_proof_; }
+  int64_t proven_at_ns() const { return proven_at_ns_; }
   const std::string& url() const { return options_.url; }
 
  private:
@@ -120,6 +123,8 @@ class VllmGenerator {
   std::optional<engine::LogProbs> previous_;  // the proven version's reference
   std::optional<store::Digest> proven_;
   std::string served_name_;
+  engine::ProofFigures last_proof_;
+  int64_t proven_at_ns_ = 0;
   std::deque<std::string> loaded_;  // oldest first
   uint64_t loads_ = 0;
   uint32_t instance_ = engine::NewInstanceTag();

@@ -155,13 +155,7 @@ Result<Adoption> VllmFollower::Adopt(const EngineVersion& v) {
   if (!reference.ok()) return reference.status();
   a.reference_seconds = SecondsSince(start);
   std::optional<LogProbs> previous;
-  if (proven_ && !(proven_->version == v.id)) {
-    if (proven_version_) {
-      auto p = ReferenceFor(*proven_version_);
-      if (!p.ok()) return p.status();
-      previous = std::move(*p);
-    }
-  }
+  if (proven_ && !(proven_->version == v.id)) previous = proven_reference_;
   const auto load_start = Clock::now();
   if (options_.mode == EngineMode::kAdapter && !v.adapter_dir) {
     a.served_name = options_.base_name;  // the base itself (served before the first adapter)
@@ -175,27 +169,41 @@ Result<Adoption> VllmFollower::Adopt(const EngineVersion& v) {
   }
   a.load_seconds = SecondsSince(load_start);
   auto answer = client_->PromptLogProbs(a.served_name, probe_);
-  if (!answer.ok()) return answer.status();
-  auto judged = Judge(*answer, *reference, previous ? &*previous : nullptr, options_.tolerance);
-  if (!judged.ok()) return judged.status();
-  a.proof = *judged;
-  a.seconds = SecondsSince(start);
-  if (a.proof.proven) {
+  Result<ProofFigures> judged = answer.ok()
+                                    ? Judge(*answer, *reference, previous ? &*previous : nullptr, options_.tolerance)
+                                    : Result<ProofFigures>(answer.status());
+  if (judged.ok() && judged->proven) {
+    a.proof = *judged;
+    a.seconds = SecondsSince(start);
     proven_ = a;
     proven_version_ = v;
+    proven_reference_ = std::move(*reference);
     if (options_.mode == EngineMode::kAdapter) UnloadOld();
     return a;
   }
-  // Not this version: the server goes back to the last proven one.
-  if (options_.mode == EngineMode::kAdapter && a.served_name != options_.base_name) {
-    (void)client_->UnloadLoraAdapter(a.served_name);
-    std::error_code ec;
-    fs::remove_all(options_.work_dir / a.served_name, ec);
-    loaded_.erase(std::remove(loaded_.begin(), loaded_.end(), a.served_name), loaded_.end());
-  } else if (proven_version_) {
-    (void)LoadMerged(*proven_version_);
-  }
+  // Not proven (refused, or the probe failed): the server goes back to the last proven version.
+  GoBack(a.served_name);
+  if (!judged.ok()) return judged.status();
+  a.proof = *judged;
+  a.seconds = SecondsSince(start);
   return a;
+}
+
+void VllmFollower::GoBack(const std::string& served_name) {
+  if (options_.mode == EngineMode::kAdapter) {
+    if (served_name == options_.base_name) return;
+    // A failed unload leaves it to the server's LRU; it is no longer among those kept loaded,
+    // so that UnloadOld never takes the proven one's predecessor for it.
+    (void)client_->UnloadLoraAdapter(served_name);
+    std::error_code ec;
+    fs::remove_all(options_.work_dir / served_name, ec);
+    loaded_.erase(std::remove(loaded_.begin(), loaded_.end(), served_name), loaded_.end());
+    return;
+  }
+  if (!proven_version_) return;
+  // Merged weights: the proven ones loaded again. If that fails the server holds weights that
+  // were never proven: nothing is taken as served until a version is proven again.
+  if (!LoadMerged(*proven_version_).ok()) ForgetServerState();
 }
 
 void VllmFollower::ForgetServerState() {
@@ -206,18 +214,18 @@ void VllmFollower::ForgetServerState() {
   loaded_.clear();
   proven_.reset();
   proven_version_.reset();
+  proven_reference_.reset();
 }
 
 Result<bool> VllmFollower::StillServesProven() {
-  if (!proven_ || !proven_version_) return false;
-  auto reference = ReferenceFor(*proven_version_);
-  if (!reference.ok()) return reference.status();
+  if (!proven_ || !proven_version_ || !proven_reference_) return false;
+  const LogProbs& reference = *proven_reference_;
   auto answer = client_->PromptLogProbs(proven_->served_name, probe_);
   if (!answer.ok()) {
     if (answer.status().code() == StatusCode::kNotFound) return false;  // the adapter is gone
     return answer.status();
   }
-  auto d = MaxAbsDiff(*answer, *reference);
+  auto d = MaxAbsDiff(*answer, reference);
   if (!d.ok()) return d.status();
   return *d <= options_.tolerance;
 }

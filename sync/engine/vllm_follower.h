@@ -97,6 +97,9 @@ class VllmFollower {
   Result<LogProbs> ReferenceFor(const EngineVersion& v);
   Result<std::string> LoadAdapter(const EngineVersion& v);
   Status LoadMerged(const EngineVersion& v);
+  // After a version was loaded but not proven (refused, or its probe failed): its adapter
+  // unloaded, or in merged mode the proven weights loaded again.
+  void GoBack(const std::string& served_name);
   void UnloadOld();
 
   VllmFollowerOptions options_;
@@ -111,6 +114,9 @@ class VllmFollower {
   std::deque<Cached> references_;
   std::optional<Adoption> proven_;
   std::optional<EngineVersion> proven_version_;
+  // The proven version's reference, kept apart from the cache: the versions that arrive while a
+  // server is down would evict it, and its directory may be pruned by then.
+  std::optional<LogProbs> proven_reference_;
   std::deque<std::string> loaded_;  // adapter names loaded, oldest first
   uint64_t loads_ = 0;
   uint32_t instance_ = NewInstanceTag();

@@ -449,6 +449,27 @@ TEST_P(ProcessGroupMeetTest, AFailedRankIsNamedWithItsError) {
       << s.message();
 }
 
+// A length a peer sends for its bytes is checked before anything is allocated or copied: a
+// negative one (or one past 64 MiB) is a corruption naming the rank, not a string built from
+// memory past the buffer.
+TEST(ProcessGroupTest, APeersHostileByteLengthIsRefused) {
+  std::promise<Result<std::string>> seen;
+  RunTwoRanks([&](int r, ProcessGroup& g) {
+    if (r == 0) {  // BroadcastBytes' first message, with a length no rank sends
+      at::Tensor len = at::full({1}, int64_t{-5}, at::kLong);
+      EXPECT_TRUE(g.Broadcast(len, 0, "the start state").ok());
+      return;
+    }
+    seen.set_value(g.BroadcastBytes("", 0, "the start state"));
+  });
+  const Result<std::string> got = seen.get_future().get();
+  ASSERT_FALSE(got.ok());
+  EXPECT_EQ(got.status().code(), StatusCode::kCorruption);
+  EXPECT_NE(got.status().message().find("the start state: rank 0 (host "), std::string::npos) << got.status().message();
+  EXPECT_NE(got.status().message().find("sent a length of -5 bytes (limit 67108864)"), std::string::npos)
+      << got.status().message();
+}
+
 // A rank waiting for a word (Await) from a rank that leaves without posting it: named by its
 // stopped heartbeat, not a wait without end. (Ranks meeting at a rendezvous file: when the rank
 // that hosts LibTorch 1.13's TCPStore leaves, the store's own client thread in the others may

@@ -21,6 +21,7 @@
 #include <set>
 #include <span>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "convert/converter.h"
@@ -568,8 +569,14 @@ TEST(VllmEngineTest, YGeneratorLoadsTheProvenVersionAgainWhenTheServerLostIt) {
   auto g = grpo::VllmGenerator::Create(o, model->get(), store->get());
   ASSERT_TRUE(g.ok()) << g.status().message();
   const store::Digest version = *store::Digest::FromHex(std::string(32, 'a'));
+  EXPECT_EQ((*g)->proven_at_ns(), 0);
   ASSERT_TRUE((*g)->Adopt(**adapter, version).ok());
   const std::string first = (*g)->served_name();
+  // The newest proof, as ferry daemon status shows it: when, and within its tolerance.
+  const int64_t proven_at = (*g)->proven_at_ns();
+  EXPECT_GT(proven_at, 0);
+  EXPECT_TRUE((*g)->last_proof().proven);
+  EXPECT_LE((*g)->last_proof().max_diff, (*g)->last_proof().tolerance);
   auto client = VllmClient::Create({Server::url(), 60000});
   ASSERT_TRUE(client.ok());
   ASSERT_TRUE((*client)->UnloadLoraAdapter(first).ok());
@@ -581,6 +588,7 @@ TEST(VllmEngineTest, YGeneratorLoadsTheProvenVersionAgainWhenTheServerLostIt) {
   EXPECT_EQ(got->size(), 2u);
   EXPECT_NE((*g)->served_name(), first);
   EXPECT_TRUE(Lists(**client, (*g)->served_name()));
+  EXPECT_GT((*g)->proven_at_ns(), proven_at);  // proven again
   auto events = (*store)->ListEvents(version);
   ASSERT_TRUE(events.ok());
   int proofs = 0;
@@ -747,15 +755,21 @@ TEST(VllmEngineTest, ZzReceiverFollowsAWatchedTrainerThroughAServerRestart) {
   EXPECT_NE(one["model"].get<std::string>().find(one["version"].get<std::string>().substr(0, 12)), std::string::npos);
 
   Server::Kill();
-  checkpoint(2, 52);
-  // Activated by the receiver (its third: the base, checkpoints 1 and 2) while the server is
-  // down: the adoption waits and retries.
-  WaitForLine(tmp / "recv.out", "\"already_active\"", 3, 120);
+  // Three versions while the server is down, each activated by the receiver (its third to
+  // fifth: the base and checkpoint 1 before) and tried on the server: the adoption waits and
+  // retries. The proven version's reference stays with it (a cache of three references, and
+  // the receiver keeping two version directories, once lost it for good: every later adoption
+  // failed).
+  for (int step = 2; step <= 4; ++step) {
+    checkpoint(step, static_cast<uint32_t>(50 + step));
+    WaitForLine(tmp / "recv.out", "\"already_active\"", step + 1, 120);
+    std::this_thread::sleep_for(std::chrono::milliseconds(1500));  // an adoption attempt fails
+  }
   Server::Restart();
   json two = proven(3);
   EXPECT_EQ(two["proven"], true) << two.dump();
   EXPECT_NE(two["version"], one["version"]);
-  checkpoint(3, 53);
+  checkpoint(5, 55);
   json three = proven(4);
   EXPECT_EQ(three["proven"], true) << three.dump();
   EXPECT_LE(three["max_diff"].get<double>(), 1e-4);
@@ -780,11 +794,11 @@ TEST(VllmEngineTest, ZzReceiverFollowsAWatchedTrainerThroughAServerRestart) {
 
   // Independent check: transformers + PEFT on the newest checkpoint (converted by ferry to the
   // lora layout the server loaded, and to a merged model) answer as the server does.
-  auto lora = RunFerry({"convert", "--base", Server::model().string(), "--adapter", (trainer / "checkpoint-3").string(),
-                        "--out", (tmp / "ck3-lora").string(), "--layout", "lora"});
+  auto lora = RunFerry({"convert", "--base", Server::model().string(), "--adapter", (trainer / "checkpoint-5").string(),
+                        "--out", (tmp / "ck5-lora").string(), "--layout", "lora"});
   ASSERT_EQ(lora.exit_code, 0) << lora.err;
   auto merged = RunFerry({"convert", "--base", Server::model().string(), "--adapter",
-                          (trainer / "checkpoint-3").string(), "--out", (tmp / "ck3-merged").string()});
+                          (trainer / "checkpoint-5").string(), "--out", (tmp / "ck5-merged").string()});
   ASSERT_EQ(merged.exit_code, 0) << merged.err;
   const std::vector<int32_t> ids = (*ProbeSequences(14, {1, 63}))[0];
   std::string csv;
@@ -796,7 +810,7 @@ TEST(VllmEngineTest, ZzReceiverFollowsAWatchedTrainerThroughAServerRestart) {
   auto served = (*client)->PromptLogProbs(three["model"].get<std::string>(), {ids});
   ASSERT_TRUE(served.ok()) << served.status().message();
   for (const std::string& args :
-       {Server::model().string() + " --adapter " + (tmp / "ck3-lora").string(), (tmp / "ck3-merged").string()}) {
+       {Server::model().string() + " --adapter " + (tmp / "ck5-lora").string(), (tmp / "ck5-merged").string()}) {
     SCOPED_TRACE(args);
     const json peft = json::parse(
         Shell(python.substr(0, python.find('\n')) + " " + script + " " + args + " --ids " + csv), nullptr, false);

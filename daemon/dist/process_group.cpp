@@ -586,6 +586,11 @@ Result<std::string> ProcessGroup::Await(const std::string& key, int poster, cons
       } catch (const c10::Error&) {
         // Not posted within a second: still waiting, as long as the poster's heartbeat goes on.
       }
+      // A poster that failed cleanly said why (ReportFailure): named with its error.
+      if (const std::string err = "err/" + std::to_string(poster); impl_->keys->check({err})) {
+        return Status::Unavailable(what + ": " + impl_->DescribeRank(poster) +
+                                   " failed: " + String(impl_->keys->get(err)));
+      }
       const int64_t beat = impl_->Beats(*impl_->keys, poster);
       if (beat != last_beat) {
         last_beat = beat;

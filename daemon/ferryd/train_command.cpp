@@ -481,44 +481,54 @@ Status RunTrain(const TrainFlags& f) {
                      std::vector<std::string>(static_cast<size_t>(group->size()), trainer->generator_version()));
   }
   const run::RunConfig& rc = config;
-  if (!serving.publish.empty()) {
-    RemotePublisherOptions ro;
-    ro.endpoint = serving.publish;
-    ro.curve = serving.publish_curve;
-    ro.run = rc.store.run;
-    ro.base_version = trainer->base_version();
-    if (first_step > 0) ro.resumed = trainer->generator_snapshot();
-    ro.mode = rc.publish.mode;
-    ro.on_rejected_key = [](const std::string& key) {
-      std::fprintf(stderr, "ferryd: warning: refused a receiver with CURVE public key %s: not in [publish] allow\n",
-                   key.c_str());
-    };
-    FERRY_ASSIGN_OR_RETURN(remote, RemotePublisher::Start(trainer->store(), std::move(ro)));
-    control.SetRemote([&remote](int64_t step) { return remote->Generators(step); });
-    std::fprintf(stderr, "ferryd: publishing (mode %s) on %s and %s\n",
-                 std::string(sync::PublishModeName(rc.publish.mode)).c_str(), remote->endpoints().requests.c_str(),
-                 remote->endpoints().updates.c_str());
-  }
   auto handler = [&control](const control::ControlRequest& r) { return control.Handle(r); };
-  control::ControlServerOptions so;
-  so.run_dir = dir;
-  FERRY_ASSIGN_OR_RETURN(std::unique_ptr<control::ControlServer> server, control::ControlServer::Start(so, handler));
-  std::fprintf(stderr, "ferryd: pid %d, control socket %s\n", static_cast<int>(::getpid()), server->endpoint().c_str());
-  std::unique_ptr<control::ControlServer> extra;
-  if (!rc.control.endpoint.empty()) {
-    control::ControlServerOptions xo;
-    xo.run_dir = dir;
-    xo.endpoint = rc.control.endpoint;
-    xo.curve = serving.control_curve;
-    xo.on_rejected_key = [](const std::string& key) {
-      std::fprintf(stderr,
-                   "ferryd: warning: refused a control client with CURVE public key %s: not in [control] allow\n",
-                   key.c_str());
-    };
-    auto started = control::ControlServer::Start(xo, handler);
-    if (!started.ok()) return started.status().WithContext("control.endpoint");
-    extra = std::move(*started);
-    std::fprintf(stderr, "ferryd: control socket %s\n", extra->endpoint().c_str());
+  std::unique_ptr<control::ControlServer> server, extra;
+  // What rank 0 serves; a failure here is posted for the other ranks, which then name it rather
+  // than a rank 0 that "stopped answering".
+  const Status serving_started = [&]() -> Status {
+    if (!serving.publish.empty()) {
+      RemotePublisherOptions ro;
+      ro.endpoint = serving.publish;
+      ro.curve = serving.publish_curve;
+      ro.run = rc.store.run;
+      ro.base_version = trainer->base_version();
+      if (first_step > 0) ro.resumed = trainer->generator_snapshot();
+      ro.mode = rc.publish.mode;
+      ro.on_rejected_key = [](const std::string& key) {
+        std::fprintf(stderr, "ferryd: warning: refused a receiver with CURVE public key %s: not in [publish] allow\n",
+                     key.c_str());
+      };
+      FERRY_ASSIGN_OR_RETURN(remote, RemotePublisher::Start(trainer->store(), std::move(ro)));
+      control.SetRemote([&remote](int64_t step) { return remote->Generators(step); });
+      std::fprintf(stderr, "ferryd: publishing (mode %s) on %s and %s\n",
+                   std::string(sync::PublishModeName(rc.publish.mode)).c_str(), remote->endpoints().requests.c_str(),
+                   remote->endpoints().updates.c_str());
+    }
+    control::ControlServerOptions so;
+    so.run_dir = dir;
+    FERRY_ASSIGN_OR_RETURN(server, control::ControlServer::Start(so, handler));
+    std::fprintf(stderr, "ferryd: pid %d, control socket %s\n", static_cast<int>(::getpid()),
+                 server->endpoint().c_str());
+    if (!rc.control.endpoint.empty()) {
+      control::ControlServerOptions xo;
+      xo.run_dir = dir;
+      xo.endpoint = rc.control.endpoint;
+      xo.curve = serving.control_curve;
+      xo.on_rejected_key = [](const std::string& key) {
+        std::fprintf(stderr,
+                     "ferryd: warning: refused a control client with CURVE public key %s: not in [control] allow\n",
+                     key.c_str());
+      };
+      auto started = control::ControlServer::Start(xo, handler);
+      if (!started.ok()) return started.status().WithContext("control.endpoint");
+      extra = std::move(*started);
+      std::fprintf(stderr, "ferryd: control socket %s\n", extra->endpoint().c_str());
+    }
+    return Status::OK();
+  }();
+  if (!serving_started.ok()) {
+    if (group) group->ReportFailure("starting: " + serving_started.message());
+    return serving_started;
   }
   std::fprintf(stderr, "ferryd: training %s for %lld steps (from step %lld) in %s\n",
                config.model_name_or_path.string().c_str(), static_cast<long long>(total),

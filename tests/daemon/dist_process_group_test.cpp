@@ -449,6 +449,30 @@ TEST_P(ProcessGroupMeetTest, AFailedRankIsNamedWithItsError) {
       << s.message();
 }
 
+// A rank waiting for a word from a rank that failed cleanly (it posted its error, as rank 0
+// does when its control socket cannot be served) names that error, not a silence.
+TEST(ProcessGroupTest, AnAwaitedRankThatFailedIsNamedWithItsError) {
+  TempDir dir;
+  ASSERT_FALSE(dir.path().empty());
+  std::promise<Result<std::string>> seen;
+  RunTwoRanks(
+      [&](int r, ProcessGroup& g) {
+        if (r == 0) {
+          g.ReportFailure("starting: control socket: Address already in use");
+          std::this_thread::sleep_for(std::chrono::seconds(3));  // alive, beating, but never posting
+          return;
+        }
+        seen.set_value(g.Await("go/0", 0, "before step 1"));
+      },
+      std::chrono::seconds(20), "gloo", [&](Launch& l) { l.rendezvous_file = dir.path() + "/store"; });
+  const Result<std::string> s = seen.get_future().get();
+  ASSERT_FALSE(s.ok());
+  EXPECT_EQ(s.status().code(), StatusCode::kUnavailable);
+  const std::string m = s.status().message();
+  EXPECT_EQ(m.rfind("before step 1: rank 0 (host ", 0), 0u) << m;
+  EXPECT_NE(m.find("failed: starting: control socket: Address already in use"), std::string::npos) << m;
+}
+
 // A length a peer sends for its bytes is checked before anything is allocated or copied: a
 // negative one (or one past 64 MiB) is a corruption naming the rank, not a string built from
 // memory past the buffer.

@@ -497,7 +497,18 @@ Result<std::vector<Event>> RocksStore::ListEvents(std::optional<Digest> version)
   std::unique_ptr<rocksdb::Iterator> it(db_->NewIterator(rocksdb::ReadOptions(), cfs_[kEvents]));
   for (it->SeekToFirst(); it->Valid(); it->Next()) {
     auto e = DecodeEvent(it->value().ToStringView());
-    if (!e.ok()) return Status::Corruption(Where(e.status().message()));
+    if (!e.ok()) {
+      // Named by its key: (time in ns since the epoch, counter), 8 bytes each, big-endian.
+      const std::string_view key = it->key().ToStringView();
+      std::string name = "the event record with key ";
+      if (key.size() == 16) {
+        name += "(time " + std::to_string(ReadU64Be(key.substr(0, 8))) + " ns, counter " +
+                std::to_string(ReadU64Be(key.substr(8))) + ")";
+      } else {
+        name += "of " + std::to_string(key.size()) + " bytes";
+      }
+      return Status::Corruption(Where(name + ": " + e.status().message()));
+    }
     if (!version || e->version == *version) out.push_back(std::move(*e));
   }
   if (!it->status().ok()) return Translate(it->status(), "read events");

@@ -142,5 +142,46 @@ TEST(StoreSchemaTest, UnknownSchemaIsUnsupportedNamingItAndTheStore) {
   EXPECT_EQ(Schema(db), "3") << "a refused store is left as it is";
 }
 
+// An event record that does not decode (a disk fault, a hand edit) is an error naming the
+// record by its key, the time and counter it was added under, and the store.
+TEST(StoreSchemaTest, AnEventRecordThatDoesNotDecodeIsNamedByItsKey) {
+  TempDir tmp;
+  const fs::path db = tmp.path() / "db";
+  {
+    StoreOptions so;
+    so.create_if_missing = true;
+    auto st = Store::Open(db, so);
+    ASSERT_TRUE(st.ok());
+    Event e;
+    e.type = Event::Type::kPublished;
+    e.time_ns = 1000;
+    ASSERT_TRUE((*st)->AddEvent(e).ok());
+  }
+  {
+    std::vector<rocksdb::ColumnFamilyHandle*> handles;
+    auto raw = OpenRaw(db, &handles);
+    ASSERT_NE(raw, nullptr);
+    rocksdb::ColumnFamilyHandle* events = nullptr;
+    for (auto* h : handles) {
+      if (h->GetName() == "events") events = h;
+    }
+    ASSERT_NE(events, nullptr);
+    std::string key;  // time 1234 ns, counter 7: 8 bytes each, big-endian
+    for (uint64_t v : {uint64_t{1234}, uint64_t{7}}) {
+      for (int i = 7; i >= 0; --i) key.push_back(static_cast<char>((v >> (8 * i)) & 0xff));
+    }
+    EXPECT_TRUE(raw->Put(rocksdb::WriteOptions(), events, key, "{not json").ok());
+    CloseRaw(std::move(raw), handles);
+  }
+  auto st = Store::Open(db, {});
+  ASSERT_TRUE(st.ok()) << st.status().ToString();
+  auto listed = (*st)->ListEvents(std::nullopt);
+  ASSERT_FALSE(listed.ok());
+  EXPECT_EQ(listed.status().code(), StatusCode::kCorruption);
+  EXPECT_NE(listed.status().message().find("the event record with key (time 1234 ns, counter 7): "), std::string::npos)
+      << listed.status().ToString();
+  EXPECT_NE(listed.status().message().find(db.string()), std::string::npos) << listed.status().ToString();
+}
+
 }  // namespace
 }  // namespace ferry::store

@@ -437,7 +437,7 @@ Result<std::unique_ptr<Trainer::State>> CreateState(const TrainOptions& options,
     vo.timeout_seconds = c.vllm_server_timeout;
     vo.work_dir = s->dir / "vllm";
     vo.base_dir = c.model_name_or_path;
-    vo.tolerance = s->model->dtype() == at::kFloat ? 1e-4 : 1e-1;
+    FERRY_ASSIGN_OR_RETURN(vo.tolerance, ProbeToleranceFor(s->model->dtype(), c.vllm_server_dtype));
     vo.reference_threads = ReferenceThreadsFor(vo.url, at::get_num_threads());
     if (device.is_cpu() && vo.reference_threads > 0) {
       if (const std::vector<int64_t> workers = VllmWorkerProcesses(); !workers.empty()) {

@@ -50,6 +50,14 @@ int ReferenceThreadsFor(const std::string& url, int threads) {
   return loopback ? std::max(1, threads / 2) : 0;
 }
 
+Result<double> ProbeToleranceFor(at::ScalarType trainer, const std::string& server_dtype) {
+  const char* mine = trainer == at::kFloat ? "float32" : trainer == at::kHalf ? "float16" : "bfloat16";
+  FERRY_ASSIGN_OR_RETURN(const double own, engine::ToleranceForDtype(mine));
+  if (server_dtype.empty()) return own;
+  FERRY_ASSIGN_OR_RETURN(const double server, engine::ToleranceForDtype(server_dtype));
+  return std::max(own, server);
+}
+
 std::vector<int64_t> VllmWorkerProcesses(const std::filesystem::path& proc) {
   std::vector<int64_t> pids;
   std::error_code ec;

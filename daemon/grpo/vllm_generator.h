@@ -58,6 +58,11 @@ struct VllmGeneratorOptions {
   int reference_threads = 0;
 };
 
+// VllmGeneratorOptions::tolerance: the looser of the trainer's dtype's and the server's
+// (`server_dtype`, as engine::ToleranceForDtype spells it; "" = the trainer's). A BF16 server
+// never matches an F32 trainer to F32's 1e-4. kInvalidArgument for another dtype.
+[[nodiscard]] Result<double> ProbeToleranceFor(at::ScalarType trainer, const std::string& server_dtype);
+
 // VllmGeneratorOptions::reference_threads for a server at `url`: half of `threads` (at least
 // one) when its host is this machine's loopback (localhost, 127.0.0.0/8, [::1]), so the server
 // and the reference each have half the cores; 0 (all) otherwise.

@@ -291,6 +291,9 @@ std::vector<KeyInfo> MakeKeys() {
   k.push_back(Recorded(
       FloatKey("vllm_server_timeout", &RunConfig::vllm_server_timeout, {.min = 0, .min_open = true, .max = 86400}),
       Record::kNever));
+  k.push_back(
+      Recorded(ChoiceKey("vllm_server_dtype", &RunConfig::vllm_server_dtype, {"float32", "bfloat16", "float16"}),
+               Record::kNever));
   k.push_back(Recorded(IntKey("max_staleness", &RunConfig::max_staleness, 0, 1), Record::kWhenSet));
   k.push_back(EnumKey("vllm_importance_sampling_mode", &RunConfig::vllm_importance_sampling_mode));
   KeyInfo clip_max = OptFloatKey("vllm_importance_sampling_clip_max", &RunConfig::vllm_importance_sampling_clip_max,

@@ -797,6 +797,17 @@ TEST(DataParallelConfigTest, ARankTakesWholeGroups) {
   EXPECT_EQ(plain->Fingerprint(), run::ForWorldSize(*plain, 1)->Fingerprint());
 }
 
+// The probe's tolerance: the looser of the trainer's dtype and the server's (an F32 trainer
+// against a BF16 server was held to 1e-4 and never proven).
+TEST(VllmGeneratorTest, ProbeToleranceIsTheLooserOfTheTwoDtypes) {
+  EXPECT_EQ(*ProbeToleranceFor(at::kFloat, ""), 1e-4);
+  EXPECT_EQ(*ProbeToleranceFor(at::kFloat, "bfloat16"), 1e-1);
+  EXPECT_EQ(*ProbeToleranceFor(at::kFloat, "float16"), 2e-2);
+  EXPECT_EQ(*ProbeToleranceFor(at::kBFloat16, "float32"), 1e-1);
+  EXPECT_EQ(*ProbeToleranceFor(at::kHalf, ""), 2e-2);
+  EXPECT_EQ(ProbeToleranceFor(at::kFloat, "int8").status().code(), StatusCode::kInvalidArgument);
+}
+
 // The probe's reference shares the cores with a server on this machine (half each) and takes
 // them all for a remote one.
 TEST(VllmGeneratorTest, ReferenceThreadsAreHalfTheCoresForAServerOnThisMachine) {

@@ -479,6 +479,11 @@ TEST(RunConfigTest, NeutralTrlKeys) {
             MustParse(Cfg("use_vllm = true")).Fingerprint());
   ExpectKeyError(Cfg("vllm_server_base_url = \"10.0.0.2:9000\""), StatusCode::kInvalidArgument, "vllm_server_base_url",
                  "must start with http://");
+  // The server's dtype sets the probe's tolerance only: operational, not in the fingerprint.
+  EXPECT_EQ(MustParse(Cfg("use_vllm = true\nvllm_server_dtype = \"bfloat16\"")).vllm_server_dtype, "bfloat16");
+  EXPECT_EQ(MustParse(Cfg("use_vllm = true\nvllm_server_dtype = \"bfloat16\"")).Fingerprint(),
+            MustParse(Cfg("use_vllm = true")).Fingerprint());
+  ExpectKeyError(Cfg("vllm_server_dtype = \"int8\""), StatusCode::kInvalidArgument, "vllm_server_dtype");
   ExpectKeyError(Cfg("repetition_penalty = 1.1"), StatusCode::kUnsupported, "repetition_penalty",
                  "only 1 is accepted (got 1.1)");
   ExpectKeyError(Cfg("min_p = 0.05"), StatusCode::kUnsupported, "min_p", "only 0 is accepted");

@@ -99,6 +99,19 @@ Result<std::unique_ptr<VllmGenerator>> VllmGenerator::Create(VllmGeneratorOption
   }
   if (!models.ok()) return models.status().WithContext("use_vllm: the vLLM server does not answer");
   if (models->empty()) return Status::FailedPrecondition("vLLM " + options.url + "/v1/models lists no model");
+  // The adapters this run's earlier processes loaded (a resume, a crash): their directories are
+  // in the run's work directory, under the names they were loaded under. Unloaded, so that a
+  // server following a run across resumes does not keep each process's last two for good.
+  std::vector<std::string> earlier;
+  for (fs::directory_iterator it(options.work_dir, ec), end; !ec && it != end; it.increment(ec)) {
+    const std::string name = it->path().filename().string();
+    if (name.rfind("ferry-", 0) == 0 && it->is_directory()) earlier.push_back(name);
+  }
+  for (const std::string& name : earlier) {
+    if (std::find(models->begin(), models->end(), name) != models->end()) (void)client->UnloadLoraAdapter(name);
+    std::error_code rm;
+    fs::remove_all(options.work_dir / name, rm);
+  }
   const runtime::ModelConfig& mc = model->config();
   options.probe.length = std::min(options.probe.length, engine::ProbeLengthFor(mc.hidden_size, mc.num_hidden_layers));
   const int64_t positions = mc.max_position_embeddings;

@@ -594,6 +594,13 @@ TEST(VllmEngineTest, YGeneratorLoadsTheProvenVersionAgainWhenTheServerLostIt) {
   int proofs = 0;
   for (const auto& e : *events) proofs += e.type == store::Event::Type::kEngine;
   EXPECT_EQ(proofs, 2);  // adopted, then loaded again and proven again
+  // A later process of the same run (a resume) unloads what this one left loaded.
+  const std::string left = (*g)->served_name();
+  g->reset();
+  auto again = grpo::VllmGenerator::Create(o, model->get(), store->get());
+  ASSERT_TRUE(again.ok()) << again.status().message();
+  EXPECT_FALSE(Lists(**client, left));
+  EXPECT_FALSE(fs::exists(o.work_dir / left));
 }
 
 // max_staleness = 1: the next batch is sampled while a step trains; no step trains on

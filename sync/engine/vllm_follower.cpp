@@ -72,8 +72,29 @@ Result<std::unique_ptr<VllmFollower>> VllmFollower::Create(VllmFollowerOptions o
   std::error_code ec;
   fs::create_directories(options.work_dir, ec);
   if (ec) return Status(StatusCode::kIOError, "cannot create " + options.work_dir.string() + ": " + ec.message());
-  return std::unique_ptr<VllmFollower>(
+  std::vector<std::string> earlier;
+  for (fs::directory_iterator it(options.work_dir, ec), end; !ec && it != end; it.increment(ec)) {
+    const std::string name = it->path().filename().string();
+    if (name.rfind("ferry-", 0) == 0 && it->is_directory()) earlier.push_back(name);
+  }
+  auto f = std::unique_ptr<VllmFollower>(
       new VllmFollower(std::move(options), std::move(*client), std::move(reference), Sequences{}));
+  f->earlier_ = std::move(earlier);
+  return f;
+}
+
+void VllmFollower::UnloadEarlier() {
+  std::vector<std::string> left;
+  for (const std::string& name : earlier_) {
+    const Status s = client_->UnloadLoraAdapter(name);
+    if (s.code() == StatusCode::kUnavailable) {  // the server is down: tried again next time
+      left.push_back(name);
+      continue;
+    }
+    std::error_code ec;  // unloaded, or the server no longer had it (a 404)
+    fs::remove_all(options_.work_dir / name, ec);
+  }
+  earlier_ = std::move(left);
 }
 
 Result<LogProbs> VllmFollower::ReferenceFor(const EngineVersion& v) {
@@ -149,6 +170,7 @@ void VllmFollower::UnloadOld() {
 
 Result<Adoption> VllmFollower::Adopt(const EngineVersion& v) {
   const auto start = Clock::now();
+  if (!earlier_.empty()) UnloadEarlier();
   Adoption a;
   a.version = v.id;
   auto reference = ReferenceFor(v);

@@ -100,6 +100,7 @@ class VllmFollower {
   // After a version was loaded but not proven (refused, or its probe failed): its adapter
   // unloaded, or in merged mode the proven weights loaded again.
   void GoBack(const std::string& served_name);
+  void UnloadEarlier();
   void UnloadOld();
 
   VllmFollowerOptions options_;
@@ -118,6 +119,9 @@ class VllmFollower {
   // server is down would evict it, and its directory may be pruned by then.
   std::optional<LogProbs> proven_reference_;
   std::deque<std::string> loaded_;  // adapter names loaded, oldest first
+  // Adapters an earlier process of this receiver loaded (their directories were left in
+  // work_dir): unloaded once the server answers, before the first adoption.
+  std::vector<std::string> earlier_;
   uint64_t loads_ = 0;
   uint32_t instance_ = NewInstanceTag();
 };

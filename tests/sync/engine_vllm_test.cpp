@@ -313,6 +313,19 @@ TEST(VllmEngineTest, AdoptsEachAdapterVersionUnderItsOwnNameAndProvesIt) {
   auto still = f->StillServesProven();
   ASSERT_TRUE(still.ok()) << still.status().message();
   EXPECT_TRUE(*still);
+  // A later process of the same receiver (a restart, `--once` again) unloads what this one left
+  // loaded before its first adoption, and removes their directories.
+  const std::string left = f->proven()->served_name;
+  f.reset();
+  auto next = Follower(tmp / "engine");
+  ASSERT_NE(next, nullptr);
+  EXPECT_TRUE(Lists(next->client(), left));
+  auto adopted = next->Adopt(AdapterVersion(v[1]));
+  ASSERT_TRUE(adopted.ok()) << adopted.status().message();
+  EXPECT_TRUE(adopted->proof.proven);
+  EXPECT_FALSE(Lists(next->client(), left));
+  EXPECT_FALSE(fs::exists(tmp / "engine" / left));
+  EXPECT_TRUE(Lists(next->client(), adopted->served_name));
 }
 
 // An adapter whose scaling is wrong (lora_alpha doubled) or that the server applies as nothing

@@ -19,6 +19,9 @@ using json = nlohmann::json;
 
 constexpr int kMaxBackoffMs = 30000;
 constexpr auto kCheckEvery = std::chrono::seconds(5);
+// The longest the periodic check may hold the receiver's loop: a server that accepts but never
+// answers is warned about, instead of stalling the receiver for --engine-timeout-ms each time.
+constexpr auto kCheckTimeout = std::chrono::seconds(10);
 
 std::string Figure(double v) { return FormatNumber(v, 3); }
 
@@ -103,7 +106,9 @@ void EngineDriver::Poll(sync::Receiver& receiver) {
   if (pending_ && now >= next_try_) TryAdopt(receiver);
   if (pending_ || !follower_ || !follower_->proven() || now < next_check_) return;
   next_check_ = now + kCheckEvery;
+  follower_->client().SetDeadline(now + kCheckTimeout);
   auto still = follower_->StillServesProven();
+  follower_->client().SetDeadline(std::nullopt);
   if (still.ok() && *still) return;
   if (!still.ok()) {
     if (!warned_unavailable_) std::fprintf(stderr, "ferry: warning: %s\n", still.status().message().c_str());

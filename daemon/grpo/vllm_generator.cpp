@@ -157,7 +157,14 @@ Status VllmGenerator::Record(const store::Digest& version, const std::string& na
 Status VllmGenerator::Adopt(const runtime::LoraAdapter& adapter, const store::Digest& version,
                             const std::function<void()>& before_probe) {
   const auto start = Clock::now();
-  const auto deadline = start + std::chrono::duration<double>(options_.timeout_seconds);
+  const auto deadline =
+      start + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(options_.timeout_seconds));
+  // vllm_server_timeout bounds the whole adoption, not each of its requests.
+  client_->SetDeadline(deadline);
+  struct Clear {
+    engine::VllmClient& c;
+    ~Clear() { c.SetDeadline(std::nullopt); }
+  } clear{*client_};
   // The adapter as the trainer holds it now, in PEFT's format, then as the clean lora layout.
   const fs::path peft = options_.work_dir / ("adapter-" + version.Hex().substr(0, 12));
   // A transient copy (removed once the version is proven): no fsync.
@@ -323,7 +330,14 @@ Result<std::vector<runtime::Completion>> VllmGenerator::GenerateUnder(const std:
   req.top_k = params.top_k > 0 ? static_cast<int>(params.top_k) : -1;
   req.seed = params.seed & 0x7fffffffffffffffULL;  // vLLM takes a signed 64-bit seed
   for (int64_t id : params.eos_token_ids) req.stop_token_ids.push_back(static_cast<int32_t>(id));
-  const auto deadline = Clock::now() + std::chrono::duration<double>(options_.timeout_seconds);
+  const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                           std::chrono::duration<double>(options_.timeout_seconds));
+  // vllm_server_timeout bounds the step's generation, retries included, not each request.
+  gen_client_->SetDeadline(deadline);
+  struct Clear {
+    engine::VllmClient& c;
+    ~Clear() { c.SetDeadline(std::nullopt); }
+  } clear{*gen_client_};
   Result<std::vector<engine::Completion>> got = gen_client_->Complete(req);
   for (int attempt = 1; !got.ok() && Retryable(got.status()) && Clock::now() < deadline; ++attempt) {
     std::this_thread::sleep_for(std::chrono::milliseconds(std::min(1000 * attempt, 5000)));

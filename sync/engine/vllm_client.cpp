@@ -79,6 +79,7 @@ Result<int32_t> TokenIdOf(const std::string& s, const std::string& where) {
 struct VllmClient::Impl {
   VllmClientOptions options;
   CURL* curl = nullptr;
+  std::optional<std::chrono::steady_clock::time_point> deadline;
 
   ~Impl() {
     if (curl) curl_easy_cleanup(curl);
@@ -87,14 +88,23 @@ struct VllmClient::Impl {
   // One request; `body` empty means GET. Returns the answer's body when the status is 2xx.
   Result<std::string> Call(const std::string& path, const json* body, const std::string& what) {
     const std::string url = options.base_url + path;
+    int timeout_ms = options.timeout_ms;
+    if (deadline) {
+      const auto left =
+          std::chrono::duration_cast<std::chrono::milliseconds>(*deadline - std::chrono::steady_clock::now()).count();
+      if (left <= 0) {
+        return Status(StatusCode::kUnavailable, "vLLM " + url + " (" + what + "): no time left before the deadline");
+      }
+      timeout_ms = static_cast<int>(std::min<int64_t>(timeout_ms, left));
+    }
     curl_easy_reset(curl);
     std::string answer;
     std::string payload;
     curl_slist* headers = nullptr;
     curl_easy_setopt(curl, CURLOPT_URL, url.c_str());
     curl_easy_setopt(curl, CURLOPT_NOSIGNAL, 1L);
-    curl_easy_setopt(curl, CURLOPT_TIMEOUT_MS, static_cast<long>(options.timeout_ms));
-    curl_easy_setopt(curl, CURLOPT_CONNECTTIMEOUT_MS, static_cast<long>(std::min(options.timeout_ms, 10000)));
+    curl_easy_setopt(curl, CURLOPT_TIMEOUT_MS, static_cast<long>(timeout_ms));
+    curl_easy_setopt(curl, CURLOPT_CONNECTTIMEOUT_MS, static_cast<long>(std::min(timeout_ms, 10000)));
     curl_easy_setopt(curl, CURLOPT_WRITEFUNCTION, &Collect);
     curl_easy_setopt(curl, CURLOPT_WRITEDATA, &answer);
     curl_easy_setopt(curl, CURLOPT_PROTOCOLS_STR, "http,https");
@@ -116,7 +126,7 @@ struct VllmClient::Impl {
     if (rc != CURLE_OK) {
       return Status(StatusCode::kUnavailable,
                     "vLLM " + url + " (" + what + "): " + curl_easy_strerror(rc) +
-                        (rc == CURLE_OPERATION_TIMEDOUT ? " after " + std::to_string(options.timeout_ms) + " ms" : ""));
+                        (rc == CURLE_OPERATION_TIMEDOUT ? " after " + std::to_string(timeout_ms) + " ms" : ""));
     }
     if (http == 404) {
       return Status(StatusCode::kNotFound, "vLLM " + url + " (" + what + "): 404 " + ServerMessage(answer));
@@ -180,6 +190,10 @@ Result<std::unique_ptr<VllmClient>> VllmClient::Create(VllmClientOptions options
 }
 
 const std::string& VllmClient::base_url() const { return impl_->options.base_url; }
+
+void VllmClient::SetDeadline(std::optional<std::chrono::steady_clock::time_point> deadline) {
+  impl_->deadline = deadline;
+}
 
 Status VllmClient::Health() {
   auto r = impl_->Call("/health", nullptr, "health");

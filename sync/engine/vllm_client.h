@@ -11,6 +11,7 @@
 //   kCorruption    the answer is not the JSON the endpoint documents, naming the field.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -72,6 +73,11 @@ class VllmClient {
   VllmClient& operator=(const VllmClient&) = delete;
 
   const std::string& base_url() const;
+
+  // A time no request may outlast (each also within the options' timeout): a caller's bound
+  // over several requests (an adoption, a retried generation). nullopt: none. A request made
+  // after it fails at once as timed out (kUnavailable).
+  void SetDeadline(std::optional<std::chrono::steady_clock::time_point> deadline);
 
   // GET /health: OK when the server answers 200.
   [[nodiscard]] Status Health();

@@ -9,6 +9,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <cmath>
 #include <limits>
 #include <string>
@@ -159,6 +160,34 @@ TEST(VllmClientTest, AnErrorAnswerNestedDeeplyIsQuotedNotDumped) {
   EXPECT_NE(models.status().message().find("HTTP 400 \"{\\\"detail\\\": [[[["), std::string::npos)
       << models.status().message().substr(0, 300);
   EXPECT_LT(models.status().message().size(), 1000u);
+}
+
+// A caller's deadline caps every request (a server that accepts and never answers is given up
+// on at the deadline, not after the client's own 30 s), and a request after it fails at once.
+TEST(VllmClientTest, ADeadlineBoundsEveryRequest) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  ASSERT_GE(fd, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof a;
+  ASSERT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a), 0);
+  ASSERT_EQ(::listen(fd, 4), 0);  // the kernel accepts connections; nobody answers them
+  ASSERT_EQ(::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len), 0);
+  auto client = VllmClient::Create({"http://127.0.0.1:" + std::to_string(ntohs(a.sin_port)), 30000});
+  ASSERT_TRUE(client.ok()) << client.status().message();
+  const auto start = std::chrono::steady_clock::now();
+  (*client)->SetDeadline(start + std::chrono::milliseconds(1500));
+  auto models = (*client)->Models();
+  const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  ASSERT_FALSE(models.ok());
+  EXPECT_EQ(models.status().code(), StatusCode::kUnavailable) << models.status().message();
+  EXPECT_LT(took, 10.0) << models.status().message();
+  EXPECT_GE(took, 1.0) << models.status().message();
+  auto after = (*client)->Health();
+  EXPECT_EQ(after.code(), StatusCode::kUnavailable);
+  EXPECT_NE(after.message().find("no time left before the deadline"), std::string::npos) << after.message();
+  ::close(fd);
 }
 
 }  // namespace

@@ -74,6 +74,14 @@ void EngineDriver::OnSynced(const sync::SyncResult& r, sync::Receiver& receiver)
     engine::VllmFollowerOptions o;
     o.client = {flags_.url, flags_.timeout_ms};
     const bool served_adapters = receiver.served_mode() == sync::PublishMode::kAdapter;
+    // Adapter mode needs adapters: every merged version would be "served" as the base, never
+    // proven, an anomaly every 30 s for good.
+    if (flags_.mode == "adapter" && !served_adapters) {
+      const std::string mode =
+          receiver.served_mode() ? std::string(sync::PublishModeName(*receiver.served_mode())) : "unknown";
+      Fail("--engine-mode adapter: the publisher serves merged versions (mode " + mode +
+           "), which vLLM can only take as weights: use --engine-mode merged (or auto) with a server in dev mode");
+    }
     o.mode = flags_.mode == "merged" || (flags_.mode == "auto" && !served_adapters) ? engine::EngineMode::kMerged
                                                                                     : engine::EngineMode::kAdapter;
     o.base_name = flags_.base_name;

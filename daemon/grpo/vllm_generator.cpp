@@ -211,7 +211,7 @@ Status VllmGenerator::Adopt(const runtime::LoraAdapter& adapter, const store::Di
     }
     return &*reference_holder;
   };
-  Status last;
+  Status last, refused;
   for (int attempt = 0;; ++attempt) {
     if (attempt > 0) {
       if (Clock::now() >= deadline) break;
@@ -277,13 +277,15 @@ Status VllmGenerator::Adopt(const runtime::LoraAdapter& adapter, const store::Di
       return Status::OK();
     }
     // Not this version: unloaded, tried again under a new name.
-    last = Status::Corruption("vLLM " + options_.url + " did not answer as version " + version.Hex() + " under " +
-                              Quote(name) + ": " + proof.why);
+    last = refused = Status::Corruption("vLLM " + options_.url + " did not answer as version " + version.Hex() +
+                                        " under " + Quote(name) + ": " + proof.why);
     drop();
   }
+  // The last error, and the last refusal when something else (the deadline, mid-attempt) came after.
+  const bool both = !refused.ok() && refused.message() != last.message();
   return Status::Unavailable("use_vllm: version " + version.Hex() + " was not proven on vLLM " + options_.url +
                              " within vllm_server_timeout (" + FormatNumber(options_.timeout_seconds, 6) +
-                             " s): " + last.message());
+                             " s): " + last.message() + (both ? "; before that: " + refused.message() : ""));
 }
 
 Result<std::vector<runtime::Completion>> VllmGenerator::Generate(const std::vector<std::vector<int32_t>>& prompts,

@@ -437,6 +437,23 @@ TEST_F(SyncCliTest, WatchWithoutBaseIsRefusedNamingTheFlag) {
   EXPECT_NE(r.err.find((root_ / "missing").string()), std::string::npos) << r.err;
 }
 
+// A receiver asked to drive vLLM in adapter mode by a publisher that serves merged versions is
+// refused at its first version, saying what to use (each version was served as the base,
+// never proven, an anomaly every 30 s for good).
+TEST_F(SyncCliTest, EngineAdapterModeAgainstAMergedPublisherIsRefused) {
+  MakeStore();
+  const std::string ep = "ipc://" + (root_ / "sock").string();
+  SpawnPublisher({"sync", "publish", "--db", (root_ / "db").string(), "--bind", ep});
+  WaitForOutput("pub.err", "publishing run default");
+  auto r = RunFerry({"sync", "receive", "--once", "--out", (root_ / "gen").string(), "--id", "gen-1", "--connect", ep,
+                     "--timeout-ms", "20000", "--engine", "vllm", "--engine-url", "http://127.0.0.1:9", "--engine-mode",
+                     "adapter"});
+  EXPECT_EQ(r.exit_code, 1) << r.err;
+  EXPECT_NE(r.err.find("--engine-mode adapter: the publisher serves merged versions"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("use --engine-mode merged (or auto)"), std::string::npos) << r.err;
+  EXPECT_EQ(StopPublisher(), 0);
+}
+
 TEST_F(SyncCliTest, PublishReceiveStatusEndToEnd) {
   const store::Digest v = MakeStore();
   const std::string ep = "ipc://" + (root_ / "sock").string();

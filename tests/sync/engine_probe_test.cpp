@@ -116,19 +116,30 @@ TEST(ProbeToleranceTest, FollowsTheServersDtype) {
   EXPECT_NE(bad.status().message().find("'int8'"), std::string::npos) << bad.status().message();
 }
 
-// An error answer whose "detail" nests 100,000 arrays (200 KB, far below the answer limit)
-// is an error quoting the body, cut: the message was the detail's dump(), which recurses once
-// per level and overflowed the stack.
-TEST(VllmClientTest, AnErrorAnswerNestedDeeplyIsQuotedNotDumped) {
+// A socket listening on a free loopback port (`*port`); -1 when it cannot be made.
+int ListenOnLoopback(int* port) {
   const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  ASSERT_GE(fd, 0);
+  if (fd < 0) return -1;
   sockaddr_in a{};
   a.sin_family = AF_INET;
   a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
   socklen_t len = sizeof a;
-  ASSERT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a), 0);
-  ASSERT_EQ(::listen(fd, 4), 0);
-  ASSERT_EQ(::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len), 0);
+  if (::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0 || ::listen(fd, 4) != 0 ||
+      ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) != 0) {
+    ::close(fd);
+    return -1;
+  }
+  *port = ntohs(a.sin_port);
+  return fd;
+}
+
+// An error answer whose "detail" nests 100,000 arrays (200 KB, far below the answer limit)
+// is an error quoting the body, cut: the message was the detail's dump(), which recurses once
+// per level and overflowed the stack.
+TEST(VllmClientTest, AnErrorAnswerNestedDeeplyIsQuotedNotDumped) {
+  int port = 0;
+  const int fd = ListenOnLoopback(&port);
+  ASSERT_GE(fd, 0);
   const std::string body = R"({"detail": )" + std::string(100000, '[') + std::string(100000, ']') + "}";
   std::thread server([&] {
     const int c = ::accept(fd, nullptr, nullptr);
@@ -150,7 +161,7 @@ TEST(VllmClientTest, AnErrorAnswerNestedDeeplyIsQuotedNotDumped) {
     }
     ::close(c);
   });
-  auto client = VllmClient::Create({"http://127.0.0.1:" + std::to_string(ntohs(a.sin_port)), 30000});
+  auto client = VllmClient::Create({"http://127.0.0.1:" + std::to_string(port), 30000});
   ASSERT_TRUE(client.ok()) << client.status().message();
   auto models = (*client)->Models();
   server.join();
@@ -165,16 +176,10 @@ TEST(VllmClientTest, AnErrorAnswerNestedDeeplyIsQuotedNotDumped) {
 // A caller's deadline caps every request (a server that accepts and never answers is given up
 // on at the deadline, not after the client's own 30 s), and a request after it fails at once.
 TEST(VllmClientTest, ADeadlineBoundsEveryRequest) {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  int port = 0;
+  const int fd = ListenOnLoopback(&port);  // the kernel accepts connections; nobody answers them
   ASSERT_GE(fd, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof a;
-  ASSERT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a), 0);
-  ASSERT_EQ(::listen(fd, 4), 0);  // the kernel accepts connections; nobody answers them
-  ASSERT_EQ(::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len), 0);
-  auto client = VllmClient::Create({"http://127.0.0.1:" + std::to_string(ntohs(a.sin_port)), 30000});
+  auto client = VllmClient::Create({"http://127.0.0.1:" + std::to_string(port), 30000});
   ASSERT_TRUE(client.ok()) << client.status().message();
   const auto start = std::chrono::steady_clock::now();
   (*client)->SetDeadline(start + std::chrono::milliseconds(1500));
